@@ -1,0 +1,113 @@
+"""Model directory (HF or MLX layout) -> model.
+
+Reads `config.json`, one or many `model*.safetensors` (an index file names the
+shards when present), applies the architecture's `sanitize`, and rebuilds
+quantized layers from the `quantization` block mlx-lm writes (per-layer
+overrides included: a path mapped to False stays float, a dict sets its own
+bits/group size).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .models import build
+
+
+class ModelLoadError(ValueError):
+    """The directory does not hold a model this engine can load."""
+
+
+def read_config(path: Path) -> dict:
+    f = Path(path) / "config.json"
+    if not f.exists():
+        raise ModelLoadError(f"{path}: no config.json (is this a model directory?)")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{f}: invalid JSON ({e})") from None
+
+
+def weight_files(path: Path) -> list[str]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).exists()]
+        if missing:
+            raise ModelLoadError(f"{path}: shards named in the index are missing: {missing}")
+        return [str(path / s) for s in shards]
+    files = sorted(glob.glob(str(path / "model*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path}: no model*.safetensors found")
+    return files
+
+
+def quantization_of(config: dict):
+    q = config.get("quantization")
+    if q is None:
+        legacy = config.get("quantization_config") or config.get("text_config", {}).get(
+            "quantization_config")
+        if legacy and legacy.get("quant_method", "affine") in ("affine", "mlx") and "bits" in legacy:
+            q = legacy
+    return q
+
+
+def apply_quantization(model: nn.Module, quant: dict, weights: dict):
+    """Swap Linear/Embedding modules for quantized ones where the checkpoint has scales."""
+
+    def predicate(path, module):
+        if path in quant:
+            return quant[path]
+        if not hasattr(module, "to_quantized"):
+            return False
+        if f"{path}.scales" not in weights:
+            return False
+        # Infer this layer's bits from the packed width when the block is uniform.
+        return {"group_size": quant["group_size"], "bits": quant["bits"],
+                "mode": quant.get("mode", "affine")}
+
+    nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
+                mode=quant.get("mode", "affine"), class_predicate=predicate)
+
+
+def load_model(path, lazy: bool = False):
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a directory")
+    config = read_config(path)
+    weights = {}
+    for f in weight_files(path):
+        weights.update(mx.load(f))
+    try:
+        model = build(config)
+    except (TypeError, KeyError) as e:
+        raise ModelLoadError(f"{path}: config.json is missing a field the "
+                             f"{config.get('model_type')!r} architecture needs ({e})") from None
+    weights = model.sanitize(weights)
+    quant = quantization_of(config)
+    if quant is not None:
+        apply_quantization(model, quant, weights)
+    expected = dict(tree_flatten(model.parameters()))
+    extra = sorted(set(weights) - set(expected))
+    missing = sorted(set(expected) - set(weights))
+    if extra or missing:
+        raise ModelLoadError(
+            f"{path}: weights do not match the {config.get('model_type')} architecture "
+            f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''})")
+    for k, v in weights.items():
+        if v.shape != expected[k].shape:
+            raise ModelLoadError(f"{path}: {k} has shape {v.shape}, the config implies "
+                                 f"{expected[k].shape}")
+    model.load_weights(list(weights.items()), strict=True)
+    if not lazy:
+        mx.eval(model.parameters())
+    model.eval()
+    return model, config
