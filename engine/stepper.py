@@ -1,0 +1,99 @@
+"""The token loop: prefill, then one token at a time.
+
+The schedule is the one mlx-lm's `generate_step` uses, because L1 parity of
+logits depends on it: the prompt minus its last token is prefilled in chunks
+of `prefill_step_size`, the KV policy runs after each chunk, then the last
+prompt token is the first decode step. Each decode step's forward for token
+n+1 is queued (`mx.async_eval`) before token n is handed out, so the CPU
+bookkeeping of the caller overlaps the next forward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import mlx.core as mx
+
+from .kv_quant import KVPolicy
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def prefill(model, prompt: mx.array, caches: list, policy: Optional[KVPolicy] = None,
+            step_size: int = 2048, on_chunk: Optional[Callable[[int], None]] = None) -> mx.array:
+    """Run all of `prompt` but its last token through the model; returns that last token."""
+    policy = policy or KVPolicy()
+    done, total = 0, prompt.size
+    while total - done > 1:
+        n = min(step_size, total - done - 1)
+        model(prompt[done:done + n][None], cache=caches)
+        policy.apply(caches)
+        mx.eval([c.state for c in caches])
+        done += n
+        if on_chunk:
+            on_chunk(done)
+        mx.clear_cache()
+    return prompt[done:]
+
+
+def generate_step(
+    prompt: mx.array,
+    model,
+    *,
+    max_tokens: int = 256,
+    sampler: Optional[Sampler] = None,
+    logits_processors: Optional[list] = None,
+    caches: Optional[list] = None,
+    policy: Optional[KVPolicy] = None,
+    prefill_step_size: int = 2048,
+    history: Optional[mx.array] = None,
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token, logprobs [V]) for up to max_tokens tokens.
+
+    `history` (token ids the processors should see before `prompt`, e.g. the
+    cached prefix) matters only with logits processors."""
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty")
+    caches = caches if caches is not None else model.make_cache()
+    policy = policy or KVPolicy()
+    sampler = sampler or greedy
+    seen = history if logits_processors else None
+
+    def step(tokens):
+        nonlocal seen
+        logits = model(tokens[None], cache=caches)[:, -1, :]
+        if logits_processors:
+            seen = mx.concatenate([seen, tokens]) if seen is not None else tokens
+            for proc in logits_processors:
+                logits = proc(seen, logits)
+        policy.apply(caches)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs), logprobs.squeeze(0)
+
+    if logits_processors:
+        # processors see the whole prompt; all but its last token now
+        head = prompt[:-1]
+        seen = mx.concatenate([seen, head]) if seen is not None else head
+        if seen.size == 0:
+            seen = None
+    last = prefill(model, prompt, caches, policy, prefill_step_size)
+    y, logprobs = step(last)
+    mx.async_eval(y, logprobs)
+    n = 0
+    while True:
+        if n != max_tokens:
+            next_y, next_lp = step(y)
+            mx.async_eval(next_y, next_lp)
+        if n == 0:
+            mx.eval(y)
+        if n == max_tokens:
+            break
+        yield y.item(), logprobs
+        if n % 256 == 0:
+            mx.clear_cache()
+        y, logprobs = next_y, next_lp
+        n += 1
