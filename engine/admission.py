@@ -1,0 +1,159 @@
+"""Memory admission: the largest context that fits a memory budget.
+
+peak(T) = weights + KV(T) + transient(prefill chunk)
+
+- weights: the bytes of every parameter (quantized weights at their packed size);
+- KV(T): per cache-owning layer, K+V bytes per token (n_kv_heads * head_dim *
+  element size, or for quantized layers packed bits plus scale/bias per group)
+  times T, except sliding-window layers, which stop growing at their window
+  (plus a chunk while prefilling); KV-sharing layers own no cache;
+- the cache grows in 256-token steps, so T is rounded up to the next step;
+- transient: the largest prefill chunk's working set: its attention scores
+  (heads x chunk x keys, float32) and activations (chunk x MLP width), plus the
+  logits row of the last position.
+
+A request whose prompt + max_tokens exceeds the ceiling is refused before any
+compute with `ContextOverBudget`, which carries both numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from mlx.utils import tree_flatten
+
+STEP = 256
+
+
+class ContextOverBudget(ValueError):
+    def __init__(self, requested: int, ceiling: int, budget_bytes: int):
+        self.requested, self.ceiling, self.budget_bytes = requested, ceiling, budget_bytes
+        super().__init__(
+            f"context of {requested} tokens (prompt + max_tokens) exceeds the admission "
+            f"ceiling of {ceiling} tokens for a memory budget of {budget_bytes / 1e9:.2f} GB")
+
+
+def machine_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # pragma: no cover
+        return 8 << 30
+
+
+def default_budget(fraction: float = 0.75) -> int:
+    return int(machine_memory() * fraction)
+
+
+def weight_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@dataclass
+class LayerKV:
+    bytes_per_token: float
+    window: Optional[int]   # None = grows with the context
+
+
+def _elem_bytes(model) -> int:
+    # K/V take the activation dtype: that of the float parameters (a quantized
+    # model's scales carry it too).
+    import mlx.core as mx
+    for _, v in tree_flatten(model.parameters()):
+        if v.dtype in (mx.float32, mx.bfloat16, mx.float16):
+            return v.dtype.size
+    return 2
+
+
+def layer_kv(model, policy=None) -> list[LayerKV]:
+    """Per cache-owning layer, its K+V bytes per token (at its quantization)."""
+    caches = model.make_cache()
+    elem = _elem_bytes(model)
+    qmap = policy.layers if policy is not None else {}
+    out = []
+    for i, (layer, cache) in enumerate(zip(model.layers, caches)):
+        attn = layer.self_attn
+        per_head = attn.head_dim
+        if i in qmap:
+            bits, group = qmap[i]
+            per_head = attn.head_dim * bits / 8 + 2 * elem * attn.head_dim / group
+            bpt = 2 * attn.n_kv_heads * per_head
+        else:
+            bpt = 2 * attn.n_kv_heads * per_head * elem
+        out.append(LayerKV(bpt, getattr(cache, "max_size", None)))
+    return out
+
+
+def _round_up(t: int) -> int:
+    return max(STEP, math.ceil(t / STEP) * STEP)
+
+
+@dataclass
+class Admission:
+    budget_bytes: int
+    weights: int
+    layers: list
+    hidden: int
+    mlp: int
+    heads: int
+    vocab: int
+    prefill_step: int = 2048
+
+    @classmethod
+    def for_model(cls, model, budget_bytes: Optional[int] = None, policy=None,
+                  prefill_step: int = 2048):
+        a = getattr(model, "args", None)
+        hidden = getattr(a, "hidden_size", 0)
+        mlp = getattr(a, "intermediate_size", 0) * 2
+        heads = getattr(a, "num_attention_heads", 1)
+        vocab = getattr(a, "vocab_size", 0)
+        return cls(budget_bytes if budget_bytes is not None else default_budget(),
+                   weight_bytes(model), layer_kv(model, policy), hidden, mlp, heads, vocab,
+                   prefill_step)
+
+    def kv_bytes(self, tokens: int) -> int:
+        total = 0.0
+        for l in self.layers:
+            t = tokens if l.window is None else min(tokens, l.window + min(tokens, self.prefill_step))
+            total += l.bytes_per_token * (_round_up(t) if l.window is None else t)
+        return int(total)
+
+    def transient_bytes(self, tokens: int) -> int:
+        chunk = min(tokens, self.prefill_step)
+        scores = self.heads * chunk * tokens * 4
+        acts = chunk * (self.hidden * 4 + self.mlp) * 4
+        return int(scores + acts + self.vocab * 4 * 2)
+
+    def predicted_peak(self, tokens: int) -> int:
+        return self.weights + self.kv_bytes(tokens) + self.transient_bytes(tokens)
+
+    def max_context(self) -> int:
+        """Largest T with predicted_peak(T) <= budget (0 if even the weights don't fit)."""
+        if self.predicted_peak(1) > self.budget_bytes:
+            return 0
+        lo, hi = 1, 1
+        while self.predicted_peak(hi) <= self.budget_bytes and hi < 1 << 24:
+            lo, hi = hi, hi * 2
+        if hi >= 1 << 24:
+            return hi
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            if self.predicted_peak(mid) <= self.budget_bytes:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        need = prompt_tokens + max_tokens
+        ceiling = self.max_context()
+        if need > ceiling:
+            raise ContextOverBudget(need, ceiling, self.budget_bytes)
+
+    def describe(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "weight_bytes": self.weights,
+                "kv_bytes_per_token": sum(l.bytes_per_token for l in self.layers if l.window is None),
+                "sliding_layers": sum(1 for l in self.layers if l.window is not None),
+                "max_context": self.max_context()}

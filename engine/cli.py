@@ -1,0 +1,88 @@
+"""`engine-generate`: stream a completion and print speed and peak memory.
+
+    engine-generate --model DIR --prompt "Hello" [--max-tokens N --temp T --top-p P
+                    --top-k K --min-p M --seed S --kv-bits B --kv-group-size G
+                    --quantized-kv-start N --kv-config FILE --chat --system TEXT]
+
+Without --model it uses the built-in default model: a tiny random-weight
+model built offline into the fixture cache (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def default_model_dir() -> str:
+    # The built-in default model is made by the offline fixture builder.
+    from parity.fixtures.models import ensure_fixture
+    return str(ensure_fixture("qwen3", "bfloat16"))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="engine-generate", description="Generate text with mlx-parity")
+    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    p.add_argument("--adapter-path", help="LoRA adapter directory (mlx-lm format)")
+    p.add_argument("--prompt", "-p", default="hello", help="prompt text ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--max-tokens", "-m", type=int, default=100)
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--quantized-kv-start", type=int, default=0)
+    p.add_argument("--kv-config", help="per-layer kv_config.json")
+    p.add_argument("--chat-template-args", type=json.loads, default=None,
+                   help='JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'')
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import engine
+    from engine.generate import PromptError
+    from engine.kv_quant import KVConfigError
+    from engine.loader import ModelLoadError
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        model, tok = engine.load(args.model or default_model_dir(), adapter_path=args.adapter_path)
+    except (ModelLoadError, FileNotFoundError, ValueError) as e:
+        print(f"engine-generate: cannot load model: {e}", file=sys.stderr)
+        return 2
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = msgs + [{"role": "user", "content": prompt}]
+    last = None
+    try:
+        for seg in engine.stream_generate(
+                model, tok, prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
+                template_kwargs=args.chat_template_args):
+            print(seg.text, end="", flush=True)
+            last = seg
+    except (PromptError, KVConfigError, ValueError) as e:
+        print(f"\nengine-generate: {e}", file=sys.stderr)
+        return 2
+    print()
+    print("=" * 10)
+    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {last.peak_memory_gb:.3f} GB")
+    print(f"Finish reason: {last.finish_reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
