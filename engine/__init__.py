@@ -23,9 +23,13 @@ def make_cache(model, kv_bits=None, kv_group_size: int = 64):
     return _make(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
 
 
-def __getattr__(name):
-    # generate / stream_generate live in engine.generate (imported on first use)
-    if name in ("generate", "stream_generate"):
-        from . import generate as _g
-        return getattr(_g, name)
-    raise AttributeError(name)
+def stream_generate(model, tokenizer, prompt, **opts):
+    """Yield `Segment`s of new text; see `engine.generation.stream_generate`."""
+    from .generation import stream_generate as _stream
+    return _stream(model, tokenizer, prompt, **opts)
+
+
+def generate(model, tokenizer, prompt, **opts):
+    """The whole completion as a `GenerationResult`; see `engine.generation.generate`."""
+    from .generation import generate as _generate
+    return _generate(model, tokenizer, prompt, **opts)

@@ -48,7 +48,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import engine
-    from engine.generate import PromptError
+    from engine.generation import PromptError
     from engine.kv_quant import KVConfigError
     from engine.loader import ModelLoadError
 

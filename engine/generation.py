@@ -175,7 +175,8 @@ def stream_generate(
 
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     matcher = StopMatcher(stops) if stops else None
-    detok = tokenizer.make_detokenizer()
+    # Like mlx-lm's streaming text, drop one space at the very start of the output.
+    detok = tokenizer.make_detokenizer(trim_leading_space=True)
     eos = set(tokenizer.eos_token_ids)
     top = top_logprobs or 0
     history = mx.array(ids[:reused]) if reused and processors else None
@@ -188,6 +189,7 @@ def stream_generate(
     pending_lp: list = []
     finish = "length"
     n = 0
+    held = ""                      # text produced but not yet yielded
     steps = generate_step(mx.array(ids[reused:]), model, max_tokens=max_tokens, sampler=sampler,
                           logits_processors=processors or None, caches=caches, policy=policy,
                           prefill_step_size=prefill_step_size, history=history)
@@ -226,15 +228,20 @@ def stream_generate(
                     return
             if should_stop is not None and should_stop():
                 finish = "cancelled"
+                held = text
                 break
             if n == max_tokens:
+                held = text
                 break
             if text:
                 yield segment(text)
         detok.finalize()
         tail = detok.last_segment
+        hit_stop = False
         if matcher is not None:
             tail, hit_stop = matcher.feed(tail)
+        tail = held + tail
+        if matcher is not None:
             if hit_stop:
                 yield segment(tail, "stop")
                 return
