@@ -27,3 +27,28 @@ def install():
 
 
 __all__ = ["RotatingQuantizedKVCache", "install", "VERSION"]
+
+
+def mixed_kv_reference(model_dir, prompt, steps, kv_config, start=0):
+    """mlx-optiq's mixed-precision KV over mlx-lm, run in a child process
+    (see `parity.oracles.optiq_mixed`). Returns the loaded `.npz` dict."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as d:
+        spec = Path(d) / "spec.json"
+        spec.write_text(json.dumps({"model": str(model_dir), "prompt": list(prompt),
+                                    "steps": steps, "kv_config": list(kv_config), "start": start}))
+        out = Path(d) / "out.npz"
+        root = Path(__file__).resolve().parents[2]
+        r = subprocess.run([sys.executable, "-m", "parity.oracles.optiq_mixed", str(spec), str(out)],
+                           cwd=root, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"optiq mixed-KV oracle failed:\n{r.stderr[-3000:]}")
+        with np.load(out) as z:
+            return {k: z[k] for k in z.files}
