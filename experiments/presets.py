@@ -1,0 +1,68 @@
+"""Random-weight models of real shapes for benchmarks (built on the machine that runs them).
+
+    python -m experiments.presets 1b OUT_DIR [--dtype bfloat16]
+
+`1b` is the Llama 1.1B shape the device README's mlx-lm figures use (16 layers,
+hidden 2048, MLP 8192, 32 heads / 8 KV heads, vocab 32000). The tokenizer files
+are the llama fixture's (1024 pieces): benchmarks feed token ids directly and
+never ask for ids beyond them. `speed` is the 31.5M model of the CPU notes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+PRESETS = {
+    "1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+               rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+               tie_word_embeddings=False),
+    "speed": dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+                  num_attention_heads=8, num_key_value_heads=8, vocab_size=4096, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+}
+
+
+def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    from engine.models import build
+    from parity.fixtures.models import ensure_fixture
+
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(PRESETS[name], bos_token_id=None, eos_token_id=None)
+    tok_dir = ensure_fixture("llama", "float32")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json"):
+        if (tok_dir / f).exists():
+            shutil.copy(tok_dir / f, out / f)
+    gc = json.loads((tok_dir / "generation_config.json").read_text())
+    cfg.update(bos_token_id=gc.get("bos_token_id"), eos_token_id=gc.get("eos_token_id"))
+    mx.random.seed(seed)
+    model = build(cfg)
+    model.set_dtype(getattr(mx, dtype))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("preset", choices=sorted(PRESETS))
+    ap.add_argument("out")
+    ap.add_argument("--dtype", default="bfloat16")
+    a = ap.parse_args(argv)
+    print(build_preset(a.preset, Path(a.out), a.dtype))
+
+
+if __name__ == "__main__":
+    main()
