@@ -9,8 +9,8 @@ peak(T) = weights + KV(T) + transient(prefill chunk)
   (plus a chunk while prefilling); KV-sharing layers own no cache;
 - the cache grows in 256-token steps, so T is rounded up to the next step;
 - transient: the largest prefill chunk's working set: its attention scores
-  (heads x chunk x keys, float32) and activations (chunk x MLP width), plus the
-  logits row of the last position.
+  (heads x chunk x keys, calibrated factor below) and activations (chunk x MLP
+  width), plus the logits row of the last position.
 
 A request whose prompt + max_tokens exceeds the ceiling is refused before any
 compute with `ContextOverBudget`, which carries both numbers.
@@ -100,6 +100,7 @@ class Admission:
     heads: int
     vocab: int
     prefill_step: int = 2048
+    elem: int = 2
 
     @classmethod
     def for_model(cls, model, budget_bytes: Optional[int] = None, policy=None,
@@ -111,7 +112,7 @@ class Admission:
         vocab = getattr(a, "vocab_size", 0)
         return cls(budget_bytes if budget_bytes is not None else default_budget(),
                    weight_bytes(model), layer_kv(model, policy), hidden, mlp, heads, vocab,
-                   prefill_step)
+                   prefill_step, _elem_bytes(model))
 
     def kv_bytes(self, tokens: int) -> int:
         total = 0.0
@@ -120,11 +121,20 @@ class Admission:
             total += l.bytes_per_token * (_round_up(t) if l.window is None else t)
         return int(total)
 
+    # Calibrated on MLX's CPU backend (experiments/admission.py): attention over a
+    # prefill chunk materialises scores/probabilities worth ~1.35x one
+    # [heads, chunk, keys] tensor in the activation dtype; plus ~1 MB of fixed slack.
+    SCORES_FACTOR = 1.35
+    FIXED_SLACK = 1 << 20
+
     def transient_bytes(self, tokens: int) -> int:
         chunk = min(tokens, self.prefill_step)
-        scores = self.heads * chunk * tokens * 4
+        scores = self.SCORES_FACTOR * self.elem * self.heads * chunk * tokens
         acts = chunk * (self.hidden * 4 + self.mlp) * 4
-        return int(scores + acts + self.vocab * 4 * 2)
+        # sliding-window layers attend with an explicit boolean mask [chunk, keys]
+        windows = [l.window for l in self.layers if l.window is not None]
+        mask = chunk * min(tokens, chunk + max(windows)) if windows else 0
+        return int(scores + acts + mask + self.vocab * 4 * 2 + self.FIXED_SLACK)
 
     def predicted_peak(self, tokens: int) -> int:
         return self.weights + self.kv_bytes(tokens) + self.transient_bytes(tokens)
