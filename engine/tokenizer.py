@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache

@@ -132,7 +132,7 @@ def test_prompt_cache_byte_cap_evicts(qwen):
 
 def test_admission_refuses_before_compute(gemma):
     model, tok = gemma
-    adm = Admission.for_model(model, budget_bytes=Admission.for_model(model).weights + 200_000)
+    adm = Admission.for_model(model, budget_bytes=Admission.for_model(model).weights + 4_000_000)
     ceiling = adm.max_context()
     assert ceiling > 0
     with pytest.raises(ContextOverBudget) as e:
