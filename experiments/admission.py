@@ -85,6 +85,7 @@ def main(argv=None):
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--modes", default="float,kv8,kv4")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     models = a.model or []
     if a.quick or not models:
@@ -94,7 +95,7 @@ def main(argv=None):
     for m in models:
         rows += measure(m, [int(x) for x in a.contexts.split(",")], a.modes.split(","))
     tag = a.tag or "cpu-fixtures"
-    out = REPO / "reports" / "admission" / engine.__version__ / tag
+    out = Path(a.out) if a.out else REPO / "reports" / "admission" / engine.__version__ / tag
     write(rows, out, f"Device {mx.default_device()}. Reproduce: `python experiments/admission.py "
                      f"{' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"wrote {out}")
