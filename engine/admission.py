@@ -47,6 +47,11 @@ def default_budget(fraction: float = 0.75) -> int:
     return int(machine_memory() * fraction)
 
 
+def _backend() -> str:
+    import mlx.core as mx
+    return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+
+
 def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
@@ -101,6 +106,7 @@ class Admission:
     vocab: int
     prefill_step: int = 2048
     elem: int = 2
+    backend: str = "cpu"
 
     @classmethod
     def for_model(cls, model, budget_bytes: Optional[int] = None, policy=None,
@@ -112,7 +118,7 @@ class Admission:
         vocab = getattr(a, "vocab_size", 0)
         return cls(budget_bytes if budget_bytes is not None else default_budget(),
                    weight_bytes(model), layer_kv(model, policy), hidden, mlp, heads, vocab,
-                   prefill_step, _elem_bytes(model))
+                   prefill_step, _elem_bytes(model), _backend())
 
     def kv_bytes(self, tokens: int) -> int:
         total = 0.0
@@ -121,20 +127,34 @@ class Admission:
             total += l.bytes_per_token * (_round_up(t) if l.window is None else t)
         return int(total)
 
-    # Calibrated on MLX's CPU backend (experiments/admission.py): attention over a
-    # prefill chunk materialises scores/probabilities worth ~1.35x one
-    # [heads, chunk, keys] tensor in the activation dtype; plus ~1 MB of fixed slack.
-    SCORES_FACTOR = 1.35
-    FIXED_SLACK = 1 << 20
+    # Calibrated with experiments/admission.py (reports/admission/):
+    # - CPU: attention over a prefill chunk materialises scores/probabilities worth
+    #   ~1.35x one [heads, chunk, keys] tensor in the activation dtype; ~1 MB slack.
+    # - GPU (CUDA): attention is fused (no score tensor); ~1.1 GB fixed runtime
+    #   workspace measured on an H200 with a 1.1B model.
+    # On both, while a growing cache extends, the old and new buffers coexist, and
+    # attention reads a contiguous copy of the live K/V: growing layers peak at
+    # ~2x their K/V plus the previous chunk's buffer.
+    SCORES_FACTOR = {"cpu": 1.35, "gpu": 0.0}
+    FIXED_SLACK = {"cpu": 1 << 20, "gpu": 1_100_000_000}
+
+    def _grow_bytes(self, tokens: int) -> int:
+        if tokens <= self.prefill_step:
+            return self._growing_kv(tokens)          # the contiguous copy only
+        return self._growing_kv(tokens) + self._growing_kv(tokens - self.prefill_step)
+
+    def _growing_kv(self, tokens: int) -> int:
+        return int(sum(l.bytes_per_token for l in self.layers if l.window is None) * tokens)
 
     def transient_bytes(self, tokens: int) -> int:
         chunk = min(tokens, self.prefill_step)
-        scores = self.SCORES_FACTOR * self.elem * self.heads * chunk * tokens
+        scores = self.SCORES_FACTOR[self.backend] * self.elem * self.heads * chunk * tokens
         acts = chunk * (self.hidden * 4 + self.mlp) * 4
         # sliding-window layers attend with an explicit boolean mask [chunk, keys]
         windows = [l.window for l in self.layers if l.window is not None]
         mask = chunk * min(tokens, chunk + max(windows)) if windows else 0
-        return int(scores + acts + mask + self.vocab * 4 * 2 + self.FIXED_SLACK)
+        return int(scores + acts + mask + self.vocab * 4 * 2 + self._grow_bytes(tokens)
+                   + self.FIXED_SLACK[self.backend])
 
     def predicted_peak(self, tokens: int) -> int:
         return self.weights + self.kv_bytes(tokens) + self.transient_bytes(tokens)

@@ -23,6 +23,12 @@ PRESETS = {
                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=32000,
                rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
                tie_word_embeddings=False),
+    # same size, head_dim 128 (8 query heads x 2 KV groups): MLX's CUDA quantized matmul
+    # has no kernel for quantized-KV attention at head_dim 64, so KV-quant runs use this.
+    "1b-hd128": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                     num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
+                     rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                     tie_word_embeddings=False),
     "speed": dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                   num_attention_heads=8, num_key_value_heads=8, vocab_size=4096, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),
