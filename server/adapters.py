@@ -1,0 +1,147 @@
+"""LoRA adapters mounted at runtime, selected per request.
+
+`AdapterManager` is the server's only contact with `engine.lora`. Every
+method that touches the model runs on the gateway's worker thread (the
+caller goes through `gateway.call`), so a mount never races a forward pass.
+
+- `mount(id, path)`: all-or-nothing (engine.lora validates every tensor
+  before touching the model; any mismatch is a 400).
+- `activate(ids)`: before each generation, exactly the requested adapters
+  are active, the rest are switched off (an inactive adapter leaves the base
+  output bit for bit).
+- `namespace(ids)`: the prompt-cache namespace of an adapter stack. It names
+  each adapter with its mount generation, so KV computed under one stack is
+  never reused by another (nor by a later adapter mounted under the same id).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from .errors import APIError, bad_request
+
+BASE_NAMESPACE = "base"
+
+
+@dataclass
+class Mounted:
+    id: str
+    path: str
+    rank: int
+    scale: float
+    size_bytes: int
+    mounted_layers: int
+    generation: int
+    namespaces: set = field(default_factory=set)
+
+    def describe(self) -> dict:
+        return {"id": self.id, "path": self.path, "rank": self.rank, "scale": self.scale,
+                "size_bytes": self.size_bytes, "mounted_layers": self.mounted_layers}
+
+
+class AdapterManager:
+    def __init__(self, model, prompt_cache=None):
+        self.model = model
+        self.prompt_cache = prompt_cache
+        self.mounted: "dict[str, Mounted]" = {}   # insertion order = mount order
+        self._gen = itertools.count(1)
+        self._active: Optional[tuple] = None
+
+    # --- request side (no MLX) ---------------------------------------------
+
+    def resolve(self, spec) -> tuple:
+        """Adapter ids of a request's `adapter` field, in mount order.
+
+        "id", "a+b" / "a,b" (stacked), "none" or "" (the base model), or a list."""
+        if spec is None:
+            return ()
+        if isinstance(spec, str):
+            s = spec.strip()
+            if s.lower() in ("", "none", "base"):
+                return ()
+            names = [p.strip() for p in s.replace(",", "+").split("+") if p.strip()]
+        elif isinstance(spec, list) and all(isinstance(x, str) for x in spec):
+            names = [x.strip() for x in spec if x.strip() and x.strip().lower() != "none"]
+        else:
+            raise bad_request('adapter must be a string ("id", "a+b" or "none")', param="adapter")
+        for n in names:
+            if n not in self.mounted:
+                have = ", ".join(self.mounted) or "(none)"
+                raise bad_request(f'unknown adapter "{n}" - mounted: {have}', param="adapter")
+        order = list(self.mounted)
+        return tuple(sorted(set(names), key=order.index))
+
+    def namespace(self, ids: Iterable[str]) -> str:
+        ids = tuple(ids)
+        if not ids:
+            return BASE_NAMESPACE
+        ns = "+".join(f"{i}#{self.mounted[i].generation}" for i in ids)
+        for i in ids:
+            self.mounted[i].namespaces.add(ns)
+        return ns
+
+    def list(self) -> list:
+        return [m.describe() for m in self.mounted.values()]
+
+    # --- worker side (touch the model) --------------------------------------
+
+    def mount(self, adapter_id: str, path: str, scale: Optional[float] = None) -> Mounted:
+        from engine import lora
+
+        if not isinstance(adapter_id, str) or not adapter_id.strip() or any(
+                c in adapter_id for c in "+, /") or adapter_id.lower() in ("none", "base"):
+            raise bad_request("adapter id must be a non-empty string without '+', ',', '/' or "
+                              "spaces, and not 'none'", param="id")
+        if adapter_id in self.mounted:
+            raise bad_request(f'an adapter with id "{adapter_id}" is already mounted', param="id")
+        try:
+            lora.mount_adapter(self.model, path, name=adapter_id, scale=scale)
+        except (lora.AdapterError, OSError, ValueError, KeyError) as e:
+            raise bad_request(f"cannot mount adapter {adapter_id!r}: {e}", param="path") from None
+        info = lora.mounted_adapters(self.model)[adapter_id]
+        cfg = info["config"]
+        size = 0
+        for p, kind in lora._registry(self.model)[adapter_id]["slots"]:
+            m = lora._get_module(self.model, p)
+            if kind == "primary":
+                size += m.lora_a.nbytes + m.lora_b.nbytes
+            else:
+                it = m._stack.find(adapter_id)
+                size += it["a"].nbytes + it["b"].nbytes
+        mounted = Mounted(id=adapter_id, path=str(path), rank=int(cfg["lora_parameters"]["rank"]),
+                          scale=float(info["scale"]), size_bytes=int(size),
+                          mounted_layers=int(info["layers"]), generation=next(self._gen))
+        self.mounted[adapter_id] = mounted
+        self._active = None
+        # a new adapter starts inactive until a request selects it
+        lora.set_adapter(self.model, adapter_id, active=False)
+        return mounted
+
+    def unmount(self, adapter_id: str) -> dict:
+        from engine import lora
+
+        m = self.mounted.get(adapter_id)
+        if m is None:
+            raise APIError(404, f'no adapter "{adapter_id}" is mounted', type="not_found_error")
+        lora.unmount_adapter(self.model, adapter_id)
+        del self.mounted[adapter_id]
+        self._active = None
+        if self.prompt_cache is not None:
+            for ns in m.namespaces:
+                self.prompt_cache.clear(ns)
+        return {"id": adapter_id, "removed_layers": m.mounted_layers}
+
+    def activate(self, ids: tuple) -> None:
+        """Exactly `ids` active (called on the worker before each generation)."""
+        if ids == self._active:
+            return
+        from engine import lora
+
+        for i in ids:
+            if i not in self.mounted:
+                raise ValueError(f'adapter "{i}" was unmounted before the request ran')
+        for name in self.mounted:
+            lora.set_adapter(self.model, name, active=name in ids)
+        self._active = ids

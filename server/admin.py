@@ -1,0 +1,91 @@
+"""Admin routes: /health, /v1/models, /stats, /v1/adapters."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from . import fields as F
+from .errors import APIError, bad_request
+
+HEALTH = b'{"status": "ok"}'   # the exact bytes mlx_lm.server sends
+
+
+async def health(request: Request):
+    return Response(HEALTH, media_type="application/json")
+
+
+def _model_card(state) -> dict:
+    return {"id": state.model_id, "object": "model", "created": state.started_at,
+            "owned_by": "mlx-parity", "context_window": state.ceiling,
+            "max_position_embeddings": state.max_position, "model_type": state.model_type,
+            "path": state.model_dir}
+
+
+async def models(request: Request):
+    state = request.app.state.server
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: Request):
+    state = request.app.state.server
+    mid = request.path_params["model_id"]
+    if mid != state.model_id:
+        raise APIError(404, f"model {mid!r} not found (serving {state.model_id!r})",
+                       type="not_found_error")
+    return JSONResponse(_model_card(state))
+
+
+async def stats(request: Request):
+    return JSONResponse(request.app.state.server.stats())
+
+
+async def list_adapters(request: Request):
+    state = request.app.state.server
+    return JSONResponse({"object": "list", "adapters": state.adapters.list(),
+                         "default": list(state.default_adapters)})
+
+
+async def mount_adapter(request: Request):
+    state = request.app.state.server
+    body = await F.read_json(request, state.config.max_body_bytes)
+    aid = F.string(body, "id")
+    path = F.string(body, "path")
+    scale = F.number(body, "scale")
+    if not path:
+        raise bad_request("path required: the adapter directory (adapters.safetensors + "
+                          "adapter_config.json)", param="path")
+    if not aid:
+        from pathlib import Path
+        aid = Path(path).name
+
+    def mount():
+        m = state.adapters.mount(aid, path, scale)
+        state.refresh_admission()
+        return m
+    m = await state.gateway.call_async(mount)   # through the generation queue
+    return JSONResponse({"id": m.id, "path": m.path, "mounted_layers": m.mounted_layers,
+                         "rank": m.rank, "scale": m.scale, "size_bytes": m.size_bytes})
+
+
+async def unmount_adapter(request: Request):
+    state = request.app.state.server
+    aid = request.path_params["adapter_id"]
+    if aid not in state.adapters.mounted:
+        raise APIError(404, f'no adapter "{aid}" is mounted', type="not_found_error")
+
+    def unmount():
+        out = state.adapters.unmount(aid)
+        if aid in state.default_adapters:
+            state.default_adapters = tuple(a for a in state.default_adapters if a != aid)
+        state.refresh_admission()
+        return out
+    return JSONResponse(await state.gateway.call_async(unmount))
+
+
+async def index(request: Request):
+    return JSONResponse({"object": "list", "endpoints": [
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
+        "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/models",
+        "GET /v1/adapters", "POST /v1/adapters", "DELETE /v1/adapters/{id}", "GET /stats",
+        "GET /health"]})

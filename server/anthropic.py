@@ -1,0 +1,303 @@
+"""Anthropic Messages: `POST /v1/messages` (+ `/v1/messages/count_tokens`).
+
+Request: `system` (string or text blocks), `messages` with string or block
+content. `tool_use` blocks become the assistant's `tool_calls` and
+`tool_result` blocks become `tool` messages, so tools ride the model's native
+chat-template path. `tools` are `{name, description, input_schema}`;
+server-tool types (web_search, bash, ...) are dropped. `max_tokens` is
+required (as in the Anthropic API); `temperature`, `top_p`, `top_k` and the
+engine's extra sampling fields are read from the body (the SDK sends the
+latter through `extra_body`).
+
+Response: `{id: "msg_...", type: "message", role, model, content: [text |
+tool_use], stop_reason: end_turn | max_tokens | stop_sequence | tool_use,
+stop_sequence, usage: {input_tokens, output_tokens, cache_read_input_tokens,
+cache_creation_input_tokens}}`. As in the Anthropic API, `input_tokens` counts
+the prompt tokens *not* read from the prompt cache (total input =
+input_tokens + cache_read_input_tokens).
+
+Streaming: `message_start -> (content_block_start -> content_block_delta*
+(text_delta | input_json_delta) -> content_block_stop)* -> message_delta ->
+message_stop`; an empty text block when nothing was generated; a server
+fault mid-stream is an `event: error` frame.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from . import fields as F
+from . import sse
+from .chat import (Call, Done, Text, Tool, complete, encode, normalize_tools, parse_arguments,
+                   sampling_from, start, template_kwargs_from)
+from .errors import APIError, anthropic_body, bad_request
+
+STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+        "cancelled": "end_turn"}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id[5:] if call_id.startswith("call_") else call_id
+
+
+def _blocks_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: content must be a string or an array of blocks")
+    parts = []
+    for b in content:
+        if not isinstance(b, dict):
+            raise bad_request(f"{where}: content blocks must be objects")
+        t = b.get("type")
+        if t == "text":
+            if not isinstance(b.get("text"), str):
+                raise bad_request(f"{where}: a text block needs a string 'text'")
+            parts.append(b["text"])
+        elif t in ("image", "document"):
+            raise bad_request(f"{where}: {t} blocks are not supported: this model has no "
+                              "vision sidecar")
+        else:
+            raise bad_request(f"{where}: unsupported block type {t!r} here")
+    return "".join(parts)
+
+
+def convert_messages(system, messages) -> list:
+    out = []
+    if system is not None:
+        out.append({"role": "system", "content": _blocks_text(system, "system")})
+    if not isinstance(messages, list):
+        raise bad_request("messages must be an array", param="messages")
+    if not messages:
+        raise bad_request("messages required: the array is empty", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{where}.content must be a string or an array of blocks")
+        text: list = []
+        calls: list = []
+        for j, b in enumerate(content):
+            w = f"{where}.content[{j}]"
+            if not isinstance(b, dict):
+                raise bad_request(f"{w} must be an object")
+            t = b.get("type")
+            if t == "text":
+                if not isinstance(b.get("text"), str):
+                    raise bad_request(f"{w}: a text block needs a string 'text'")
+                text.append(b["text"])
+            elif t in ("thinking", "redacted_thinking"):
+                continue
+            elif t == "tool_use":
+                if role != "assistant":
+                    raise bad_request(f"{w}: tool_use blocks belong to assistant messages")
+                name = b.get("name")
+                if not isinstance(name, str) or not name:
+                    raise bad_request(f"{w}: tool_use needs a name")
+                inp = b.get("input", {})
+                if not isinstance(inp, (dict, str)):
+                    raise bad_request(f"{w}: tool_use input must be an object")
+                calls.append({"id": str(b.get("id") or f"toolu_{i}_{j}"), "type": "function",
+                              "function": {"name": name, "arguments": parse_arguments(inp)}})
+            elif t == "tool_result":
+                if role != "user":
+                    raise bad_request(f"{w}: tool_result blocks belong to user messages")
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                res = _blocks_text(b.get("content"), w)
+                if b.get("is_error"):
+                    res = f"Error: {res}"
+                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                            "content": res})
+            elif t in ("image", "document"):
+                raise bad_request(f"{w}: {t} blocks are not supported: this model has no "
+                                  "vision sidecar")
+            else:
+                raise bad_request(f"{w}: unknown content block type {t!r}")
+        if role == "assistant":
+            msg = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif text or not content:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def convert_tools(tools):
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be an array", param="tools")
+    keep = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise bad_request(f"tools[{i}] must be an object", param="tools")
+        if t.get("type") not in (None, "custom"):
+            continue  # server tools (web_search_*, bash_*, ...) are dropped
+        keep.append({"name": t.get("name"), "description": t.get("description"),
+                     "parameters": t.get("input_schema") or {"type": "object", "properties": {}}})
+    return normalize_tools(keep)
+
+
+def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
+    call = Call(messages=convert_messages(body.get("system"), body.get("messages")))
+    call.max_tokens = F.integer(body, "max_tokens", lo=1)
+    if call.max_tokens is None and require_max_tokens:
+        raise bad_request("max_tokens: Field required", param="max_tokens")
+    sampling_from(body, call, state)
+    seqs = F.array(body, "stop_sequences", [])
+    if not all(isinstance(s, str) for s in seqs):
+        raise bad_request("stop_sequences must be an array of strings", param="stop_sequences")
+    call.stop = [s for s in seqs if s]
+    tools = convert_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, dict):
+        raise bad_request("tool_choice must be an object", param="tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "none":
+        tools = None
+    call.tools = tools
+    kw = template_kwargs_from(body, state)
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        kw["enable_thinking"] = thinking["type"] == "enabled"
+    call.template_kwargs = kw
+    return call
+
+
+def usage(prompt_tokens: int, cached: int, output: int) -> dict:
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+class MessageRender:
+    """Builds the content blocks from events; SSE frames when streaming."""
+
+    def __init__(self, model_id: str, streaming: bool):
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.model = model_id
+        self.streaming = streaming
+        self.blocks: list = []
+        self._open = None   # index of the open text block
+
+    def _ev(self, name, obj) -> bytes:
+        return sse.event(name, {"type": name, **obj}) if self.streaming else b""
+
+    def head(self, prompt_tokens: int, cached: int) -> bytes:
+        return self._ev("message_start", {"message": {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": usage(prompt_tokens, cached, 0)}})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        i, self._open = self._open, None
+        return self._ev("content_block_stop", {"index": i})
+
+    def feed(self, batch: list) -> bytes:
+        out = []
+        for ev in batch:
+            if isinstance(ev, Text):
+                if not ev.text:
+                    continue
+                if self._open is None:
+                    self._open = len(self.blocks)
+                    self.blocks.append({"type": "text", "text": ""})
+                    out.append(self._ev("content_block_start", {
+                        "index": self._open, "content_block": {"type": "text", "text": ""}}))
+                self.blocks[self._open]["text"] += ev.text
+                out.append(self._ev("content_block_delta", {
+                    "index": self._open, "delta": {"type": "text_delta", "text": ev.text}}))
+            elif isinstance(ev, Tool):
+                out.append(self._close())
+                c = ev.call
+                i = len(self.blocks)
+                block = {"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name,
+                         "input": c.arguments}
+                self.blocks.append(block)
+                out.append(self._ev("content_block_start", {
+                    "index": i, "content_block": {**block, "input": {}}}))
+                out.append(self._ev("content_block_delta", {
+                    "index": i, "delta": {"type": "input_json_delta",
+                                          "partial_json": c.arguments_json}}))
+                out.append(self._ev("content_block_stop", {"index": i}))
+            elif isinstance(ev, Done):
+                out.append(self._close())
+                if not self.blocks:
+                    self.blocks.append({"type": "text", "text": ""})
+                    out.append(self._ev("content_block_start", {
+                        "index": 0, "content_block": {"type": "text", "text": ""}}))
+                    out.append(self._ev("content_block_stop", {"index": 0}))
+                reason, seq = self.stop(ev)
+                out.append(self._ev("message_delta", {
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)}))
+                out.append(self._ev("message_stop", {}))
+        return b"".join(out)
+
+    @staticmethod
+    def stop(done: Done):
+        if done.finish_reason == "stop" and done.stop_string is not None:
+            return "stop_sequence", done.stop_string
+        return STOP[done.finish_reason], None
+
+    def result(self, done: Done) -> dict:
+        reason, seq = self.stop(done)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.blocks, "stop_reason": reason, "stop_sequence": seq,
+                "usage": usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)}
+
+
+def _error_frame(e: APIError) -> bytes:
+    return sse.event("error", anthropic_body(e))
+
+
+async def _stream(gen, render, head):
+    try:
+        yield head
+        async for batch in gen.events():
+            b = render.feed(batch)
+            if b:
+                yield b
+    except APIError as e:
+        yield _error_frame(e)
+    finally:
+        gen.cancel()
+
+
+async def messages(request: Request):
+    state = request.app.state.server
+    body = await F.read_json(request, state.config.max_body_bytes)
+    call = parse_messages(body, state)
+    stream = F.boolean(body, "stream", False)
+    gen = await start(state, call, request)
+    render = MessageRender(state.model_id, stream)
+    if stream:
+        gen.stop_watching()
+        first = gen.first_segment
+        cached = first.cached_tokens if first is not None else 0
+        return sse.response(_stream(gen, render, render.head(len(gen.prompt_ids), cached)))
+    done = await complete(gen, render.feed)
+    return JSONResponse(render.result(done))
+
+
+async def count_tokens(request: Request):
+    state = request.app.state.server
+    body = await F.read_json(request, state.config.max_body_bytes)
+    call = parse_messages(body, state, require_max_tokens=False)
+    return JSONResponse({"input_tokens": len(encode(state, call))})

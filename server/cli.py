@@ -1,0 +1,277 @@
+"""`engine-serve`: the OpenAI / Anthropic / Responses server on one model.
+
+    engine-serve [--model DIR] [--host 127.0.0.1] [--port 8090] [--memory-budget GB]
+                 [--prompt-cache GiB] [--kv-quant config|off|4|8] [--thinking true|false]
+                 [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
+                 [--adapter DIR] [--api-key KEY] [--batch N]
+
+Without --model it serves the built-in default model (a tiny model built
+offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
+are accepted as aliases (--temp, --adapter-path, --decode-concurrency,
+--prompt-cache-bytes, --kv-bits, --chat-template-args, ...), so it is a
+drop-in. It prints one ready line: URL, model id, admission ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+
+NOT_YET = "continuous batching (--batch N>1) is not available yet (a later issue)"
+
+
+def _bool(v: str) -> bool:
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+def _json_dict(v: str) -> dict:
+    try:
+        d = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return d
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", help="model directory (default: the built-in tiny model)")
+    a("--model-id", help="the id echoed back as `model` (default: the directory name)")
+    a("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    a("--port", type=int, default=8090, help="port (default 8090; 0 = any free port)")
+    a("--memory-budget", type=float, metavar="GB",
+      help="admission budget in decimal GB (x1e9); default: machine RAM x 0.75")
+    a("--prompt-cache", type=float, metavar="GiB",
+      help="prompt (prefix KV) cache cap in binary GiB (x2^30); 0 disables; default 2e9 bytes")
+    a("--prompt-cache-bytes", type=int, help="(mlx_lm.server) prompt cache cap in bytes")
+    a("--prompt-cache-size", type=int, help="(mlx_lm.server) entry count: accepted, ignored "
+      "(the cache is byte-capped)")
+    a("--kv-quant", default=None, metavar="config|off|4|8",
+      help="KV quantization: per-layer kv_config.json from the model dir (default), off, or "
+      "uniform bits (group 64, or 32 when head_dim needs it)")
+    a("--kv-bits", type=int, help="(mlx_lm.server) = --kv-quant BITS")
+    a("--kv-group-size", type=int, choices=[32, 64, 128], help="group size for --kv-quant BITS")
+    a("--thinking", type=_bool, metavar="true|false",
+      help="server default for the template's enable_thinking")
+    a("--temperature", "--temp", dest="temperature", type=float,
+      help="default temperature (request > this > generation_config.json > greedy)")
+    a("--top-p", type=float, help="default top-p")
+    a("--top-k", type=int, help="default top-k")
+    a("--min-p", type=float, help="default min-p")
+    a("--max-tokens", type=int, default=512, help="default max tokens per request (512)")
+    a("--adapter", "--adapter-path", dest="adapter", metavar="DIR",
+      help="LoRA adapter (mlx-lm format) mounted at start; the default for requests")
+    a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
+      "/health")
+    a("--batch", "--decode-concurrency", dest="batch", type=int, default=1, metavar="N",
+      help=f"1 = one request at a time (the only mode now); {NOT_YET}")
+    a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
+    a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
+    a("--chat-template-args", type=_json_dict, default={}, metavar="JSON",
+      help='default chat-template kwargs, e.g. \'{"enable_thinking": false}\'')
+    a("--allowed-origins", nargs="*", default=["*"], help="CORS origins (default *)")
+    a("--max-body-mb", type=float, default=32.0, help="request body limit in MiB (32)")
+    a("--stream-interval-ms", type=float, default=0.0, metavar="MS",
+      help="coalesce streamed deltas into at most one write per MS while decoding (0 = a "
+      "write per token; the first token is never delayed)")
+    a("--log-level", default="warning", choices=["debug", "info", "warning", "error",
+                                                  "critical", "DEBUG", "INFO", "WARNING",
+                                                  "ERROR", "CRITICAL"])
+    a("--access-log", action="store_true", help="log every request")
+    # mlx_lm.server flags we cannot honour: accepted so scripts start, said out loud
+    a("--draft-model", help=argparse.SUPPRESS)
+    a("--num-draft-tokens", type=int, help=argparse.SUPPRESS)
+    a("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
+    a("--chat-template", help=argparse.SUPPRESS)
+    a("--use-default-chat-template", action="store_true", help=argparse.SUPPRESS)
+    a("--pipeline", action="store_true", help=argparse.SUPPRESS)
+    a("--quantized-kv-start", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args):
+    from .state import DEFAULT_PROMPT_CACHE_BYTES, ServerConfig
+
+    if args.prompt_cache is not None:
+        if args.prompt_cache < 0:
+            raise SystemExit("engine-serve: --prompt-cache must be >= 0")
+        cache_bytes = int(args.prompt_cache * (1 << 30))
+    elif args.prompt_cache_bytes is not None:
+        cache_bytes = max(0, args.prompt_cache_bytes)
+    else:
+        cache_bytes = DEFAULT_PROMPT_CACHE_BYTES
+    kv = args.kv_quant if args.kv_quant is not None else (
+        str(args.kv_bits) if args.kv_bits is not None else "config")
+    if args.memory_budget is not None and args.memory_budget <= 0:
+        raise SystemExit("engine-serve: --memory-budget must be > 0 (GB)")
+    if args.batch < 1:
+        raise SystemExit("engine-serve: --batch must be >= 1")
+    if args.max_tokens < 1:
+        raise SystemExit("engine-serve: --max-tokens must be >= 1")
+    return ServerConfig(
+        model=args.model, model_id=args.model_id, host=args.host, port=args.port,
+        memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
+        prompt_cache_bytes=cache_bytes, kv_quant=kv, kv_group_size=args.kv_group_size,
+        thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
+        api_key=args.api_key, batch=args.batch,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        template_kwargs=dict(args.chat_template_args or {}),
+        prefill_step_size=args.prefill_step_size,
+        allowed_origins=list(args.allowed_origins or []),
+        stream_interval_ms=max(0.0, args.stream_interval_ms))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind first (so a busy port fails before the model loads)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise SystemExit(f"engine-serve: {host}:{port} is already in use (another server "
+                             "is serving there?); pick another --port") from None
+        raise SystemExit(f"engine-serve: cannot bind {host}:{port}: {e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def ready_line(state, url: str) -> str:
+    adm = state.admission
+    budget = (f"{state.config.memory_budget_bytes / 1e9:.2f} GB budget"
+              if state.config.memory_budget_bytes else
+              f"{adm.budget_bytes / 1e9:.2f} GB budget (RAM x 0.75)")
+    extra = f", adapter {'+'.join(state.default_adapters)}" if state.default_adapters else ""
+    return (f"engine-serve ready: {url} model={state.model_id} "
+            f"admission ceiling={state.ceiling} tokens ({budget}; kv {state.kv_mode}{extra})")
+
+
+def uvicorn_server(app, log_level="warning", access_log=False):
+    import uvicorn
+    cfg = uvicorn.Config(app, log_level=log_level.lower(), access_log=access_log,
+                         lifespan="off", timeout_keep_alive=30, loop="asyncio", http="h11",
+                         ws="none")
+    return uvicorn.Server(cfg)
+
+
+class BackgroundServer:
+    """Serve an app from a thread (tests, benchmarks): `with BackgroundServer(app) as s: s.url`."""
+
+    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning"):
+        self.sock = bind(host, port)
+        self.url = url_of(self.sock)
+        self.server = uvicorn_server(app, log_level)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="uvicorn")
+
+    def _run(self):
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    def start(self, timeout: float = 30.0):
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    if args.draft_model:
+        print("engine-serve: --draft-model (speculative decoding) is not supported",
+              file=sys.stderr)
+        return 2
+    if args.chat_template:
+        print("engine-serve: --chat-template is not supported; the model's own template is "
+              "used", file=sys.stderr)
+        return 2
+    config = config_from_args(args)
+    if args.quantized_kv_start:
+        print("engine-serve: --quantized-kv-start is ignored (the server quantizes from "
+              "token 0)", file=sys.stderr)
+    if config.batch > 1:
+        print(f"engine-serve: --batch {config.batch}: {NOT_YET}; serving one request at a "
+              "time in arrival order (/stats batch.batched = false)", file=sys.stderr)
+    sock = bind(config.host, config.port)
+
+    from engine.kv_quant import KVConfigError
+    from engine.loader import ModelLoadError
+    from .app import create_app
+    from .state import build_state
+
+    if config.memory_budget_bytes is not None:
+        import mlx.core as mx
+        mx.set_memory_limit(int(config.memory_budget_bytes))   # defense in depth
+    try:
+        state = build_state(config)
+    except (ModelLoadError, FileNotFoundError, KVConfigError, ValueError) as e:
+        msg = getattr(e, "message", None) or str(e)
+        print(f"engine-serve: cannot start: {msg}", file=sys.stderr)
+        return 2
+    if state.ceiling < 1:
+        print("engine-serve: cannot start: the model's weights do not fit the memory budget "
+              f"({state.admission.budget_bytes / 1e9:.2f} GB)", file=sys.stderr)
+        return 2
+    app = create_app(state)
+    server = uvicorn_server(app, args.log_level, args.access_log)
+    url = url_of(sock)
+
+    async def run():
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            print(ready_line(state, url), flush=True)
+        await task
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        state.gateway.close()
+        # MLX tears down the worker thread's stream after Python's join returns;
+        # exiting inside that window aborts the process ("terminate called ...")
+        time.sleep(0.2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Error shapes, one per protocol family.
+
+OpenAI-style routes (chat, completions, responses, admin):
+
+    {"error": {"message": ..., "type": "invalid_request_error", "param": null, "code": null}}
+
+Over-budget context (memory admission) keeps that shape with
+``type: "memory_admission"`` and ``code: "context_over_budget"``.
+
+Anthropic routes (``/v1/messages``):
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": ...}}
+
+with the Anthropic type names per status (401 ``authentication_error``, 404
+``not_found_error``, 413 ``request_too_large``, 5xx ``api_error``); an
+admission refusal adds ``code: "context_over_budget"``.
+
+Client mistakes never surface as a 500 with a traceback; an unexpected server
+fault is a 500 with the same shape and a one-line message (the traceback goes
+to the log).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                   413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+class APIError(Exception):
+    """An error the client sees: HTTP status + message (+ OpenAI type/code/param)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: Optional[str] = None, param: Optional[str] = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+
+def bad_request(message: str, param: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def not_found(message: str) -> APIError:
+    return APIError(404, message, type="not_found_error")
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map an engine exception raised by client input onto an APIError (400)."""
+    from engine.admission import ContextOverBudget
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextOverBudget):
+        return APIError(400, f"{exc}. Lower max_tokens or shorten the prompt; the ceiling is "
+                             f"visible at /stats.", type="memory_admission",
+                        code="context_over_budget")
+    return APIError(400, str(exc) or type(exc).__name__)
+
+
+def openai_body(err: APIError) -> dict:
+    if err.status >= 500 and err.type == "invalid_request_error":
+        err.type = "server_error"
+    return {"error": {"message": err.message, "type": err.type, "param": err.param,
+                      "code": err.code}}
+
+
+def anthropic_body(err: APIError) -> dict:
+    if err.status >= 500:
+        t = ANTHROPIC_TYPES.get(err.status, "api_error")
+    else:
+        t = ANTHROPIC_TYPES.get(err.status, "invalid_request_error")
+    body = {"type": t, "message": err.message}
+    if err.code:
+        body["code"] = err.code
+    return {"type": "error", "error": body}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def body_for(path: str, err: APIError) -> dict:
+    return anthropic_body(err) if is_anthropic_path(path) else openai_body(err)

@@ -1,0 +1,175 @@
+"""The generation gateway: the single queue every protocol funnels into.
+
+One worker thread owns the model. Every piece of work that touches MLX -
+loading, a generation, mounting or unmounting an adapter - is a job on one
+FIFO queue, run to completion one at a time in arrival order, so an adapter
+mount never races a forward pass and MLX only ever sees one thread.
+
+A generation job streams its `Segment`s back to the asyncio side through a
+thread-safe hand-off. `job.cancel()` (called when the HTTP client goes away)
+makes the engine stop at the next token (`should_stop`), which ends the job
+and frees the queue; a job cancelled while still queued never starts.
+
+Errors: an exception raised before the first segment (prompt build,
+admission, bad sampling values, unknown adapter) is the client's and comes
+back as `("error", exc, True)`; one raised after generation started is a
+server fault, `("error", exc, False)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("engine-serve")
+
+CLIENT_ERRORS: tuple = (ValueError, TypeError, KeyError)
+
+
+class GenerationJob:
+    """One generation: its parameters and the channel its segments come back on."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt, options: dict,
+                 adapters: tuple = ()):
+        self.id = next(self._ids)
+        self.loop = loop
+        self.prompt = prompt
+        self.options = options
+        self.adapters = tuple(adapters)
+        self.cancelled = threading.Event()
+        self.queued_at = time.perf_counter()
+        self.started_at: Optional[float] = None
+        self.finished = False
+        self._q: asyncio.Queue = asyncio.Queue()
+
+    # worker side
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self._q.put_nowait, item)
+
+    # asyncio side
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def get(self):
+        return await self._q.get()
+
+    def drain(self) -> list:
+        """Everything available now (no waiting)."""
+        items = []
+        while True:
+            try:
+                items.append(self._q.get_nowait())
+            except asyncio.QueueEmpty:
+                return items
+
+    async def get_batch(self) -> list:
+        """Everything available now (waits for at least one item)."""
+        items = [await self._q.get()]
+        while True:
+            try:
+                items.append(self._q.get_nowait())
+            except asyncio.QueueEmpty:
+                return items
+
+
+class Gateway:
+    """A FIFO of jobs run one at a time on one worker thread."""
+
+    def __init__(self, name: str = "engine-gateway"):
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._stopping = False
+        self.runner: Optional[Callable] = None    # runner(job) -> iterator of segments
+        self.active: Optional[GenerationJob] = None
+        self.completed = 0
+        self.cancelled = 0
+        self.failed = 0
+        self._thread.start()
+
+    # --- submitting -------------------------------------------------------
+
+    def call(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run `fn` on the worker (after everything queued before it)."""
+        fut: Future = Future()
+        self._q.put(("call", fn, args, kwargs, fut))
+        return fut
+
+    def call_sync(self, fn: Callable, *args, **kwargs):
+        return self.call(fn, *args, **kwargs).result()
+
+    async def call_async(self, fn: Callable, *args, **kwargs):
+        return await asyncio.wrap_future(self.call(fn, *args, **kwargs))
+
+    def submit(self, job: GenerationJob) -> GenerationJob:
+        self._q.put(("gen", job))
+        return job
+
+    @property
+    def queued(self) -> int:
+        return self._q.qsize()
+
+    def stats(self) -> dict:
+        return {"queued": self.queued, "active": 1 if self.active is not None else 0,
+                "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed}
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._q.put(("stop",))
+        self._thread.join(timeout)
+        time.sleep(0.05)   # let MLX finish tearing down the thread's stream (see cli.main)
+
+    # --- the worker -------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            kind = item[0]
+            if kind == "stop":
+                return
+            if kind == "call":
+                _, fn, args, kwargs, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # handed to the caller
+                    fut.set_exception(e)
+                continue
+            self._generate(item[1])
+
+    def _generate(self, job: GenerationJob) -> None:
+        if job.cancelled.is_set():
+            self.cancelled += 1
+            job.finished = True
+            job.put(("end", "cancelled"))
+            return
+        self.active = job
+        job.started_at = time.perf_counter()
+        started = False
+        try:
+            for seg in self.runner(job):
+                started = True
+                job.put(("seg", seg))
+            job.put(("end", None))
+            if job.cancelled.is_set():
+                self.cancelled += 1
+            else:
+                self.completed += 1
+        except BaseException as e:
+            client = not started and isinstance(e, CLIENT_ERRORS)
+            if not client:
+                self.failed += 1
+                log.error("generation %d failed:\n%s", job.id, traceback.format_exc())
+            job.put(("error", e, client))
+        finally:
+            job.finished = True
+            self.active = None

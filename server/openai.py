@@ -1,0 +1,297 @@
+"""OpenAI wire formats: `POST /v1/chat/completions` and `POST /v1/completions`.
+
+Chat streaming (SSE, `data: <chunk>` then `data: [DONE]`): a first chunk with
+`delta {role: "assistant", content: ""}`, then `{content}` increments (with
+`logprobs.content` when asked), a `{tool_calls: [{index, id, type, function}]}`
+delta per completed call, and a last chunk with `delta {}`, `finish_reason`
+and `usage` (always attached). A mid-stream server fault is a
+`data: {"error": {...}}` frame before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from . import fields as F
+from . import sse
+from .chat import (Call, Done, Text, Tool, complete, finite, logprob_entries,
+                   normalize_chat_messages, normalize_tools, sampling_from, start,
+                   template_kwargs_from)
+from .errors import APIError, bad_request, openai_body
+
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
+
+
+def usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def tool_call_json(call, index=None) -> dict:
+    d = {"id": call.id, "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments_json}}
+    if index is not None:
+        d = {"index": index, **d}
+    return d
+
+
+def _max_tokens(body: dict, *keys):
+    for k in keys:
+        v = F.integer(body, k, lo=1)
+        if v is not None:
+            return v
+    return None
+
+
+def _single_choice(body: dict):
+    n = F.integer(body, "n", 1, lo=1)
+    if n != 1:
+        raise bad_request("n > 1 is not supported (one completion per request)", param="n")
+
+
+# --- /v1/chat/completions ------------------------------------------------------
+
+
+def parse_chat(body: dict, state) -> Call:
+    if "messages" not in body or body.get("messages") is None:
+        raise bad_request("messages required", param="messages")
+    _single_choice(body)
+    call = Call(messages=normalize_chat_messages(body["messages"]))
+    call.max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    sampling_from(body, call, state)
+    call.stop = F.stop_list(body, "stop")
+    call.logprobs = F.boolean(body, "logprobs", False)
+    call.top_logprobs = F.integer(body, "top_logprobs", 0, lo=0, hi=20)
+    tools = normalize_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise bad_request("tool_choice must be a string or an object", param="tool_choice")
+    if choice == "none":
+        tools = None
+    call.tools = tools
+    call.template_kwargs = template_kwargs_from(body, state)
+    return call
+
+
+class ChatRender:
+    def __init__(self, state, model_id: str):
+        self.state = state
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model_id
+        self.n_tools = 0
+
+    def _chunk(self, delta: dict, finish=None, **extra) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
+                  "finish_reason": finish}
+        return sse.data({"id": self.id, "object": "chat.completion.chunk",
+                         "created": self.created, "model": self.model,
+                         "system_fingerprint": None, "choices": [choice], **extra})
+
+    def head(self) -> bytes:
+        # the hot path (a content delta without logprobs) is a pre-rendered template
+        pre = self._chunk({"content": "\x00"}).decode()
+        a, b = pre.split(sse.dumps("\x00"))
+        self._pre, self._post = a.encode(), b.encode()
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def _content(self, text: str) -> bytes:
+        return self._pre + sse.dumps(text).encode() + self._post
+
+    def feed(self, batch: list) -> bytes:
+        out = []
+        text, lps = [], []
+
+        def flush():
+            if text:
+                if lps:
+                    lp = {"content": logprob_entries(self.state, lps)}
+                    out.append(self._chunk({"content": "".join(text)}, logprobs=lp))
+                else:
+                    out.append(self._content("".join(text)))
+                text.clear()
+                lps.clear()
+
+        for ev in batch:
+            if isinstance(ev, Text):
+                text.append(ev.text)
+                lps.extend(ev.logprobs)
+            elif isinstance(ev, Tool):
+                flush()
+                out.append(self._chunk({"tool_calls": [tool_call_json(ev.call, self.n_tools)]}))
+                self.n_tools += 1
+            elif isinstance(ev, Done):
+                flush()
+                out.append(self._chunk({}, FINISH[ev.finish_reason], usage=usage(ev)))
+                out.append(sse.DONE)
+        flush()
+        return b"".join(out)
+
+    def result(self, done: Done, want_logprobs: bool) -> dict:
+        msg = {"role": "assistant", "content": done.text}
+        if done.tool_calls:
+            msg["tool_calls"] = [tool_call_json(c) for c in done.tool_calls]
+        choice = {"index": 0, "message": msg, "logprobs": None,
+                  "finish_reason": FINISH[done.finish_reason]}
+        if want_logprobs:
+            choice["logprobs"] = {"content": logprob_entries(self.state, done.logprobs)}
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None, "choices": [choice],
+                "usage": usage(done)}
+
+
+async def stream_body(gen, render, head: bytes, error_frame):
+    try:
+        if head:
+            yield head
+        async for batch in gen.events():
+            b = render.feed(batch)
+            if b:
+                yield b
+    except APIError as e:
+        yield error_frame(e)
+    finally:
+        gen.cancel()
+
+
+def _openai_error_frame(e: APIError) -> bytes:
+    return sse.data(openai_body(e)) + sse.DONE
+
+
+async def chat_completions(request: Request):
+    state = request.app.state.server
+    body = await F.read_json(request, state.config.max_body_bytes)
+    call = parse_chat(body, state)
+    stream = F.boolean(body, "stream", False)
+    gen = await start(state, call, request)
+    render = ChatRender(state, state.model_id)
+    if stream:
+        gen.stop_watching()
+        return sse.response(stream_body(gen, render, render.head(), _openai_error_frame))
+    done = await complete(gen)
+    return JSONResponse(render.result(done, call.logprobs or call.top_logprobs > 0))
+
+
+# --- /v1/completions --------------------------------------------------------------
+
+
+def parse_completion(body: dict, state) -> Call:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [int(t) for t in prompt]
+    elif prompt is None:
+        raise bad_request("prompt required", param="prompt")
+    else:
+        raise bad_request("prompt must be a string or an array of token ids (one prompt)",
+                          param="prompt")
+    _single_choice(body)
+    if F.boolean(body, "echo", False):
+        raise bad_request("echo is not supported", param="echo")
+    call = Call(prompt=prompt)
+    call.max_tokens = _max_tokens(body, "max_tokens")
+    sampling_from(body, call, state)
+    call.stop = F.stop_list(body, "stop")
+    lp = body.get("logprobs")
+    if isinstance(lp, bool):
+        call.logprobs, call.top_logprobs = lp, 0
+    else:
+        call.top_logprobs = F.integer(body, "logprobs", 0, lo=0, hi=20)
+        call.logprobs = "logprobs" in body and body["logprobs"] is not None
+    return call
+
+
+def completion_logprobs(state, lps: list, offset: int = 0) -> dict:
+    tok = state.tokenizer
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset
+    for e in lps:
+        t = tok.decode([e["token"]])
+        tokens.append(t)
+        token_lps.append(finite(e["logprob"]))
+        offsets.append(pos)
+        pos += len(t)
+        top = e.get("top")
+        tops.append({tok.decode([i]): finite(lp) for i, lp in top} if top else None)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+class CompletionRender:
+    def __init__(self, state, model_id: str, want_logprobs: bool):
+        self.state = state
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model_id
+        self.want_logprobs = want_logprobs
+        self.offset = 0
+        self._pre = self._post = None
+
+    def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> bytes:
+        return sse.data({"id": self.id, "object": "text_completion", "created": self.created,
+                         "model": self.model, "choices": [{"index": 0, "text": text,
+                                                           "logprobs": logprobs,
+                                                           "finish_reason": finish}], **extra})
+
+    def feed(self, batch: list) -> bytes:
+        out = []
+        text, lps = [], []
+        for ev in batch:
+            if isinstance(ev, Text):
+                text.append(ev.text)
+                lps.extend(ev.logprobs)
+            elif isinstance(ev, Done):
+                if text:
+                    out.append(self._emit(text, lps))
+                    text, lps = [], []
+                out.append(self._chunk("", FINISH[ev.finish_reason], usage=usage(ev)))
+                out.append(sse.DONE)
+        if text:
+            out.append(self._emit(text, lps))
+        return b"".join(out)
+
+    def _emit(self, text, lps) -> bytes:
+        t = "".join(text)
+        if self.want_logprobs:
+            lp = completion_logprobs(self.state, lps, self.offset)
+            self.offset += len(t)
+            return self._chunk(t, logprobs=lp)
+        self.offset += len(t)
+        if self._pre is None:
+            a, b = self._chunk("\x00").decode().split(sse.dumps("\x00"))
+            self._pre, self._post = a.encode(), b.encode()
+        return self._pre + sse.dumps(t).encode() + self._post
+
+    def result(self, done: Done) -> dict:
+        lp = completion_logprobs(self.state, done.logprobs) if self.want_logprobs else None
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None,
+                "choices": [{"index": 0, "text": done.text, "logprobs": lp,
+                             "finish_reason": FINISH[done.finish_reason]}],
+                "usage": usage(done)}
+
+
+async def completions(request: Request):
+    state = request.app.state.server
+    body = await F.read_json(request, state.config.max_body_bytes)
+    call = parse_completion(body, state)
+    stream = F.boolean(body, "stream", False)
+    gen = await start(state, call, request)
+    render = CompletionRender(state, state.model_id, call.logprobs)
+    if stream:
+        gen.stop_watching()
+        return sse.response(stream_body(gen, render, b"", _openai_error_frame))
+    done = await complete(gen)
+    return JSONResponse(render.result(done))

@@ -1,0 +1,339 @@
+"""OpenAI Responses: `POST /v1/responses`.
+
+Request: `input` (a string or items: `message`, `function_call`,
+`function_call_output`; `reasoning` items are dropped), `instructions`
+(merged with any system/developer items into one leading system message),
+`max_output_tokens`, sampling fields, flat function `tools` (built-in tool
+types dropped), `tool_choice`, `stream`, `store`, and
+`previous_response_id`: the stored input + output of that response are
+spliced in front of this input (instructions carry forward when omitted).
+The store is per process (1 h TTL, 32 MiB byte-capped LRU, `/stats`
+`response_store`); an unknown or expired id is a 404.
+
+Response: `{id: "resp_<24 hex>", object: "response", status: "completed" |
+"incomplete", output: [message | function_call items], usage}`.
+
+Streaming: response.created -> response.in_progress ->
+response.output_item.added -> response.content_part.added ->
+response.output_text.delta* -> response.output_text.done ->
+response.content_part.done -> response.output_item.done (a function_call item:
+output_item.added -> function_call_arguments.delta -> .done ->
+output_item.done) -> response.completed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from . import fields as F
+from . import sse
+from .chat import (Call, Done, Text, Tool, complete, normalize_tools, parse_arguments,
+                   sampling_from, start, template_kwargs_from)
+from .errors import APIError, bad_request, not_found, openai_body
+
+
+def _hex(n: int) -> str:
+    return uuid.uuid4().hex[:n]
+
+
+def _part_text(content, where: str) -> str:
+    return F.text_content(content, where, text_types=("input_text", "output_text", "text",
+                                                      "refusal"))
+
+
+def normalize_input(inp) -> list:
+    """Input items in canonical JSON form (what the store keeps)."""
+    if isinstance(inp, str):
+        return [{"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": inp}]}]
+    if inp is None:
+        raise bad_request("input required", param="input")
+    if not isinstance(inp, list):
+        raise bad_request("input must be a string or an array of items", param="input")
+    out = []
+    for i, it in enumerate(inp):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise bad_request(f"{where} must be an object", param="input")
+        t = it.get("type") or ("message" if "role" in it else None)
+        if t == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"{where}.role must be user, assistant, system or developer",
+                                  param="input")
+            text = _part_text(it.get("content"), where)
+            kind = "output_text" if role == "assistant" else "input_text"
+            out.append({"type": "message", "role": role,
+                        "content": [{"type": kind, "text": text}]})
+        elif t == "function_call":
+            name = it.get("name")
+            if not isinstance(name, str) or not name:
+                raise bad_request(f"{where}: function_call needs a name", param="input")
+            args = it.get("arguments", "{}")
+            if not isinstance(args, str):
+                raise bad_request(f"{where}: function_call arguments must be a JSON string",
+                                  param="input")
+            out.append({"type": "function_call", "call_id": str(it.get("call_id") or
+                                                                 it.get("id") or ""),
+                        "name": name, "arguments": args})
+        elif t == "function_call_output":
+            output = it.get("output")
+            if not isinstance(output, str):
+                output = _part_text(output, where)
+            out.append({"type": "function_call_output", "call_id": str(it.get("call_id", "")),
+                        "output": output})
+        elif t == "reasoning":
+            continue
+        else:
+            raise bad_request(f"{where}: unsupported input item type {t!r}", param="input")
+    return out
+
+
+def items_to_messages(items: list, instructions) -> list:
+    system = [instructions] if instructions else []
+    msgs: list = []
+    for it in items:
+        t = it["type"]
+        if t == "message":
+            text = "".join(p["text"] for p in it["content"])
+            if it["role"] in ("system", "developer"):
+                system.append(text)
+            else:
+                msgs.append({"role": it["role"], "content": text})
+        elif t == "function_call":
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": parse_arguments(it["arguments"])}}
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif t == "function_call_output":
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
+    if system:
+        msgs.insert(0, {"role": "system", "content": "\n\n".join(system)})
+    if not msgs:
+        raise bad_request("input has no messages", param="input")
+    return msgs
+
+
+def flat_tools(tools):
+    if not tools:
+        return []
+    return [{"type": "function", "name": t["function"]["name"],
+             "description": t["function"].get("description"),
+             "parameters": t["function"]["parameters"], "strict": False} for t in tools]
+
+
+class ResponseRender:
+    def __init__(self, state, streaming: bool, meta: dict):
+        self.state = state
+        self.streaming = streaming
+        self.id = "resp_" + _hex(24)
+        self.created = int(time.time())
+        self.meta = meta
+        self.items: list = []
+        self._open = None   # output index of the open message item
+        self.seq = 0
+
+    def _ev(self, name, obj) -> bytes:
+        if not self.streaming:
+            return b""
+        frame = sse.event(name, {"type": name, "sequence_number": self.seq, **obj})
+        self.seq += 1
+        return frame
+
+    def snapshot(self, status: str, done: Done = None) -> dict:
+        r = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+             "error": None, "incomplete_details": None, "model": self.state.model_id,
+             "output": self.items if done is not None else [], "parallel_tool_calls": True,
+             "reasoning": {"effort": None, "summary": None}, "text": {"format": {"type": "text"}},
+             "truncation": "disabled", "user": None, "metadata": {}, "usage": None, **self.meta}
+        if done is not None:
+            r["usage"] = {"input_tokens": done.prompt_tokens,
+                          "input_tokens_details": {"cached_tokens": done.cached_tokens},
+                          "output_tokens": done.completion_tokens,
+                          "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": done.prompt_tokens + done.completion_tokens}
+            if status == "incomplete":
+                r["incomplete_details"] = {"reason": "max_output_tokens"}
+        return r
+
+    def head(self) -> bytes:
+        snap = self.snapshot("in_progress")
+        return self._ev("response.created", {"response": snap}) + self._ev(
+            "response.in_progress", {"response": snap})
+
+    def _open_message(self) -> bytes:
+        i = len(self.items)
+        self._open = i
+        item = {"id": "msg_" + _hex(24), "type": "message", "status": "in_progress",
+                "role": "assistant", "content": []}
+        self.items.append(item)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        item["content"].append(dict(part))
+        return self._ev("response.output_item.added", {
+            "output_index": i, "item": {**item, "content": []}}) + self._ev(
+            "response.content_part.added", {"item_id": item["id"], "output_index": i,
+                                            "content_index": 0, "part": part})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        i, self._open = self._open, None
+        item = self.items[i]
+        item["status"] = "completed"
+        part = item["content"][0]
+        return (self._ev("response.output_text.done", {
+                    "item_id": item["id"], "output_index": i, "content_index": 0,
+                    "text": part["text"], "logprobs": []})
+                + self._ev("response.content_part.done", {
+                    "item_id": item["id"], "output_index": i, "content_index": 0, "part": part})
+                + self._ev("response.output_item.done", {"output_index": i, "item": item}))
+
+    def feed(self, batch: list) -> bytes:
+        out = []
+        for ev in batch:
+            if isinstance(ev, Text):
+                if not ev.text:
+                    continue
+                if self._open is None:
+                    out.append(self._open_message())
+                item = self.items[self._open]
+                item["content"][0]["text"] += ev.text
+                out.append(self._ev("response.output_text.delta", {
+                    "item_id": item["id"], "output_index": self._open, "content_index": 0,
+                    "delta": ev.text, "logprobs": []}))
+            elif isinstance(ev, Tool):
+                out.append(self._close())
+                c = ev.call
+                i = len(self.items)
+                item = {"id": "fc_" + _hex(24), "type": "function_call", "status": "in_progress",
+                        "arguments": "", "call_id": c.id, "name": c.name}
+                self.items.append(item)
+                out.append(self._ev("response.output_item.added",
+                                    {"output_index": i, "item": dict(item)}))
+                out.append(self._ev("response.function_call_arguments.delta", {
+                    "item_id": item["id"], "output_index": i, "delta": c.arguments_json}))
+                item["arguments"] = c.arguments_json
+                item["status"] = "completed"
+                out.append(self._ev("response.function_call_arguments.done", {
+                    "item_id": item["id"], "output_index": i, "name": c.name,
+                    "arguments": c.arguments_json}))
+                out.append(self._ev("response.output_item.done", {"output_index": i,
+                                                                  "item": item}))
+            elif isinstance(ev, Done):
+                if not self.items:
+                    out.append(self._open_message())
+                out.append(self._close())
+                self.done = ev
+                self.on_done(ev)
+                out.append(self._ev("response.completed",
+                                    {"response": self.snapshot(self.status(ev), ev)}))
+        return b"".join(out)
+
+    def on_done(self, done: Done) -> None:  # replaced by the route (store)
+        pass
+
+    @staticmethod
+    def status(done: Done) -> str:
+        return "incomplete" if done.finish_reason == "length" else "completed"
+
+    def result(self, done: Done) -> dict:
+        r = self.snapshot(self.status(done), done)
+        r["output_text"] = "".join(p["text"] for it in self.items if it["type"] == "message"
+                                   for p in it["content"])
+        return r
+
+
+def parse_responses(body: dict, state):
+    prev_id = F.string(body, "previous_response_id")
+    instructions = F.string(body, "instructions")
+    items = normalize_input(body.get("input"))
+    history: list = []
+    if prev_id:
+        prior = state.store.get(prev_id)
+        if prior is None:
+            raise not_found(f"no stored response with id {prev_id!r} (unknown or expired)")
+        history = prior["input"] + [_as_input(o) for o in prior["output"]]
+        if instructions is None:
+            instructions = prior["instructions"]
+    conversation = history + items
+    call = Call(messages=items_to_messages(conversation, instructions))
+    call.max_tokens = F.integer(body, "max_output_tokens", lo=1)
+    sampling_from(body, call, state)
+    call.stop = F.stop_list(body, "stop")
+    tools = normalize_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice == "none":
+        tools = None
+    call.tools = tools
+    call.template_kwargs = template_kwargs_from(body, state)
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
+        call.template_kwargs["enable_thinking"] = reasoning["effort"].lower() != "none"
+    meta = {"instructions": instructions, "max_output_tokens": call.max_tokens,
+            "previous_response_id": prev_id, "store": F.boolean(body, "store", True),
+            "temperature": call.temperature, "top_p": call.top_p,
+            "tool_choice": choice if isinstance(choice, (str, dict)) else "auto",
+            "tools": flat_tools(normalize_tools(body.get("tools")))}
+    return call, conversation, instructions, meta
+
+
+def _as_input(item: dict) -> dict:
+    if item["type"] == "message":
+        return {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "".join(
+                    p.get("text", "") for p in item["content"])}]}
+    if item["type"] == "function_call":
+        return {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                "arguments": item["arguments"]}
+    return item
+
+
+def _error_frame(render: ResponseRender, e: APIError) -> bytes:
+    snap = render.snapshot("failed")
+    snap["error"] = openai_body(e)["error"]
+    return render._ev("response.failed", {"response": snap}) + render._ev(
+        "error", {"message": e.message, "code": e.code, "param": None})
+
+
+async def _stream(gen, render, head):
+    try:
+        yield head
+        async for batch in gen.events():
+            b = render.feed(batch)
+            if b:
+                yield b
+    except APIError as e:
+        yield _error_frame(render, e)
+    finally:
+        gen.cancel()
+
+
+async def create_response(request: Request):
+    state = request.app.state.server
+    body = await F.read_json(request, state.config.max_body_bytes)
+    call, conversation, instructions, meta = parse_responses(body, state)
+    stream = F.boolean(body, "stream", False)
+    gen = await start(state, call, request)
+    render = ResponseRender(state, stream, meta)
+
+    def on_done(done: Done):
+        if meta["store"]:
+            state.store.put(render.id, conversation, [_as_input(i) for i in render.items],
+                            instructions)
+    render.on_done = on_done
+    if stream:
+        gen.stop_watching()
+        return sse.response(_stream(gen, render, render.head()))
+    done = await complete(gen, render.feed)
+    return JSONResponse(render.result(done))
+
+
+async def get_response(request: Request):
+    raise APIError(404, "retrieving stored responses is not supported; pass the id as "
+                        "previous_response_id", type="not_found_error")

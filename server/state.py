@@ -1,0 +1,240 @@
+"""Server configuration and the live state every route reads.
+
+`ServerConfig` is what the start flags say; `build_state(config)` loads the
+model on the gateway's worker thread (MLX sees one thread only), sets up the
+prompt cache, KV-quant policy, memory admission, adapters and the Responses
+store, and returns the `ServerState` that `create_app` serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .adapters import AdapterManager
+from .gateway import Gateway, GenerationJob
+from .store import ResponseStore
+
+log = logging.getLogger("engine-serve")
+
+DEFAULT_PROMPT_CACHE_BYTES = 2_000_000_000
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass
+class ServerConfig:
+    model: Optional[str] = None
+    model_id: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8090
+    memory_budget_bytes: Optional[int] = None      # None = machine RAM x 0.75
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES   # 0 disables
+    kv_quant: str = "config"                        # config | off | 4 | 8 (or any valid bits)
+    kv_group_size: Optional[int] = None             # None = 64, or 32 when head_dim needs it
+    thinking: Optional[bool] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    adapter: Optional[str] = None
+    api_key: Optional[str] = None
+    batch: int = 1
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    template_kwargs: dict = field(default_factory=dict)
+    prefill_step_size: int = 2048
+    allowed_origins: list = field(default_factory=lambda: ["*"])
+    owner: str = "serve"
+    stream_interval_ms: float = 0.0     # >0: coalesce streamed deltas (one write per interval)
+
+
+def _dtype_name(dt) -> str:
+    import mlx.core as mx
+    return {mx.bfloat16: "bf16", mx.float16: "fp16", mx.float32: "fp32"}.get(dt, str(dt))
+
+
+def activation_dtype(model) -> str:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    for _, v in tree_flatten(model.parameters()):
+        if v.dtype in (mx.float32, mx.bfloat16, mx.float16):
+            return _dtype_name(v.dtype)
+    return "bf16"
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str):
+        from engine.admission import Admission
+        from engine.kv_quant import make_policy
+        from engine.prompt_cache import PromptCache
+
+        self.config = config
+        self.gateway = gateway
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_dir = str(model_dir)
+        self.model_id = config.model_id or Path(model_dir).name or str(model_dir)
+        self.started_at = int(time.time())
+        try:
+            self.model_config = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            self.model_config = {}
+        tc = self.model_config.get("text_config") or {}
+        self.model_type = getattr(model, "model_type", None) or self.model_config.get("model_type")
+        self.max_position = (self.model_config.get("max_position_embeddings")
+                             or tc.get("max_position_embeddings"))
+        self.vocab_size = int(getattr(getattr(model, "args", None), "vocab_size", 0)
+                              or self.model_config.get("vocab_size") or tc.get("vocab_size")
+                              or len(tokenizer))
+        self.prompt_cache = (PromptCache(config.prompt_cache_bytes)
+                             if config.prompt_cache_bytes > 0 else None)
+        self.kv_options, self.kv_mode = self._kv_options()
+        self.kv_policy = make_policy(model, **self.kv_options)
+        self.admission = Admission.for_model(model, config.memory_budget_bytes, self.kv_policy,
+                                             prefill_step=config.prefill_step_size)
+        self.ceiling = self.admission.max_context()
+        self.adapters = AdapterManager(model, self.prompt_cache)
+        self.default_adapters: tuple = ()
+        self.store = ResponseStore()
+        self.engine_fn: Optional[Callable] = None   # stream_generate (overridable in tests)
+        gateway.runner = self._run
+
+    # --- KV quantization ----------------------------------------------------
+
+    def _kv_options(self):
+        from engine.kv_quant import VALID_BITS, KVConfigError, cache_head_dims
+
+        mode = str(self.config.kv_quant).lower()
+        if mode in ("off", "none", "bf16", "false", "0"):
+            return {}, activation_dtype(self.model)
+        if mode == "config":
+            f = Path(self.model_dir) / "kv_config.json"
+            if f.is_file():
+                return {"kv_config": str(f)}, "mixed (kv_config.json)"
+            return {}, activation_dtype(self.model)
+        try:
+            bits = int(mode)
+        except ValueError:
+            raise KVConfigError(f"--kv-quant must be config, off or a bit width, got {mode!r}")
+        if bits not in VALID_BITS:
+            raise KVConfigError(f"--kv-quant bits must be one of {VALID_BITS}, got {bits}")
+        group = self.config.kv_group_size
+        if group is None:
+            dims = cache_head_dims(self.model)
+            group = 64 if all(d % 64 == 0 for d in dims) else 32
+        return {"kv_bits": bits, "kv_group_size": group, "quantized_kv_start": 0}, \
+            f"uniform-kv{bits}"
+
+    def kv_describe(self) -> dict:
+        caches = self.model.make_cache()
+        act = activation_dtype(self.model)
+        layers: dict = {}
+        glob = slide = 0
+        for i, c in enumerate(caches):
+            if i in self.kv_policy.layers:
+                key = f"kv{self.kv_policy.layers[i][0]}"
+            else:
+                key = act
+            layers[key] = layers.get(key, 0) + 1
+            if getattr(c, "max_size", None) is not None:
+                slide += 1
+            else:
+                glob += 1
+        out = {"mode": self.kv_mode, "layers": layers,
+               "attention": {"global": glob, "sliding_window": slide}}
+        if "kv_group_size" in self.kv_options:
+            out["group_size"] = self.kv_options["kv_group_size"]
+        return out
+
+    def refresh_admission(self) -> None:
+        """Recompute the ceiling (adapters change the weight bytes). Worker thread."""
+        from engine.admission import Admission
+        self.admission = Admission.for_model(self.model, self.config.memory_budget_bytes,
+                                             self.kv_policy,
+                                             prefill_step=self.config.prefill_step_size)
+        self.ceiling = self.admission.max_context()
+
+    # --- the one engine call path ------------------------------------------
+
+    def _run(self, job: GenerationJob):
+        """Runs on the worker thread: one generation, segment by segment."""
+        if self.engine_fn is None:
+            from engine.generation import stream_generate
+            self.engine_fn = stream_generate
+        self.adapters.activate(job.adapters)
+        ns = self.adapters.namespace(job.adapters)
+        return self.engine_fn(
+            self.model, self.tokenizer, job.prompt, prompt_cache=self.prompt_cache,
+            cache_namespace=ns, admission=self.admission, should_stop=job.cancelled.is_set,
+            prefill_step_size=self.config.prefill_step_size, **self.kv_options, **job.options)
+
+    # --- /stats -------------------------------------------------------------
+
+    def stats(self) -> dict:
+        pc = self.prompt_cache.stats() if self.prompt_cache is not None else {
+            "enabled": False, "max_bytes": 0, "bytes": 0, "entries": 0, "hits": 0, "misses": 0,
+            "evictions": 0, "tokens_reused": 0}
+        prompt_cache = {"entries": pc["entries"], "bytes": pc["bytes"],
+                        "max_bytes": pc["max_bytes"], "hits": pc["hits"], "misses": pc["misses"],
+                        "enabled": pc["enabled"], "evictions": pc["evictions"],
+                        "tokens_reused": pc["tokens_reused"]}
+        adm = self.admission
+        g = self.gateway.stats()
+        return {
+            "server": {"owner": self.config.owner, "model": self.model_id,
+                       "started_at": self.started_at, "model_path": self.model_dir,
+                       "model_type": self.model_type},
+            "prompt_cache": prompt_cache,
+            "response_store": self.store.stats(),
+            "kv_quant": self.kv_describe(),
+            "admission": {"max_safe_context": self.ceiling,
+                          "memory_budget_bytes": self.config.memory_budget_bytes,
+                          "usable_bytes": adm.budget_bytes, "weights_bytes": adm.weights},
+            "batch": {"configured": self.config.batch, "batched": False,
+                      "active_rows": g["active"], "available": False},
+            "queue": g,
+            "adapters": {"mounted": list(self.adapters.mounted),
+                         "default": list(self.default_adapters)},
+        }
+
+
+def default_model_dir() -> str:
+    from engine.cli import default_model_dir as _d
+    return _d()
+
+
+def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
+                model=None, tokenizer=None, wrap_model=None) -> ServerState:
+    """Load the model on the worker thread and assemble the state.
+
+    `model`/`tokenizer` may be given (already loaded); then `config.model` is
+    only used as the model directory for its config.json. Arrays built lazily
+    on one thread cannot be evaluated on another (MLX streams are per thread),
+    so loading on the worker is the safe default. `wrap_model(model, tok)`
+    (tests) may wrap the loaded model."""
+    import engine
+
+    gateway = gateway or Gateway()
+    model_dir = config.model or default_model_dir()
+
+    def load():
+        if model is not None:
+            m, t = model, tokenizer
+        else:
+            m, t = engine.load(model_dir)
+        if wrap_model is not None:
+            m = wrap_model(m, t)
+        state = ServerState(config, gateway, m, t, model_dir)
+        if config.adapter:
+            mounted = state.adapters.mount(Path(config.adapter).name or "default",
+                                           config.adapter)
+            state.default_adapters = (mounted.id,)
+            state.refresh_admission()
+        return state
+
+    return gateway.call_sync(load)

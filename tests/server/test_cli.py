@@ -1,0 +1,102 @@
+"""`engine-serve` as a user starts it (a subprocess): ready line, defaults, flags."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.cli import config_from_args, parser
+
+ROOT = Path(__file__).resolve().parents[2]
+READY = re.compile(r"engine-serve ready: (http://[\d.]+:\d+) model=(\S+) "
+                   r"admission ceiling=(\d+) tokens")
+
+
+def spawn(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "server.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(p, timeout=90):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        line = p.stdout.readline()
+        if not line:
+            if p.poll() is not None:
+                raise AssertionError(f"exited {p.returncode}: {p.stderr.read()}")
+            continue
+        m = READY.search(line)
+        if m:
+            return m, line
+    raise AssertionError("no ready line")
+
+
+def test_default_model_ready_line_batch_warning_and_auth():
+    from engine.cli import default_model_dir
+    p = spawn("--port", "0", "--batch", "4", "--api-key", "k1", "--temp", "0",
+              "--memory-budget", "2", "--prompt-cache", "0")
+    try:
+        m, line = wait_ready(p)
+        url, model_id, ceiling = m.group(1), m.group(2), int(m.group(3))
+        assert model_id == Path(default_model_dir()).name
+        assert ceiling > 0 and "2.00 GB budget" in line
+        assert httpx.get(url + "/health").content == b'{"status": "ok"}'
+        assert httpx.get(url + "/stats").status_code == 401
+        s = httpx.get(url + "/stats", headers={"x-api-key": "k1"}).json()
+        assert s["batch"] == {"configured": 4, "batched": False, "active_rows": 0,
+                              "available": False}
+        assert s["admission"]["max_safe_context"] == ceiling
+        assert s["admission"]["memory_budget_bytes"] == 2_000_000_000
+        assert s["prompt_cache"]["max_bytes"] == 0
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer k1"},
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        p.terminate()
+        _, err = p.communicate(timeout=20)
+    assert "--batch 4" in err and "not available yet" in err
+
+
+def test_busy_port_is_refused_before_loading():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    port = s.getsockname()[1]
+    try:
+        p = spawn("--port", str(port))
+        out, err = p.communicate(timeout=60)
+    finally:
+        s.close()
+    assert p.returncode != 0 and "already in use" in err
+
+
+def test_bad_model_dir_is_a_clear_error(tmp_path):
+    p = spawn("--port", "0", "--model", str(tmp_path))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "cannot start" in err and "Traceback" not in err
+
+
+def test_flag_units_and_aliases():
+    c = config_from_args(parser().parse_args(
+        ["--memory-budget", "1.5", "--prompt-cache", "0.5", "--temp", "0.3",
+         "--adapter-path", "/x", "--decode-concurrency", "3", "--kv-bits", "8",
+         "--thinking", "false", "--chat-template-args", '{"a": 1}']))
+    assert c.memory_budget_bytes == 1_500_000_000          # decimal GB
+    assert c.prompt_cache_bytes == 1 << 29                  # binary GiB
+    assert c.temperature == 0.3 and c.adapter == "/x" and c.batch == 3
+    assert c.kv_quant == "8" and c.thinking is False and c.template_kwargs == {"a": 1}
+    d = config_from_args(parser().parse_args([]))
+    assert (d.host, d.port, d.kv_quant, d.prompt_cache_bytes, d.batch) == (
+        "127.0.0.1", 8090, "config", 2_000_000_000, 1)
+    assert config_from_args(parser().parse_args(["--prompt-cache-bytes", "123"])) \
+        .prompt_cache_bytes == 123
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--thinking", "maybe"])

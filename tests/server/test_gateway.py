@@ -1,0 +1,169 @@
+"""The single generation queue: FIFO, one at a time, disconnect frees it."""
+
+import asyncio
+import socket
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from server.gateway import Gateway, GenerationJob
+
+NO_EOS = {"998": -100, "1000": -100}   # the qwen3 fixture's EOS ids: run to max_tokens
+
+
+def test_fifo_one_at_a_time_unit():
+    gw = Gateway()
+    log, lock = [], threading.Lock()
+
+    def runner(job):
+        with lock:
+            log.append(("start", job.prompt))
+        for i in range(3):
+            time.sleep(0.01)
+            yield i
+        with lock:
+            log.append(("end", job.prompt))
+    gw.runner = runner
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [gw.submit(GenerationJob(loop, p, {})) for p in range(5)]
+        mount = asyncio.ensure_future(gw.call_async(lambda: log.append(("call", None))))
+        out = []
+        for j in jobs:
+            items = []
+            while not items or items[-1][0] != "end":
+                items.extend(await j.get_batch())
+            out.append([it[1] for it in items if it[0] == "seg"])
+        await mount
+        return out
+    out = asyncio.run(main())
+    gw.close()
+    assert out == [[0, 1, 2]] * 5
+    # strictly sequential, in arrival order; the admin call ran after the queued jobs
+    assert log == [x for p in range(5) for x in (("start", p), ("end", p))] + [("call", None)]
+    assert gw.completed == 5
+
+
+def test_cancelled_while_queued_never_runs():
+    gw = Gateway()
+    started = []
+    gate = threading.Event()
+
+    def runner(job):
+        started.append(job.prompt)
+        gate.wait(5)
+        yield "x"
+    gw.runner = runner
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = gw.submit(GenerationJob(loop, "a", {}))
+        b = gw.submit(GenerationJob(loop, "b", {}))
+        b.cancel()
+        gate.set()
+        assert (await b.get()) == ("end", "cancelled")
+        while (await a.get())[0] != "end":
+            pass
+    asyncio.run(main())
+    gw.close()
+    assert started == ["a"] and gw.cancelled == 1
+
+
+def test_client_errors_before_start_are_client_errors():
+    gw = Gateway()
+
+    def runner(job):
+        raise ValueError("bad temperature")
+        yield  # pragma: no cover
+    gw.runner = runner
+
+    async def main():
+        job = gw.submit(GenerationJob(asyncio.get_running_loop(), "p", {}))
+        return await job.get()
+    kind, exc, client = asyncio.run(main())
+    gw.close()
+    assert kind == "error" and client is True and "bad temperature" in str(exc)
+
+
+def _stats(srv):
+    return httpx.get(srv.url + "/stats").json()["queue"]
+
+
+def _wait_idle(srv, timeout=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        q = _stats(srv)
+        if q["active"] == 0 and q["queued"] == 0:
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"queue still busy: {q}")
+
+
+def _long_stream_body(n=200000):
+    return {"messages": [{"role": "user", "content": f"go {uuid.uuid4().hex[:6]}"}],
+            "max_tokens": n, "temperature": 0, "stream": True, "logit_bias": NO_EOS}
+
+
+def test_stream_disconnect_stops_generation_and_frees_queue(srv):
+    _wait_idle(srv)
+    before = _stats(srv)
+    with httpx.stream("POST", srv.v1 + "/chat/completions", json=_long_stream_body(),
+                      timeout=30) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for _ in r.iter_lines():
+            chunks += 1
+            if chunks > 6:
+                break
+    # 200k tokens would take minutes; the disconnect must end it at once
+    assert _wait_idle(srv) < 3.0
+    after = _stats(srv)
+    assert after["cancelled"] == before["cancelled"] + 1
+    r = httpx.post(srv.v1 + "/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "next"}], "max_tokens": 3})
+    assert r.status_code == 200
+
+
+def test_non_stream_disconnect_stops_generation(srv):
+    _wait_idle(srv)
+    before = _stats(srv)
+    body = _long_stream_body()
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.v1 + "/chat/completions", json=body, timeout=0.5)
+    assert _wait_idle(srv) < 3.0
+    assert _stats(srv)["cancelled"] == before["cancelled"] + 1
+
+
+def test_http_requests_are_served_in_arrival_order(srv):
+    _wait_idle(srv)
+    spans = {}
+    clients = {n: httpx.Client(timeout=60) for n in "abc"}   # built before any timing
+
+    def go(name, delay):
+        time.sleep(delay)
+        t0 = time.monotonic()
+        first = None
+        body = _long_stream_body(40)
+        with clients[name].stream("POST", srv.v1 + "/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and first is None:
+                    first = time.monotonic()
+        spans[name] = (t0, first, time.monotonic())
+
+    threads = [threading.Thread(target=go, args=(n, i * 0.1)) for i, n in enumerate("abc")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients.values():
+        c.close()
+    a, b, c = spans["a"], spans["b"], spans["c"]
+    assert a[0] < b[0] < c[0]
+    # served one at a time, in arrival order: each first byte only after the previous end
+    assert a[1] < b[1] < c[1]
+    assert b[1] >= a[2] - 0.05 and c[1] >= b[2] - 0.05

@@ -1,0 +1,139 @@
+"""/v1/responses through the official openai SDK (and the raw event chain)."""
+
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+
+import engine
+from srv_helpers import sse_events
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+         {"type": "web_search"}]   # built-in: dropped
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+def uniq(p="hi"):
+    return f"{p} {uuid.uuid4().hex[:8]}"
+
+
+def test_plain_equals_in_process(srv, oai):
+    q = uniq()
+    r = oai.responses.create(model="x", input=q, instructions="be brief", max_output_tokens=9,
+                             temperature=0)
+    ref = srv.generate([{"role": "system", "content": "be brief"},
+                                                     {"role": "user", "content": q}],
+                          max_tokens=9, temperature=0.0)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == ref.text
+    assert r.status == ("incomplete" if ref.finish_reason == "length" else "completed")
+    assert r.usage.input_tokens == ref.prompt_tokens
+    assert r.usage.output_tokens == len(ref.token_ids)
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+
+
+def test_system_items_merge_with_instructions(srv, oai):
+    q = uniq()
+    r = oai.responses.create(model="x", instructions="A", max_output_tokens=5, temperature=0,
+                             input=[{"role": "developer", "content": "B"},
+                                    {"type": "message", "role": "user",
+                                     "content": [{"type": "input_text", "text": q}]}])
+    ref = srv.generate([{"role": "system", "content": "A\n\nB"},
+                                                     {"role": "user", "content": q}],
+                          max_tokens=5, temperature=0.0)
+    assert r.output_text == ref.text and r.usage.input_tokens == ref.prompt_tokens
+
+
+CHAIN = ["response.created", "response.in_progress", "response.output_item.added",
+         "response.content_part.added"]
+TAIL = ["response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+
+
+def test_stream_event_chain(srv, oai):
+    q = uniq()
+    full = oai.responses.create(model="x", input=q, max_output_tokens=6, temperature=0)
+    body = {"input": q, "max_output_tokens": 6, "temperature": 0, "stream": True}
+    evs = sse_events(httpx.post(srv.v1 + "/responses", json=body, timeout=30).text)
+    names = [n for n, _ in evs]
+    assert names[:4] == CHAIN and names[-4:] == TAIL
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
+    text = "".join(d["delta"] for n, d in evs if n == "response.output_text.delta")
+    assert text == full.output_text
+    done = evs[-1][1]["response"]
+    assert done["usage"]["output_tokens"] == full.usage.output_tokens
+    assert done["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    # the SDK's stream helper assembles the same text
+    with oai.responses.stream(model="x", input=q, max_output_tokens=6, temperature=0) as s:
+        final = s.get_final_response()
+    assert final.output_text == full.output_text
+
+
+def test_previous_response_id(srv, oai):
+    q1, q2 = uniq("first"), uniq("second")
+    r1 = oai.responses.create(model="x", input=q1, instructions="sys", max_output_tokens=6,
+                              temperature=0)
+    r2 = oai.responses.create(model="x", input=q2, previous_response_id=r1.id,
+                              max_output_tokens=6, temperature=0)
+    convo = [{"role": "system", "content": "sys"}, {"role": "user", "content": q1},
+             {"role": "assistant", "content": r1.output_text}, {"role": "user", "content": q2}]
+    ref = srv.generate(convo, max_tokens=6, temperature=0.0)
+    # the stored turn was spliced in (instructions carried forward) ...
+    assert r2.usage.input_tokens == ref.prompt_tokens
+    # ... and its prefix came from the prompt cache
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    assert r2.previous_response_id == r1.id
+    # chains: a third turn on r2 sees all of it
+    r3 = oai.responses.create(model="x", input="third", previous_response_id=r2.id,
+                              max_output_tokens=2, temperature=0)
+    assert r3.usage.input_tokens > r2.usage.input_tokens
+    st = httpx.get(srv.url + "/stats").json()["response_store"]
+    assert st["entries"] >= 3 and st["bytes"] > 0
+    assert st["max_bytes"] == 32 * 1024 * 1024 and st["ttl_ms"] == 3600000
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.responses.create(model="x", input="x", previous_response_id="resp_nope")
+    assert "resp_nope" in e.value.body["message"]
+
+
+def test_function_call_round_trip(srv, forced, oai):
+    forced.arm("Looking." + CALL)
+    r = oai.responses.create(model="x", input=uniq("weather in Rome"), tools=TOOLS,
+                             max_output_tokens=80, temperature=0)
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    fc = r.output[1]
+    assert fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Rome"}
+    assert fc.call_id.startswith("call_")
+    assert r.output_text == "Looking."
+
+    forced.arm("Looking." + CALL)
+    body = {"input": uniq("weather in Rome"), "tools": TOOLS, "max_output_tokens": 80,
+            "temperature": 0, "stream": True}
+    evs = sse_events(httpx.post(srv.v1 + "/responses", json=body, timeout=30).text)
+    names = [n for n, _ in evs]
+    i = names.index("response.function_call_arguments.delta")
+    assert names[i - 1] == "response.output_item.added"
+    assert names[i + 1:i + 3] == ["response.function_call_arguments.done",
+                                  "response.output_item.done"]
+    assert json.loads(evs[i + 1][1]["arguments"]) == {"city": "Rome"}
+    assert names[-1] == "response.completed"
+
+    # the tool result goes back as function_call_output, chained on the first response
+    forced.arm("Warm.")
+    r2 = oai.responses.create(model="x", previous_response_id=r.id, tools=TOOLS,
+                              input=[{"type": "function_call_output", "call_id": fc.call_id,
+                                      "output": "25C"}], max_output_tokens=10, temperature=0)
+    assert r2.output_text == "Warm." and r2.status == "completed"
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_bad_input_400(srv, oai):
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model="x", input=[{"type": "mystery"}])
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model="x", input="x", max_output_tokens=0)
+    r = oai.responses.create(model="x", input="still serving", max_output_tokens=2)
+    assert r.status in ("completed", "incomplete")
