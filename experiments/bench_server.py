@@ -83,7 +83,7 @@ class Server:
 
 
 def start_servers(model_dir, hf_cache, ours_args=()):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1",
            "HF_HUB_CACHE": str(hf_cache), "TOKENIZERS_PARALLELISM": "false"}
     p1, p2 = free_port(), free_port()
     ours = Server("engine-serve", [sys.executable, "-m", "server.cli", "--model", str(model_dir),
