@@ -25,8 +25,9 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 log = logging.getLogger("engine-serve")
 
@@ -34,7 +35,11 @@ CLIENT_ERRORS: tuple = (ValueError, TypeError, KeyError)
 
 
 class GenerationJob:
-    """One generation: its parameters and the channel its segments come back on."""
+    """One generation: its parameters and the channel its segments come back on.
+
+    The worker appends items to a locked deque and wakes the event loop only
+    when the consumer is actually waiting, so a consumer that is busy (or
+    coalescing writes) costs the worker no cross-thread wake-ups."""
 
     _ids = itertools.count(1)
 
@@ -49,36 +54,53 @@ class GenerationJob:
         self.queued_at = time.perf_counter()
         self.started_at: Optional[float] = None
         self.finished = False
-        self._q: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()
+        self._lock = threading.Lock()
+        self._waiter: Optional[asyncio.Future] = None
 
     # worker side
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self._q.put_nowait, item)
+        with self._lock:
+            self._items.append(item)
+            w, self._waiter = self._waiter, None
+        if w is not None:
+            self.loop.call_soon_threadsafe(_wake, w)
 
     # asyncio side
     def cancel(self) -> None:
         self.cancelled.set()
 
-    async def get(self):
-        return await self._q.get()
-
     def drain(self) -> list:
         """Everything available now (no waiting)."""
-        items = []
-        while True:
-            try:
-                items.append(self._q.get_nowait())
-            except asyncio.QueueEmpty:
-                return items
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+        return items
 
     async def get_batch(self) -> list:
         """Everything available now (waits for at least one item)."""
-        items = [await self._q.get()]
         while True:
-            try:
-                items.append(self._q.get_nowait())
-            except asyncio.QueueEmpty:
-                return items
+            with self._lock:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    return items
+                self._waiter = w = self.loop.create_future()
+            await w
+
+    async def get(self):
+        """One item (tests)."""
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                self._waiter = w = self.loop.create_future()
+            await w
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Gateway:

@@ -9,6 +9,13 @@ touches mlx-lm only (never our engine); it changes nothing for float caches.
 
 from __future__ import annotations
 
+# `import optiq` registers its own `mlx_lm.tool_parsers.minicpm5` (a parser
+# that returns a list and raises on no call) in sys.modules unless mlx-lm's
+# module is already there; the swap is process-wide and would turn mlx-lm's
+# tool-parser oracle into optiq's for every later test. Importing mlx-lm's
+# module first keeps the oracle mlx-lm's.
+import mlx_lm.tool_parsers.minicpm5  # noqa: F401  (must precede `optiq`)
+
 from optiq.runtime.kv import RotatingQuantizedKVCache, patch_rotating_to_quantized
 
 try:

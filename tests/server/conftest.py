@@ -4,12 +4,6 @@ from parity.fixtures.models import ensure_fixture
 
 from srv_helpers import start_server, stop_server
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}},
-        "required": ["city"]}}}]
-
 
 @pytest.fixture(scope="session")
 def qwen_dir():

@@ -20,6 +20,13 @@ from typing import Optional
 import mlx.core as mx
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}},
+        "required": ["city"]}}}]
+
+
 class ForcedModel:
     def __init__(self, model, tokenizer):
         object.__setattr__(self, "_inner", model)

@@ -149,6 +149,12 @@ def test_unmount(llama_dir, adapters):
         r = httpx.post(s.v1 + "/adapters", json={"id": "A", "path": str(adapters["A"])}).json()
         assert r["mounted_layers"] == 6
         assert text(s, p, "A") != base
+        # mounted at scale 0 it is the base model
+        z = httpx.post(s.v1 + "/adapters", json={"id": "Z", "path": str(adapters["B"]),
+                                                 "scale": 0}).json()
+        assert z["scale"] == 0.0
+        assert text(s, p, "Z") == base and text(s, p, "A+Z") == text(s, p, "A")
+        assert httpx.delete(s.v1 + "/adapters/Z").status_code == 200
         r = httpx.delete(s.v1 + "/adapters/A")
         assert r.status_code == 200 and r.json() == {"id": "A", "removed_layers": 6}
         assert text(s, p) == base

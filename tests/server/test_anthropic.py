@@ -7,7 +7,6 @@ import anthropic
 import httpx
 import pytest
 
-import engine
 from srv_helpers import sse_events
 
 TOOLS = [{"name": "get_weather", "description": "Weather for a city",

@@ -1,7 +1,6 @@
 """The single generation queue: FIFO, one at a time, disconnect frees it."""
 
 import asyncio
-import socket
 import threading
 import time
 import uuid

@@ -6,9 +6,7 @@ import uuid
 import httpx
 import pytest
 
-import engine
-from conftest import TOOLS
-from srv_helpers import sse_events
+from srv_helpers import TOOLS, sse_events
 
 
 def uniq(prefix="hello"):
@@ -220,3 +218,18 @@ def test_completions_logprobs_and_token_prompt(srv, oai):
     assert len(lp.top_logprobs) == len(ref.token_ids) and all(len(t) <= 2 for t in lp.top_logprobs)
     assert lp.tokens == [srv.tokenizer.decode([e["token"]]) for e in ref.logprobs]
     assert r.choices[0].text == ref.text
+
+
+def test_chat_template_kwargs_and_reasoning_effort(srv, oai):
+    from engine.generation import encode_prompt
+    msgs = [{"role": "user", "content": uniq()}]
+    plain = oai.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0)
+    off = oai.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0,
+                                      extra_body={"chat_template_kwargs":
+                                                  {"enable_thinking": False}})
+    # qwen3's template opens an empty <think></think> block when thinking is off
+    want = encode_prompt(srv.tokenizer, msgs, None, {"enable_thinking": False})
+    assert off.usage.prompt_tokens == len(want) > plain.usage.prompt_tokens
+    eff = oai.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0,
+                                      reasoning_effort="none")
+    assert eff.usage.prompt_tokens == len(want)

@@ -7,7 +7,6 @@ import httpx
 import openai
 import pytest
 
-import engine
 from srv_helpers import sse_events
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather",
