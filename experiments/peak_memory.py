@@ -13,6 +13,9 @@ target, Adam step included):
   ours_seg{1,2,4}    our segmented backward, S blocks per segment, chunked loss head
   ours_seg1_fullhead segmented S=1 with the full-logits head (isolates the head's share)
   ours_seg1_mlpchunk segmented S=1, each block's MLP half in --mlp-chunk token chunks
+  ours_seg1_tokchunk segmented S=1, every per-token part of each block (norms, q/k/v/o
+                     projections, RoPE, MLP) in --token-chunk token chunks; only SDPA
+                     sees the whole sequence
 
 Every (mode, context) cell runs in its own subprocess (fresh allocator, peak
 counter and - for mlx-lm's checkpointing, which patches the block class
@@ -44,7 +47,7 @@ from experiments._common import (build_pair, dump_json, machine, md_table, prese
                                  read_csv, report_dir, version, write_csv)
 
 MODES = ["mlx_lm_full", "mlx_lm_ckpt", "ours_full", "ours_ckpt", "ours_seg1", "ours_seg2",
-         "ours_seg4", "ours_seg1_fullhead", "ours_seg1_mlpchunk"]
+         "ours_seg4", "ours_seg1_fullhead", "ours_seg1_mlpchunk", "ours_seg1_tokchunk"]
 FIELDS = ["mode", "context", "status", "peak_bytes", "resting_bytes", "step_time_s", "loss",
           "steps", "preset", "dtype", "device", "error"]
 TARGET_PEAK, TARGET_TIME = 0.4, 1.5
@@ -52,7 +55,7 @@ TARGET_PEAK, TARGET_TIME = 0.4, 1.5
 
 # --- one cell (runs in a subprocess) ------------------------------------------------
 
-def _step_fn(mode, model, chunk, mlp_chunk):
+def _step_fn(mode, model, chunk, mlp_chunk, token_chunk=4096):
     import mlx.nn as nn
     import mlx.optimizers as optim
 
@@ -69,7 +72,9 @@ def _step_fn(mode, model, chunk, mlp_chunk):
                "ours_ckpt": TrainConfig(grad_checkpoint=True, loss_head="chunked"),
                "ours_seg1_fullhead": TrainConfig(segment_size=1, loss_head="full"),
                "ours_seg1_mlpchunk": TrainConfig(segment_size=1, loss_head="chunked",
-                                                 mlp_chunk=mlp_chunk)}.get(mode)
+                                                 mlp_chunk=mlp_chunk),
+               "ours_seg1_tokchunk": TrainConfig(segment_size=1, loss_head="chunked",
+                                                 token_chunk=token_chunk)}.get(mode)
         if cfg is None:
             cfg = TrainConfig(segment_size=int(mode[len("ours_seg"):]), loss_head="chunked")
         cfg.chunk_size = chunk
@@ -104,7 +109,8 @@ def run_cell(spec: dict) -> dict:
     rng = np.random.default_rng(T)
     batch = mx.array(rng.integers(4, min(cfg["vocab_size"], 1000), size=(1, T + 1)).astype(np.int32))
     lengths = mx.array([[0, T + 1]])
-    step, opt = _step_fn(mode, model, spec["chunk"], spec.get("mlp_chunk", 4096))
+    step, opt = _step_fn(mode, model, spec["chunk"], spec.get("mlp_chunk", 4096),
+                         spec.get("token_chunk", 4096))
     out = {"mode": mode, "context": T, "preset": spec["preset"], "dtype": spec["dtype"],
            "device": str(mx.default_device())}
     loss = step(batch, lengths)  # warm-up (kernel compilation), also initialises Adam
@@ -128,12 +134,13 @@ def run_cell(spec: dict) -> dict:
 
 # --- driver -----------------------------------------------------------------------
 
-def run_all(modes, contexts, preset, dtype, steps, chunk, timeout, mlp_chunk=4096):
+def run_all(modes, contexts, preset, dtype, steps, chunk, timeout, mlp_chunk=4096,
+            token_chunk=4096):
     rows = []
     for T in contexts:
         for mode in modes:
             spec = dict(mode=mode, context=T, preset=preset, dtype=dtype, steps=steps, chunk=chunk,
-                        mlp_chunk=mlp_chunk)
+                        mlp_chunk=mlp_chunk, token_chunk=token_chunk)
             t0 = time.time()
             try:
                 r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
@@ -254,6 +261,9 @@ def main(argv=None):
     ap.add_argument("--chunk-size", type=int, default=1024, help="rows per loss-head chunk")
     ap.add_argument("--mlp-chunk", type=int, default=None,
                     help="tokens per MLP chunk for ours_seg1_mlpchunk (default: context/8, min 64)")
+    ap.add_argument("--token-chunk", type=int, default=None,
+                    help="tokens per chunk for ours_seg1_tokchunk (default: 4096 on GPU, "
+                         "context/4 on CPU)")
     ap.add_argument("--tag", default=None, help="report subdirectory (default: derived)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     a = ap.parse_args(argv)
@@ -274,13 +284,16 @@ def main(argv=None):
     tag = a.tag or f"{'gpu' if gpu else 'cpu'}-{preset}-{dtype}"
     out = report_dir("peak_memory", tag)
     meta = {"preset": preset, "dtype": dtype, "machine": machine(), "config": preset_config(preset),
-            "chunk_size": a.chunk_size, "steps": steps}
+            "chunk_size": a.chunk_size, "steps": steps,
+            "token_chunk": a.token_chunk or ("4096" if gpu else "context/4"),
+            "mlp_chunk": a.mlp_chunk or "context/8"}
     print(f"peak_memory: preset {preset} {dtype}, contexts {contexts}, modes {modes} -> {out}",
           flush=True)
     rows = []
     for T in contexts:
         mc = a.mlp_chunk or max(64, T // 8)
-        rows += run_all(modes, [T], preset, dtype, steps, a.chunk_size, a.timeout, mc)
+        tc = a.token_chunk or (4096 if gpu else max(64, T // 4))
+        rows += run_all(modes, [T], preset, dtype, steps, a.chunk_size, a.timeout, mc, tc)
     # merge with earlier cells of the same tag (this version's directory only)
     old = [r for r in read_csv(out / "peak_memory.csv")
            if (r["mode"], int(r["context"])) not in {(x["mode"], int(x["context"])) for x in rows}]

@@ -45,6 +45,10 @@ def build_parser():
     p.add_argument("--mlp-chunk", type=int, default=0,
                    help="with --segment-size 1: run each block's MLP half N tokens at a time "
                         "(lower peak; MLP LoRA grads re-associated, ~1e-7 relative)")
+    p.add_argument("--token-chunk", type=int, default=0,
+                   help="with --segment-size 1: run every per-token part of each block (norms, "
+                        "q/k/v/o projections, RoPE, MLP) N tokens at a time; only attention sees "
+                        "the whole sequence (lowest peak; LoRA grads re-associated)")
     p.add_argument("--loss-head", choices=["full", "gather", "chunked"], default=None,
                    help="full [B,T,vocab] logits (default without --segment-size) or only the "
                         "counted positions, optionally in checkpointed chunks (default with it)")
@@ -103,7 +107,7 @@ def main(argv=None) -> int:
         keys=args.lora_keys.split(",") if args.lora_keys else None,
         max_seq_length=args.max_seq_length, grad_accumulation=args.grad_accumulation,
         grad_checkpoint=args.grad_checkpoint, segment_size=args.segment_size,
-        mlp_chunk=args.mlp_chunk, loss_head=head,
+        mlp_chunk=args.mlp_chunk, token_chunk=args.token_chunk, loss_head=head,
         chunk_size=args.chunk_size, val_batches=args.val_batches,
         steps_per_report=args.steps_per_report, steps_per_eval=args.steps_per_eval,
         save_every=args.save_every, seed=args.seed, mask_prompt=args.mask_prompt,

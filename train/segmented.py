@@ -254,12 +254,181 @@ def _split_backward(model, P, i, split, x_in, dh, mask, chunk, h_primal, flat_gr
     return dx if h_primal else dh
 
 
+# --- whole-layer token chunking (pre / core / post) ---------------------------------
+
+def token_split(layer):
+    """(pre, core, post) of a Llama-layout block (llama, qwen3, minicpm) that compose
+    to `layer(x, mask, None)` op for op; None for other blocks.
+
+    pre(x_rows, offset) -> (q, k, v): input norm, q/k/v projections (qwen3's q/k
+    norms), RoPE at positions offset.. - a per-token function;
+    core(q, k, v, mask) -> o [B, T, H*hd]: SDPA, the only op that mixes tokens;
+    post(x_rows, o_rows) -> block output rows: o_proj, residual, post norm, MLP,
+    residual - per token again."""
+    from engine.models import llama, minicpm, qwen3
+    if type(layer) not in (llama.Block, minicpm.Block):
+        return None
+    attn = layer.self_attn
+    if type(attn) not in (llama.Attention, qwen3.Attention):
+        return None
+    qk_norm = isinstance(attn, qwen3.Attention)
+    bs = layer.branch_scale if isinstance(layer, minicpm.Block) else None
+
+    def pre(x, offset):
+        B, L, _ = x.shape
+        n = layer.input_layernorm(x)
+        q = attn.q_proj(n).reshape(B, L, attn.n_heads, -1)
+        k = attn.k_proj(n).reshape(B, L, attn.n_kv_heads, -1)
+        if qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = attn.v_proj(n).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+    def core(q, k, v, mask):
+        B, _, L, _ = q.shape
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
+        return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+    def post(x, o):
+        a = attn.o_proj(o)
+        h = x + (a * bs if bs is not None else a)
+        m = layer.mlp(layer.post_attention_layernorm(h))
+        return h + (m * bs if bs is not None else m)
+
+    return pre, core, post
+
+
+def _cat(parts, axis):
+    return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+
+
+def _tok_qkv(pre, x, chunk):
+    """q, k, v of the whole sequence, computed (no autograd) chunk by chunk."""
+    qs, ks, vs = [], [], []
+    for a, b in _chunks(x.shape[1], chunk):
+        q, k, v = (mx.stop_gradient(t) for t in pre(x[:, a:b], a))
+        mx.eval(q, k, v)
+        qs.append(q), ks.append(k), vs.append(v)
+    q, k, v = _cat(qs, 2), _cat(ks, 2), _cat(vs, 2)
+    del qs, ks, vs
+    mx.eval(q, k, v)
+    return q, k, v
+
+
+def _tok_forward(split, x, mask, chunk):
+    pre, core, post = split
+    q, k, v = _tok_qkv(pre, x, chunk)
+    o = mx.stop_gradient(core(q, k, v, mask))
+    mx.eval(o)
+    del q, k, v
+    parts = []
+    for a, b in _chunks(x.shape[1], chunk):
+        y = mx.stop_gradient(post(x[:, a:b], o[:, a:b]))
+        mx.eval(y)
+        parts.append(y)
+    del o
+    return _cat(parts, 1)
+
+
+def _tok_backward(model, P, i, split, x_in, dh, mask, chunk, h_primal, flat_grads):
+    """Backward of block i with every per-token part (norms, projections + LoRA,
+    RoPE, MLP) differentiated `chunk` tokens at a time; only SDPA sees the whole
+    sequence. Live at full length: q, k, v, o, their cotangents, dh / dx.
+    Returns the cotangent of the block input (dh itself when not needed)."""
+    pre, core, post = split
+    layer = model.layers[i]
+    names, arrays = P.layer[i]
+    is_pre = [nm.startswith("input_layernorm.") or
+              (nm.startswith("self_attn.") and not nm.startswith("self_attn.o_proj."))
+              for nm in names]
+    pre_n = [nm for nm, f in zip(names, is_pre) if f]
+    pre_a = [ar for ar, f in zip(arrays, is_pre) if f]
+    post_n = [nm for nm, f in zip(names, is_pre) if not f]
+    post_a = [ar for ar, f in zip(arrays, is_pre) if not f]
+    T = x_in.shape[1]
+    spans = _chunks(T, chunk)
+
+    def accumulate(acc, gs):
+        return list(gs) if acc is None else [x + y for x, y in zip(acc, gs)]
+
+    # recompute q, k, v and the attention output (no autograd)
+    q, k, v = _tok_qkv(pre, x_in, chunk)
+    o = mx.stop_gradient(core(q, k, v, mask))
+    mx.eval(o)
+
+    # post half (o_proj, MLP): per chunk -> d(o) rows, d(x) rows via the residual
+    def post_fn(*args):
+        if h_primal:
+            xc, oc, ps = args[0], args[1], args[2:]
+        else:
+            xc, oc, ps = post_x[0], args[0], args[1:]
+        _bind(layer, post_n, ps)
+        return [post(xc, oc)]
+
+    acc_post, do_parts, dxr_parts = None, [], []
+    for a, b in spans:
+        post_x = [x_in[:, a:b]]
+        prim = ([x_in[:, a:b]] if h_primal else []) + [o[:, a:b]] + post_a
+        _, g = mx.vjp(post_fn, prim, [dh[:, a:b]])
+        if h_primal:
+            dxr_parts.append(g[0])
+            g = g[1:]
+        do_parts.append(g[0])
+        acc_post = accumulate(acc_post, g[1:])
+        mx.eval(g[0], dxr_parts[-1:] if h_primal else [], acc_post)
+    del o, g
+    do = _cat(do_parts, 1)
+    del do_parts
+    dx_res = _cat(dxr_parts, 1) if h_primal else None
+    del dxr_parts
+    mx.eval(do, dx_res if h_primal else [])
+
+    # core (SDPA) over the whole sequence
+    _, (dq, dk, dv) = mx.vjp(lambda q_, k_, v_: [core(q_, k_, v_, mask)], [q, k, v], [do])
+    mx.eval(dq, dk, dv)
+    del q, k, v, do
+
+    # pre half (norm, q/k/v projections, RoPE): per chunk -> d(x) rows
+    def pre_fn(*args, offset=0):
+        if h_primal:
+            xc, ps = args[0], args[1:]
+        else:
+            xc, ps = pre_x[0], args
+        _bind(layer, pre_n, ps)
+        return list(pre(xc, offset))
+
+    acc_pre, dx_parts = None, []
+    for a, b in spans:
+        pre_x = [x_in[:, a:b]]
+        prim = ([x_in[:, a:b]] if h_primal else []) + pre_a
+        _, g = mx.vjp(lambda *args, a=a: pre_fn(*args, offset=a), prim,
+                      [dq[:, :, a:b], dk[:, :, a:b], dv[:, :, a:b]])
+        if h_primal:
+            dx_parts.append(dx_res[:, a:b] + g[0])
+            g = g[1:]
+        acc_pre = accumulate(acc_pre, g)
+        mx.eval(dx_parts[-1:] if h_primal else [], acc_pre)
+    del dq, dk, dv, dx_res
+    _bind(layer, names, arrays)
+    for nm, gr in zip(pre_n, acc_pre or []):
+        flat_grads[P.full_name(i, nm)] = gr
+    for nm, gr in zip(post_n, acc_post or []):
+        flat_grads[P.full_name(i, nm)] = gr
+    if not h_primal:
+        return dh
+    dx = _cat(dx_parts, 1)
+    del dx_parts
+    mx.eval(dx)
+    return dx
+
+
 # --- segmented backward ---------------------------------------------------------
 
 def segmented_value_and_grad(model, batch, lengths, segment_size: int,
                              head: str = "chunked", chunk_size: int = 1024,
                              return_stats: bool = False, exact_kv_order: bool = True,
-                             mlp_chunk: int = 0):
+                             mlp_chunk: int = 0, token_chunk: int = 0):
     """((loss, ntoks), grads) like `nn.value_and_grad(model, sft_loss)`, computed
     segment by segment (see the module docstring). `grads` has the structure of
     `model.trainable_parameters()`.
@@ -277,7 +446,18 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     [T, intermediate] activations (and LoRA's float32 [T, out] terms) are never
     live for the whole sequence. Hidden-state cotangents stay exact (rows are
     independent); the MLP LoRA gradients become a sum over token chunks, which
-    re-associates their reduction (measured in tests/train/test_segmented.py)."""
+    re-associates their reduction (measured in tests/train/test_segmented.py).
+
+    token_chunk > 0 (segment_size 1, no dropout, Llama-layout blocks; supersedes
+    mlp_chunk): the whole block is split into its per-token parts - input norm,
+    q/k/v projections and RoPE before SDPA, o_proj and the MLP after it - and only
+    SDPA sees the whole sequence; forward and backward run every per-token part
+    `token_chunk` tokens at a time (see :func:`token_split`), so no [T, hidden]
+    or [T, intermediate] activation of a projection, its LoRA float32 terms or
+    its cotangent is live beyond one chunk. Blocks of other layouts fall back to
+    the plain segment vjp. Hidden-state cotangents are exact per row; every LoRA
+    gradient becomes a sum over chunks (re-associated; measured in
+    tests/train/test_segmented.py)."""
     inputs, targets, mask = split_batch(batch, lengths)
     n = len(model.layers)
     segs = plan_segments(n, segment_size)
@@ -285,8 +465,14 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     P = _Params(model)
     need_outer = bool(P.outer)
     sel = None if head == "full" else selected_rows(mask)
-    splits = None
-    if mlp_chunk:
+    splits = tsplits = None
+    if token_chunk:
+        if segment_size != 1:
+            raise ValueError("token_chunk needs segment_size 1")
+        if has_dropout(model):
+            raise ValueError("token_chunk does not support LoRA dropout")
+        tsplits = [token_split(l) for l in model.layers]
+    elif mlp_chunk:
         if segment_size != 1:
             raise ValueError("mlp_chunk needs segment_size 1")
         if has_dropout(model):
@@ -319,7 +505,9 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     for s, (lo, hi) in enumerate(segs):
         keys.append(get_key())
         for i in range(lo, hi):
-            if splits is not None and splits[i] is not None:
+            if tsplits is not None and tsplits[i] is not None:
+                h = _tok_forward(tsplits[i], h, ctx["masks"][i], token_chunk)
+            elif splits is not None and splits[i] is not None:
                 h = _split_forward(splits[i], h, ctx["masks"][i], mlp_chunk)
             else:
                 h = model.layer_step(i, h, ctx)
@@ -369,6 +557,11 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
         lo, hi = segs[s]
         h_in = bounds[s]
         h_primal = s > 0 or need_outer
+        if tsplits is not None and tsplits[lo] is not None:
+            dh = _tok_backward(model, P, lo, tsplits[lo], h_in, dh, ctx["masks"][lo],
+                               token_chunk, h_primal, flat_grads)
+            del bounds[s], h_in
+            continue
         if splits is not None and splits[lo] is not None:
             dh = _split_backward(model, P, lo, splits[lo], h_in, dh, ctx["masks"][lo],
                                  mlp_chunk, h_primal, flat_grads)

@@ -75,6 +75,7 @@ class TrainConfig:
     grad_checkpoint: bool = False
     segment_size: int = 0
     mlp_chunk: int = 0          # with segment_size 1: MLP half in token chunks
+    token_chunk: int = 0        # with segment_size 1: every per-token part in token chunks
     loss_head: str = "full"
     chunk_size: int = 1024
     val_batches: int = 25
@@ -99,6 +100,10 @@ class TrainConfig:
             raise ValueError("segment_size must be >= 0")
         if self.mlp_chunk and self.segment_size != 1:
             raise ValueError("--mlp-chunk needs --segment-size 1")
+        if self.token_chunk and self.segment_size != 1:
+            raise ValueError("--token-chunk needs --segment-size 1")
+        if self.token_chunk and self.mlp_chunk:
+            raise ValueError("use either --token-chunk or --mlp-chunk, not both")
         if self.segment_size and self.grad_checkpoint:
             raise ValueError("use either --grad-checkpoint or --segment-size, not both")
         if self.iters < 1 or self.batch_size < 1:
@@ -125,7 +130,7 @@ def loss_and_grad_fn(model, cfg: TrainConfig) -> Callable:
     if cfg.segment_size:
         return lambda m, b, l: segmented_value_and_grad(
             m, b, l, cfg.segment_size, head=cfg.loss_head, chunk_size=cfg.chunk_size,
-            mlp_chunk=cfg.mlp_chunk)
+            mlp_chunk=cfg.mlp_chunk, token_chunk=cfg.token_chunk)
 
     def loss(m, b, l):
         if not cfg.grad_checkpoint:
@@ -332,7 +337,9 @@ class Trainer:
         c = self.cfg
         if c.segment_size:
             return (f"segmented (segment size {c.segment_size}"
-                    + (f", MLP in {c.mlp_chunk}-token chunks)" if c.mlp_chunk else ")"))
+                    + (f", MLP in {c.mlp_chunk}-token chunks)" if c.mlp_chunk else
+                       f", per-token parts in {c.token_chunk}-token chunks)" if c.token_chunk
+                       else ")"))
         return "grad checkpoint" if c.grad_checkpoint else "full"
 
 

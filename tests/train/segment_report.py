@@ -46,11 +46,12 @@ def full_backward(model, vocab=1000):
     return _BASE[key][1:]
 
 
-def compare(model, segment_size, head="full", exact_kv_order=True, vocab=1000):
+def compare(model, segment_size, head="full", exact_kv_order=True, vocab=1000, **kw):
+    """`kw`: further options of segmented_value_and_grad (mlp_chunk, token_chunk)."""
     batch, lengths = random_batch(vocab=vocab, T=33)
     l0, g0 = full_backward(model, vocab)
     (l1, _), g1 = segmented_value_and_grad(model, batch, lengths, segment_size, head=head,
-                                           chunk_size=16, exact_kv_order=exact_kv_order)
+                                           chunk_size=16, exact_kv_order=exact_kv_order, **kw)
     g1 = flat(g1)
     rel = {k: rel_norm(g1[k], g0[k]) for k in g0}
     exact = {k: bool(mx.array_equal(g1[k], g0[k]).item()) for k in g0}
