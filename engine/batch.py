@@ -1,0 +1,378 @@
+"""Continuous batching: one scheduler loop over rows (schedule -> one step -> update).
+
+Each call to `BatchScheduler.step()` does, in this order (mlx-lm 0.32.2
+BatchGenerator's schedule, so the same inserts give the same forwards):
+
+1. **decode** — one forward over every generating row (its last sampled token),
+   sample each row's next token with its own sampler / PRNG key / processors,
+   emit each row's *current* token with its logprobs (the step is pipelined:
+   the token emitted now was sampled by the previous forward), and drop rows
+   that finished (EOS or stop token, stop string, `max_tokens`);
+2. **admit** — queued requests join the prefill group (bounded by
+   `prefill_batch_size` and `completion_batch_size`), their caches stacked
+   right-aligned and appended to the group's caches (no re-merge of the rest);
+3. **graduate** — rows whose prompt is consumed except its last token leave
+   the prefill group: one forward of that last token (the first decode step)
+   gives their first sampled token, and they are appended to the decode group;
+4. **prefill** — one chunk (<= `prefill_step_size` tokens per row) of every
+   remaining prompt, right-padded to the longest, then rolled to left padding,
+   so long prompts never stall the decoding rows for more than one chunk.
+
+`cancel(uid)` removes a row between steps (queued, prefilling or decoding).
+The scheduler never touches HTTP; a server lane drives `step()` from one thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .batch_cache import batch_caches, extend_caches
+from .sampling import greedy
+
+__all__ = ["BatchRequest", "RowEvent", "BatchScheduler", "batch_generate"]
+
+
+@dataclass
+class BatchRequest:
+    """One row. `prompt` is the token ids still to run through the model (after
+    any prefix held in `caches`, single-row caches from a prompt cache)."""
+
+    prompt: Sequence[int]
+    max_tokens: int = 256
+    sampler: Optional[Callable] = None          # fn(logprobs [n, V], key=None) -> [n]
+    seed: Optional[int] = None                  # per-row PRNG key (else the global PRNG)
+    logits_processors: Sequence[Callable] = ()  # fn(tokens [T], logits [1, V]) -> logits
+    stop_tokens: Optional[Iterable[int]] = None  # default: the scheduler's EOS ids
+    stop: Sequence[str] = ()                    # stop strings (needs a tokenizer)
+    caches: Optional[list] = None
+    history: Sequence[int] = ()                 # tokens already in `caches` (processor context)
+
+
+@dataclass
+class RowEvent:
+    uid: int
+    token: Optional[int]                 # None for a cancelled row's last event
+    logprobs: Optional[mx.array]         # [V] log-softmax of the step that produced `token`
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
+    text: str = ""                       # text made final by this token (tokenizer given)
+    stop_token: bool = False             # `token` is an EOS/stop token (not part of the text)
+
+
+class _Row:
+    __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
+                 "detok", "matcher", "cancelled")
+
+    def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
+        self.uid, self.req = uid, req
+        prompt = list(req.prompt)
+        self.pending = prompt[:-1]        # prefilled in chunks
+        self.last = prompt[-1]            # fed as the first decode step
+        self.tokens = list(req.history)   # tokens in the row's cache (processor context)
+        self.n = 0
+        self.key = mx.random.key(req.seed) if req.seed is not None else None
+        self.stops = stops
+        self.detok = self.matcher = None
+        self.cancelled = False
+        if tokenizer is not None:
+            from .text import StopMatcher
+            self.detok = tokenizer.make_detokenizer(trim_leading_space=True)
+            stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+            self.matcher = StopMatcher(stop) if stop else None
+        elif req.stop:
+            raise ValueError("stop strings need a tokenizer")
+
+    @property
+    def sampler(self):
+        return self.req.sampler or greedy
+
+    def sample(self, logprobs):
+        if self.key is None:
+            return self.sampler(logprobs)
+        self.key, sub = mx.random.split(self.key)
+        return self.sampler(logprobs, key=sub)
+
+
+class _Group:
+    """Rows that share batched caches (one prefill group, one decode group)."""
+
+    def __init__(self):
+        self.rows: List[_Row] = []
+        self.caches: list = []
+        self.next_tokens = None            # decode group: [B] sampled, not yet emitted
+        self.next_logprobs: list = []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def filter(self, keep: List[int]):
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.caches = []
+            self.next_tokens, self.next_logprobs = None, []
+            return
+        for c in self.caches:
+            c.filter(keep)
+        if self.next_tokens is not None:
+            self.next_tokens = self.next_tokens[mx.array(keep)]
+            self.next_logprobs = [self.next_logprobs[i] for i in keep]
+
+    def take(self, idx: List[int]) -> "_Group":
+        """Split rows idx (sorted) off into a new group."""
+        out = _Group()
+        out.rows = [self.rows[i] for i in idx]
+        out.caches = [_clone(c) for c in self.caches]
+        for c in out.caches:
+            c.filter(idx)
+        rest = [i for i in range(len(self.rows)) if i not in set(idx)]
+        self.filter(rest)
+        return out
+
+    def extend(self, other: "_Group"):
+        self.rows.extend(other.rows)
+        self.caches = extend_caches(self.caches, other.caches)
+        if other.next_tokens is not None:
+            self.next_tokens = (other.next_tokens if self.next_tokens is None
+                                else mx.concatenate([self.next_tokens, other.next_tokens]))
+            self.next_logprobs.extend(other.next_logprobs)
+
+
+def _clone(c):
+    n = type(c).__new__(type(c))
+    n.__dict__.update(c.__dict__)
+    return n
+
+
+def _eval_caches(caches):
+    mx.eval([a for c in caches for a in c.state if a is not None])
+
+
+class BatchScheduler:
+    """Continuous batching over `model(inputs [B, T], cache=list) -> logits`.
+
+    completion_batch_size: most rows decoding at once; prefill_batch_size: most
+    rows prefilling at once; prefill_step_size: prompt tokens per row per step.
+    eos_token_ids: default stop tokens (the tokenizer's if given).
+    """
+
+    def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
+                 completion_batch_size: int = 32, prefill_batch_size: int = 8,
+                 prefill_step_size: int = 2048):
+        self.model = model
+        self.tokenizer = tokenizer
+        if eos_token_ids is None and tokenizer is not None:
+            eos_token_ids = tokenizer.eos_token_ids
+        self.eos = set(int(t) for t in (eos_token_ids or ()))
+        self.prefill_batch_size = prefill_batch_size
+        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
+        self.prefill_step_size = prefill_step_size
+        self._queue: deque[_Row] = deque()
+        self._prefill = _Group()
+        self._decode = _Group()
+        self._uid = 0
+        self._cancelled: List[RowEvent] = []
+        self.steps = 0
+
+    # -- requests -----------------------------------------------------------------
+    def submit(self, req: BatchRequest) -> int:
+        if not len(req.prompt):
+            raise ValueError("empty prompt")
+        if req.max_tokens <= 0:
+            raise ValueError("max_tokens must be > 0")
+        stops = self.eos if req.stop_tokens is None else set(int(t) for t in req.stop_tokens)
+        row = _Row(self._uid, req, stops, self.tokenizer)
+        self._uid += 1
+        self._queue.append(row)
+        return row.uid
+
+    def cancel(self, uid: int) -> bool:
+        """Remove a row now; its final event (finish_reason "cancelled") comes with the next step."""
+        for row in self._queue:
+            if row.uid == uid:
+                self._queue.remove(row)
+                self._cancelled.append(RowEvent(uid, None, None, "cancelled"))
+                return True
+        for g in (self._prefill, self._decode):
+            for i, row in enumerate(g.rows):
+                if row.uid == uid:
+                    g.filter([j for j in range(len(g)) if j != i])
+                    self._cancelled.append(RowEvent(uid, None, None, "cancelled"))
+                    return True
+        return False
+
+    @property
+    def active(self) -> int:
+        return len(self._prefill) + len(self._decode)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._prefill.rows or self._decode.rows or self._cancelled)
+
+    def kv_nbytes(self) -> int:
+        return sum(c.nbytes for g in (self._prefill, self._decode) for c in g.caches)
+
+    # -- the loop -----------------------------------------------------------------
+    def step(self) -> List[RowEvent]:
+        events, self._cancelled = self._cancelled, []
+        if self._decode.rows:
+            events += self._decode_step()
+        self.steps += 1
+        if len(self._decode) >= self.completion_batch_size:
+            return events
+        self._admit()
+        ready = [i for i, r in enumerate(self._prefill.rows) if not r.pending]
+        if ready:
+            self._graduate(ready)
+        if self._prefill.rows:
+            self._prefill_chunk()
+        return events
+
+    def run(self) -> Iterator[RowEvent]:
+        while self.has_work():
+            yield from self.step()
+
+    # -- phases ---------------------------------------------------------------------
+    def _forward_sample(self, g: _Group, inputs: mx.array):
+        """One decode forward of g's rows on inputs [B]; returns (sampled [B], logprobs [B, V])."""
+        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+        rows = g.rows
+        if any(r.req.logits_processors for r in rows):
+            ids = inputs.tolist()
+            out = []
+            for e, r in enumerate(rows):
+                lg = logits[e:e + 1]
+                if r.req.logits_processors:
+                    ctx = mx.array(r.tokens + [ids[e]])
+                    for p in r.req.logits_processors:
+                        lg = p(ctx, lg)
+                out.append(lg)
+            logits = mx.concatenate(out, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        s0 = rows[0].sampler
+        if all(r.key is None and r.sampler is s0 for r in rows):
+            sampled = s0(logprobs)                     # one batched call (global PRNG)
+        else:
+            sampled = mx.concatenate([r.sample(logprobs[e:e + 1]) for e, r in enumerate(rows)])
+        return sampled, logprobs
+
+    def _decode_step(self) -> List[RowEvent]:
+        g = self._decode
+        inputs, cur_lp = g.next_tokens, g.next_logprobs
+        sampled, logprobs = self._forward_sample(g, inputs)
+        g.next_tokens, g.next_logprobs = sampled, list(logprobs)
+        mx.async_eval(g.next_tokens, g.next_logprobs)
+        mx.eval(inputs, cur_lp)
+        toks = inputs.tolist()
+        events, keep = [], []
+        for i, (row, tok) in enumerate(zip(g.rows, toks)):
+            row.tokens.append(tok)
+            row.n += 1
+            ev = RowEvent(row.uid, tok, cur_lp[i])
+            if row.n >= row.req.max_tokens:
+                ev.finish_reason = "length"
+            if tok in row.stops:
+                ev.finish_reason, ev.stop_token = "stop", True
+            if row.detok is not None:
+                self._text(row, ev)
+            if ev.finish_reason is None:
+                keep.append(i)
+            events.append(ev)
+        if len(keep) < len(g):
+            g.filter(keep)
+        return events
+
+    def _text(self, row: _Row, ev: RowEvent):
+        text, hit = "", False
+        if not ev.stop_token:
+            row.detok.add_token(ev.token)
+            text = row.detok.last_segment
+            if row.matcher is not None:
+                text, hit = row.matcher.feed(text)
+        if hit:
+            ev.finish_reason = "stop"
+        elif ev.finish_reason is not None:
+            row.detok.finalize()
+            tail = row.detok.last_segment
+            if row.matcher is not None:
+                tail, hit = row.matcher.feed(tail)
+                if hit:
+                    ev.finish_reason = "stop"
+                else:
+                    tail += row.matcher.flush()
+            text += tail
+        ev.text = text
+
+    def _admit(self):
+        n = min(self.prefill_batch_size - len(self._prefill),
+                self.completion_batch_size - len(self._decode), len(self._queue))
+        if n <= 0:
+            return
+        new = _Group()
+        new.rows = [self._queue.popleft() for _ in range(n)]
+        per_row = [r.req.caches if r.req.caches is not None else self.model.make_cache()
+                   for r in new.rows]
+        new.caches = batch_caches(per_row)
+        self._prefill.extend(new)
+
+    def _graduate(self, idx: List[int]):
+        g = self._prefill.take(idx)
+        inputs = mx.array([r.last for r in g.rows])
+        g.next_tokens, lp = self._forward_sample(g, inputs)
+        g.next_logprobs = list(lp)
+        mx.async_eval(g.next_tokens, g.next_logprobs)
+        for r in g.rows:
+            r.tokens.append(r.last)
+        self._decode.extend(g)
+
+    def _prefill_chunk(self):
+        g = self._prefill
+        chunks = []
+        for r in g.rows:
+            chunks.append(r.pending[:self.prefill_step_size])
+            r.pending = r.pending[self.prefill_step_size:]
+            r.tokens.extend(chunks[-1])
+        lengths = [len(c) for c in chunks]
+        T = max(lengths)
+        pads = [T - n for n in lengths]
+        padded = max(pads) > 0
+        if padded:
+            for c in g.caches:
+                c.prepare(lengths=lengths, right_padding=pads)
+            tokens = mx.array([c + [0] * p for c, p in zip(chunks, pads)])
+        else:
+            tokens = mx.array(chunks)
+        self.model(tokens, cache=g.caches)
+        _eval_caches(g.caches)
+        if padded:
+            for c in g.caches:
+                c.finalize()
+            _eval_caches(g.caches)
+
+    # -- prompt-cache hand-off ------------------------------------------------------
+    def row_caches(self, uid: int) -> Optional[list]:
+        """A decoding or prefilling row's KV as single-row caches (for a prompt cache)."""
+        for g in (self._decode, self._prefill):
+            for i, r in enumerate(g.rows):
+                if r.uid == uid:
+                    return [c.extract(i) for c in g.caches]
+        return None
+
+
+def batch_generate(model, prompts: Sequence[Sequence[int]], *, max_tokens=64, **kw):
+    """All prompts at once; returns per prompt (tokens, [logprobs [V]], finish_reason)."""
+    sched = BatchScheduler(model, **kw)
+    uids = [sched.submit(BatchRequest(list(p), max_tokens=max_tokens)) for p in prompts]
+    out = {u: ([], [], None) for u in uids}
+    for ev in sched.run():
+        toks, lps, _ = out[ev.uid]
+        if ev.token is not None:
+            toks.append(ev.token)
+            lps.append(ev.logprobs)
+        out[ev.uid] = (toks, lps, ev.finish_reason)
+    return [out[u] for u in uids]

@@ -1,0 +1,454 @@
+"""Batched KV caches: B rows in one [B, heads, T, head_dim] buffer, left-padded.
+
+Every row is right-aligned: row b's real tokens occupy the columns from
+``left_padding[b]`` up to the write position, and ``offset[b]`` is its true
+length (the RoPE position of its next token). Masks hide the padding columns.
+
+A prefill chunk whose rows have different lengths is written right-padded
+(``prepare(lengths=, right_padding=)``); ``finalize()`` then rotates each
+row's trailing pads to its front, so the cache is left-padded again before
+the next decode step. Rows leave with ``filter`` and join with ``extend``
+(both caches are padded to the same write position).
+
+The layout and every state transition follow mlx-lm 0.32.2's batch caches
+(BatchKVCache / BatchRotatingKVCache) on purpose: attention sees the same
+arrays in the same order under the same boolean masks, which is what makes
+batched logits bit-identical to mlx-lm's BatchGenerator.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from .cache import KVCache, RotatingKVCache
+from .models.base import causal_mask
+
+
+def roll_rows(x: mx.array, shifts: mx.array, axis: int = 2) -> mx.array:
+    """Roll each row b of x (batch axis 0) right by shifts[b] along `axis` (a gather)."""
+    n = x.shape[axis]
+    pos = mx.arange(n).reshape((n,) + (1,) * (x.ndim - 1 - axis))
+    sh = shifts.reshape((-1,) + (1,) * (x.ndim - 1))
+    return mx.take_along_axis(x, (pos - sh) % n, axis=axis)
+
+
+def _ints(v) -> mx.array:
+    return mx.array(list(v), dtype=mx.int32)
+
+
+def _pad_time(k: mx.array, left: int, right: int) -> mx.array:
+    if right < 0:
+        k = k[..., :right, :]
+        right = 0
+    if left or right:
+        k = mx.pad(k, [(0, 0), (0, 0), (left, right), (0, 0)])
+    return k
+
+
+class BatchKVCache:
+    """Growing batched cache for full-attention layers."""
+
+    step = 256
+    bits = None
+
+    def __init__(self, left_padding: Sequence[int]):
+        self.keys = None
+        self.values = None
+        self.left_padding = _ints(left_padding)
+        self.offset = -self.left_padding
+        self._idx = 0                       # next column to write (shared by all rows)
+        self._right_padding = None
+
+    # -- construction ---------------------------------------------------------
+    @classmethod
+    def from_caches(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
+        """Stack single-row caches (possibly empty), right-aligned."""
+        sizes = [c.offset if c.keys is not None else 0 for c in caches]
+        T = max(sizes)
+        if T == 0:
+            return cls([0] * len(caches))
+        pads = [T - s for s in sizes]
+        ref = next(c for c in caches if c.keys is not None and c.offset)
+        _, H, _, dk = ref.keys.shape
+        dv = ref.values.shape[3]
+        keys = mx.zeros((len(caches), H, T, dk), ref.keys.dtype)
+        values = mx.zeros((len(caches), H, T, dv), ref.values.dtype)
+        for b, (p, s, c) in enumerate(zip(pads, sizes, caches)):
+            if s:
+                keys[b:b + 1, :, p:] = c.keys[..., :s, :]
+                values[b:b + 1, :, p:] = c.values[..., :s, :]
+        out = cls(pads)
+        out.keys, out.values = keys, values
+        out.offset = out.offset + T
+        out._idx = T
+        return out
+
+    # -- the model-facing protocol ----------------------------------------------
+    def update_and_fetch(self, keys, values):
+        start, n = self._idx, keys.shape[2]
+        if self.keys is None or start + n > self.keys.shape[2]:
+            B, H, _, dk = keys.shape
+            grow = (n + self.step - 1) // self.step * self.step
+            nk = mx.zeros((B, H, grow, dk), keys.dtype)
+            nv = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = nk, nv
+            else:
+                if start % self.step:
+                    self.keys, self.values = self.keys[..., :start, :], self.values[..., :start, :]
+                self.keys = mx.concatenate([self.keys, nk], axis=2)
+                self.values = mx.concatenate([self.values, nv], axis=2)
+        self._idx = start + n
+        self.offset = self.offset + n
+        self.keys[..., start:self._idx, :] = keys
+        self.values[..., start:self._idx, :] = values
+        return self.keys[..., :self._idx, :], self.values[..., :self._idx, :]
+
+    def make_mask(self, n: int, window_size: Optional[int] = None, return_array: bool = False):
+        return causal_mask(n, self._idx, window=window_size, left_padding=self.left_padding)
+
+    # -- right-padded prefill ---------------------------------------------------
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError("left padding can only be added to an empty batch cache")
+            lp = _ints(left_padding)
+            self.left_padding = self.left_padding + lp
+            self.offset = self.offset - lp
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = _ints(right_padding)
+
+    def finalize(self):
+        rp = self._right_padding
+        if rp is None:
+            return
+        self.keys = roll_rows(self.keys, rp)
+        self.values = roll_rows(self.values, rp)
+        self.offset = self.offset - rp
+        self.left_padding = self.left_padding + rp
+        self._right_padding = None
+
+    # -- rows leave / join --------------------------------------------------------
+    def filter(self, keep: List[int]):
+        if self.keys is not None:
+            self.keys, self.values = self.keys[keep], self.values[keep]
+        self.offset = self.offset[keep]
+        self.left_padding = self.left_padding[keep]
+        drop = min(self.left_padding.tolist())
+        if drop > 0:                       # every row has padding there: cut it
+            if self.keys is not None:
+                self.keys = self.keys[..., drop:, :]
+                self.values = self.values[..., drop:, :]
+            self._idx -= drop
+            self.left_padding = self.left_padding - drop
+
+    def extend(self, other: "BatchKVCache"):
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        idx = max(self._idx, other._idx)
+        ref = self if self.keys is not None else other
+        _, H, _, dk = ref.keys.shape
+        dv = ref.values.shape[3]
+        cap = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+        parts = []
+        for c in (self, other):
+            k, v = c.keys, c.values
+            if k is None:
+                nb = c.offset.shape[0]
+                k = mx.zeros((nb, H, 0, dk), ref.keys.dtype)
+                v = mx.zeros((nb, H, 0, dv), ref.keys.dtype)
+            left = idx - c._idx
+            right = cap - k.shape[2] - left
+            parts.append((_pad_time(k, left, right), _pad_time(v, left, right),
+                          c.offset, c.left_padding + left))
+        self.keys, self.values, self.offset, self.left_padding = (
+            mx.concatenate(list(p)) for p in zip(*parts))
+        self._idx = idx
+
+    def extract(self, b: int) -> KVCache:
+        """Row b as a single-row KVCache (its real tokens only)."""
+        pad = int(self.left_padding[b].item())
+        c = KVCache()
+        c.keys = mx.contiguous(self.keys[b:b + 1, :, pad:self._idx])
+        c.values = mx.contiguous(self.values[b:b + 1, :, pad:self._idx])
+        c.offset = c.keys.shape[2]
+        return c
+
+    # -- bookkeeping --------------------------------------------------------------
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding
+
+    @property
+    def batch_size(self) -> int:
+        return self.offset.shape[0]
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class BatchRotatingKVCache:
+    """Batched ring buffer for sliding-window layers (no sink tokens).
+
+    `_idx` is the shared write position in the buffer, `_written` the number of
+    columns ever written (padding included), `rotated` whether writes have
+    wrapped. Per row, `left_padding` counts the columns (from the buffer's
+    logical start) that are not that row's tokens; it goes negative once the
+    row's padding has been pushed out of the window."""
+
+    step = 256
+    bits = None
+
+    def __init__(self, max_size: int, left_padding: Sequence[int]):
+        self.keys = None
+        self.values = None
+        self.left_padding = _ints(left_padding)
+        self.offset = -self.left_padding
+        self.max_size = max_size
+        self._idx = 0
+        self._written = 0
+        self.rotated = False
+        self._lengths = None          # set during a right-padded prefill
+
+    @classmethod
+    def from_caches(cls, caches: Sequence[RotatingKVCache]) -> "BatchRotatingKVCache":
+        W = caches[0].max_size
+        if any(c.max_size != W for c in caches):
+            raise ValueError("rotating caches of different window sizes cannot be batched")
+        sizes = [c.size() if c.keys is not None else 0 for c in caches]
+        T = max(sizes)
+        if T == 0:
+            return cls(W, [0] * len(caches))
+        pads = [T - s for s in sizes]
+        ref = next(c for c in caches if c.keys is not None and c.offset)
+        _, H, _, dk = ref.keys.shape
+        dv = ref.values.shape[3]
+        keys = mx.zeros((len(caches), H, T, dk), ref.keys.dtype)
+        values = mx.zeros((len(caches), H, T, dv), ref.values.dtype)
+        for b, (p, s, c) in enumerate(zip(pads, sizes, caches)):
+            if s:
+                keys[b:b + 1, :, p:] = c._temporal_order(c.keys)[..., -s:, :]
+                values[b:b + 1, :, p:] = c._temporal_order(c.values)[..., -s:, :]
+        out = cls(W, pads)
+        out.keys, out.values = keys, values
+        out.offset = _ints(c.offset for c in caches)
+        out._idx = out._written = T
+        return out
+
+    # -- helpers ------------------------------------------------------------------
+    def _unrotate(self):
+        if self.rotated:
+            self.keys = mx.roll(self.keys, -self._idx, axis=2)
+            self.values = mx.roll(self.values, -self._idx, axis=2)
+            self._idx = self.keys.shape[2]
+            self.rotated = False
+
+    def _roll_right_pads(self):
+        """Move the pads a right-padded chunk wrote to the front of their rows."""
+        shift = mx.maximum(0, self.offset - self._lengths)
+        self.keys = roll_rows(self.keys, shift)
+        self.values = roll_rows(self.values, shift)
+        self.left_padding = self.left_padding + shift
+        self.offset = self.offset - shift
+
+    def _append(self, keys, values):
+        n = keys.shape[2]
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self._unrotate()
+            if self.keys.shape[2] > self._idx:
+                self.keys = self.keys[..., :self._idx, :]
+                self.values = self.values[..., :self._idx, :]
+            if self._lengths is not None:
+                self._roll_right_pads()
+            # keep max_size - 1 old columns so every new query sees a full window
+            cut = self._idx - self.max_size + 1
+            if cut > 0:
+                self.left_padding = self.left_padding - cut
+                self.keys = self.keys[..., cut:, :]
+                self.values = self.values[..., cut:, :]
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset = self.offset + n
+        self._written += n
+        self._idx = self.keys.shape[2]
+        return self.keys, self.values
+
+    def _write_one(self, keys, values):
+        if self._lengths is not None:
+            raise RuntimeError("finalize() the right-padded prefill before decoding")
+        B, H, n, dk = keys.shape
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if self.keys is None or (self._written >= cap and cap < self.max_size):
+            grow = min(self.step, self.max_size - self._written)
+            nk = mx.zeros((B, H, grow, dk), keys.dtype)
+            nv = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = nk, nv
+            else:
+                self.keys = mx.concatenate([self.keys, nk], axis=2)
+                self.values = mx.concatenate([self.values, nv], axis=2)
+            self._idx = self._written
+        over = self.keys.shape[2] - self.max_size
+        if over > 0:
+            self.keys = self.keys[..., over:, :]
+            self.values = self.values[..., over:, :]
+            self._idx = self.max_size
+            self.left_padding = self.left_padding - over
+        if self._idx == self.max_size:
+            self.rotated = True
+            self._idx = 0
+        if self.rotated:
+            self.left_padding = self.left_padding - n
+        self.keys[..., self._idx:self._idx + n, :] = keys
+        self.values[..., self._idx:self._idx + n, :] = values
+        self._written += n
+        self.offset = self.offset + n
+        self._idx += n
+        if self._written < self.keys.shape[2]:
+            return self.keys[..., :self._written, :], self.values[..., :self._written, :]
+        return self.keys, self.values
+
+    # -- the model-facing protocol ----------------------------------------------
+    def update_and_fetch(self, keys, values):
+        if keys.shape[2] == 1:
+            return self._write_one(keys, values)
+        return self._append(keys, values)
+
+    def make_mask(self, n: int, window_size: Optional[int] = None, return_array: bool = False):
+        W = window_size or self.max_size
+        start = min(self.max_size - 1, self._written)
+        mask = causal_mask(n, start, window=W)
+        lp = self.left_padding
+        cut = self._idx - self.max_size + (1 if n > 1 else 0)
+        if cut > 0:
+            lp = lp - cut
+        wrapped = n == 1 and (self.rotated or self._idx >= self.max_size)
+        if wrapped:
+            lp = lp - 1
+        cols = mx.arange(start + n)[None]
+        mask = mask & (cols >= mx.expand_dims(lp, (1, 2, 3)))
+        if wrapped:
+            at = 0 if self._idx >= self.max_size else self._idx
+            mask = mx.roll(mask, shift=at + 1, axis=-1)
+        return mask
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError("left padding can only be added to an empty batch cache")
+            lp = _ints(left_padding)
+            self.left_padding = self.left_padding + lp
+            self.offset = self.offset - lp
+        if right_padding is not None and max(right_padding) > 0:
+            self._lengths = _ints(lengths) + self.offset
+
+    def finalize(self):
+        if self._lengths is not None:
+            self._roll_right_pads()
+            self._lengths = None
+
+    # -- rows leave / join --------------------------------------------------------
+    def filter(self, keep: List[int]):
+        if self.keys is not None:
+            self.keys, self.values = self.keys[keep], self.values[keep]
+        self.offset = self.offset[keep]
+        self.left_padding = self.left_padding[keep]
+
+    def extend(self, other: "BatchRotatingKVCache"):
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        if self.rotated != other.rotated or self._idx != other._idx:
+            self._unrotate()
+            other._unrotate()
+        idx = max(self._idx, other._idx)
+        ref = self if self.keys is not None else other
+        _, H, _, dk = ref.keys.shape
+        dv = ref.values.shape[3]
+        cap = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+        parts = []
+        for c in (self, other):
+            k, v = c.keys, c.values
+            if k is None:
+                nb = c.offset.shape[0]
+                k = mx.zeros((nb, H, 0, dk), ref.keys.dtype)
+                v = mx.zeros((nb, H, 0, dv), ref.keys.dtype)
+            left = idx - c._idx
+            right = cap - k.shape[2] - left
+            parts.append((_pad_time(k, left, right), _pad_time(v, left, right),
+                          c.offset, c.left_padding + left))
+        self.keys, self.values, self.offset, self.left_padding = (
+            mx.concatenate(list(p)) for p in zip(*parts))
+        self._idx = idx
+        self._written = max(self._written, other._written)
+
+    def extract(self, b: int) -> RotatingKVCache:
+        """Row b as a single-row RotatingKVCache in temporal order."""
+        pad = max(0, int(self.left_padding[b].item()))
+        c = RotatingKVCache(self.max_size)
+        k, v, end = self.keys[b:b + 1], self.values[b:b + 1], self._idx
+        if self.rotated:
+            k, v, end = mx.roll(k, -self._idx, axis=2), mx.roll(v, -self._idx, axis=2), self.max_size
+        c.keys = mx.contiguous(k[:, :, pad:end])
+        c.values = mx.contiguous(v[:, :, pad:end])
+        c.offset = int(self.offset[b].item())
+        c._idx = c.keys.shape[2]
+        return c
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding
+
+    @property
+    def batch_size(self) -> int:
+        return self.offset.shape[0]
+
+    def size(self) -> int:
+        return min(self._written, self.max_size)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def batch_caches(per_row: Sequence[Sequence]) -> list:
+    """One batched cache per layer from each row's list of single-row caches."""
+    if not per_row:
+        return []
+    out = []
+    for layer in zip(*per_row):
+        c0 = layer[0]
+        if isinstance(c0, RotatingKVCache) and not c0.bits:
+            out.append(BatchRotatingKVCache.from_caches(layer))
+        elif isinstance(c0, KVCache) and not c0.bits:
+            out.append(BatchKVCache.from_caches(layer))
+        else:
+            raise TypeError(f"{type(c0).__name__} cannot be batched (quantized KV runs serially)")
+    return out
+
+
+def extend_caches(a: list, b: list) -> list:
+    if not a:
+        return b
+    if not b:
+        return a
+    for ca, cb in zip(a, b):
+        ca.extend(cb)
+    return a
