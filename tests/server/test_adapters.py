@@ -183,6 +183,8 @@ def test_startup_adapter_is_the_default(llama_dir, adapters):
 
 @pytest.mark.parity
 def test_served_adapter_tokens_equal_mlx_lm(lsrv, adapters):
+    """L1: with adapter A selected, the served tokens *and* their log-probabilities (the
+    full-vocab log-softmax of the logits) equal mlx_lm.load(adapter_path=A)'s."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
@@ -190,12 +192,35 @@ def test_served_adapter_tokens_equal_mlx_lm(lsrv, adapters):
     msgs = [{"role": "user", "content": f"parity {uuid.uuid4().hex[:6]}"}]
     r = httpx.post(lsrv.v1 + "/chat/completions", timeout=60, json={
         "messages": msgs, "max_tokens": 12, "temperature": 0, "adapter": "A",
-        "logprobs": True}).json()
-    ours = [e["id"] for e in r["choices"][0]["logprobs"]["content"]]
+        "logprobs": True, "top_logprobs": 5}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    ours = [e["id"] for e in content]
     from engine.generation import encode_prompt
     ids = encode_prompt(lsrv.tokenizer, msgs)
     model, _ = mlx_lm.load(str(lsrv.model_dir), adapter_path=str(adapters["A"]))
-    theirs = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=12)]
+    steps = [(int(t), lp) for t, lp in generate_step(mx.array(ids), model, max_tokens=12)]
+    theirs = [t for t, _ in steps]
     assert ours == theirs[:len(ours)]
     if len(ours) < 12:
         assert theirs[len(ours)] in lsrv.tokenizer.eos_token_ids
+    for e, (t, lp) in zip(content, steps):
+        assert e["logprob"] == lp[t].item()
+        assert [x["logprob"] for x in e["top_logprobs"]] == \
+            sorted(lp.tolist(), reverse=True)[:5]
+
+
+@pytest.mark.parity
+def test_mounted_but_inactive_equals_base_mlx_lm(lsrv):
+    """L1: with A and B mounted but not selected, the served log-probabilities equal
+    mlx_lm.load(model) without any adapter, bit for bit."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    prompt = f"inactive {uuid.uuid4().hex[:6]}"
+    r = complete(lsrv, prompt, "none", max_tokens=6, logprobs=3)
+    lp = r["choices"][0]["logprobs"]
+    model, tok = mlx_lm.load(str(lsrv.model_dir))
+    steps = [(int(t), l) for t, l in generate_step(mx.array(tok.encode(prompt)), model,
+                                                   max_tokens=len(lp["token_logprobs"]))]
+    assert lp["token_logprobs"] == [l[t].item() for t, l in steps]

@@ -203,3 +203,29 @@ def test_server_default_temperature_wins_over_generation_config(aux):
     refc = aux.generate(msgs, max_tokens=8, temperature=1.0,
                            seed=3)
     assert c["choices"][0]["message"]["content"] == refc.text
+
+
+def test_error_shapes_per_protocol(aux):
+    big = "x" * (70 * 1024)
+    # Anthropic routes: {type: error, error: {type, message}} with Anthropic's type names
+    r = httpx.post(aux.v1 + "/messages", headers=H(), json={
+        "max_tokens": 2, "messages": [{"role": "user", "content": big}]})
+    assert r.status_code == 413
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(aux.v1 + "/messages/count_tokens", headers=H(), json={
+        "messages": [{"role": "user", "content": big}]})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.get(aux.v1 + "/messages", headers=H())
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.APIStatusError) as e:
+        anthropic.Anthropic(base_url=aux.url, api_key=KEY, max_retries=0).messages.create(
+            model="x", max_tokens=2, messages=[{"role": "user", "content": big}])
+    assert e.value.status_code == 413
+    # Responses and admin routes: the OpenAI shape
+    r = httpx.post(aux.v1 + "/responses", headers=H(), json={"input": big})
+    e = assert_openai_error(r, 413, "request_too_large")
+    r = httpx.post(aux.v1 + "/adapters", headers=H(), json={"id": "x", "path": big})
+    assert_openai_error(r, 413)
+    assert_openai_error(httpx.post(aux.v1 + "/adapters", headers=H(), content=b"{"), 400)
+    assert_openai_error(httpx.get(aux.v1 + "/responses/resp_x", headers=H()), 404)
+    assert chat(aux, ok_body()).status_code == 200      # still serving

@@ -166,3 +166,26 @@ def test_http_requests_are_served_in_arrival_order(srv):
     # served one at a time, in arrival order: each first byte only after the previous end
     assert a[1] < b[1] < c[1]
     assert b[1] >= a[2] - 0.05 and c[1] >= b[2] - 0.05
+
+
+@pytest.mark.parametrize("path", ["/messages", "/responses", "/completions"])
+def test_disconnect_stops_generation_on_every_protocol(srv, path):
+    _wait_idle(srv)
+    before = _stats(srv)
+    n = 200000
+    body = {"/messages": {"messages": [{"role": "user", "content": uniq_go()}],
+                          "max_tokens": n},
+            "/responses": {"input": uniq_go(), "max_output_tokens": n},
+            "/completions": {"prompt": uniq_go(), "max_tokens": n}}[path]
+    body.update(temperature=0, stream=True, logit_bias=NO_EOS)
+    with httpx.stream("POST", srv.v1 + path, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 12:
+                break
+    assert _wait_idle(srv) < 3.0
+    assert _stats(srv)["cancelled"] == before["cancelled"] + 1
+
+
+def uniq_go():
+    return f"go {uuid.uuid4().hex[:6]}"

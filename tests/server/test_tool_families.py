@@ -1,9 +1,12 @@
 """Per-family tool markup reaches all three wire formats the same way.
 
 The scripted model emits each family's native markup (Gemma 4 sentinel
-tokens, MiniCPM XML with CDATA); the call must come out as `tool_calls`,
-`tool_use` and `function_call`, with the markup withheld and schema-typed
-arguments. (Format parsing itself is engine.tools' and is tested there.)
+tokens, MiniCPM XML with CDATA, Qwen's equals-XML and Llama's JSON inside
+`<tool_call>`); the call must come out as `tool_calls`, `tool_use` and
+`function_call`, with the markup withheld and schema-typed arguments, and
+streaming must give the same content and calls as non-streaming on every
+protocol. (Format parsing itself is engine.tools' and is tested there,
+including the any-chunking property test.)
 """
 
 import json
@@ -12,7 +15,7 @@ import httpx
 import pytest
 
 from parity.fixtures.models import ensure_fixture
-from srv_helpers import start_server, stop_server
+from srv_helpers import sse_events, start_server, stop_server
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}}}}]
@@ -21,6 +24,10 @@ MARKUP = {
     "gemma4_text": '<|tool_call>call:lookup{q:<|"|>a, b {c}<|"|>,n:7}<tool_call|>',
     "minicpm": '<function name="lookup"><param name="q"><![CDATA[a, b {c}]]></param>'
                '<param name="n">7</param></function>',
+    "qwen3": "<tool_call>\n<function=lookup>\n<parameter=q>\na, b {c}\n</parameter>\n"
+             "<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>",
+    "llama": '<tool_call>\n{"name": "lookup", "arguments": {"q": "a, b {c}", "n": 7}}\n'
+             '</tool_call>',
 }
 WANT = {"q": "a, b {c}", "n": 7}
 
@@ -70,3 +77,54 @@ def test_markup_becomes_calls_on_every_protocol(fam):
     content = "".join(json.loads(l[6:])["choices"][0]["delta"].get("content") or ""
                       for l in raw.splitlines() if l.startswith("data: {"))
     assert content == "Sure. "
+
+
+def _stream(s, path, body):
+    r = httpx.post(s.v1 + path, json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return sse_events(r.text)
+
+
+def test_streaming_gives_the_same_calls_on_every_protocol(fam):
+    markup = MARKUP[fam.family]
+    user = [{"role": "user", "content": "find it"}]
+    greedy = {"max_tokens": 200, "temperature": 0}
+
+    # chat: content deltas, then one tool_calls delta, finish_reason tool_calls
+    fam.forced.arm("Sure. " + markup)
+    evs = [d for _, d in _stream(fam, "/chat/completions",
+                                 {"messages": user, "tools": TOOLS, **greedy})[:-1]]
+    deltas = [d["choices"][0]["delta"] for d in evs]
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert len(calls) == 1 and calls[0]["index"] == 0
+    assert calls[0]["function"]["name"] == "lookup"
+    assert json.loads(calls[0]["function"]["arguments"]) == WANT
+    assert evs[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    # anthropic: text block, then a tool_use block with one input_json_delta
+    fam.forced.arm("Sure. " + markup)
+    evs = _stream(fam, "/messages", {"messages": user, **greedy, "tools": [
+        {"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]})
+    starts = [d["content_block"] for n, d in evs if n == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use"]
+    assert starts[1]["name"] == "lookup" and starts[1]["input"] == {}
+    text = "".join(d["delta"]["text"] for n, d in evs
+                   if n == "content_block_delta" and d["delta"]["type"] == "text_delta")
+    js = [d["delta"]["partial_json"] for n, d in evs
+          if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+    assert text == "Sure. " and len(js) == 1 and json.loads(js[0]) == WANT
+    assert [d for n, d in evs if n == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
+
+    # responses: a message item, then a function_call item with arguments delta/done
+    fam.forced.arm("Sure. " + markup)
+    evs = _stream(fam, "/responses", {"input": "find it", "max_output_tokens": 200,
+                                      "temperature": 0,
+                                      "tools": [{"type": "function", **TOOLS[0]["function"]}]})
+    added = [d["item"]["type"] for n, d in evs if n == "response.output_item.added"]
+    assert added == ["message", "function_call"]
+    text = "".join(d["delta"] for n, d in evs if n == "response.output_text.delta")
+    args = [d["arguments"] for n, d in evs if n == "response.function_call_arguments.done"]
+    assert text == "Sure. " and len(args) == 1 and json.loads(args[0]) == WANT
+    final = evs[-1][1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
