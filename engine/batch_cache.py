@@ -22,8 +22,8 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+from .models.base import causal_mask  # first: engine.cache <-> engine.models import cycle
 from .cache import KVCache, RotatingKVCache
-from .models.base import causal_mask
 
 
 def roll_rows(x: mx.array, shifts: mx.array, axis: int = 2) -> mx.array:
