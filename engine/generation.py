@@ -190,9 +190,20 @@ def stream_generate(
     finish = "length"
     n = 0
     held = ""                      # text produced but not yet yielded
+    from .cache import RotatingKVCache   # (engine.cache imports the models: not at module level)
+
+    on_prefilled = None
+    if prompt_cache is not None and any(isinstance(c, RotatingKVCache) for c in caches):
+        # A sliding-window ring that wraps during decoding can no longer be trimmed back
+        # to a shared prefix, so the entry stored at the end would only serve prompts
+        # that extend the whole conversation. Keep a snapshot at the end of the prompt
+        # too (all tokens but the last): a prompt that branches after it still hits.
+        def on_prefilled(cs):
+            prompt_cache.store(cache_namespace, ids[:len(ids) - 1], cs)
     steps = generate_step(mx.array(ids[reused:]), model, max_tokens=max_tokens, sampler=sampler,
                           logits_processors=processors or None, caches=caches, policy=policy,
-                          prefill_step_size=prefill_step_size, history=history)
+                          prefill_step_size=prefill_step_size, history=history,
+                          on_prefilled=on_prefilled)
 
     def segment(text, reason=None):
         nonlocal pending_ids, pending_lp
@@ -252,7 +263,8 @@ def stream_generate(
         if prompt_cache is not None:
             tokens = ids + fed
             offset = caches[0].offset if caches else 0
-            prompt_cache.store(cache_namespace, tokens[:offset], caches)
+            # the loop is over: the caches are handed to the store, not copied
+            prompt_cache.store(cache_namespace, tokens[:offset], caches, copy_caches=False)
 
 
 def generate(model, tokenizer, prompt, **opts) -> GenerationResult:

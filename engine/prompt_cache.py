@@ -90,18 +90,22 @@ class PromptCache:
         self.tokens_reused += best_n
         return Hit(caches, best_n)
 
-    def store(self, namespace: str, tokens: list, caches: list) -> None:
-        """Keep (a copy of) `caches`, which hold exactly `tokens`."""
+    def store(self, namespace: str, tokens: list, caches: list, copy_caches: bool = True) -> None:
+        """Keep (a copy of) `caches`, which hold exactly `tokens`. `copy_caches=False`
+        hands them over: the caller must never touch them again."""
         if not self.enabled or not tokens:
             return
         size = _nbytes(caches)
         if size > self.max_bytes:
             return
         key = (namespace, tuple(tokens))
-        entry = copy.deepcopy(caches)
+        entry = copy.deepcopy(caches) if copy_caches else list(caches)
         with self._lock:
-            # An entry that is a strict prefix of the new one is now redundant.
+            # An entry that is a prefix of the new one is redundant when the new one can be
+            # trimmed back to it; a wrapped sliding-window ring cannot, so keep it then.
+            trimmable = all(c.is_trimmable() for c in caches)
             for k in [k for k in self._entries if k[0] == namespace and
+                      (trimmable or len(k[1]) == len(tokens)) and
                       len(k[1]) <= len(tokens) and tuple(tokens[:len(k[1])]) == k[1]]:
                 self._bytes -= self._entries.pop(k)[1]
             self._entries[key] = (entry, size)

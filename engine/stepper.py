@@ -51,11 +51,15 @@ def generate_step(
     policy: Optional[KVPolicy] = None,
     prefill_step_size: int = 2048,
     history: Optional[mx.array] = None,
+    on_prefilled: Optional[Callable[[list], None]] = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [V]) for up to max_tokens tokens.
 
     `history` (token ids the processors should see before `prompt`, e.g. the
-    cached prefix) matters only with logits processors."""
+    cached prefix) matters only with logits processors. `on_prefilled(caches)`
+    is called once the caches hold every prompt token but the last (evaluated,
+    before the first decode step) — the prompt cache snapshots there; it must
+    not modify the caches."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     caches = caches if caches is not None else model.make_cache()
@@ -81,6 +85,8 @@ def generate_step(
         if seen.size == 0:
             seen = None
     last = prefill(model, prompt, caches, policy, prefill_step_size)
+    if on_prefilled is not None and prompt.size > 1:
+        on_prefilled(caches)
     y, logprobs = step(last)
     mx.async_eval(y, logprobs)
     n = 0
