@@ -188,3 +188,17 @@ def test_errors(llama):
     from engine.cache import QuantizedKVCache
     with pytest.raises(TypeError):
         batch_caches([[QuantizedKVCache(32, 8)]])
+
+
+def test_invariance_harness_controls(llama):
+    """experiments/batch_invariance.py: rerun control equal, one-ulp control unequal,
+    llama (full attention only) bitwise inside a batch on the stock CPU wheel."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the batch-equality figure below is a CPU-wheel fact")
+    from experiments.batch_invariance import measure
+    model, _ = llama
+    rows = measure(model, "llama", "float32", [3], trials=1, n_tokens=4, max_prompt=10, seed=0)
+    assert [r["B"] for r in rows] == ["1 (rerun)", "1 (+1 ulp, negative control)", 3]
+    assert rows[0]["bitwise_rate"] == 1.0
+    assert rows[1]["bitwise_rate"] < 1.0 and rows[1]["max_abs_dlogprob"] > 0
+    assert rows[2]["bitwise_rate"] == 1.0
