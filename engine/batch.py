@@ -50,6 +50,7 @@ class BatchRequest:
     stop: Sequence[str] = ()                    # stop strings (needs a tokenizer)
     caches: Optional[list] = None
     history: Sequence[int] = ()                 # tokens already in `caches` (processor context)
+    return_cache: bool = False                  # the finishing event carries the row's KV
 
 
 @dataclass
@@ -60,6 +61,8 @@ class RowEvent:
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
     text: str = ""                       # text made final by this token (tokenizer given)
     stop_token: bool = False             # `token` is an EOS/stop token (not part of the text)
+    caches: Optional[list] = None        # finishing row's single-row caches (return_cache=True);
+                                         # they hold the prompt and every emitted token
 
 
 class _Row:
@@ -282,6 +285,8 @@ class BatchScheduler:
                 self._text(row, ev)
             if ev.finish_reason is None:
                 keep.append(i)
+            elif row.req.return_cache:
+                ev.caches = [c.extract(i) for c in g.caches]
             events.append(ev)
         if len(keep) < len(g):
             g.filter(keep)

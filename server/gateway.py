@@ -112,6 +112,8 @@ class Gateway:
         self._stopping = False
         self.runner: Optional[Callable] = None    # runner(job) -> iterator of segments
         self.active: Optional[GenerationJob] = None
+        self.batch_lane = None                    # server.batch_lane.BatchLane (--batch N)
+        self._deferred: deque = deque()           # items the batch lane took off the queue
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
@@ -137,7 +139,7 @@ class Gateway:
 
     @property
     def queued(self) -> int:
-        return self._q.qsize()
+        return self._q.qsize() + len(self._deferred)
 
     def stats(self) -> dict:
         return {"queued": self.queued, "active": 1 if self.active is not None else 0,
@@ -153,7 +155,7 @@ class Gateway:
 
     def _loop(self) -> None:
         while True:
-            item = self._q.get()
+            item = self._deferred.popleft() if self._deferred else self._q.get()
             kind = item[0]
             if kind == "stop":
                 return
@@ -165,6 +167,10 @@ class Gateway:
                     fut.set_result(fn(*args, **kwargs))
                 except BaseException as e:  # handed to the caller
                     fut.set_exception(e)
+                continue
+            lane = self.batch_lane
+            if lane is not None and not item[1].cancelled.is_set() and lane.accepts(item[1]):
+                lane.run(item[1], self)
                 continue
             self._generate(item[1])
 

@@ -103,6 +103,10 @@ class ServerState:
         self.store = ResponseStore()
         self.engine_fn: Optional[Callable] = None   # stream_generate (overridable in tests)
         gateway.runner = self._run
+        self.batch_lane = None
+        if config.batch > 1:
+            from .batch_lane import install
+            install(self)
 
     # --- KV quantization ----------------------------------------------------
 
@@ -195,8 +199,9 @@ class ServerState:
             "admission": {"max_safe_context": self.ceiling,
                           "memory_budget_bytes": self.config.memory_budget_bytes,
                           "usable_bytes": adm.budget_bytes, "weights_bytes": adm.weights},
-            "batch": {"configured": self.config.batch, "batched": False,
-                      "active_rows": g["active"], "available": False},
+            "batch": (self.batch_lane.stats() if self.batch_lane is not None else
+                      {"configured": self.config.batch, "batched": False,
+                       "active_rows": g["active"], "available": False}),
             "queue": g,
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},

@@ -50,8 +50,8 @@ def test_default_model_ready_line_batch_warning_and_auth():
         assert httpx.get(url + "/health").content == b'{"status": "ok"}'
         assert httpx.get(url + "/stats").status_code == 401
         s = httpx.get(url + "/stats", headers={"x-api-key": "k1"}).json()
-        assert s["batch"] == {"configured": 4, "batched": False, "active_rows": 0,
-                              "available": False}
+        assert s["batch"]["configured"] == 4 and s["batch"]["batched"] is True
+        assert s["batch"]["active_rows"] == 0
         assert s["admission"]["max_safe_context"] == ceiling
         assert s["admission"]["memory_budget_bytes"] == 2_000_000_000
         assert s["prompt_cache"]["max_bytes"] == 0
@@ -62,7 +62,7 @@ def test_default_model_ready_line_batch_warning_and_auth():
     finally:
         p.terminate()
         _, err = p.communicate(timeout=20)
-    assert "--batch 4" in err and "not available yet" in err
+    assert "not available" not in err
 
 
 def test_busy_port_is_refused_before_loading():
