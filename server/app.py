@@ -49,7 +49,8 @@ class AuthMiddleware:
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
-    return JSONResponse(body_for(request.url.path, err), status_code=err.status)
+    return JSONResponse(body_for(request.url.path, err), status_code=err.status,
+                        headers=getattr(err, "headers", None))
 
 
 async def _api_error(request: Request, exc: APIError):

@@ -67,6 +67,8 @@ class BatchLane:
         self.waiting = 0
         self.steps = 0
         self.peak_rows = 0
+        self.max_queue = 8 * self.size     # jobs waiting (gateway queue + lane) before 503
+        self.rejected = 0
 
     # --- the lane picker -------------------------------------------------------
     def reason(self, job) -> Optional[str]:
@@ -84,10 +86,21 @@ class BatchLane:
             self.serial_reasons[r] = self.serial_reasons.get(r, 0) + 1
         return r is None
 
+    def check_queue(self, gateway) -> None:
+        """Refuse a new request (503, Retry-After) when the wait queue is full. Any thread."""
+        if gateway.queued + self.waiting >= self.max_queue:
+            from .errors import APIError
+            self.rejected += 1
+            err = APIError(503, f"the server is at capacity ({self.max_queue} requests "
+                                "waiting); retry shortly", type="overloaded_error")
+            err.headers = {"Retry-After": "1"}
+            raise err
+
     def stats(self) -> dict:
         return {"configured": self.size, "batched": True, "available": True,
                 "active_rows": self.active_rows, "queued": self.waiting, "steps": self.steps,
-                "peak_rows": self.peak_rows,
+                "peak_rows": self.peak_rows, "max_queue": self.max_queue,
+                "rejected": self.rejected,
                 "lanes": {"batch": self.batched_jobs, "serial": self.serial_jobs},
                 "serial_reasons": dict(self.serial_reasons)}
 

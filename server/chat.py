@@ -439,18 +439,36 @@ class Generation:
         return Done(finish, prompt_tokens, n, cached, stop_string, lps, text, calls, ids)
 
 
+INLINE_ENCODE_CHARS = 8192
+
+
+def _input_chars(call: Call) -> int:
+    if call.messages is None:
+        return len(call.prompt) if isinstance(call.prompt, (str, list)) else 0
+    n = sum(len(m.get("content") or "") + 64 * len(m.get("tool_calls") or ())
+            for m in call.messages)
+    return n + (256 * len(call.tools) if call.tools else 0)
+
+
 async def start(state, call: Call, request=None) -> Generation:
     """Validate, render, admit and queue; returns once the first segment is back."""
     opts = _resolve_options(state, call)
     adapters = (state.default_adapters if call.adapter == "__default__"
                 else state.adapters.resolve(call.adapter))
-    # tokenizing a long prompt must not stall the stream being served
-    ids = await asyncio.to_thread(encode, state, call)
+    # tokenizing a long prompt must not stall the stream being served; a short one is
+    # encoded inline (the thread hand-off and back costs more than the encode: TTFT)
+    if _input_chars(call) <= INLINE_ENCODE_CHARS:
+        ids = encode(state, call)
+    else:
+        ids = await asyncio.to_thread(encode, state, call)
     # memory admission before queueing (the engine re-checks on the worker)
     try:
         state.admission.check(len(ids), opts["max_tokens"])
     except ValueError as e:
         raise from_exception(e) from None
+    lane = getattr(state, "batch_lane", None)
+    if lane is not None:
+        lane.check_queue(state.gateway)          # bounded queue: 503 + Retry-After beyond it
     router = make_router(state, call.tools)
     job = GenerationJob(asyncio.get_running_loop(), ids, opts, adapters)
     gen = Generation(state, call, job, ids, router)

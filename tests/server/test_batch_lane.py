@@ -101,3 +101,43 @@ def test_disconnect_mid_stream_frees_the_row(bsrv):
             break
         time.sleep(0.1)
     assert httpx.get(bsrv.url + "/stats").json()["queue"]["cancelled"] > cancelled
+
+
+def test_full_queue_gets_503_with_retry_after(bsrv):
+    lane = bsrv.state.batch_lane
+    old = lane.max_queue
+    lane.max_queue = 0
+    try:
+        r = httpx.post(bsrv.url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        a = httpx.post(bsrv.url + "/v1/messages", timeout=30, json={
+            "model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    finally:
+        lane.max_queue = old
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "overloaded_error"
+    assert a.status_code == 503 and a.json()["error"]["type"] == "overloaded_error"
+    assert _stats(bsrv.url)["rejected"] >= 2
+    assert _chat(bsrv.url, "hi")["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_openai_sdk_streams_mixed_lanes(bsrv):
+    """Official SDK, concurrent streams: batchable and serial-lane (seed) requests mixed."""
+    from openai import OpenAI
+    client = OpenAI(base_url=bsrv.v1, api_key="sk-x", max_retries=0, timeout=120)
+    ref = {p: _chat(bsrv.url, p, seed=3)["choices"][0]["message"]["content"] for p in PROMPTS}
+    out = {}
+
+    def go(i, p):
+        kw = {"seed": 5} if i % 3 == 0 else {}
+        s = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
+                                           max_tokens=12, temperature=0, stream=True, **kw)
+        out[i] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+    ts = [threading.Thread(target=go, args=(i, p)) for i, p in enumerate(PROMPTS * 2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(out) == 2 * len(PROMPTS)
+    for i, p in enumerate(PROMPTS * 2):
+        assert out[i] == ref[p], (i, p)
