@@ -100,3 +100,24 @@ def test_flag_units_and_aliases():
         .prompt_cache_bytes == 123
     with pytest.raises(SystemExit):
         parser().parse_args(["--thinking", "maybe"])
+
+
+def test_accepted_connections_are_nodelay_and_quickack():
+    """Small SSE writes must not wait behind Nagle / delayed ACKs (a 40 ms TTFT stall on
+    keep-alive connections): the listening socket says it is TCP, so asyncio sets
+    TCP_NODELAY on every accepted connection, and the protocol is the quick-ACK one."""
+    from fastapi import FastAPI
+    from server.cli import BackgroundServer, bind
+
+    s = bind("127.0.0.1", 0)
+    assert s.proto == socket.IPPROTO_TCP
+    s.close()
+    with BackgroundServer(FastAPI()) as bg:
+        c = socket.create_connection(bg.sock.getsockname()[:2])
+        c.sendall(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert c.recv(4096).startswith(b"HTTP/1.1 404")
+        (proto,) = bg.server.server_state.connections
+        assert type(proto).__name__ == "QuickAckH11Protocol"
+        sock = proto.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        c.close()
