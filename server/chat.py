@@ -355,8 +355,8 @@ class Generation:
                     if interval > 0 and items[-1][0] == "seg":
                         # coalesce: at most one write per `interval` while decoding
                         wait = last_flush + interval - loop.time()
-                        if wait > 0:
-                            await asyncio.sleep(wait)
+                        if wait > 0 and not _final_in(items):
+                            await self.job.nap(wait)
                             items.extend(self.job.drain())
                 out = []
                 ended = False
@@ -437,6 +437,11 @@ class Generation:
         if calls and finish != "cancelled":
             finish = "tool_calls"
         return Done(finish, prompt_tokens, n, cached, stop_string, lps, text, calls, ids)
+
+
+def _final_in(items) -> bool:
+    it = items[-1]
+    return it[0] != "seg" or it[1].finish_reason is not None
 
 
 INLINE_ENCODE_CHARS = 8192

@@ -87,9 +87,9 @@ def parser() -> argparse.ArgumentParser:
       help='default chat-template kwargs, e.g. \'{"enable_thinking": false}\'')
     a("--allowed-origins", nargs="*", default=["*"], help="CORS origins (default *)")
     a("--max-body-mb", type=float, default=32.0, help="request body limit in MiB (32)")
-    a("--stream-interval-ms", type=float, default=10.0, metavar="MS",
+    a("--stream-interval-ms", type=float, default=25.0, metavar="MS",
       help="coalesce streamed deltas into at most one write per MS while decoding (default "
-      "10; 0 = a write per token; the first token is never delayed)")
+      "25, as mlx-bun; 0 = a write per token; the first and last tokens are never delayed)")
     a("--log-level", default="warning", choices=["debug", "info", "warning", "error",
                                                   "critical", "DEBUG", "INFO", "WARNING",
                                                   "ERROR", "CRITICAL"])

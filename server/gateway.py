@@ -57,12 +57,15 @@ class GenerationJob:
         self._items: deque = deque()
         self._lock = threading.Lock()
         self._waiter: Optional[asyncio.Future] = None
+        self._napper: Optional[asyncio.Future] = None
 
     # worker side
     def put(self, item) -> None:
         with self._lock:
             self._items.append(item)
             w, self._waiter = self._waiter, None
+            if w is None and self._napper is not None and _final(item):
+                w, self._napper = self._napper, None
         if w is not None:
             self.loop.call_soon_threadsafe(_wake, w)
 
@@ -88,6 +91,23 @@ class GenerationJob:
                 self._waiter = w = self.loop.create_future()
             await w
 
+    async def nap(self, seconds: float) -> None:
+        """Sleep up to `seconds` (stream coalescing), waking at once when the last
+        segment, the end or an error arrives: coalescing never delays the end."""
+        fut = self.loop.create_future()
+        with self._lock:
+            if any(_final(it) for it in self._items):
+                return
+            self._napper = fut
+        timer = self.loop.call_later(seconds, _wake, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            with self._lock:
+                if self._napper is fut:
+                    self._napper = None
+
     async def get(self):
         """One item (tests)."""
         while True:
@@ -96,6 +116,10 @@ class GenerationJob:
                     return self._items.popleft()
                 self._waiter = w = self.loop.create_future()
             await w
+
+
+def _final(item) -> bool:
+    return item[0] != "seg" or getattr(item[1], "finish_reason", None) is not None
 
 
 def _wake(fut: asyncio.Future) -> None:

@@ -50,7 +50,7 @@ class ServerConfig:
     prefill_step_size: int = 2048
     allowed_origins: list = field(default_factory=lambda: ["*"])
     owner: str = "serve"
-    stream_interval_ms: float = 10.0    # coalesce streamed deltas: one write per interval (0 = per token)
+    stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
 
 
 def _dtype_name(dt) -> str:

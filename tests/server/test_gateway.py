@@ -189,3 +189,33 @@ def test_disconnect_stops_generation_on_every_protocol(srv, path):
 
 def uniq_go():
     return f"go {uuid.uuid4().hex[:6]}"
+
+
+def test_coalescing_nap_wakes_for_the_end_only():
+    """Stream coalescing sleeps between writes, but the last segment / end / error wake
+    it at once (the end of a stream is never delayed); ordinary segments do not."""
+    from types import SimpleNamespace as NS
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        job = GenerationJob(loop, "p", {})
+        t0 = time.monotonic()
+        threading.Timer(0.05, job.put, [("seg", NS(finish_reason=None))]).start()
+        await job.nap(0.3)
+        plain = time.monotonic() - t0
+        t0 = time.monotonic()
+        threading.Timer(0.05, job.put, [("seg", NS(finish_reason="length"))]).start()
+        await job.nap(5.0)
+        final = time.monotonic() - t0
+        t0 = time.monotonic()
+        await job.nap(5.0)                 # the final item is already queued: no nap
+        again = time.monotonic() - t0
+        job.drain()
+        threading.Timer(0.05, job.put, [("end", None)]).start()
+        t0 = time.monotonic()
+        await job.nap(5.0)
+        end = time.monotonic() - t0
+        return plain, final, again, end
+    plain, final, again, end = asyncio.run(main())
+    assert plain >= 0.29
+    assert final < 1.0 and again < 0.05 and end < 1.0
