@@ -345,19 +345,11 @@ class Generation:
         router = self.router
         items = self._first
         self._first = []
-        loop = asyncio.get_running_loop()
-        interval = self.state.config.stream_interval_ms / 1000.0
-        last_flush = loop.time()
         try:
             while True:
                 if not items:
+                    # coalesced: at most one batch per --stream-interval-ms (the job's)
                     items = await self.job.get_batch()
-                    if interval > 0 and items[-1][0] == "seg":
-                        # coalesce: at most one write per `interval` while decoding
-                        wait = last_flush + interval - loop.time()
-                        if wait > 0 and not _final_in(items):
-                            await self.job.nap(wait)
-                            items.extend(self.job.drain())
                 out = []
                 ended = False
                 for it in items:
@@ -413,7 +405,6 @@ class Generation:
                     yield out
                     return
                 if out:
-                    last_flush = loop.time()
                     yield out
         finally:
             self.stop_watching()
@@ -437,11 +428,6 @@ class Generation:
         if calls and finish != "cancelled":
             finish = "tool_calls"
         return Done(finish, prompt_tokens, n, cached, stop_string, lps, text, calls, ids)
-
-
-def _final_in(items) -> bool:
-    it = items[-1]
-    return it[0] != "seg" or it[1].finish_reason is not None
 
 
 INLINE_ENCODE_CHARS = 8192
@@ -476,6 +462,7 @@ async def start(state, call: Call, request=None) -> Generation:
         lane.check_queue(state.gateway)          # bounded queue: 503 + Retry-After beyond it
     router = make_router(state, call.tools)
     job = GenerationJob(asyncio.get_running_loop(), ids, opts, adapters)
+    job.interval = state.config.stream_interval_ms / 1000.0
     gen = Generation(state, call, job, ids, router)
     if request is not None:
         gen.watch_disconnect(request)

@@ -57,15 +57,22 @@ class GenerationJob:
         self._items: deque = deque()
         self._lock = threading.Lock()
         self._waiter: Optional[asyncio.Future] = None
-        self._napper: Optional[asyncio.Future] = None
+        self.interval = 0.0            # seconds between deliveries (stream coalescing)
+        self._last = float("-inf")     # monotonic time of the last delivery
 
     # worker side
     def put(self, item) -> None:
+        """Queue an item; wake the consumer only if it waits and `interval` has passed
+        since the last delivery (or the item is the last segment / end / error). Waking
+        from here, just before the worker goes back into MLX (which releases the GIL),
+        lets the event loop write while the next token computes instead of preempting
+        the worker's Python at a timer's whim (measured: a 25 ms timer cost ~4% decode)."""
+        w = None
         with self._lock:
             self._items.append(item)
-            w, self._waiter = self._waiter, None
-            if w is None and self._napper is not None and _final(item):
-                w, self._napper = self._napper, None
+            if self._waiter is not None and (
+                    _final(item) or time.monotonic() - self._last >= self.interval):
+                w, self._waiter = self._waiter, None
         if w is not None:
             self.loop.call_soon_threadsafe(_wake, w)
 
@@ -73,40 +80,28 @@ class GenerationJob:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def _take(self) -> list:
+        items = list(self._items)
+        self._items.clear()
+        self._last = time.monotonic()
+        return items
+
     def drain(self) -> list:
         """Everything available now (no waiting)."""
         with self._lock:
-            items = list(self._items)
-            self._items.clear()
-        return items
+            return self._take()
 
     async def get_batch(self) -> list:
-        """Everything available now (waits for at least one item)."""
-        while True:
-            with self._lock:
-                if self._items:
-                    items = list(self._items)
-                    self._items.clear()
-                    return items
-                self._waiter = w = self.loop.create_future()
-            await w
-
-    async def nap(self, seconds: float) -> None:
-        """Sleep up to `seconds` (stream coalescing), waking at once when the last
-        segment, the end or an error arrives: coalescing never delays the end."""
-        fut = self.loop.create_future()
+        """Everything available, at most once per `interval` (stream coalescing; the
+        first item, the last segment, the end and errors are never held back)."""
         with self._lock:
-            if any(_final(it) for it in self._items):
-                return
-            self._napper = fut
-        timer = self.loop.call_later(seconds, _wake, fut)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            with self._lock:
-                if self._napper is fut:
-                    self._napper = None
+            if self._items and (self.interval <= 0 or _final(self._items[-1])
+                                or time.monotonic() - self._last >= self.interval):
+                return self._take()
+            self._waiter = w = self.loop.create_future()
+        await w
+        with self._lock:
+            return self._take()
 
     async def get(self):
         """One item (tests)."""

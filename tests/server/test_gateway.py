@@ -191,31 +191,36 @@ def uniq_go():
     return f"go {uuid.uuid4().hex[:6]}"
 
 
-def test_coalescing_nap_wakes_for_the_end_only():
-    """Stream coalescing sleeps between writes, but the last segment / end / error wake
-    it at once (the end of a stream is never delayed); ordinary segments do not."""
+def test_coalescing_holds_batches_but_never_the_end():
+    """With an interval, the consumer gets at most one batch per interval while the
+    worker streams; the first item and the last segment / end come through at once."""
     from types import SimpleNamespace as NS
 
     async def main():
         loop = asyncio.get_running_loop()
         job = GenerationJob(loop, "p", {})
+        job.interval = 0.2
+        seg = ("seg", NS(finish_reason=None))
+
+        def worker():
+            for _ in range(40):              # 40 tokens, 10 ms apart
+                job.put(seg)
+                time.sleep(0.01)
+            time.sleep(0.05)
+            job.put(("seg", NS(finish_reason="length")))
+            job.put(("end", None))
         t0 = time.monotonic()
-        threading.Timer(0.05, job.put, [("seg", NS(finish_reason=None))]).start()
-        await job.nap(0.3)
-        plain = time.monotonic() - t0
-        t0 = time.monotonic()
-        threading.Timer(0.05, job.put, [("seg", NS(finish_reason="length"))]).start()
-        await job.nap(5.0)
-        final = time.monotonic() - t0
-        t0 = time.monotonic()
-        await job.nap(5.0)                 # the final item is already queued: no nap
-        again = time.monotonic() - t0
-        job.drain()
-        threading.Timer(0.05, job.put, [("end", None)]).start()
-        t0 = time.monotonic()
-        await job.nap(5.0)
-        end = time.monotonic() - t0
-        return plain, final, again, end
-    plain, final, again, end = asyncio.run(main())
-    assert plain >= 0.29
-    assert final < 1.0 and again < 0.05 and end < 1.0
+        threading.Thread(target=worker).start()
+        got = []
+        while True:
+            items = await job.get_batch()
+            got.append((time.monotonic() - t0, len(items)))
+            if items[-1][0] == "end":
+                return got
+    got = asyncio.run(main())
+    times = [t for t, _ in got]
+    assert sum(n for _, n in got) == 42
+    assert times[0] < 0.1                                  # the first item at once
+    assert all(b - a >= 0.19 for a, b in zip(times[:-2], times[1:-1]))
+    assert len(got) <= 5                                   # not one batch per token
+    assert times[-1] < 0.40 + 0.05 + 0.15                  # the end is not held back
