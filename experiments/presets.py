@@ -4,8 +4,10 @@
 
 `1b` is the Llama 1.1B shape the device README's mlx-lm figures use (16 layers,
 hidden 2048, MLP 8192, 32 heads / 8 KV heads, vocab 32000). The tokenizer files
-are the llama fixture's (1024 pieces): benchmarks feed token ids directly and
-never ask for ids beyond them. `speed` is the 31.5M model of the CPU notes.
+are the llama fixture's (1024 pieces) padded up to the model's vocab with plain byte-level
+pieces " w<id>" that no merge produces: a random model samples ids all over its vocab, and
+an id the tokenizer cannot decode streams no text, which makes every server benchmark's TTFT
+and per-request tok/s meaningless. `speed` is the 31.5M model of the CPU notes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ PRESETS = {
 }
 
 
+def _pad_tokenizer(path: Path, vocab_size: int) -> None:
+    """Give every id below vocab_size a decodable piece ("Ġ" is the byte-level space)."""
+    tj = json.loads(path.read_text())
+    vocab = tj["model"]["vocab"]
+    used = set(vocab.values()) | {t["id"] for t in tj.get("added_tokens", [])}
+    for i in range(vocab_size):
+        if i not in used:
+            vocab[f"\u0120w{i}"] = i
+    path.write_text(json.dumps(tj, ensure_ascii=False))
+
+
 def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
     from engine.models import build
     from parity.fixtures.models import ensure_fixture
@@ -49,6 +62,7 @@ def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0) -
               "generation_config.json"):
         if (tok_dir / f).exists():
             shutil.copy(tok_dir / f, out / f)
+    _pad_tokenizer(out / "tokenizer.json", cfg["vocab_size"])
     gc = json.loads((tok_dir / "generation_config.json").read_text())
     cfg.update(bos_token_id=gc.get("bos_token_id"), eos_token_id=gc.get("eos_token_id"))
     mx.random.seed(seed)

@@ -36,12 +36,12 @@ def prompts(n: int = 3, length: int = 48, vocab: int = VOCAB) -> list[list[int]]
     return [rng.integers(32, vocab - 32, size=length).tolist() for _ in range(n)]
 
 
-def _modes(model) -> dict:
-    """kv8, kv4 at the largest group every layer allows, and a mixed config
-    (8-bit on the first half of the cache layers, 4-bit on the rest)."""
+def _modes(model, group_size: int | None = None) -> dict:
+    """kv8, kv4 at the largest group every layer allows (or `group_size`), and a mixed
+    config (8-bit on the first half of the cache layers, 4-bit on the rest)."""
     from engine.kv_quant import cache_head_dims
     dims = cache_head_dims(model)
-    g = max(x for x in (32, 64, 128) if all(d % x == 0 for d in dims))
+    g = group_size or max(x for x in (32, 64, 128) if all(d % x == 0 for d in dims))
     half = len(dims) // 2
     mixed = [{"layer_idx": i, "bits": 8 if i < half else 4, "group_size": g} for i in range(len(dims))]
     return {"kv8": dict(kv_bits=8, kv_group_size=g), "kv4": dict(kv_bits=4, kv_group_size=g),
@@ -62,15 +62,16 @@ def _run(model, tokens: list[int], prompt_len: int, policy) -> mx.array:
     return mx.stack(out)
 
 
-def measure(model, prompt_list, steps: int = 32) -> dict:
+def measure(model, prompt_list, steps: int = 32, group_size: int | None = None) -> dict:
     none = make_policy(model)
-    results = {m: {"kl": [], "top1": []} for m in _modes(model)}
+    modes = _modes(model, group_size)
+    results = {m: {"kl": [], "top1": []} for m in modes}
     for p in prompt_list:
         # the float run's own greedy continuation is the teacher-forced sequence
         cont = [t for t, _ in generate_step(mx.array(p), model, max_tokens=steps)]
         seq = p + cont
         ref = _run(model, seq, len(p), none)
-        for name, kw in _modes(model).items():
+        for name, kw in modes.items():
             q = _run(model, seq, len(p), make_policy(model, quantized_kv_start=0, **kw))
             pr = mx.exp(ref)
             kl = (pr * (ref - q)).sum(-1)
@@ -113,16 +114,22 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", help="output dir (default reports/kv_quant/<version>[/<tag>])")
     ap.add_argument("--tag", default="cpu-fixtures")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="KV group size (default: the largest of 32/64/128 every layer allows)")
+    ap.add_argument("--prompt-length", type=int, default=256, help="with --model")
     a = ap.parse_args(argv)
     if a.model:
         model = load_model(a.model)[0]
         vocab = model.args.vocab_size
-        rows = {Path(a.model).name: measure(model, prompts(vocab=vocab, length=256), a.steps)}
+        rows = {Path(a.model).name: measure(model, prompts(vocab=vocab, length=a.prompt_length),
+                                            a.steps, a.group_size)}
     else:
         rows = run_fixtures(steps=a.steps)
     out = Path(a.out) if a.out else REPO / "reports" / "kv_quant" / engine.__version__ / a.tag
     note = f"Device {mx.default_device()}; reproduce: `python -m parity.kv_quality" + \
-           (f" --model {a.model}" if a.model else "") + "`"
+           (f" --model {a.model}" if a.model else "") + \
+        (f" --group-size {a.group_size}" if a.group_size else "") + \
+        (f" --prompt-length {a.prompt_length}" if a.model else "") + "`"
     write(rows, out, note)
     print(json.dumps(rows, indent=1))
 
