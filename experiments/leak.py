@@ -34,6 +34,9 @@ from experiments._common import (build_pair, dump_json, machine, md_table, prese
                                  report_dir, version, write_csv)
 
 MODES = ["surrogate", "vjp", "full"]
+# negative control (not run by default): the full backward, but every step's gradients are
+# kept alive in a list, so active memory must grow; the verdict has to say "leaks"
+CONTROL = "control_leak"
 WARMUP = 10
 
 
@@ -118,7 +121,8 @@ def run_mode(spec: dict) -> dict:
     batch = mx.array(rng.integers(4, min(cfg["vocab_size"], 1000), size=(1, T + 1)).astype(np.int32))
     lengths = mx.array([[0, T + 1]])
     opt = optim.Adam(learning_rate=1e-5)
-    if mode == "full":
+    kept = []  # CONTROL only
+    if mode in ("full", CONTROL):
         vg = nn.value_and_grad(model, sft_loss)
     elif mode == "vjp":
         vg = lambda m, b, l: segmented_value_and_grad(m, b, l, S, head="full")  # noqa: E731
@@ -131,6 +135,8 @@ def run_mode(spec: dict) -> dict:
         opt.update(model, grads)
         mx.eval(loss, model.parameters(), opt.state)
         losses.append(float(loss.item()))
+        if mode == CONTROL:
+            kept.append(grads)
         del grads, loss
         gc.collect()
         mx.synchronize()
@@ -167,8 +173,12 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--out", default=None, help="output dir (default reports/leak/<version>/<tag>)")
     ap.add_argument("--timeout", type=int, default=1800)
     a = ap.parse_args(argv)
+    bad = [m for m in a.modes.split(",") if m not in MODES + [CONTROL]]
+    if bad:
+        ap.error(f"unknown modes {bad}; have {MODES + [CONTROL]}")
     if a.worker:
         print(json.dumps(run_mode(json.loads(a.worker))), flush=True)
         return 0
@@ -177,7 +187,8 @@ def main(argv=None):
     dtype = a.dtype or ("bfloat16" if gpu else "float32")
     T = a.context or (128 if a.preset == "cpu" else 2048)
     tag = a.tag or f"{'gpu' if gpu else 'cpu'}-{a.preset}-{dtype}-T{T}-S{a.segment_size}"
-    out = report_dir("leak", tag)
+    out = Path(a.out) if a.out else report_dir("leak", tag)
+    out.mkdir(parents=True, exist_ok=True)
     results = []
     for mode in a.modes.split(","):
         spec = dict(mode=mode, preset=a.preset, dtype=dtype, context=T,

@@ -265,6 +265,8 @@ def main(argv=None):
                     help="tokens per chunk for ours_seg1_tokchunk (default: 4096 on GPU, "
                          "context/4 on CPU)")
     ap.add_argument("--tag", default=None, help="report subdirectory (default: derived)")
+    ap.add_argument("--out", default=None,
+                    help="output dir (default reports/peak_memory/<version>/<tag>)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     a = ap.parse_args(argv)
     if a.worker:
@@ -282,7 +284,8 @@ def main(argv=None):
     if bad:
         ap.error(f"unknown modes {bad}; have {MODES}")
     tag = a.tag or f"{'gpu' if gpu else 'cpu'}-{preset}-{dtype}"
-    out = report_dir("peak_memory", tag)
+    out = Path(a.out) if a.out else report_dir("peak_memory", tag)
+    out.mkdir(parents=True, exist_ok=True)
     meta = {"preset": preset, "dtype": dtype, "machine": machine(), "config": preset_config(preset),
             "chunk_size": a.chunk_size, "steps": steps,
             "token_chunk": a.token_chunk or ("4096" if gpu else "context/4"),
