@@ -141,3 +141,36 @@ def test_openai_sdk_streams_mixed_lanes(bsrv):
     assert len(out) == 2 * len(PROMPTS)
     for i, p in enumerate(PROMPTS * 2):
         assert out[i] == ref[p], (i, p)
+
+
+def test_aggregate_admission_holds_rows_that_do_not_fit_together(llama_dir):
+    """Budget for exactly one row: concurrent requests that each fit alone run one after
+    another in the batch lane (none refused, none lost, same text); a request over the
+    budget on its own is refused before any compute with the documented 400."""
+    s = start_server(llama_dir, batch=4, prompt_cache_bytes=0, max_tokens=64)
+    try:
+        lane, adm = s.state.batch_lane, s.state.admission
+        first = _chat(s.url, "def add(a, b):")
+        need = first["usage"]["prompt_tokens"] + 12
+        lo, hi = adm.weights, adm.budget_bytes        # smallest budget that fits one row
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            adm.budget_bytes = mid
+            lo, hi = (lo, mid) if lane._fits([need]) else (mid, hi)
+        adm.budget_bytes = hi
+        assert lane._fits([need]) and not lane._fits([need, need])
+        before = _stats(s.url)
+        out = _concurrent(s.url, ["def add(a, b):"] * 3)
+        after = _stats(s.url)
+        assert [o["choices"][0]["message"]["content"] for o in out] == \
+            [first["choices"][0]["message"]["content"]] * 3
+        assert after["lanes"]["batch"] - before["lanes"]["batch"] == 3
+        assert after["peak_rows"] == 1 and after["rejected"] == 0
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 64})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "memory_admission" and err["code"] == "context_over_budget"
+        assert _chat(s.url, "hi")["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        stop_server(s)
