@@ -117,7 +117,13 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=None,
                     help="KV group size (default: the largest of 32/64/128 every layer allows)")
     ap.add_argument("--prompt-length", type=int, default=256, help="with --model")
+    ap.add_argument("--dequant-attention", action="store_true",
+                    help="L3: dequantize K/V and use the fused SDPA (engine/kv_dequant_attention.py);"
+                         " the only way to run quantized KV on MLX 0.32.4's CUDA backend")
     a = ap.parse_args(argv)
+    if a.dequant_attention:
+        from engine.kv_dequant_attention import set_enabled
+        set_enabled(True)
     if a.model:
         model = load_model(a.model)[0]
         vocab = model.args.vocab_size
@@ -129,7 +135,9 @@ def main(argv=None):
     note = f"Device {mx.default_device()}; reproduce: `python -m parity.kv_quality" + \
            (f" --model {a.model}" if a.model else "") + \
         (f" --group-size {a.group_size}" if a.group_size else "") + \
-        (f" --prompt-length {a.prompt_length}" if a.model else "") + "`"
+        (f" --prompt-length {a.prompt_length}" if a.model else "") + \
+        (" --dequant-attention" if a.dequant_attention else "") + "`" + \
+        ("; attention over quantized KV by dequantize + fused SDPA (L3)" if a.dequant_attention else "")
     write(rows, out, note)
     print(json.dumps(rows, indent=1))
 

@@ -18,6 +18,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kv_dequant_attention
+
 
 @dataclass
 class ArgsBase:
@@ -144,6 +146,10 @@ def _quantized_attention(q, qk, qv, scale, mask, group_size, bits):
 def attention(q, k, v, cache, scale: float, mask):
     """SDPA, dispatching to the quantized path when the cache holds quantized K/V."""
     if cache is not None and getattr(cache, "bits", None):
+        if kv_dequant_attention.enabled():   # L3, off by default (see that module)
+            k = mx.dequantize(*k, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
+            v = mx.dequantize(*v, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return _quantized_attention(q, k, v, scale, mask, cache.group_size, cache.bits)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
