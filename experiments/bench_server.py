@@ -127,6 +127,11 @@ def stream_http(url, prompt, gen, bias):
                 now = time.perf_counter()
                 first = first or now
                 last = now
+    if first is None or tokens is None:
+        # a stream without text or without its usage chunk: a finding, not a crash
+        print(f"incomplete stream from {url}: text={'yes' if first else 'no'}, "
+              f"usage={'yes' if tokens is not None else 'no'}", flush=True)
+        return {"ttft": float("nan"), "decode_tps": float("nan"), "tokens": tokens, "failed": True}
     return {"ttft": first - t0, "decode_tps": (tokens - 1) / (last - first) if last > first
             else float("nan"), "tokens": tokens}
 
@@ -197,8 +202,11 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=()):
                     order = order[1::-1] + order[:1:-1]
                 for name, fn in order:
                     res[name].append(fn())
-            med = {k: {m: statistics.median(r[m] for r in v) for m in ("ttft", "decode_tps")}
-                   for k, v in res.items()}
+            def _median(xs):
+                xs = list(xs)
+                return statistics.median(xs) if xs else float("nan")
+            med = {k: {m: _median(r[m] for r in v if not r.get("failed"))
+                       for m in ("ttft", "decode_tps")} for k, v in res.items()}
             row = {"model": Path(model_dir).name, "prompt_tokens": len(tok.encode(prompt)),
                    "gen": gen, "trials": trials,
                    "ours_ttft_ms": med["ours"]["ttft"] * 1e3,
@@ -219,7 +227,9 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=()):
                                                / med["ours_inproc"]["decode_tps"]),
                    "mlxlm_overhead_pct": 100 * (1 - med["mlx_lm"]["decode_tps"]
                                                 / med["mlxlm_inproc"]["decode_tps"]),
-                   "tokens_ok": all(r["tokens"] == gen for v in res.values() for r in v)}
+                   "tokens_ok": all(r["tokens"] == gen for v in res.values() for r in v),
+                   "incomplete_streams": {k: sum(bool(r.get("failed")) for r in v)
+                                          for k, v in res.items() if k in ("ours", "mlx_lm")}}
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                               for k, v in row.items()}), flush=True)
             rows.append(row)
