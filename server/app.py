@@ -98,6 +98,8 @@ def create_app(state) -> FastAPI:
     r.add_api_route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"])
     r.add_api_route("/v1/responses", responses.create_response, methods=["POST"])
     r.add_api_route("/v1/responses/{response_id}", responses.get_response, methods=["GET"])
+    r.add_api_route("/v1/responses/{response_id}", responses.delete_response,
+                    methods=["DELETE"])
     if state.config.api_key:
         app.add_middleware(AuthMiddleware, api_key=state.config.api_key)
     if state.config.allowed_origins:

@@ -325,7 +325,7 @@ async def create_response(request: Request):
     def on_done(done: Done):
         if meta["store"]:
             state.store.put(render.id, conversation, [_as_input(i) for i in render.items],
-                            instructions)
+                            instructions, response=render.result(done))
     render.on_done = on_done
     if stream:
         gen.stop_watching()
@@ -334,6 +334,24 @@ async def create_response(request: Request):
     return JSONResponse(render.result(done))
 
 
+def _stored(state, rid: str) -> dict:
+    entry = state.store.get(rid)
+    if entry is None or entry.get("response") is None:
+        raise not_found(f"no stored response with id {rid!r} (unknown, expired, deleted or "
+                        "created with store=false)")
+    return entry
+
+
 async def get_response(request: Request):
-    raise APIError(404, "retrieving stored responses is not supported; pass the id as "
-                        "previous_response_id", type="not_found_error")
+    """GET /v1/responses/{id}: the final response object of a stored turn."""
+    state = request.app.state.server
+    return JSONResponse(_stored(state, request.path_params["response_id"])["response"])
+
+
+async def delete_response(request: Request):
+    """DELETE /v1/responses/{id}: forget a stored turn (it can no longer be continued)."""
+    state = request.app.state.server
+    rid = request.path_params["response_id"]
+    _stored(state, rid)
+    state.store.delete(rid)
+    return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})

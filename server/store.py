@@ -41,9 +41,12 @@ class ResponseStore:
             self.expired += 1
 
     def put(self, rid: str, input_items: list, output_items: list,
-            instructions: Optional[str]) -> bool:
+            instructions: Optional[str], response: Optional[dict] = None) -> bool:
+        """Store a turn (for previous_response_id) and, when given, the final response
+        object (for GET /v1/responses/{id}); the byte cap counts both."""
         size = len(json.dumps(input_items, ensure_ascii=False)) + len(
-            json.dumps(output_items, ensure_ascii=False))
+            json.dumps(output_items, ensure_ascii=False)) + (
+            len(json.dumps(response, ensure_ascii=False)) if response is not None else 0)
         if size > self.max_bytes:
             return False
         with self._lock:
@@ -51,7 +54,8 @@ class ResponseStore:
             if rid in self._entries:
                 self._bytes -= self._entries.pop(rid)[1]
             self._entries[rid] = (self._clock(), size, {
-                "input": input_items, "output": output_items, "instructions": instructions})
+                "input": input_items, "output": output_items, "instructions": instructions,
+                "response": response})
             self._bytes += size
             while self._bytes > self.max_bytes and len(self._entries) > 1:
                 _, (_, sz, _) = self._entries.popitem(last=False)
@@ -67,6 +71,15 @@ class ResponseStore:
                 return None
             self._entries.move_to_end(rid)
             return item[2]
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            self._expire()
+            item = self._entries.pop(rid, None)
+            if item is None:
+                return False
+            self._bytes -= item[1]
+            return True
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -193,8 +193,10 @@ def test_responses_store_false_is_not_resumable(srv, oai):
     nxt = oai.responses.create(model="x", input="more", previous_response_id=kept.id,
                                max_output_tokens=2)
     assert nxt.previous_response_id == kept.id
-    r = httpx.get(srv.v1 + f"/responses/{kept.id}")
+    # a store=false response cannot be retrieved either; a stored one can
+    r = httpx.get(srv.v1 + f"/responses/{r.id}")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert oai.responses.retrieve(kept.id).id == kept.id
 
 
 def test_server_sampling_defaults(srv, oai):

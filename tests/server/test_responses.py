@@ -136,3 +136,32 @@ def test_bad_input_400(srv, oai):
         oai.responses.create(model="x", input="x", max_output_tokens=0)
     r = oai.responses.create(model="x", input="still serving", max_output_tokens=2)
     assert r.status in ("completed", "incomplete")
+
+
+def test_retrieve_and_delete_stored_responses(srv, oai):
+    """GET /v1/responses/{id} returns the stored final object (plain and streamed turns);
+    DELETE forgets it, after which neither retrieval nor continuation finds it."""
+    r = oai.responses.create(model="x", input=uniq(), max_output_tokens=5, temperature=0)
+    got = oai.responses.retrieve(r.id)
+    assert (got.id, got.status, got.output_text, got.usage.output_tokens) == \
+        (r.id, r.status, r.output_text, r.usage.output_tokens)
+    raw = httpx.get(srv.v1 + f"/responses/{r.id}").json()
+    assert raw["object"] == "response" and raw["output"][0]["type"] == "message"
+    body = {"input": uniq(), "max_output_tokens": 5, "temperature": 0, "stream": True}
+    evs = sse_events(httpx.post(srv.v1 + "/responses", json=body, timeout=30).text)
+    final = evs[-1][1]["response"]
+    streamed = httpx.get(srv.v1 + f"/responses/{final['id']}").json()
+    assert streamed["status"] == final["status"] and streamed["usage"] == final["usage"]
+    assert streamed["output"] == final["output"]
+    before = httpx.get(srv.url + "/stats").json()["response_store"]
+    d = oai.responses.delete(r.id)
+    assert d is None or getattr(d, "deleted", True)
+    after = httpx.get(srv.url + "/stats").json()["response_store"]
+    assert after["entries"] == before["entries"] - 1 and after["bytes"] < before["bytes"]
+    for call in (lambda: oai.responses.retrieve(r.id), lambda: oai.responses.delete(r.id),
+                 lambda: oai.responses.create(model="x", input="more", max_output_tokens=2,
+                                              previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    raw = httpx.delete(srv.v1 + "/responses/resp_unknown")
+    assert raw.status_code == 404 and raw.json()["error"]["type"] == "not_found_error"
