@@ -18,6 +18,9 @@ trials is reported. For each level:
 - lost / duplicated: requests without exactly --gen tokens, or with more than
   one final chunk.
 
+Each level starts with an untimed round of C clients x 8 tokens on both servers
+(kernel compilation for the new batch shapes stays out of the figures).
+
 Writes bench_batching.{csv,md,png} to reports/bench_batching/<version>/<tag>/.
 """
 
@@ -138,6 +141,12 @@ def bench(model_dir, levels, prompt_len, gen, trials, hf_cache):
             level(s.url, [tok.decode(rng.integers(32, 1000, prompt_len).tolist())] * 2, 8, bias)
         for c in levels:
             res = {w: [] for w in servers}
+            # untimed warm-up at this concurrency on both servers: the first time a batch
+            # reaches a row count, a GPU backend compiles kernels for the new shapes (one
+            # H200 trial at 4 clients had a 5 s p95 TTFT from that alone)
+            warm = [tok.decode(rng.integers(32, 1000, prompt_len).tolist()) for _ in range(c)]
+            for w in servers:
+                level(servers[w].url, warm, 8, bias)
             for t in range(trials):
                 prompts = [tok.decode(rng.integers(32, 1000, prompt_len).tolist())
                            for _ in range(c)]
