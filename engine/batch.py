@@ -67,7 +67,7 @@ class RowEvent:
 
 class _Row:
     __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
-                 "detok", "matcher", "cancelled", "ctx")
+                 "detok", "matcher", "cancelled")
 
     def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
         self.uid, self.req = uid, req
@@ -80,7 +80,6 @@ class _Row:
         self.stops = stops
         self.detok = self.matcher = None
         self.cancelled = False
-        self.ctx = None                   # processor context on the device (see _forward_sample)
         if tokenizer is not None:
             from .text import StopMatcher
             self.detok = tokenizer.make_detokenizer(trim_leading_space=True)
@@ -248,18 +247,16 @@ class BatchScheduler:
         rows = g.rows
         if any(r.req.logits_processors for r in rows):
             # the context a row's processors see is its tokens so far plus this step's input
-            # (the same values as mlx-lm's); it grows on the device, because reading
-            # `inputs` back to the host here would wait for the step in flight and stall
-            # the pipeline
+            # (the same values as mlx-lm's); the input joins on the device, because
+            # reading `inputs` back to the host here would wait for the step in flight
             out = []
             for e, r in enumerate(rows):
                 lg = logits[e:e + 1]
                 if r.req.logits_processors:
-                    if r.ctx is None:
-                        r.ctx = mx.array(r.tokens, dtype=mx.int32)
-                    r.ctx = mx.concatenate([r.ctx, inputs[e:e + 1].astype(mx.int32)])
+                    ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32),
+                                          inputs[e:e + 1].astype(mx.int32)])
                     for p in r.req.logits_processors:
-                        lg = p(r.ctx, lg)
+                        lg = p(ctx, lg)
                 out.append(lg)
             logits = mx.concatenate(out, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
