@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,14 +37,22 @@ def prompts(n: int = 3, length: int = 48, vocab: int = VOCAB) -> list[list[int]]
     return [rng.integers(32, vocab - 32, size=length).tolist() for _ in range(n)]
 
 
-def _modes(model, group_size: int | None = None) -> dict:
-    """kv8, kv4 at the largest group every layer allows (or `group_size`), and a mixed
-    config (8-bit on the first half of the cache layers, 4-bit on the rest)."""
-    from engine.kv_quant import cache_head_dims
+def default_group(model) -> int:
+    """The largest KV group size every cache layer's head dim allows."""
+    from engine.kv_quant import VALID_GROUPS, cache_head_dims
     dims = cache_head_dims(model)
-    g = group_size or max(x for x in (32, 64, 128) if all(d % x == 0 for d in dims))
-    half = len(dims) // 2
-    mixed = [{"layer_idx": i, "bits": 8 if i < half else 4, "group_size": g} for i in range(len(dims))]
+    return max(x for x in VALID_GROUPS if all(d % x == 0 for d in dims))
+
+
+def _modes(model, group_size: int | None = None) -> dict:
+    """kv8, kv4 at `group_size` (default: default_group), and a mixed config (8-bit on the
+    first half of the cache layers, 4-bit on the rest)."""
+    from engine.kv_quant import cache_head_dims
+    n = len(cache_head_dims(model))
+    g = group_size or default_group(model)
+    half = n // 2
+    mixed = [{"layer_idx": i, "bits": 8 if i < half else 4, "group_size": g}
+             for i in range(n)]
     return {"kv8": dict(kv_bits=8, kv_group_size=g), "kv4": dict(kv_bits=4, kv_group_size=g),
             "mixed8/4": dict(kv_config=mixed)}
 
@@ -132,12 +141,10 @@ def main(argv=None):
     else:
         rows = run_fixtures(steps=a.steps)
     out = Path(a.out) if a.out else REPO / "reports" / "kv_quant" / engine.__version__ / a.tag
-    note = f"Device {mx.default_device()}; reproduce: `python -m parity.kv_quality" + \
-           (f" --model {a.model}" if a.model else "") + \
-        (f" --group-size {a.group_size}" if a.group_size else "") + \
-        (f" --prompt-length {a.prompt_length}" if a.model else "") + \
-        (" --dequant-attention" if a.dequant_attention else "") + "`" + \
-        ("; attention over quantized KV by dequantize + fused SDPA (L3)" if a.dequant_attention else "")
+    cmd = " ".join(["python -m parity.kv_quality", *(sys.argv[1:] if argv is None else argv)])
+    note = (f"Device {mx.default_device()}; reproduce: `{cmd}`"
+            + ("; attention over quantized KV by dequantize + fused SDPA (L3)"
+               if a.dequant_attention else ""))
     write(rows, out, note)
     print(json.dumps(rows, indent=1))
 

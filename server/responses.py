@@ -230,6 +230,7 @@ class ResponseRender:
                     out.append(self._open_message())
                 out.append(self._close())
                 self.done = ev
+                self.final = self.result(ev)    # the non-streamed body and the stored object
                 self.on_done(ev)
                 out.append(self._ev("response.completed",
                                     {"response": self.snapshot(self.status(ev), ev)}))
@@ -325,13 +326,13 @@ async def create_response(request: Request):
     def on_done(done: Done):
         if meta["store"]:
             state.store.put(render.id, conversation, [_as_input(i) for i in render.items],
-                            instructions, response=render.result(done))
+                            instructions, response=render.final)
     render.on_done = on_done
     if stream:
         gen.stop_watching()
         return sse.response(_stream(gen, render, render.head()))
-    done = await complete(gen, render.feed)
-    return JSONResponse(render.result(done))
+    await complete(gen, render.feed)
+    return JSONResponse(render.final)
 
 
 def _stored(state, rid: str) -> dict:

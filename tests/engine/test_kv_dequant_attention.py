@@ -12,17 +12,17 @@ import mlx.core as mx
 import pytest
 
 from engine.kv_dequant_attention import dequantized_kv_attention, enabled
-from engine.kv_quant import cache_head_dims, make_policy
+from engine.kv_quant import make_policy
 from engine.loader import load_model
 from parity.fixtures.models import ensure_fixture
-from parity.kv_quality import _run, prompts
+from parity.kv_quality import _run, default_group, prompts
 
 
 def _runs(family, dtype, bits):
     m = load_model(ensure_fixture(family, dtype))[0]
     p = prompts()[0]
     seq = p + list(range(40, 72))
-    g = max(x for x in (32, 64, 128) if all(d % x == 0 for d in cache_head_dims(m)))
+    g = default_group(m)
 
     def pol():
         return make_policy(m, quantized_kv_start=0, kv_bits=bits, kv_group_size=g)
