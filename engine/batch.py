@@ -107,6 +107,8 @@ class _Group:
         self.caches: list = []
         self.next_tokens = None            # decode group: [B] sampled, not yet emitted
         self.next_logprobs: list = []
+        self.bias_key = None               # row uids the batched logit bias was built for
+        self.bias = None
 
     def __len__(self):
         return len(self.rows)
@@ -141,6 +143,36 @@ class _Group:
             self.next_tokens = (other.next_tokens if self.next_tokens is None
                                 else mx.concatenate([self.next_tokens, other.next_tokens]))
             self.next_logprobs.extend(other.next_logprobs)
+
+
+def _leading_bias(procs) -> list:
+    out = []
+    for p in procs:
+        if getattr(p, "bias", None) is None:
+            break
+        out.append(p)
+    return out
+
+
+def _after_bias(procs) -> list:
+    return list(procs)[len(_leading_bias(procs)):]
+
+
+def _batched_bias(rows):
+    """(row index [N], token id [N], bias [N], largest id) over every row's leading
+    logit-bias processors, or None when no row has one."""
+    r_idx, c_idx, vals, top = [], [], [], -1
+    for e, r in enumerate(rows):
+        for p in _leading_bias(r.req.logits_processors):
+            ids, _, add, t = p.bias
+            r_idx += [e] * len(ids)
+            c_idx += ids
+            vals.append(add)
+            top = max(top, t)
+    if not r_idx:
+        return None
+    return (mx.array(r_idx, dtype=mx.int32), mx.array(c_idx, dtype=mx.int32),
+            mx.concatenate(vals), top)
 
 
 def _clone(c):
@@ -246,19 +278,7 @@ class BatchScheduler:
         logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
         rows = g.rows
         if any(r.req.logits_processors for r in rows):
-            # the context a row's processors see is its tokens so far plus this step's input
-            # (the same values as mlx-lm's); the input joins on the device, because
-            # reading `inputs` back to the host here would wait for the step in flight
-            out = []
-            for e, r in enumerate(rows):
-                lg = logits[e:e + 1]
-                if r.req.logits_processors:
-                    ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32),
-                                          inputs[e:e + 1].astype(mx.int32)])
-                    for p in r.req.logits_processors:
-                        lg = p(ctx, lg)
-                out.append(lg)
-            logits = mx.concatenate(out, axis=0)
+            logits = self._process(g, rows, inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         s0 = rows[0].sampler
         if all(r.key is None and r.sampler is s0 for r in rows):
@@ -266,6 +286,37 @@ class BatchScheduler:
         else:
             sampled = mx.concatenate([r.sample(logprobs[e:e + 1]) for e, r in enumerate(rows)])
         return sampled, logprobs
+
+    def _process(self, g: _Group, rows, inputs, logits):
+        """Each row's logits processors, in its list order. A leading run of logit-bias
+        processors is applied to all rows at once (one scatter-add of every row's
+        (row, token, bias); per element the same `at[].add` as row by row, so the same
+        values: L1-tested); the rest run row by row on that row's slice."""
+        uids = tuple(r.uid for r in rows)
+        if g.bias_key != uids:
+            g.bias_key, g.bias = uids, _batched_bias(rows)
+        if g.bias is not None:
+            r_idx, c_idx, vals, top = g.bias
+            if top >= logits.shape[-1]:
+                raise ValueError(f"logit_bias token id {top} is outside the vocabulary "
+                                 f"(size {logits.shape[-1]})")
+            logits = logits.at[r_idx, c_idx].add(vals)
+        rest = [(e, r, _after_bias(r.req.logits_processors)) for e, r in enumerate(rows)]
+        if not any(p for _, _, p in rest):
+            return logits
+        # the context a row's processors see is its tokens so far plus this step's input
+        # (the same values as mlx-lm's); the input joins on the device, because
+        # reading `inputs` back to the host here would wait for the step in flight
+        out = []
+        for e, r, procs in rest:
+            lg = logits[e:e + 1]
+            if procs:
+                ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32),
+                                      inputs[e:e + 1].astype(mx.int32)])
+                for p in procs:
+                    lg = p(ctx, lg)
+            out.append(lg)
+        return mx.concatenate(out, axis=0)
 
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode

@@ -356,6 +356,9 @@ def _bias(logit_bias: Dict[int, float]) -> LogitsProcessor:
                              f"(size {logits.shape[-1]})")
         return logits.at[:, idx].add(add)
 
+    # what the batch scheduler needs to apply many rows' biases in one scatter
+    # (the same `at[].add` per element, so the same values)
+    logit_bias_processor.bias = (ids, idx, add, top)
     return logit_bias_processor
 
 

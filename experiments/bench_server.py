@@ -82,9 +82,14 @@ class Server:
             self.proc.kill()
 
 
+def server_env(hf_cache):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(hf_cache), "TOKENIZERS_PARALLELISM": "false"}
+
+
 def start_servers(model_dir, hf_cache, ours_args=()):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1",
-           "HF_HUB_CACHE": str(hf_cache), "TOKENIZERS_PARALLELISM": "false"}
+    env = server_env(hf_cache)
     p1, p2 = free_port(), free_port()
     ours = Server("engine-serve", [sys.executable, "-m", "server.cli", "--model", str(model_dir),
                                    "--port", str(p1), *ours_args], p1, env)
@@ -137,33 +142,49 @@ def stream_http(url, prompt, gen, bias):
 
 
 def run_inprocess_ours(model, tok, prompt, gen, bias):
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    for seg in engine.stream_generate(model, tok, prompt, max_tokens=gen, temperature=0.0,
-                                      logit_bias=bias):
-        if seg.text:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-        n = seg.generation_tokens
-    return {"ttft": first - t0, "decode_tps": (n - 1) / (last - first), "tokens": n}
+    from experiments._decode_worker import time_ours
+    return time_ours(model, tok, prompt, gen, bias)
 
 
 def run_inprocess_mlxlm(model, tok, prompt, gen, bias):
-    import mlx_lm
-    from mlx_lm.sample_utils import make_logits_processors
-    procs = make_logits_processors(logit_bias={int(k): v for k, v in bias.items()})
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=gen, logits_processors=procs):
-        now = time.perf_counter()
-        if r.text:
-            first = first or now
-            last = now
-        n = r.generation_tokens
-    return {"ttft": first - t0, "decode_tps": (n - 1) / (last - first), "tokens": n}
+    from experiments._decode_worker import time_mlx_lm
+    return time_mlx_lm(model, tok, prompt, gen, bias)
+
+
+class DecodeWorker:
+    """`experiments._decode_worker` in a subprocess: the in-process reference run
+    in a process of its own (started like the servers, holding one model)."""
+
+    def __init__(self, which, model_dir, env):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "experiments._decode_worker", which, str(model_dir)],
+            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"decode worker {which} did not start: {line!r}")
+
+    def __call__(self, prompt, gen, bias):
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "gen": gen, "bias": bias}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def stop(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def paired_ci(ratios, n_boot=2000, seed=0):
+    """(median, lo, hi): the median of per-trial ratios and its bootstrap 95% interval."""
+    import numpy as np
+    r = np.asarray([x for x in ratios if x == x], dtype=float)
+    if not len(r):
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    meds = np.median(rng.choice(r, size=(n_boot, len(r)), replace=True), axis=1)
+    return float(np.median(r)), float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))
 
 
 def make_prompt(tok, length, rng):
@@ -171,12 +192,25 @@ def make_prompt(tok, length, rng):
     return tok.decode(ids)
 
 
-def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=()):
-    import mlx_lm
+def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="worker"):
     import numpy as np
 
-    model, tok = engine.load(model_dir)
-    ref_model, ref_tok = mlx_lm.load(str(model_dir))
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    workers = []
+    if reference == "worker":
+        env = server_env(hf_cache)
+        w_ours, w_ref = DecodeWorker("ours", model_dir, env), DecodeWorker("mlx_lm", model_dir, env)
+        workers = [w_ours, w_ref]
+        inproc_ours = lambda p, g, b: w_ours(p, g, b)               # noqa: E731
+        inproc_ref = lambda p, g, b: w_ref(p, g, b)                 # noqa: E731
+    else:
+        import mlx_lm
+        model = engine.load(model_dir)[0]
+        ref_model, ref_tok = mlx_lm.load(str(model_dir))
+        inproc_ours = lambda p, g, b: run_inprocess_ours(model, tok, p, g, b)          # noqa: E731
+        inproc_ref = lambda p, g, b: run_inprocess_mlxlm(ref_model, ref_tok, p, g, b)  # noqa: E731
     bias = {str(i): -100.0 for i in sorted(tok.eos_token_ids)}
     ours_srv, ref_srv = start_servers(model_dir, hf_cache, ours_args)
     rng = np.random.default_rng(0)
@@ -186,18 +220,17 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=()):
         for _ in range(2):
             stream_http(ours_srv.url, warm, 8, bias)
             stream_http(ref_srv.url, warm, 8, bias)
-        run_inprocess_ours(model, tok, warm, 8, bias)
-        run_inprocess_mlxlm(ref_model, ref_tok, warm, 8, bias)
+        for _ in range(2):
+            inproc_ours(warm, 8, bias)
+            inproc_ref(warm, 8, bias)
         for L in lengths:
             res = {k: [] for k in ("ours", "mlx_lm", "ours_inproc", "mlxlm_inproc")}
             for t in range(trials):
                 prompt = make_prompt(tok, L, rng)
                 order = [("ours", lambda: stream_http(ours_srv.url, prompt, gen, bias)),
                          ("mlx_lm", lambda: stream_http(ref_srv.url, prompt, gen, bias)),
-                         ("ours_inproc", lambda: run_inprocess_ours(model, tok, prompt, gen,
-                                                                    bias)),
-                         ("mlxlm_inproc", lambda: run_inprocess_mlxlm(ref_model, ref_tok, prompt,
-                                                                      gen, bias))]
+                         ("ours_inproc", lambda: inproc_ours(prompt, gen, bias)),
+                         ("mlxlm_inproc", lambda: inproc_ref(prompt, gen, bias))]
                 if t % 2:
                     order = order[1::-1] + order[:1:-1]
                 for name, fn in order:
@@ -207,6 +240,9 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=()):
                 return statistics.median(xs) if xs else float("nan")
             med = {k: {m: _median(r[m] for r in v if not r.get("failed"))
                        for m in ("ttft", "decode_tps")} for k, v in res.items()}
+            ci = {k: paired_ci([a["decode_tps"] / b["decode_tps"]
+                                for a, b in zip(res[k], res[k2]) if not a.get("failed")])
+                  for k, k2 in (("ours", "ours_inproc"), ("mlx_lm", "mlxlm_inproc"))}
             row = {"model": Path(model_dir).name, "prompt_tokens": len(tok.encode(prompt)),
                    "gen": gen, "trials": trials,
                    "ours_ttft_ms": med["ours"]["ttft"] * 1e3,
@@ -230,12 +266,14 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=()):
                    # the same, from each trial's adjacent served / in-process pair (the
                    # four runs of a trial are back to back, so slow drift of the machine
                    # cancels within a pair): 1 - median of the per-trial ratios
-                   "ours_overhead_paired_pct": 100 * (1 - _median(
-                       a["decode_tps"] / b["decode_tps"] for a, b in zip(res["ours"], res["ours_inproc"])
-                       if not a.get("failed"))),
-                   "mlxlm_overhead_paired_pct": 100 * (1 - _median(
-                       a["decode_tps"] / b["decode_tps"] for a, b in zip(res["mlx_lm"], res["mlxlm_inproc"])
-                       if not a.get("failed"))),
+                   "ours_overhead_paired_pct": 100 * (1 - ci["ours"][0]),
+                   "mlxlm_overhead_paired_pct": 100 * (1 - ci["mlx_lm"][0]),
+                   # bootstrap 95% interval of the paired overhead (lo, hi in %)
+                   "ours_overhead_ci_lo": 100 * (1 - ci["ours"][2]),
+                   "ours_overhead_ci_hi": 100 * (1 - ci["ours"][1]),
+                   "mlxlm_overhead_ci_lo": 100 * (1 - ci["mlx_lm"][2]),
+                   "mlxlm_overhead_ci_hi": 100 * (1 - ci["mlx_lm"][1]),
+                   "reference": reference,
                    "tokens_ok": all(r["tokens"] == gen for v in res.values() for r in v),
                    "incomplete_streams": {k: sum(bool(r.get("failed")) for r in v)
                                           for k, v in res.items() if k in ("ours", "mlx_lm")}}
@@ -245,6 +283,8 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=()):
     finally:
         ours_srv.stop()
         ref_srv.stop()
+        for w in workers:
+            w.stop()
     return rows
 
 
@@ -257,8 +297,8 @@ def write(rows, out: Path, note: str):
     lines = [f"# Server benchmark — mlx-parity {engine.__version__}", "", note, "",
              "| model | prompt | TTFT ms ours / mlx_lm.server (ratio) | decode tok/s ours / "
              "mlx_lm.server (ratio) | in-process decode tok/s ours / mlx-lm | server overhead "
-             "ours / mlx_lm.server | paired overhead ours / mlx_lm.server | TTFT added by the server "
-             "ms ours / mlx_lm.server |",
+             "ours / mlx_lm.server | paired overhead [95% CI] ours / mlx_lm.server | TTFT added "
+             "by the server ms ours / mlx_lm.server |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
@@ -267,12 +307,18 @@ def write(rows, out: Path, note: str):
             f"{r['mlxlm_decode_tps']:.1f} ({r['decode_ratio']:.3f}) | "
             f"{r['ours_inproc_decode_tps']:.1f} / {r['mlxlm_inproc_decode_tps']:.1f} | "
             f"{r['ours_overhead_pct']:.1f}% / {r['mlxlm_overhead_pct']:.1f}% | "
-            f"{r['ours_overhead_paired_pct']:.1f}% / {r['mlxlm_overhead_paired_pct']:.1f}% | "
+            f"{r['ours_overhead_paired_pct']:.1f}% [{r['ours_overhead_ci_lo']:.1f}, "
+            f"{r['ours_overhead_ci_hi']:.1f}] / {r['mlxlm_overhead_paired_pct']:.1f}% "
+            f"[{r['mlxlm_overhead_ci_lo']:.1f}, {r['mlxlm_overhead_ci_hi']:.1f}] | "
             f"{r['ours_server_ttft_ms']:.1f} / {r['mlxlm_server_ttft_ms']:.1f} |")
     lines += ["", "TTFT ratio < 1: we answer first. Decode ratio > 1: we stream faster. "
               "Overhead = 1 - served / in-process decode tok/s of the same engine "
               "(target ≤ 2%); paired overhead = 1 - median over trials of served / in-process "
-              "of the same trial (back-to-back runs). TTFT added = served - in-process TTFT of the same engine."]
+              "of the same trial (back-to-back runs), with the bootstrap 95% interval of that median; "
+              "the target is met when the interval's upper end is ≤ 2%. In-process reference: "
+              + ("each engine decoding in a process of its own (`experiments/_decode_worker.py`)"
+                 if rows[0].get("reference") == "worker" else "this benchmark process") + ". "
+              "TTFT added = served - in-process TTFT of the same engine."]
     (out / "bench_server.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -316,6 +362,9 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--ours-args", default="", help="extra engine-serve flags, e.g. "
                     "'--stream-interval-ms 20'")
+    ap.add_argument("--reference", choices=("worker", "bench"), default="worker",
+                    help="where the in-process reference decodes: a process of its own per "
+                    "engine (default) or this benchmark process (holding both models)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -334,7 +383,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="hf-empty-") as hf_cache:
         rows = []
         for m, ls in plan:
-            rows += bench(m, ls, gen, a.trials, hf_cache, a.ours_args.split())
+            rows += bench(m, ls, gen, a.trials, hf_cache, a.ours_args.split(), a.reference)
     import mlx.core as mx
     tag = a.tag or ("cpu-fixtures" if quick else "custom")
     out = Path(a.out) if a.out else REPO / "reports" / "bench_server" / engine.__version__ / tag
@@ -344,7 +393,7 @@ def main(argv=None):
     write(rows, out, f"Device {mx.default_device()}, mlx {mx.__version__}, mlx-lm "
                      f"{mlx_lm.__version__}, {os.cpu_count()} CPU cores. Streaming "
                      f"`/v1/completions`, greedy, {gen} decode tokens, median of {a.trials} "
-                     f"trials (fresh prompt each). Reproduce: `{cmd.strip()}`")
+                     f"trials (fresh prompt each), in-process reference: {a.reference}. Reproduce: `{cmd.strip()}`")
     print(f"wrote {out}")
 
 

@@ -113,6 +113,23 @@ def test_logits_processors_per_row(family):
     _check(run_ours(ours_m, sched, prefill_step_size=STEP), ref)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma4_text"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logit_bias_rows_batched(family, dtype):
+    """Rows whose processors are logit biases only take the one-scatter path; mixed with
+    a row without processors and a row with bias + penalty, joining and leaving."""
+    ours_m, ref_m = _models(family, dtype)
+    rng = random.Random(5)
+    sched = [Insert(0, _prompt(rng, 12), 9, processors=dict(logit_bias={17: 4.0, 3: -2.5})),
+             Insert(0, _prompt(rng, 7), 14, processors=dict(logit_bias={17: -100.0})),
+             Insert(1, _prompt(rng, 20), 6),
+             Insert(3, _prompt(rng, 5), 11, processors=dict(logit_bias={40: 3.0, 17: 1.5},
+                                                           frequency_penalty=0.4)),
+             Insert(5, _prompt(rng, 9), 8, processors=dict(logit_bias={0: 2.0}))]
+    ref = run_mlx_lm(ref_m, sched, prefill_step_size=STEP)
+    _check(run_ours(ours_m, sched, prefill_step_size=STEP), ref)
+
+
 def test_small_batch_limits():
     """prefill_batch_size 2 / completion_batch_size 3: rows wait in the queue."""
     ours_m, ref_m = _models("gemma4_text", "bfloat16")
