@@ -176,6 +176,14 @@ class DecodeWorker:
             self.proc.kill()
 
 
+def _with_engine_clock(url, r):
+    """Add the server's own clock of the same generation (`/stats` queue.last_generation:
+    first to last text the engine handed over, before any HTTP work) to a served run."""
+    last = (_client(url).get("/stats").json().get("queue") or {}).get("last_generation") or {}
+    r["engine_tps"] = last.get("decode_tps") or float("nan")
+    return r
+
+
 def paired_ci(ratios, n_boot=2000, seed=0):
     """(median, lo, hi): the median of per-trial ratios and its bootstrap 95% interval."""
     import numpy as np
@@ -192,7 +200,8 @@ def make_prompt(tok, length, rng):
     return tok.decode(ids)
 
 
-def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="worker"):
+def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="worker",
+          trial_rows=None):
     import numpy as np
 
     from engine.tokenizer import load_tokenizer
@@ -212,6 +221,7 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
         inproc_ours = lambda p, g, b: run_inprocess_ours(model, tok, p, g, b)          # noqa: E731
         inproc_ref = lambda p, g, b: run_inprocess_mlxlm(ref_model, ref_tok, p, g, b)  # noqa: E731
     bias = {str(i): -100.0 for i in sorted(tok.eos_token_ids)}
+    trial_rows = [] if trial_rows is None else trial_rows
     ours_srv, ref_srv = start_servers(model_dir, hf_cache, ours_args)
     rng = np.random.default_rng(0)
     rows = []
@@ -227,7 +237,8 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
             res = {k: [] for k in ("ours", "mlx_lm", "ours_inproc", "mlxlm_inproc")}
             for t in range(trials):
                 prompt = make_prompt(tok, L, rng)
-                order = [("ours", lambda: stream_http(ours_srv.url, prompt, gen, bias)),
+                order = [("ours", lambda: _with_engine_clock(
+                              ours_srv.url, stream_http(ours_srv.url, prompt, gen, bias))),
                          ("mlx_lm", lambda: stream_http(ref_srv.url, prompt, gen, bias)),
                          ("ours_inproc", lambda: inproc_ours(prompt, gen, bias)),
                          ("mlxlm_inproc", lambda: inproc_ref(prompt, gen, bias))]
@@ -243,6 +254,18 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
             ci = {k: paired_ci([a["decode_tps"] / b["decode_tps"]
                                 for a, b in zip(res[k], res[k2]) if not a.get("failed")])
                   for k, k2 in (("ours", "ours_inproc"), ("mlx_lm", "mlxlm_inproc"))}
+            # the same request on two clocks: the client's (served) and the server's
+            # engine-side one; their ratio is what HTTP delivery costs, free of the
+            # run-to-run noise that separates two runs
+            ci["delivery"] = paired_ci([a["decode_tps"] / a["engine_tps"] for a in res["ours"]
+                                        if not a.get("failed")])
+            ci["engine"] = paired_ci([a["engine_tps"] / b["decode_tps"] for a, b in
+                                      zip(res["ours"], res["ours_inproc"]) if not a.get("failed")])
+            for t in range(trials):
+                trial_rows.append({"model": Path(model_dir).name, "prompt": L, "trial": t,
+                                   **{f"{k}_{m}": res[k][t].get(m) for k in res
+                                      for m in ("ttft", "decode_tps")},
+                                   "ours_engine_tps": res["ours"][t].get("engine_tps")})
             row = {"model": Path(model_dir).name, "prompt_tokens": len(tok.encode(prompt)),
                    "gen": gen, "trials": trials,
                    "ours_ttft_ms": med["ours"]["ttft"] * 1e3,
@@ -274,6 +297,14 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
                    "mlxlm_overhead_ci_lo": 100 * (1 - ci["mlx_lm"][2]),
                    "mlxlm_overhead_ci_hi": 100 * (1 - ci["mlx_lm"][1]),
                    "reference": reference,
+                   # ours split in two: HTTP delivery (same request, two clocks) and the
+                   # engine inside the server vs the standalone reference (two runs)
+                   "ours_delivery_pct": 100 * (1 - ci["delivery"][0]),
+                   "ours_delivery_ci_lo": 100 * (1 - ci["delivery"][2]),
+                   "ours_delivery_ci_hi": 100 * (1 - ci["delivery"][1]),
+                   "ours_engine_slowdown_pct": 100 * (1 - ci["engine"][0]),
+                   "ours_engine_slowdown_ci_lo": 100 * (1 - ci["engine"][2]),
+                   "ours_engine_slowdown_ci_hi": 100 * (1 - ci["engine"][1]),
                    "tokens_ok": all(r["tokens"] == gen for v in res.values() for r in v),
                    "incomplete_streams": {k: sum(bool(r.get("failed")) for r in v)
                                           for k, v in res.items() if k in ("ours", "mlx_lm")}}
@@ -288,8 +319,13 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
     return rows
 
 
-def write(rows, out: Path, note: str):
+def write(rows, out: Path, note: str, trial_rows=()):
     out.mkdir(parents=True, exist_ok=True)
+    if trial_rows:
+        with open(out / "bench_server_trials.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(trial_rows[0]))
+            w.writeheader()
+            w.writerows(trial_rows)
     with open(out / "bench_server.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -318,7 +354,20 @@ def write(rows, out: Path, note: str):
               "the target is met when the interval's upper end is ≤ 2%. In-process reference: "
               + ("each engine decoding in a process of its own (`experiments/_decode_worker.py`)"
                  if rows[0].get("reference") == "worker" else "this benchmark process") + ". "
-              "TTFT added = served - in-process TTFT of the same engine."]
+              "TTFT added = served - in-process TTFT of the same engine.",
+              "", "Ours split in two (median of per-trial ratios [bootstrap 95% CI]):",
+              "", "| model | prompt | HTTP delivery: 1 − client / engine-side tok/s, same request "
+              "| engine in the server vs standalone: 1 − engine-side / in-process tok/s |",
+              "|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['prompt_tokens']} | {r['ours_delivery_pct']:.2f}% "
+            f"[{r['ours_delivery_ci_lo']:.2f}, {r['ours_delivery_ci_hi']:.2f}] | "
+            f"{r['ours_engine_slowdown_pct']:.1f}% [{r['ours_engine_slowdown_ci_lo']:.1f}, "
+            f"{r['ours_engine_slowdown_ci_hi']:.1f}] |")
+    lines += ["", "Engine-side tok/s: `/stats` queue.last_generation, the server's clock from the "
+              "first to the last text the engine handed over (before any HTTP work); it is "
+              "timed like the client and the in-process reference time theirs."]
     (out / "bench_server.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -380,10 +429,12 @@ def main(argv=None):
         plan = [(str(ensure_fixture("llama", "bfloat16")), lengths),
                 (str(build_preset("speed", REPO / ".cache" / "presets" / "speed-float32",
                                   "float32")), lengths[:1])]
+    trial_rows: list = []
     with tempfile.TemporaryDirectory(prefix="hf-empty-") as hf_cache:
         rows = []
         for m, ls in plan:
-            rows += bench(m, ls, gen, a.trials, hf_cache, a.ours_args.split(), a.reference)
+            rows += bench(m, ls, gen, a.trials, hf_cache, a.ours_args.split(), a.reference,
+                          trial_rows)
     import mlx.core as mx
     tag = a.tag or ("cpu-fixtures" if quick else "custom")
     out = Path(a.out) if a.out else REPO / "reports" / "bench_server" / engine.__version__ / tag
@@ -393,7 +444,8 @@ def main(argv=None):
     write(rows, out, f"Device {mx.default_device()}, mlx {mx.__version__}, mlx-lm "
                      f"{mlx_lm.__version__}, {os.cpu_count()} CPU cores. Streaming "
                      f"`/v1/completions`, greedy, {gen} decode tokens, median of {a.trials} "
-                     f"trials (fresh prompt each), in-process reference: {a.reference}. Reproduce: `{cmd.strip()}`")
+                     f"trials (fresh prompt each), in-process reference: {a.reference}. Reproduce: `{cmd.strip()}`",
+          trial_rows)
     print(f"wrote {out}")
 
 

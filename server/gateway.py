@@ -136,6 +136,7 @@ class Gateway:
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
+        self.last_generation: Optional[dict] = None
         self._thread.start()
 
     # --- submitting -------------------------------------------------------
@@ -162,7 +163,8 @@ class Gateway:
 
     def stats(self) -> dict:
         return {"queued": self.queued, "active": 1 if self.active is not None else 0,
-                "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed}
+                "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed,
+                "last_generation": self.last_generation}
 
     def close(self, timeout: float = 5.0) -> None:
         self._stopping = True
@@ -202,11 +204,25 @@ class Gateway:
         self.active = job
         job.started_at = time.perf_counter()
         started = False
+        first = last = None
+        n = 0
         try:
             for seg in self.runner(job):
                 started = True
+                if seg.text:
+                    # when the engine handed over text (before any HTTP work): the
+                    # engine-side clock of this generation, for /stats
+                    last = time.perf_counter()
+                    first = first or last
+                n = seg.generation_tokens
                 job.put(("seg", seg))
             job.put(("end", None))
+            self.last_generation = {
+                "job": job.id, "generation_tokens": n,
+                "first_text_s": None if first is None else first - job.started_at,
+                "decode_s": None if first is None else last - first,
+                "decode_tps": (n - 1) / (last - first) if first is not None and last > first
+                else None}
             if job.cancelled.is_set():
                 self.cancelled += 1
             else:

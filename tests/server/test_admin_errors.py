@@ -110,6 +110,20 @@ def test_stats_schema(aux):
                           "available": False}
 
 
+def test_stats_last_generation_clock(aux):
+    """/stats queue.last_generation: the engine-side clock of the latest generation
+    (what bench_server compares the client's clock with)."""
+    body = {**ok_body(12), "logit_bias": {"1009": -100, "1016": -100, "1017": -100}}
+    r = chat(aux, body)
+    assert r.status_code == 200, r.text
+    n = r.json()["usage"]["completion_tokens"]
+    assert n == 12
+    last = httpx.get(aux.url + "/stats", headers=H()).json()["queue"]["last_generation"]
+    assert last["generation_tokens"] == n
+    assert 0 < last["first_text_s"] and 0 < last["decode_s"]
+    assert last["decode_tps"] == pytest.approx((n - 1) / last["decode_s"])
+
+
 def test_over_budget_400(aux):
     ceiling = aux.state.ceiling
     body = ok_body()
