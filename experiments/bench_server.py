@@ -181,6 +181,8 @@ def _with_engine_clock(url, r):
     first to last text the engine handed over, before any HTTP work) to a served run."""
     last = (_client(url).get("/stats").json().get("queue") or {}).get("last_generation") or {}
     r["engine_tps"] = last.get("decode_tps") or float("nan")
+    cpu, span = last.get("event_loop_cpu_s"), last.get("decode_s")
+    r["loop_cpu_share"] = cpu / span if cpu is not None and span else float("nan")
     return r
 
 
@@ -235,6 +237,8 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
             inproc_ref(warm, 8, bias)
         for L in lengths:
             res = {k: [] for k in ("ours", "mlx_lm", "ours_inproc", "mlxlm_inproc")}
+            shares = sorted(a["loop_cpu_share"] for a in res["ours"]
+                            if a.get("loop_cpu_share", float("nan")) == a.get("loop_cpu_share"))
             for t in range(trials):
                 prompt = make_prompt(tok, L, rng)
                 order = [("ours", lambda: _with_engine_clock(
@@ -261,11 +265,14 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
                                         if not a.get("failed")])
             ci["engine"] = paired_ci([a["engine_tps"] / b["decode_tps"] for a, b in
                                       zip(res["ours"], res["ours_inproc"]) if not a.get("failed")])
+            shares = sorted(a["loop_cpu_share"] for a in res["ours"]
+                            if a.get("loop_cpu_share", float("nan")) == a.get("loop_cpu_share"))
             for t in range(trials):
                 trial_rows.append({"model": Path(model_dir).name, "prompt": L, "trial": t,
                                    **{f"{k}_{m}": res[k][t].get(m) for k in res
                                       for m in ("ttft", "decode_tps")},
-                                   "ours_engine_tps": res["ours"][t].get("engine_tps")})
+                                   "ours_engine_tps": res["ours"][t].get("engine_tps"),
+                                   "ours_loop_cpu_share": res["ours"][t].get("loop_cpu_share")})
             row = {"model": Path(model_dir).name, "prompt_tokens": len(tok.encode(prompt)),
                    "gen": gen, "trials": trials,
                    "ours_ttft_ms": med["ours"]["ttft"] * 1e3,
@@ -305,6 +312,10 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
                    "ours_engine_slowdown_pct": 100 * (1 - ci["engine"][0]),
                    "ours_engine_slowdown_ci_lo": 100 * (1 - ci["engine"][2]),
                    "ours_engine_slowdown_ci_hi": 100 * (1 - ci["engine"][1]),
+                   # CPU time of the server's event-loop thread over the decode span: all of
+                   # its HTTP work; the most it can take from the engine thread via the GIL
+                   "ours_loop_cpu_pct_p50": 100 * statistics.median(shares) if shares else float("nan"),
+                   "ours_loop_cpu_pct_max": 100 * shares[-1] if shares else float("nan"),
                    "tokens_ok": all(r["tokens"] == gen for v in res.values() for r in v),
                    "incomplete_streams": {k: sum(bool(r.get("failed")) for r in v)
                                           for k, v in res.items() if k in ("ours", "mlx_lm")}}
@@ -357,17 +368,23 @@ def write(rows, out: Path, note: str, trial_rows=()):
               "TTFT added = served - in-process TTFT of the same engine.",
               "", "Ours split in two (median of per-trial ratios [bootstrap 95% CI]):",
               "", "| model | prompt | HTTP delivery: 1 − client / engine-side tok/s, same request "
-              "| engine in the server vs standalone: 1 − engine-side / in-process tok/s |",
-              "|---|---|---|---|"]
+              "| engine in the server vs standalone: 1 − engine-side / in-process tok/s "
+              "| event-loop thread CPU / decode time, median (max) |",
+              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['prompt_tokens']} | {r['ours_delivery_pct']:.2f}% "
             f"[{r['ours_delivery_ci_lo']:.2f}, {r['ours_delivery_ci_hi']:.2f}] | "
             f"{r['ours_engine_slowdown_pct']:.1f}% [{r['ours_engine_slowdown_ci_lo']:.1f}, "
-            f"{r['ours_engine_slowdown_ci_hi']:.1f}] |")
+            f"{r['ours_engine_slowdown_ci_hi']:.1f}] | {r['ours_loop_cpu_pct_p50']:.2f}% "
+            f"({r['ours_loop_cpu_pct_max']:.2f}%) |")
     lines += ["", "Engine-side tok/s: `/stats` queue.last_generation, the server's clock from the "
               "first to the last text the engine handed over (before any HTTP work); it is "
-              "timed like the client and the in-process reference time theirs."]
+              "timed like the client and the in-process reference time theirs. Event-loop CPU: "
+              "`/stats` queue.last_generation.event_loop_cpu_s (the CPU clock of the thread "
+              "that runs every HTTP handler and stream writer, over the same span) / decode_s: "
+              "the share of the decode during which HTTP work could hold the GIL, an upper "
+              "bound on what it can take from the engine's thread that way."]
     (out / "bench_server.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

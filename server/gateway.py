@@ -47,6 +47,8 @@ class GenerationJob:
                  adapters: tuple = ()):
         self.id = next(self._ids)
         self.loop = loop
+        # the thread the job was made on (the event loop's): its CPU clock, for /stats
+        self.loop_cpu_clock = _thread_cpu_clock(threading.get_ident())
         self.prompt = prompt
         self.options = options
         self.adapters = tuple(adapters)
@@ -111,6 +113,22 @@ class GenerationJob:
                     return self._items.popleft()
                 self._waiter = w = self.loop.create_future()
             await w
+
+
+def _thread_cpu_clock(ident: int) -> Optional[int]:
+    try:
+        return time.pthread_getcpuclockid(ident)
+    except (AttributeError, OSError):     # not on this platform
+        return None
+
+
+def _cpu_s(clock: Optional[int]) -> Optional[float]:
+    if clock is None:
+        return None
+    try:
+        return time.clock_gettime(clock)
+    except OSError:
+        return None
 
 
 def _final(item) -> bool:
@@ -205,24 +223,31 @@ class Gateway:
         job.started_at = time.perf_counter()
         started = False
         first = last = None
+        cpu_first = cpu_last = None
         n = 0
         try:
             for seg in self.runner(job):
                 started = True
                 if seg.text:
                     # when the engine handed over text (before any HTTP work): the
-                    # engine-side clock of this generation, for /stats
+                    # engine-side clock of this generation, and the CPU time the event
+                    # loop's thread used meanwhile (all the HTTP work; an upper bound on
+                    # what it can take from this thread through the GIL), for /stats
                     last = time.perf_counter()
-                    first = first or last
+                    cpu_last = _cpu_s(job.loop_cpu_clock)
+                    if first is None:
+                        first, cpu_first = last, cpu_last
                 n = seg.generation_tokens
                 job.put(("seg", seg))
             job.put(("end", None))
+            span = None if first is None else last - first
             self.last_generation = {
                 "job": job.id, "generation_tokens": n,
                 "first_text_s": None if first is None else first - job.started_at,
-                "decode_s": None if first is None else last - first,
-                "decode_tps": (n - 1) / (last - first) if first is not None and last > first
-                else None}
+                "decode_s": span,
+                "decode_tps": (n - 1) / span if span else None,
+                "event_loop_cpu_s": (cpu_last - cpu_first if cpu_first is not None
+                                     and cpu_last is not None else None)}
             if job.cancelled.is_set():
                 self.cancelled += 1
             else:

@@ -122,6 +122,9 @@ def test_stats_last_generation_clock(aux):
     assert last["generation_tokens"] == n
     assert 0 < last["first_text_s"] and 0 < last["decode_s"]
     assert last["decode_tps"] == pytest.approx((n - 1) / last["decode_s"])
+    # the event loop streamed those tokens meanwhile: some CPU time, less than the span
+    # (it is one thread, and the engine ran on another)
+    assert 0 <= last["event_loop_cpu_s"] < last["decode_s"]
 
 
 def test_over_budget_400(aux):
