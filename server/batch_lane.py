@@ -12,10 +12,13 @@ time.
 
 A request goes to the serial lane when the batch cannot give it the serial
 lane's result:
-- an explicit `seed`: the serial lane seeds the global PRNG, while batch rows
-  share it (per-row keys would give other tokens than the serial lane);
 - per-request adapters (the batch runs the base weights);
 - quantized KV (`--kv-quant`), which disables the lane altogether.
+
+An explicit `seed` is carried by its row: the row samples with its own PRNG key,
+`mx.random.key(seed)` split once per step, which is the key sequence the serial
+lane's `mx.random.seed(seed)` gives its sampler (so equal logits give equal
+tokens; tested), and no other row's draws move it.
 
 Repetition, presence and frequency penalties and logit bias are carried per
 row; they are L1-tested against mlx-lm's BatchGenerator.
@@ -36,7 +39,7 @@ import time
 from collections import deque
 from typing import Optional
 
-SERIAL_REASONS = ("seed", "adapters")
+SERIAL_REASONS = ("adapters",)
 
 
 class _Ctx:
@@ -73,8 +76,6 @@ class BatchLane:
     # --- the lane picker -------------------------------------------------------
     def reason(self, job) -> Optional[str]:
         """Why `job` must run on the serial lane (None: it can be batched)."""
-        if job.options.get("seed") is not None:
-            return "seed"
         if tuple(job.adapters):
             return "adapters"
         return None
@@ -164,6 +165,7 @@ class BatchLane:
             job.started_at = time.perf_counter()
             uid = sched.submit(BatchRequest(
                 ids[reused:], max_tokens=o["max_tokens"], sampler=samplers[settings],
+                seed=o.get("seed"),
                 logits_processors=procs, stop=stop, caches=caches, history=ids[:reused],
                 return_cache=st.prompt_cache is not None))
             rows[uid] = _Ctx(job, ids, reused, ns, len(ids) + o["max_tokens"])

@@ -202,3 +202,26 @@ def test_invariance_harness_controls(llama):
     assert rows[0]["bitwise_rate"] == 1.0
     assert rows[1]["bitwise_rate"] < 1.0 and rows[1]["max_abs_dlogprob"] > 0
     assert rows[2]["bitwise_rate"] == 1.0
+
+
+@pytest.mark.parametrize("settings", [dict(temp=0.8), dict(temp=0.9, top_p=0.9),
+                                      dict(temp=1.0, top_k=20, min_p=0.05)])
+def test_seeded_rows_sample_like_a_seeded_serial_loop(llama, settings):
+    """A row with `seed` samples from mx.random.key(seed), split once per step: the key
+    sequence mx.random.seed(seed) gives the serial loop. With full attention on the CPU
+    (rows bit-identical in and out of a batch) each row's tokens equal its serial run,
+    whatever the other rows draw; an unseeded row in the batch does not move them."""
+    model = llama[0]
+    prompts, seeds, n = [_p(1, 6), _p(2, 3), _p(3, 9)], [1, 7, 42], 16
+    serial = []
+    for p, s in zip(prompts, seeds):
+        mx.random.seed(s)
+        serial.append([int(t) for t, _ in _serial(model, p, n, make_sampler(**settings))])
+    assert len({tuple(t) for t in serial}) == 3
+    sched = BatchScheduler(model, eos_token_ids=())
+    sampler = make_sampler(**settings)
+    uids = [sched.submit(BatchRequest(p, max_tokens=n, sampler=sampler, seed=s))
+            for p, s in zip(prompts, seeds)]
+    sched.submit(BatchRequest(_p(4, 5), max_tokens=n, sampler=sampler))   # unseeded
+    out = _run(sched)
+    assert [out[u][0] for u in uids] == serial

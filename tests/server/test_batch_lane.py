@@ -1,25 +1,46 @@
 """`--batch 4`: the batch lane under concurrent load (server/batch_lane.py).
 
-Greedy requests sent together (batch lane) return the same text as the same
-requests sent one by one with an explicit seed (which routes them to the
-serial lane): on the stock CPU wheel full-attention rows are bit-identical in
-and out of a batch. Also: the lane picker, the prompt cache filled and used by
-batched rows, a client disconnect mid-stream, and /stats.batch."""
+Requests sent together (batch lane) return the same text as the same requests
+on a server without batching (serial lane): greedy ones, and seeded sampling
+ones (each row samples with its own key from its seed): on the stock CPU wheel
+full-attention rows are bit-identical in and out of a batch. Also: the lane
+picker (a per-request adapter goes to the serial lane), the prompt cache filled
+and used by batched rows, a client disconnect mid-stream, and /stats.batch."""
 
 import threading
 
 import httpx
 import pytest
 
-from srv_helpers import start_server, stop_server
+from srv_helpers import make_adapter, start_server, stop_server
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):",
            "print('hello')", "x = [1, 2, 3]"]
 
 
 @pytest.fixture(scope="module")
-def bsrv(llama_dir):
+def adapter_a(llama_dir, tmp_path_factory):
+    return make_adapter(llama_dir, tmp_path_factory.mktemp("lane-adapters") / "A", seed=1)
+
+
+def _mount(s, path):
+    r = httpx.post(s.v1 + "/adapters", json={"id": "A", "path": str(path)}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def bsrv(llama_dir, adapter_a):
     s = start_server(llama_dir, batch=4, prompt_cache_bytes=64 << 20, max_tokens=64)
+    _mount(s, adapter_a)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def ssrv(llama_dir, adapter_a):
+    """The same model without batching: every request on the serial lane."""
+    s = start_server(llama_dir, prompt_cache_bytes=64 << 20, max_tokens=64)
+    _mount(s, adapter_a)
     yield s
     stop_server(s)
 
@@ -32,11 +53,11 @@ def _chat(url, content, **kw):
     return r.json()
 
 
-def _concurrent(url, prompts, **kw):
+def _concurrent_each(url, prompts, kws):
     out = [None] * len(prompts)
 
     def go(i):
-        out[i] = _chat(url, prompts[i], **kw)
+        out[i] = _chat(url, prompts[i], **kws[i])
     ts = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
     for t in ts:
         t.start()
@@ -45,14 +66,17 @@ def _concurrent(url, prompts, **kw):
     return out
 
 
+def _concurrent(url, prompts, **kw):
+    return _concurrent_each(url, prompts, [kw] * len(prompts))
+
+
 def _stats(url):
     return httpx.get(url + "/stats").json()["batch"]
 
 
-def test_concurrent_batch_equals_serial_lane(bsrv):
-    serial = [_chat(bsrv.url, p, seed=1) for p in PROMPTS]          # seed -> serial lane
+def test_concurrent_batch_equals_serial_lane(bsrv, ssrv):
+    serial = [_chat(ssrv.url, p) for p in PROMPTS]
     before = _stats(bsrv.url)
-    assert before["serial_reasons"].get("seed", 0) >= len(PROMPTS)
     batched = _concurrent(bsrv.url, PROMPTS)
     after = _stats(bsrv.url)
     assert after["lanes"]["batch"] - before["lanes"]["batch"] == len(PROMPTS)
@@ -63,6 +87,27 @@ def test_concurrent_batch_equals_serial_lane(bsrv):
         assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
 
 
+def test_seeded_sampling_rows_in_batch_equal_serial_lane(bsrv, ssrv):
+    """Seeded temperature sampling is batched (no serial-lane reason any more), and each
+    row's tokens are the serial lane's for the same seed, whatever else is in the batch."""
+    kws = [dict(seed=10 + i, temperature=0.9, top_p=0.95) for i in range(len(PROMPTS))]
+    serial = [_chat(ssrv.url, p, **kw) for p, kw in zip(PROMPTS, kws)]
+    before = _stats(bsrv.url)
+    batched = _concurrent_each(bsrv.url, PROMPTS, kws)
+    after = _stats(bsrv.url)
+    assert after["lanes"]["batch"] - before["lanes"]["batch"] == len(PROMPTS)
+    assert after["lanes"]["serial"] == before["lanes"]["serial"]
+    assert "seed" not in after["serial_reasons"]
+    texts = [a["choices"][0]["message"]["content"] for a in serial]
+    assert len(set(texts)) > 1                   # sampling, not a constant answer
+    for a, b in zip(serial, batched):
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
+    # and the seed matters: another seed, another text for at least one prompt
+    other = _concurrent_each(bsrv.url, PROMPTS, [dict(kw, seed=kw["seed"] + 100) for kw in kws])
+    assert any(o["choices"][0]["message"]["content"] != t for o, t in zip(other, texts))
+
+
 def test_prompt_cache_filled_by_batched_rows(bsrv):
     p = "def fibonacci(n):\n    # a long enough prompt to be worth caching\n"
     first = _chat(bsrv.url, p, max_tokens=6)
@@ -71,8 +116,8 @@ def test_prompt_cache_filled_by_batched_rows(bsrv):
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 
-def test_stop_string_and_logprobs_in_batch(bsrv):
-    ref = _chat(bsrv.url, "def add(a, b):", seed=1, logprobs=True, top_logprobs=2)
+def test_stop_string_and_logprobs_in_batch(bsrv, ssrv):
+    ref = _chat(ssrv.url, "def add(a, b):", logprobs=True, top_logprobs=2)
     text = ref["choices"][0]["message"]["content"]
     assert len(text) > 4
     outs = _concurrent(bsrv.url, ["def add(a, b):", "import os\n"], stop=[text[2:4]],
@@ -121,15 +166,20 @@ def test_full_queue_gets_503_with_retry_after(bsrv):
     assert _chat(bsrv.url, "hi")["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_openai_sdk_streams_mixed_lanes(bsrv):
-    """Official SDK, concurrent streams: batchable and serial-lane (seed) requests mixed."""
+def test_openai_sdk_streams_mixed_lanes(bsrv, ssrv):
+    """Official SDK, concurrent streams: batchable and serial-lane (per-request adapter)
+    requests mixed."""
     from openai import OpenAI
     client = OpenAI(base_url=bsrv.v1, api_key="sk-x", max_retries=0, timeout=120)
-    ref = {p: _chat(bsrv.url, p, seed=3)["choices"][0]["message"]["content"] for p in PROMPTS}
+    ref = {p: _chat(ssrv.url, p)["choices"][0]["message"]["content"] for p in PROMPTS}
+    ref_a = {p: _chat(ssrv.url, p, adapter="A")["choices"][0]["message"]["content"]
+             for p in PROMPTS}
+    assert ref != ref_a                          # the adapter changes the answers
+    before = _stats(bsrv.url)
     out = {}
 
     def go(i, p):
-        kw = {"seed": 5} if i % 3 == 0 else {}
+        kw = {"extra_body": {"adapter": "A"}} if i % 3 == 0 else {}
         s = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
                                            max_tokens=12, temperature=0, stream=True, **kw)
         out[i] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
@@ -140,7 +190,12 @@ def test_openai_sdk_streams_mixed_lanes(bsrv):
         t.join()
     assert len(out) == 2 * len(PROMPTS)
     for i, p in enumerate(PROMPTS * 2):
-        assert out[i] == ref[p], (i, p)
+        assert out[i] == (ref_a if i % 3 == 0 else ref)[p], (i, p)
+    after = _stats(bsrv.url)
+    n_serial = len(range(0, 2 * len(PROMPTS), 3))
+    assert after["serial_reasons"].get("adapters", 0) - \
+        before["serial_reasons"].get("adapters", 0) == n_serial
+    assert after["lanes"]["batch"] - before["lanes"]["batch"] == 2 * len(PROMPTS) - n_serial
 
 
 def test_aggregate_admission_holds_rows_that_do_not_fit_together(llama_dir):
