@@ -107,8 +107,8 @@ class _Group:
         self.caches: list = []
         self.next_tokens = None            # decode group: [B] sampled, not yet emitted
         self.next_logprobs: list = []
-        self.bias_key = None               # row uids the batched logit bias was built for
-        self.bias = None
+        self.procs_key = None              # row uids `procs` was built for
+        self.procs = None                  # _row_processors(rows)
 
     def __len__(self):
         return len(self.rows)
@@ -145,34 +145,32 @@ class _Group:
             self.next_logprobs.extend(other.next_logprobs)
 
 
-def _leading_bias(procs) -> list:
-    out = []
-    for p in procs:
-        if getattr(p, "bias", None) is None:
-            break
-        out.append(p)
-    return out
+def _split_bias(procs):
+    """(leading logit-bias processors, the rest) of one row's processor list."""
+    procs = list(procs)
+    k = 0
+    while k < len(procs) and getattr(procs[k], "bias", None) is not None:
+        k += 1
+    return procs[:k], procs[k:]
 
 
-def _after_bias(procs) -> list:
-    return list(procs)[len(_leading_bias(procs)):]
-
-
-def _batched_bias(rows):
-    """(row index [N], token id [N], bias [N], largest id) over every row's leading
-    logit-bias processors, or None when no row has one."""
-    r_idx, c_idx, vals, top = [], [], [], -1
+def _row_processors(rows):
+    """Built when the group's rows change: the batched bias — (row index [N], token id
+    [N], bias [N], largest id) over every row's leading logit-bias processors, or None —
+    and each row's remaining processors."""
+    r_idx, c_idx, vals, top, rest = [], [], [], -1, []
     for e, r in enumerate(rows):
-        for p in _leading_bias(r.req.logits_processors):
+        lead, after = _split_bias(r.req.logits_processors)
+        rest.append(after)
+        for p in lead:
             ids, _, add, t = p.bias
             r_idx += [e] * len(ids)
             c_idx += ids
             vals.append(add)
             top = max(top, t)
-    if not r_idx:
-        return None
-    return (mx.array(r_idx, dtype=mx.int32), mx.array(c_idx, dtype=mx.int32),
-            mx.concatenate(vals), top)
+    bias = None if not r_idx else (mx.array(r_idx, dtype=mx.int32),
+                                   mx.array(c_idx, dtype=mx.int32), mx.concatenate(vals), top)
+    return bias, rest
 
 
 def _clone(c):
@@ -293,22 +291,22 @@ class BatchScheduler:
         (row, token, bias); per element the same `at[].add` as row by row, so the same
         values: L1-tested); the rest run row by row on that row's slice."""
         uids = tuple(r.uid for r in rows)
-        if g.bias_key != uids:
-            g.bias_key, g.bias = uids, _batched_bias(rows)
-        if g.bias is not None:
-            r_idx, c_idx, vals, top = g.bias
+        if g.procs_key != uids:
+            g.procs_key, g.procs = uids, _row_processors(rows)
+        bias, rest = g.procs
+        if bias is not None:
+            r_idx, c_idx, vals, top = bias
             if top >= logits.shape[-1]:
                 raise ValueError(f"logit_bias token id {top} is outside the vocabulary "
                                  f"(size {logits.shape[-1]})")
             logits = logits.at[r_idx, c_idx].add(vals)
-        rest = [(e, r, _after_bias(r.req.logits_processors)) for e, r in enumerate(rows)]
-        if not any(p for _, _, p in rest):
+        if not any(rest):
             return logits
         # the context a row's processors see is its tokens so far plus this step's input
         # (the same values as mlx-lm's); the input joins on the device, because
         # reading `inputs` back to the host here would wait for the step in flight
         out = []
-        for e, r, procs in rest:
+        for e, (r, procs) in enumerate(zip(rows, rest)):
             lg = logits[e:e + 1]
             if procs:
                 ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32),

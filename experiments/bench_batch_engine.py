@@ -145,7 +145,7 @@ def bench(name, ours_m, ref_m, Bs, prompt_len, gen, trials, vocab, bias=None):
     return rows
 
 
-def _probe_pair(dtype):
+def _probe_model_dir(dtype):
     """A 2-layer, 64-wide llama: the device work per step is ~0, the rest is engine overhead."""
     from parity.fixtures.models import ensure_fixture
     return ensure_fixture("llama", dtype)
@@ -190,7 +190,7 @@ def main(argv=None):
     Bs = [int(x) for x in a.batches.split(",")]
     models = list(a.model or [])
     if a.quick or not models:
-        models.insert(0, str(_probe_pair("bfloat16")))
+        models.insert(0, str(_probe_model_dir("bfloat16")))
     rows = []
     for m in models:
         ours, ref = _load_pair(m)

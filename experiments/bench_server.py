@@ -141,16 +141,6 @@ def stream_http(url, prompt, gen, bias):
             else float("nan"), "tokens": tokens}
 
 
-def run_inprocess_ours(model, tok, prompt, gen, bias):
-    from experiments._decode_worker import time_ours
-    return time_ours(model, tok, prompt, gen, bias)
-
-
-def run_inprocess_mlxlm(model, tok, prompt, gen, bias):
-    from experiments._decode_worker import time_mlx_lm
-    return time_mlx_lm(model, tok, prompt, gen, bias)
-
-
 class DecodeWorker:
     """`experiments._decode_worker` in a subprocess: the in-process reference run
     in a process of its own (started like the servers, holding one model)."""
@@ -214,14 +204,15 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
         env = server_env(hf_cache)
         w_ours, w_ref = DecodeWorker("ours", model_dir, env), DecodeWorker("mlx_lm", model_dir, env)
         workers = [w_ours, w_ref]
-        inproc_ours = lambda p, g, b: w_ours(p, g, b)               # noqa: E731
-        inproc_ref = lambda p, g, b: w_ref(p, g, b)                 # noqa: E731
+        inproc_ours, inproc_ref = w_ours, w_ref
     else:
         import mlx_lm
+
+        from experiments._decode_worker import time_mlx_lm, time_ours
         model = engine.load(model_dir)[0]
         ref_model, ref_tok = mlx_lm.load(str(model_dir))
-        inproc_ours = lambda p, g, b: run_inprocess_ours(model, tok, p, g, b)          # noqa: E731
-        inproc_ref = lambda p, g, b: run_inprocess_mlxlm(ref_model, ref_tok, p, g, b)  # noqa: E731
+        inproc_ours = lambda p, g, b: time_ours(model, tok, p, g, b)                # noqa: E731
+        inproc_ref = lambda p, g, b: time_mlx_lm(ref_model, ref_tok, p, g, b)       # noqa: E731
     bias = {str(i): -100.0 for i in sorted(tok.eos_token_ids)}
     trial_rows = [] if trial_rows is None else trial_rows
     ours_srv, ref_srv = start_servers(model_dir, hf_cache, ours_args)
