@@ -16,9 +16,9 @@ import sys
 
 
 def default_model_dir() -> str:
-    # The built-in default model is made by the offline fixture builder.
-    from parity.fixtures.models import ensure_fixture
-    return str(ensure_fixture("qwen3", "bfloat16"))
+    # The built-in default model is built offline by `starter` (random weights).
+    from starter import default_model_dir as built_in
+    return built_in()
 
 
 def parse_args(argv=None):

@@ -1,0 +1,246 @@
+"""Tiny models built offline, laid out like real checkpoints.
+
+Each fixture is a directory with `config.json` (the keys real checkpoints of
+that family carry, written explicitly so no library default decides
+anything), seeded random weights in `model.safetensors` (or shards plus
+`model.safetensors.index.json`), and a locally trained tokenizer with the
+family's special tokens and chat template. Quantized variants use the format
+mlx-lm writes (a `quantization` block in config.json, packed weights with
+`scales`/`biases`).
+
+Weights come from MLX's default initialisation under a fixed seed; every
+1-D parameter (norm weights, Gemma's `layer_scalar`) is then shifted by
+0.1·N(0,1) so an implementation that ignores a norm weight is caught.
+
+Fixtures are deterministic (same seed, same bytes), cached under
+`starter.cache_root()` (`$MLXP_FIXTURE_DIR`, else the user cache), and never committed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+BUILDER_VERSION = "1"
+VOCAB = 1024
+
+_COMMON = dict(rms_norm_eps=1e-6, max_position_embeddings=4096, vocab_size=VOCAB)
+
+# Dims: head_dim >= 32 everywhere so 4/8-bit KV quantization (group 32) applies;
+# llama's head_dim 64 also takes group 64.
+FAMILIES: dict[str, dict] = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+        num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, rope_theta=500000.0, rope_traditional=False,
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        attention_bias=False, mlp_bias=False, hidden_act="silu", tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
+        num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, rope_theta=1000000.0, rope_scaling=None,
+        attention_bias=False, hidden_act="silu", tie_word_embeddings=True,
+        sliding_window=None, use_sliding_window=False,
+    ),
+    "minicpm": dict(
+        architectures=["MiniCPMForCausalLM"], model_type="minicpm", hidden_size=64,
+        num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, dim_model_base=32, scale_depth=1.4, scale_emb=12.0,
+        rope_theta=10000.0, rope_scaling=None, hidden_act="silu",
+        tie_word_embeddings=False,  # mlx-lm's minicpm cannot load tied heads
+    ),
+    # E2B-style: sliding/full pattern, KV sharing for the last 2 layers, per-layer inputs.
+    "gemma4_text": dict(
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_size=64,
+        num_hidden_layers=6, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=30.0, use_double_wide_mlp=True, attention_k_eq_v=False,
+        enable_moe_block=False, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                               "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    ),
+}
+
+# 31B-style dense Gemma 4 in the released multimodal wrapper: HF weight names,
+# `attention_k_eq_v` with its own global KV head count, no KV sharing.
+FAMILIES["gemma4"] = dict(
+    architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", vocab_size=VOCAB,
+    text_config={**{k: v for k, v in FAMILIES["gemma4_text"].items() if k != "architectures"},
+                 **_COMMON, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+                 "attention_k_eq_v": True, "num_key_value_heads": 2,
+                 "num_global_key_value_heads": 1},
+    vision_config={"model_type": "gemma4_vision", "hidden_size": 16},
+)
+
+TOKENIZER_FAMILY = {"llama": "llama", "qwen3": "qwen3", "minicpm": "minicpm",
+                    "gemma4_text": "gemma4", "gemma4": "gemma4"}
+DTYPES = ("float32", "bfloat16", "q4", "q8")
+SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5}
+
+
+def fixture_root() -> Path:
+    from . import cache_root
+    return cache_root()
+
+
+def config_for(family: str, tok_ids: dict) -> dict:
+    cfg = copy.deepcopy(FAMILIES[family])
+    ids = {"bos_token_id": tok_ids["bos_token_id"], "eos_token_id": tok_ids["eos_token_id"],
+           "pad_token_id": tok_ids["pad_token_id"]}
+    if "text_config" in cfg:
+        cfg["text_config"].update(ids)
+        cfg.update(ids)
+    else:
+        cfg = {**_COMMON, **cfg, **ids}  # family keys override the common ones
+    return cfg
+
+
+def _random_weights(family: str, config: dict, seed: int) -> dict:
+    from engine.models import build
+
+    mx.random.seed(seed)
+    model = build(config)
+    params = dict(tree_flatten(model.parameters()))
+    keys = mx.random.split(mx.random.key(seed + 1000), len(params))  # one per name, sorted
+    out = {}
+    for i, (name, v) in enumerate(sorted(params.items())):
+        if v.ndim <= 1:
+            v = v + 0.1 * mx.random.normal(v.shape, key=keys[i])
+        out[name] = v
+    return model, out
+
+
+def _hf_names(family: str, weights: dict) -> dict:
+    """The names a released checkpoint uses (what `sanitize` must undo)."""
+    if family != "gemma4":
+        return weights
+    out = {}
+    for k, v in weights.items():
+        out[k.replace("language_model.model.", "model.language_model.", 1)] = v
+    # A released multimodal checkpoint also carries towers the text engine drops.
+    out["model.vision_tower.patch_embed.weight"] = mx.zeros((4, 4))
+    return out
+
+
+def _quantize(model: nn.Module, weights: dict, bits: int, group_size: int = 64):
+    """Quantize the float model the way mlx-lm's converter does (layers whose
+    input dim divides the group size), returning the packed weights."""
+    model.load_weights(list(weights.items()))
+    def pred(path, m):
+        return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=pred)
+    return dict(tree_flatten(model.parameters()))
+
+
+def _save_weights(out: Path, weights: dict, shards: int):
+    weights = dict(sorted(weights.items()))
+    mx.eval(list(weights.values()))
+    if shards <= 1:
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+        return
+    names = list(weights)
+    per = (len(names) + shards - 1) // shards
+    weight_map, total = {}, 0
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: weights[k] for k in names[s * per:(s + 1) * per]}
+        mx.save_safetensors(str(out / fname), part, metadata={"format": "mlx"})
+        weight_map.update({k: fname for k in part})
+        total += sum(v.nbytes for v in part.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+
+
+def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 1) -> Path:
+    from .tokenizers import build_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_ids = build_tokenizer(out, TOKENIZER_FAMILY[family], vocab_size=VOCAB)
+    config = config_for(family, tok_ids)
+    model, weights = _random_weights(family, config, SEEDS[family])
+    float_dtype = mx.float32 if dtype == "float32" else mx.bfloat16
+    weights = {k: v.astype(float_dtype) for k, v in weights.items()}
+    if dtype in ("q4", "q8"):
+        bits = 4 if dtype == "q4" else 8
+        model.set_dtype(mx.bfloat16)
+        weights = _quantize(model, weights, bits)
+        q = {"group_size": 64, "bits": bits, "mode": "affine"}
+        config["quantization"] = dict(q)
+        config["quantization_config"] = dict(q)
+    config["torch_dtype"] = "float32" if dtype == "float32" else "bfloat16"
+    _save_weights(out, _hf_names(family, weights), shards)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_key() -> str:
+    from . import tokenizers as t
+    return f"{t.BUILDER_VERSION}:{t.corpus_hash()}"
+
+
+def fixture_name(family: str, dtype: str = "float32", shards: int = 1) -> str:
+    """Directory name: readable part + hash of everything that shapes the bytes."""
+    name = f"{family}-{dtype}" + (f"-sharded{shards}" if shards > 1 else "")
+    spec = json.dumps([BUILDER_VERSION, _tokenizer_key(), FAMILIES[family], dtype, shards],
+                      sort_keys=True)
+    return f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
+
+
+def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1) -> Path:
+    """Path of the cached fixture, building it first (atomically) if needed."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown fixture dtype {dtype!r}; have {DTYPES}")
+    root = fixture_root()
+    final = root / fixture_name(family, dtype, shards)
+    if (final / "config.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        build_fixture(tmp, family, dtype, shards)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not (final / "config.json").exists():  # lost a race: the winner's copy is equal
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Build the offline test fixtures")
+    p.add_argument("--family", action="append", choices=sorted(FAMILIES))
+    p.add_argument("--dtype", action="append", choices=DTYPES)
+    args = p.parse_args(argv)
+    for fam in args.family or sorted(FAMILIES):
+        for dt in args.dtype or DTYPES:
+            print(ensure_fixture(fam, dt))
+
+
+if __name__ == "__main__":
+    main()
