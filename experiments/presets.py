@@ -7,7 +7,9 @@ hidden 2048, MLP 8192, 32 heads / 8 KV heads, vocab 32000). The tokenizer files
 are the llama fixture's (1024 pieces) padded up to the model's vocab with plain byte-level
 pieces " w<id>" that no merge produces: a random model samples ids all over its vocab, and
 an id the tokenizer cannot decode streams no text, which makes every server benchmark's TTFT
-and per-request tok/s meaningless. `speed` is the 31.5M model of the CPU notes.
+and per-request tok/s meaningless. `speed` is the 31.5M model of the CPU notes; `8b` the 8B
+Llama shape; `e4b` the Gemma 4 e-variant shape (KV-sharing donors, per-layer inputs, sliding
+and full layers) that experiments/peak_memory.py trains.
 """
 
 from __future__ import annotations
@@ -31,6 +33,22 @@ PRESETS = {
                      num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
                      rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
                      tie_word_embeddings=False),
+    # 8B Llama shape (the device README's decode figures).
+    "8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+               rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+               tie_word_embeddings=False),
+    # Gemma 4 e-variant shape (e4b): 42 layers, 7 full-attention (every 6th) + 35 sliding
+    # (window 512), the last 18 layers share the K/V of the last earlier layer of their
+    # type (double-wide MLP there), per-layer inputs of 256 per layer, vocab 262144.
+    "e4b": dict(model_type="gemma4_text", hidden_size=2560, num_hidden_layers=42,
+                intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=256, global_head_dim=512, num_kv_shared_layers=18,
+                hidden_size_per_layer_input=256, vocab_size=262144,
+                vocab_size_per_layer_input=262144, sliding_window=512, sliding_window_pattern=6,
+                rms_norm_eps=1e-6, max_position_embeddings=131072, final_logit_softcapping=30.0,
+                use_double_wide_mlp=True, attention_k_eq_v=False, tie_word_embeddings=True,
+                hidden_activation="gelu_pytorch_tanh"),
     "speed": dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                   num_attention_heads=8, num_key_value_heads=8, vocab_size=4096, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),

@@ -76,6 +76,7 @@ class TrainConfig:
     segment_size: int = 0
     mlp_chunk: int = 0          # with segment_size 1: MLP half in token chunks
     token_chunk: int = 0        # with segment_size 1: every per-token part in token chunks
+    attn_block: int = 0         # with token_chunk: attention in query blocks (0 auto, -1 never)
     loss_head: str = "full"
     chunk_size: int = 1024
     val_batches: int = 25
@@ -130,7 +131,7 @@ def loss_and_grad_fn(model, cfg: TrainConfig) -> Callable:
     if cfg.segment_size:
         return lambda m, b, l: segmented_value_and_grad(
             m, b, l, cfg.segment_size, head=cfg.loss_head, chunk_size=cfg.chunk_size,
-            mlp_chunk=cfg.mlp_chunk, token_chunk=cfg.token_chunk)
+            mlp_chunk=cfg.mlp_chunk, token_chunk=cfg.token_chunk, attn_block=cfg.attn_block)
 
     def loss(m, b, l):
         if not cfg.grad_checkpoint:

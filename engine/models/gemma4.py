@@ -67,5 +67,8 @@ class Model(nn.Module):
         inner = self.language_model.sanitize(inner)
         return {f"language_model.{k}": v for k, v in inner.items()}
 
+    def token_split(self, i):
+        return self.language_model.token_split(i)
+
     def make_cache(self):
         return self.language_model.make_cache()

@@ -267,6 +267,11 @@ class Model(nn.Module):
             out.pop("lm_head.weight", None)
         return out
 
+    def token_split(self, i):
+        """Layer i's per-token parts for token-chunked training (engine/models/gemma4_split.py)."""
+        from .gemma4_split import token_split
+        return token_split(self.layers[i], self.args.sliding_window)
+
     def make_cache(self):
         a = self.args
         return [KVCache() if a.layer_types[i] == "full_attention" else RotatingKVCache(a.sliding_window, keep=0)
