@@ -319,10 +319,10 @@ def main(argv=None):
            if (r["mode"], int(r["context"])) not in {(x["mode"], int(x["context"])) for x in rows}]
     allrows = sorted(old + rows, key=lambda r: (int(r["context"]), MODES.index(r["mode"])))
     write_csv(out / "peak_memory.csv", allrows, FIELDS)
-    (out / "peak_memory.md").write_text(summarise(allrows, tag, meta))
     cmd = "python experiments/peak_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
     old_meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
     meta["commands"] = [c for c in old_meta.get("commands", []) if c != cmd] + [cmd]
+    (out / "peak_memory.md").write_text(summarise(allrows, tag, meta))
     dump_json(out / "meta.json", meta)
     plot(allrows, out / "peak_memory.png", f"LoRA step peak memory, {preset} {dtype} ({tag})")
     print((out / "peak_memory.md").read_text())
