@@ -222,7 +222,11 @@ def _chunked_head_vjp(model, P, h, targets, mask, chunk_size, sel, key):
     return loss, dh, acc
 
 
-AUTO_ATTN_BLOCK, AUTO_ATTN_ABOVE = 8192, 65536
+# Automatic attention blocking: beyond AUTO_ATTN_ABOVE tokens, query blocks of at most
+# AUTO_ATTN_BLOCK rows and at most AUTO_ATTN_CELLS / T rows (a multiple of 128, the
+# fused CUDA vjp's tile), so that one block's rows x keys stay within what MLX's fused
+# attention backward ran on the H200 (reports/attention_limit/0.2.0/).
+AUTO_ATTN_BLOCK, AUTO_ATTN_ABOVE, AUTO_ATTN_CELLS = 8192, 65536, 2 ** 30
 
 
 def resolve_attn_block(attn_block: int, T: int) -> int:
@@ -230,7 +234,9 @@ def resolve_attn_block(attn_block: int, T: int) -> int:
     if attn_block < 0:
         return 0
     if attn_block == 0:
-        return AUTO_ATTN_BLOCK if T > AUTO_ATTN_ABOVE else 0
+        if T <= AUTO_ATTN_ABOVE:
+            return 0
+        return max(128, min(AUTO_ATTN_BLOCK, AUTO_ATTN_CELLS // T) // 128 * 128)
     return attn_block if T > attn_block else 0
 
 
@@ -275,7 +281,7 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
 
     attn_block (with token_chunk): attention's forward and backward in query
     blocks of that many rows (train/attention.py) when the sequence is longer
-    than one block; 0 = automatic (blocks of AUTO_ATTN_BLOCK rows beyond
+    than one block; 0 = automatic (see resolve_attn_block: beyond
     AUTO_ATTN_ABOVE tokens, where MLX's whole-sequence fused backward fails on
     CUDA; below it the whole-sequence op runs, as before); -1 = never."""
     inputs, targets, mask = split_batch(batch, lengths)

@@ -57,6 +57,8 @@ def test_blocked_equals_whole(block, window):
 def test_auto_threshold():
     assert resolve_attn_block(0, AUTO_ATTN_ABOVE) == 0
     assert resolve_attn_block(0, AUTO_ATTN_ABOVE + 1) == AUTO_ATTN_BLOCK
+    assert resolve_attn_block(0, 131072) == 8192
+    assert resolve_attn_block(0, 262144) == 4096 and resolve_attn_block(0, 524288) == 2048
     assert resolve_attn_block(-1, 10 ** 6) == 0
     assert resolve_attn_block(16, 16) == 0 and resolve_attn_block(16, 17) == 16
 
