@@ -222,11 +222,10 @@ def _chunked_head_vjp(model, P, h, targets, mask, chunk_size, sel, key):
     return loss, dh, acc
 
 
-# Automatic attention blocking: beyond AUTO_ATTN_ABOVE tokens, query blocks of at most
-# AUTO_ATTN_BLOCK rows and at most AUTO_ATTN_CELLS / T rows (a multiple of 128, the
-# fused CUDA vjp's tile), so that one block's rows x keys stay within what MLX's fused
-# attention backward ran on the H200 (reports/attention_limit/0.2.0/).
-AUTO_ATTN_BLOCK, AUTO_ATTN_ABOVE, AUTO_ATTN_CELLS = 8192, 65536, 2 ** 30
+# Automatic attention blocking: beyond AUTO_ATTN_ABOVE tokens (the whole-sequence fused
+# CUDA vjp fails from 131072 tokens at 1B, 65536 at 8B: train/attention.py), query
+# blocks of AUTO_ATTN_BLOCK rows, each cut into head groups under the fused op's limit.
+AUTO_ATTN_BLOCK, AUTO_ATTN_ABOVE = 8192, 32768
 
 
 def resolve_attn_block(attn_block: int, T: int) -> int:
@@ -234,9 +233,7 @@ def resolve_attn_block(attn_block: int, T: int) -> int:
     if attn_block < 0:
         return 0
     if attn_block == 0:
-        if T <= AUTO_ATTN_ABOVE:
-            return 0
-        return max(128, min(AUTO_ATTN_BLOCK, AUTO_ATTN_CELLS // T) // 128 * 128)
+        return AUTO_ATTN_BLOCK if T > AUTO_ATTN_ABOVE else 0
     return attn_block if T > attn_block else 0
 
 
