@@ -104,13 +104,15 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=None, help="output dir (default: reports/<name>/<version>/<tag>)")
     ap.add_argument("--tag", default="h200-1b")
     ap.add_argument("--timeout", type=int, default=300)
     a = ap.parse_args(argv)
     if a.worker:
         print(json.dumps(run_case(json.loads(a.worker))), flush=True)
         return 0
-    out_dir = report_dir("attention_limit", a.tag)
+    out_dir = Path(a.out) if a.out else report_dir("attention_limit", a.tag)
+    out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for T in [int(x) for x in a.contexts.split(",")]:
         saved = {}

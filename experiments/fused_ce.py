@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=None, help="output dir (default: reports/<name>/<version>/<tag>)")
     ap.add_argument("--tag", default=None)
     a = ap.parse_args(argv)
     if a.worker:
@@ -97,11 +99,13 @@ def main(argv=None):
         return 0
     import mlx.core as mx
     tag = a.tag or f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}-{a.dtype}"
-    out = report_dir("fused_ce", tag)
+    out = Path(a.out) if a.out else report_dir("fused_ce", tag)
+    out.mkdir(parents=True, exist_ok=True)
     rows, res = [], {}
+    tmp = tempfile.mkdtemp()
     for v in VARIANTS:
-        spec = dict(vars(a), variant=v, out=f"/tmp/fused_ce_{v}.safetensors")
-        spec.pop("worker"), spec.pop("tag")
+        spec = {k: w for k, w in vars(a).items() if k not in ("worker", "tag", "out")}
+        spec.update(variant=v, out=str(Path(tmp) / f"{v}.safetensors"))
         r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                            capture_output=True, text=True)
         lines = [l for l in r.stdout.splitlines() if l.startswith("{")]

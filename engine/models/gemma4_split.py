@@ -19,10 +19,17 @@ import mlx.nn as nn
 from .split import TokenSplit
 
 
+# The members of the dense layer this split reproduces; a layer with anything else
+# (e.g. a mixture-of-experts block) gets no split and trains through its own __call__.
+KNOWN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+         "pre_feedforward_layernorm", "post_feedforward_layernorm", "per_layer_input_gate",
+         "per_layer_projection", "post_per_layer_input_norm", "layer_scalar"}
+
+
 def token_split(layer, window: Optional[int]) -> Optional[TokenSplit]:
-    attn = layer.self_attn
-    if getattr(layer, "enable_moe", False):
+    if not set(layer.keys()) <= KNOWN:
         return None
+    attn = layer.self_attn
 
     def pre(x, offset):
         B, L, _ = x.shape

@@ -113,3 +113,38 @@ def test_kv_sharing_token_chunked_with_blocked_attention():
     print(f"kv sharing: max rel {r['max_rel']:.2e}")
     assert r["loss_exact"]
     assert r["max_rel"] <= 5e-6, r["max_rel"]
+
+
+# In bfloat16 the blocked path differs from the bf16 full backward by up to 2.1e-2 (max
+# relative norm, KV-sharing config) - but the bf16 full backward itself is far from the
+# same computation in float32 (mean relative error over the LoRA grads 0.879 here, 0.037
+# for llama: tiny random models, bf16 rounding). Measured: blocked 0.87886 vs 0.87882,
+# llama 0.037258 vs 0.037233. The assertion: blocking adds < 1% to bf16's own error.
+@pytest.mark.parametrize("family", ["llama", "kv_sharing"])
+def test_blocked_bf16_is_as_close_to_float32_as_the_full_backward(family):
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+
+    from tests.train.helpers import flat, random_batch
+    from train.loss import sft_loss
+    from train.segmented import segmented_value_and_grad
+    if family == "kv_sharing":
+        mb, mf = (lora_model(config=kv_sharing_config(), dtype=d) for d in ("bfloat16", "float32"))
+        vocab = 256
+    else:
+        mb, mf = lora_model(family, "bfloat16"), lora_model(family, "float32")
+        vocab = 1000
+    mf.update(tree_map(lambda x: x.astype(mx.float32), mb.parameters()))  # same values
+    batch, lengths = random_batch(vocab=vocab, T=33)
+    truth = flat(nn.value_and_grad(mf, sft_loss)(mf, batch, lengths)[1])
+    full = flat(nn.value_and_grad(mb, sft_loss)(mb, batch, lengths)[1])
+    blocked = flat(segmented_value_and_grad(mb, batch, lengths, 1, token_chunk=8, attn_block=16,
+                                            chunk_size=16)[1])
+
+    def err(g):
+        return sum(rel_norm(g[k], truth[k]) for k in truth) / len(truth)
+
+    e_full, e_blocked = err(full), err(blocked)
+    print(family, f"mean rel error vs float32: full {e_full:.6f}, blocked {e_blocked:.6f}")
+    assert max(rel_norm(blocked[k], full[k]) for k in full) > 0  # the paths do differ
+    assert e_blocked <= 1.01 * e_full

@@ -234,3 +234,13 @@ def test_token_chunk_peak_below_plain_segments():
     tok = peak(TrainConfig(segment_size=1, loss_head="chunked", chunk_size=128, token_chunk=128))
     print(f"peak over resting: S=1 {seg / 1e6:.1f} MB, token_chunk 128 {tok / 1e6:.1f} MB")
     assert tok < 0.6 * seg, (tok, seg)
+
+
+def test_gemma_layer_with_unknown_members_gets_no_split():
+    """A Gemma 4 layer with a member the split does not reproduce (e.g. an expert block)
+    trains through its own __call__ instead of a split that would skip it."""
+    import mlx.nn as nn
+    m = lora_model("gemma4_text", "float32")
+    assert m.token_split(0) is not None
+    m.layers[0].extra = nn.Linear(2, 2)
+    assert m.token_split(0) is None
