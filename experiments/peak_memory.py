@@ -49,7 +49,7 @@ from experiments._common import (build_pair, dump_json, machine, md_table, prese
 MODES = ["mlx_lm_full", "mlx_lm_ckpt", "ours_full", "ours_ckpt", "ours_seg1", "ours_seg2",
          "ours_seg4", "ours_seg1_fullhead", "ours_seg1_mlpchunk", "ours_seg1_tokchunk"]
 FIELDS = ["mode", "context", "status", "peak_bytes", "resting_bytes", "step_time_s", "loss",
-          "steps", "preset", "dtype", "device", "error"]
+          "steps", "preset", "dtype", "device", "attn_block", "error"]
 TARGET_PEAK, TARGET_TIME = 0.4, 1.5
 
 
@@ -114,6 +114,9 @@ def run_cell(spec: dict) -> dict:
                          spec.get("token_chunk", 4096), spec.get("attn_block", 0))
     out = {"mode": mode, "context": T, "preset": spec["preset"], "dtype": spec["dtype"],
            "device": str(mx.default_device())}
+    if mode == "ours_seg1_tokchunk":  # query rows per attention block this cell ran (0: whole)
+        from train.segmented import resolve_attn_block
+        out["attn_block"] = resolve_attn_block(spec.get("attn_block", 0), T)
     if spec.get("warmup", 1):
         loss = step(batch, lengths)  # warm-up (kernel compilation), also initialises Adam
         mx.eval(loss, model.parameters(), opt.state)
