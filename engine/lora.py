@@ -54,6 +54,9 @@ _MLX_LM_MLP_ORDER = {
     "qwen3": ("gate_proj", "down_proj", "up_proj"),
     "gemma4_text": ("gate_proj", "down_proj", "up_proj"),
     "gemma4": ("gate_proj", "down_proj", "up_proj"),
+    "gemma4_unified": ("gate_proj", "down_proj", "up_proj"),
+    "qwen2": ("gate_proj", "down_proj", "up_proj"),
+    "qwen3_moe": ("gate_proj", "down_proj", "up_proj"),
     "minicpm": ("gate_proj", "up_proj", "down_proj"),
 }
 

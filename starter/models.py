@@ -159,6 +159,8 @@ SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5, "q
 # Families with expert layers: mlx's gather_mm has no bfloat16 kernel on the CPU, so
 # their float bfloat16 fixture can be built anywhere but only run on a GPU.
 MOE = ("qwen3_moe", "gemma4_moe")
+# Families with sliding-window layers (a rotating KV cache; quantized KV is L2 against mlx-optiq).
+SLIDING = ("gemma4_text", "gemma4", "gemma3_text", "gemma3", "gemma4_moe", "gemma4_unified")
 
 
 def cpu_dtypes(family: str) -> tuple:
