@@ -42,18 +42,15 @@ PRESETS = {
                       norm_topk_prob=True, vocab_size=151936, rms_norm_eps=1e-6,
                       rope_theta=1000000.0, max_position_embeddings=40960,
                       tie_word_embeddings=False),
-    # the same layout at CPU size (a smoke test of the device commands)
-    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2,
-                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=32, num_experts=16, num_experts_per_tok=4,
-                            moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-                            norm_topk_prob=True, vocab_size=4096, rms_norm_eps=1e-6,
-                            rope_theta=1000000.0, max_position_embeddings=40960,
-                            tie_word_embeddings=False),
     "speed": dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                   num_attention_heads=8, num_key_value_heads=8, vocab_size=4096, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),
 }
+# the same layout at CPU size (a smoke test of the device commands)
+PRESETS["qwen3-moe-small"] = dict(
+    PRESETS["qwen3-moe"], hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+    num_experts_per_tok=4, moe_intermediate_size=64, vocab_size=4096)
 
 
 def _pad_tokenizer(path: Path, vocab_size: int) -> None:
