@@ -42,6 +42,14 @@ class QuantizedSwitchLinear(nn.Module):
     def num_experts(self):
         return self.weight.shape[0]
 
+    @property
+    def input_dims(self):
+        return self.scales.shape[2] * self.group_size
+
+    @property
+    def output_dims(self):
+        return self.weight.shape[1]
+
     def __call__(self, x, indices, sorted_indices=False):
         return mx.gather_qmm(
             x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
@@ -60,6 +68,14 @@ class SwitchLinear(nn.Module):
     @property
     def num_experts(self):
         return self.weight.shape[0]
+
+    @property
+    def input_dims(self):
+        return self.weight.shape[2]
+
+    @property
+    def output_dims(self):
+        return self.weight.shape[1]
 
     def __call__(self, x, indices, sorted_indices=False):
         return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices,
