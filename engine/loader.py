@@ -90,7 +90,10 @@ def load_model(path, lazy: bool = False):
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: config.json is missing a field the "
                              f"{config.get('model_type')!r} architecture needs ({e})") from None
-    weights = model.sanitize(weights)
+    try:
+        weights = model.sanitize(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     quant = quantization_of(config)
     if quant is not None:
         apply_quantization(model, quant, weights)

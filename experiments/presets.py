@@ -2,6 +2,7 @@
 
     python -m experiments.presets 1b OUT_DIR [--dtype bfloat16]
 
+`qwen3-moe` is a Qwen3-MoE-shaped model (Qwen3-30B-A3B layers, fewer of them; see below).
 `1b` is the Llama 1.1B shape the device README's mlx-lm figures use (16 layers,
 hidden 2048, MLP 8192, 32 heads / 8 KV heads, vocab 32000). The tokenizer files
 are the llama fixture's (1024 pieces) padded up to the model's vocab with plain byte-level
@@ -49,10 +50,25 @@ PRESETS = {
                 rms_norm_eps=1e-6, max_position_embeddings=131072, final_logit_softcapping=30.0,
                 use_double_wide_mlp=True, attention_k_eq_v=False, tie_word_embeddings=True,
                 hidden_activation="gelu_pytorch_tanh"),
+    # Qwen3-30B-A3B layer shapes (hidden 2048, 32 heads / 4 KV heads of 128, 128 experts of
+    # MLP 768, top-8, renormalised; vocab 151936) with 8 of its 48 layers: 5.6B parameters,
+    # 11 GB in bf16, so that building, saving and loading it twice fit one device run.
+    "qwen3-moe": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=8,
+                      intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=True, vocab_size=151936, rms_norm_eps=1e-6,
+                      rope_theta=1000000.0, max_position_embeddings=40960,
+                      tie_word_embeddings=False),
     "speed": dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                   num_attention_heads=8, num_key_value_heads=8, vocab_size=4096, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),
 }
+# the same layout at CPU size (a smoke test of the device commands)
+PRESETS["qwen3-moe-small"] = dict(
+    PRESETS["qwen3-moe"], hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+    num_experts_per_tok=4, moe_intermediate_size=64, vocab_size=4096)
 
 
 def _pad_tokenizer(path: Path, vocab_size: int) -> None:

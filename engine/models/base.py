@@ -143,6 +143,16 @@ def _quantized_attention(q, qk, qv, scale, mask, group_size, bits):
     return out
 
 
+def rope_and_cache(rope, q, k, v, cache):
+    """Rotate q and k at the cache's offset and append k, v to the cache (if any)."""
+    if cache is None:
+        return rope(q), rope(k), v
+    q = rope(q, offset=cache.offset)
+    k = rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    return q, k, v
+
+
 def attention(q, k, v, cache, scale: float, mask):
     """SDPA, dispatching to the quantized path when the cache holds quantized K/V."""
     if cache is not None and getattr(cache, "bits", None):
@@ -235,6 +245,6 @@ def inv_sqrt(x: float) -> float:
 
 __all__ = [
     "ArgsBase", "GatedMLP", "ScalelessRMSNorm", "attention", "attention_mask",
-    "causal_mask", "gelu_gate", "make_rope", "rope_settings", "silu_gate", "softcap",
+    "causal_mask", "gelu_gate", "make_rope", "rope_and_cache", "rope_settings", "silu_gate", "softcap",
     "inv_sqrt", "math", "Any",
 ]

@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import ArgsBase, GatedMLP, attention, attention_mask, make_rope, rope_settings
+from .base import ArgsBase, GatedMLP, attention, attention_mask, make_rope, rope_and_cache
+from .base import rope_settings
 from .split import HalfSplit, TokenSplit
 from ..cache import KVCache, RotatingKVCache
 
@@ -71,12 +72,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if cache is not None:
-            q = self.rope(q, offset=cache.offset)
-            k = self.rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
+        q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         out = attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
