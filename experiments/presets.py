@@ -114,7 +114,10 @@ def main(argv=None):
     ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("out")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", type=int, help="override num_hidden_layers (a shorter stack)")
     a = ap.parse_args(argv)
+    if a.layers:
+        PRESETS[a.preset] = dict(PRESETS[a.preset], num_hidden_layers=a.layers)
     print(build_preset(a.preset, Path(a.out), a.dtype))
 
 
