@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from parity.fixtures.models import ensure_fixture
-from tests.distributed.launch import launch
+from parity.launch import launch
 from tests.train.helpers import not_equal, write_upper_data
 from train.distributed import data_parallel
 

@@ -7,7 +7,7 @@ import pytest
 from engine.loader import load_model
 from engine.sharding import ShardingError, shard_model
 from parity.fixtures.models import ensure_fixture
-from tests.distributed.launch import launch
+from parity.launch import launch
 
 pytestmark = pytest.mark.parity
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -43,17 +43,19 @@ def free_port_block(n: int) -> int:
 def launch(script: str, args: list, out: Path, n: int = 2, timeout: float = 120,
            backend: str = "ring") -> LaunchResult:
     """`mlx.launch -n N --backend ring -- python3 SCRIPT OUT ARGS...`; each rank writes
-    OUT/rank<R>.json. The whole process group is killed at `timeout`."""
+    OUT/rank<R>.json. The whole process group is killed at `timeout`. N = 1 runs the
+    script plainly (a launch needs two hosts or more; one process is a world of one)."""
     launcher = shutil.which("mlx.launch")
     if launcher is None:
         raise RuntimeError("mlx.launch is not on PATH (it comes with the mlx package)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [launcher, "-n", str(n), "--backend", backend,
-           "--starting-port", str(free_port_block(n)), "--cwd", str(REPO), "--",
-           sys.executable, str(REPO / script), str(out), *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cmd = [sys.executable, str(REPO / script), str(out), *map(str, args)]
+    if n > 1:
+        cmd = [launcher, "-n", str(n), "--backend", backend,
+               "--starting-port", str(free_port_block(n)), "--cwd", str(REPO), "--", *cmd]
+    proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
