@@ -1,6 +1,7 @@
 """L1 under `mlx.launch -n 2 --backend ring`: data-parallel LoRA training gives the
 adapters mlx-lm's trainer gives under the same launch and data, bit for bit
-(compiled full backward and the segmented backward; float and QLoRA)."""
+(compiled full backward and the segmented backward; float and QLoRA; the slow test
+adds minicpm and gemma4_text, which data parallelism needs nothing special for)."""
 
 import mlx.core as mx
 import pytest
@@ -44,8 +45,9 @@ def test_dp_adam_steps_equal_mlx_lm_trainer(tmp_path):
 
 
 @pytest.mark.slow
-def test_dp_qlora_equals_mlx_lm_trainer(tmp_path):
-    run(tmp_path, ["qwen3:q4"], timeout=120)
+def test_dp_qlora_and_other_families_equal_mlx_lm_trainer(tmp_path):
+    run(tmp_path, ["qwen3:q4", "minicpm:float32", "gemma4_text:float32",
+                   "gemma4_text:float32:segmented"], timeout=300)
 
 
 def test_single_rank_is_identity():

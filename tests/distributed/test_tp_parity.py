@@ -11,7 +11,7 @@ from parity.launch import launch
 
 pytestmark = pytest.mark.parity
 
-SPECS = [("llama", "float32"), ("qwen3", "bfloat16"), ("qwen3", "q4")]
+SPECS = [("llama", "float32"), ("llama", "q8"), ("qwen3", "bfloat16"), ("qwen3", "q4")]
 
 
 def test_tensor_parallel_equals_mlx_lm_sharded_load(tmp_path):
