@@ -104,3 +104,24 @@ def agreed_seed(group: Optional[mx.distributed.Group] = None) -> int:
     group = group_or_world(group)
     mine = secrets.randbelow(2 ** 31) if group.rank() == 0 else 0
     return int(mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu).item())
+
+
+def broadcast_json(obj=None, group: Optional[mx.distributed.Group] = None):
+    """Rank 0's JSON-serialisable `obj`, delivered to every rank (others pass anything).
+
+    The building block for driving every rank through the same request: the length,
+    then the UTF-8 bytes, each as a sum where only rank 0 contributes."""
+    import json
+
+    import numpy as np
+    group = group_or_world(group)
+    if group.size() == 1:
+        return obj
+    data = json.dumps(obj).encode() if group.rank() == 0 else b""
+    n = int(mx.distributed.all_sum(mx.array(len(data)), group=group, stream=mx.cpu).item())
+    if group.rank() == 0:
+        buf = mx.array(np.frombuffer(data, dtype=np.uint8))
+    else:
+        buf = mx.zeros((n,), dtype=mx.uint8)
+    out = mx.distributed.all_sum(buf, group=group, stream=mx.cpu)
+    return json.loads(bytes(np.array(out)).decode())

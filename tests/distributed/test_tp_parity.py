@@ -32,6 +32,14 @@ def test_tensor_parallel_equals_mlx_lm_sharded_load(tmp_path):
             assert res["down_proj"].endswith("ShardedToAllLinear"), name
     # both ranks hold the same full logits, so they agree on every token
     assert r.ranks[0]["results"] == r.ranks[1]["results"]
+    # rank 0's request reaches every rank intact
+    assert [x["broadcast"] for x in r.ranks] == [{"prompt": "héllo wörld", "max_tokens": 3}] * 2
+
+
+def test_single_rank_broadcast_is_identity():
+    from engine.sharding import broadcast_json
+    obj = {"a": [1, 2]}
+    assert broadcast_json(obj) is obj
 
 
 def test_single_rank_sharding_is_identity():

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 import engine
 from engine.loader import load_model
+from engine.sharding import broadcast_json
 from parity.fixtures.models import ensure_fixture
 from parity.oracles.mlx_lm_oracle import greedy_generate, make_cache
 
@@ -77,8 +78,10 @@ def main(argv):
     out = Path(argv[0])
     group = mx.distributed.init()
     results = [check(*spec.split(":")) for spec in argv[1:]]
+    sent = {"prompt": "héllo wörld", "max_tokens": 3} if group.rank() == 0 else {"x": 1}
     (out / f"rank{group.rank()}.json").write_text(json.dumps(
-        {"rank": group.rank(), "size": group.size(), "results": results}))
+        {"rank": group.rank(), "size": group.size(), "results": results,
+         "broadcast": broadcast_json(sent)}))
 
 
 if __name__ == "__main__":
