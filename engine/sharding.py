@@ -117,6 +117,7 @@ def broadcast_json(obj=None, group: Optional[mx.distributed.Group] = None):
     group = group_or_world(group)
     if group.size() == 1:
         return obj
+    mx.synchronize()  # no collective still queued on the default stream may interleave
     data = json.dumps(obj).encode() if group.rank() == 0 else b""
     n = int(mx.distributed.all_sum(mx.array(len(data)), group=group, stream=mx.cpu).item())
     if group.rank() == 0:

@@ -63,3 +63,10 @@ def test_heads_that_do_not_split_are_refused():
     model = load_model(ensure_fixture("llama"), lazy=True)[0]  # 1 KV head
     with pytest.raises(ShardingError, match="key/value heads do not split over 2"):
         check_shardable(model, 2)
+
+
+def test_cli_refuses_unshardable_model_cleanly(capsys):
+    from engine.cli import main
+    assert main(["--model", str(ensure_fixture("minicpm")), "--tensor-parallel",
+                 "--max-tokens", "2"]) == 2
+    assert "tensor parallelism supports model types" in capsys.readouterr().err
