@@ -9,13 +9,14 @@ For each rank count N the script runs itself under
 
 - TP decode: loads the model sharded over the N ranks (ours:
   `engine.load(..., tensor_parallel=True)`; mlx-lm: `mlx_lm.utils.sharded_load`),
-  generates `--gen` greedy tokens from a fixed prompt `--trials` times and keeps the
-  best decode tokens/s of each side; records the bytes of its parameter shard and its
+  generates `--gen` greedy tokens from a fixed prompt once to warm up, then `--trials`
+  times, and keeps the best decode tokens/s of each side; records the bytes of its parameter shard and its
   peak memory.
 - DP training: `--iters` LoRA Adam steps at global batch `--batch-size` (each rank
   takes batch/N rows) with our trainer and with mlx-lm's trainer
-  (`mlx_lm.lora.train_model`); records iterations/s, tokens/s (all ranks) and the
-  rank's peak memory.
+  (`mlx_lm.lora.train_model`); records iterations/s and tokens/s (all ranks) of the
+  second half of the steps (the first half includes compilation) and the rank's peak
+  memory.
 
 Results: reports/scaling/<version>/<tag>/ (scaling.csv with one row per rank and
 measurement, scaling.md, scaling.png). On one machine the ranks share its cores
@@ -76,6 +77,8 @@ def tp_decode(path: Path, gen: int, trials: int) -> list:
                 for last in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=gen):
                     pass
                 return last.generation_tps
+        run()  # warm-up
+        _settle()
         best = 0.0
         for _ in range(trials):
             best = max(best, run())
@@ -100,7 +103,7 @@ def dp_train(path: Path, data: Path, iters: int, batch_size: int, out: Path) -> 
     from train.trainer import TrainConfig, train
 
     common = dict(iters=iters, batch_size=batch_size, learning_rate=1e-4, seed=0,
-                  steps_per_report=iters, save_every=10 ** 6, val_batches=0)
+                  steps_per_report=max(1, iters // 2), save_every=10 ** 6, val_batches=0)
     rows = []
 
     class Grab(TrainingCallback):
@@ -205,6 +208,15 @@ def report(rows: list, d: Path, a):
         f"Backend `{a.backend}`; model `{Path(a.model).name}`; decode {a.gen} tokens "
         f"(best of {a.trials}); training {a.iters} LoRA steps at global batch "
         f"{a.batch_size}.\n\n"
+        "Speeds are rank 0's (the ranks step together); memory is the largest rank's. "
+        "`vs_fewest_ranks` is ours at N ranks over ours at the fewest ranks. With all "
+        "ranks on one machine they share its cores and the collectives go over loopback "
+        "TCP: N > 1 measures their cost (one sum per output and down projection per "
+        "token in decoding, one gradient average per step in training), not a "
+        "speed-up; data parallelism still cuts each rank's activation memory and tensor "
+        "parallelism each rank's block weights. On a machine shared with other work, "
+        "single runs of these millisecond-scale steps vary by 2x or more: repeat the run "
+        "before reading anything into a ratio.\n\n"
         f"## Per rank count and side\n\n{_md(agg)}\n\n"
         f"## Ours vs mlx-lm (tokens/s, same launch)\n\n"
         f"{_md(wide.reset_index())}\n\n"
@@ -229,8 +241,8 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="model directory (default: llama tp2 fixture)")
     p.add_argument("--data", default=None, help="data directory (default: a small built one)")
     p.add_argument("--gen", type=int, default=64)
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--iters", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--tag", default="cpu")
