@@ -5,11 +5,26 @@ from __future__ import annotations
 __version__ = "0.2.0"
 
 
-def load(path, adapter_path=None, lazy: bool = False):
-    """(model, tokenizer) from an HF/MLX model directory."""
+def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = False):
+    """(model, tokenizer) from an HF/MLX model directory.
+
+    `tensor_parallel=True` shards the model over the ranks of
+    `mx.distributed.init()` (see `engine.sharding`); run it under `mlx.launch`.
+    """
     from .loader import load_model
     from .tokenizer import load_tokenizer
 
+    if tensor_parallel:
+        if adapter_path is not None:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel=True")
+        from .sharding import barrier, shard_model
+        model, _config = load_model(path, lazy=True)
+        shard_model(model)
+        if not lazy:
+            import mlx.core as mx
+            mx.eval(model.parameters())
+        barrier()
+        return model, load_tokenizer(path)
     model, _config = load_model(path, lazy=lazy)
     if adapter_path is not None:
         from .lora import mount_adapter

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -36,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="shard the model over the ranks of an `mlx.launch` run")
     p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8])
     p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
     p.add_argument("--quantized-kv-start", type=int, default=0)
@@ -53,8 +56,17 @@ def main(argv=None) -> int:
     from engine.loader import ModelLoadError
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    out = sys.stdout
+    if args.tensor_parallel:
+        import mlx.core as mx
+        from engine.sharding import agreed_seed
+        if mx.distributed.init().rank() != 0:  # every rank computes, rank 0 prints
+            out = open(os.devnull, "w")
+        if args.seed is None:  # sampling ranks must draw the same tokens
+            args.seed = agreed_seed()
     try:
-        model, tok = engine.load(args.model or default_model_dir(), adapter_path=args.adapter_path)
+        model, tok = engine.load(args.model or default_model_dir(), adapter_path=args.adapter_path,
+                                 tensor_parallel=args.tensor_parallel)
     except (ModelLoadError, FileNotFoundError, ValueError) as e:
         print(f"engine-generate: cannot load model: {e}", file=sys.stderr)
         return 2
@@ -70,17 +82,18 @@ def main(argv=None) -> int:
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
                 template_kwargs=args.chat_template_args):
-            print(seg.text, end="", flush=True)
+            print(seg.text, end="", flush=True, file=out)
             last = seg
     except (PromptError, KVConfigError, ValueError) as e:
         print(f"\nengine-generate: {e}", file=sys.stderr)
         return 2
-    print()
-    print("=" * 10)
-    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
-    print(f"Peak memory: {last.peak_memory_gb:.3f} GB")
-    print(f"Finish reason: {last.finish_reason}")
+    print(file=out)
+    print("=" * 10, file=out)
+    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec", file=out)
+    print(f"Generation: {last.generation_tokens} tokens, "
+          f"{last.generation_tps:.3f} tokens-per-sec", file=out)
+    print(f"Peak memory: {last.peak_memory_gb:.3f} GB", file=out)
+    print(f"Finish reason: {last.finish_reason}", file=out)
     return 0
 
 

@@ -154,6 +154,9 @@ TOKENIZER_FAMILY = {"llama": "llama", "qwen3": "qwen3", "minicpm": "minicpm",
                     "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3",
                     "gemma4_moe": "gemma4", "gemma4_unified": "gemma4"}
 DTYPES = ("float32", "bfloat16", "q4", "q8")
+# Optional config variants of a family (fixture name gets "-<variant>").
+# "tp2": 4 query / 2 KV heads, so every head count splits over 2 tensor-parallel ranks.
+VARIANTS: dict[str, dict] = {"tp2": {"num_attention_heads": 4, "num_key_value_heads": 2}}
 SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5, "qwen2": 6,
          "gemma3_text": 7, "gemma3": 8, "qwen3_moe": 9, "gemma4_moe": 10, "gemma4_unified": 11}
 # Families with expert layers: mlx's gather_mm has no bfloat16 kernel on the CPU, so
@@ -173,8 +176,10 @@ def fixture_root() -> Path:
     return cache_root()
 
 
-def config_for(family: str, tok_ids: dict) -> dict:
+def config_for(family: str, tok_ids: dict, variant: str = "") -> dict:
     cfg = copy.deepcopy(FAMILIES[family])
+    if variant:
+        cfg.get("text_config", cfg).update(VARIANTS[variant])
     ids = {"bos_token_id": tok_ids["bos_token_id"], "eos_token_id": tok_ids["eos_token_id"],
            "pad_token_id": tok_ids["pad_token_id"]}
     if "text_config" in cfg:
@@ -280,13 +285,14 @@ def _save_weights(out: Path, weights: dict, shards: int):
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
 
 
-def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 1) -> Path:
+def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 1,
+                  variant: str = "") -> Path:
     from .tokenizers import build_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok_ids = build_tokenizer(out, TOKENIZER_FAMILY[family], vocab_size=VOCAB)
-    config = config_for(family, tok_ids)
+    config = config_for(family, tok_ids, variant)
     model, weights = _random_weights(family, config, SEEDS[family])
     float_dtype = mx.float32 if dtype == "float32" else mx.bfloat16
     weights = {k: v.astype(float_dtype) for k, v in weights.items()}
@@ -309,28 +315,34 @@ def _tokenizer_key() -> str:
     return f"{t.BUILDER_VERSION}:{t.corpus_hash()}"
 
 
-def fixture_name(family: str, dtype: str = "float32", shards: int = 1) -> str:
+def fixture_name(family: str, dtype: str = "float32", shards: int = 1, variant: str = "") -> str:
     """Directory name: readable part + hash of everything that shapes the bytes."""
     name = f"{family}-{dtype}" + (f"-sharded{shards}" if shards > 1 else "")
-    spec = json.dumps([BUILDER_VERSION, _tokenizer_key(), FAMILIES[family], dtype, shards],
-                      sort_keys=True)
+    parts = [BUILDER_VERSION, _tokenizer_key(), FAMILIES[family], dtype, shards]
+    if variant:
+        name += f"-{variant}"
+        parts.append(VARIANTS[variant])
+    spec = json.dumps(parts, sort_keys=True)
     return f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
 
 
-def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1) -> Path:
+def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1,
+                   variant: str = "") -> Path:
     """Path of the cached fixture, building it first (atomically) if needed."""
     if family not in FAMILIES:
         raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown fixture dtype {dtype!r}; have {DTYPES}")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown fixture variant {variant!r}; have {sorted(VARIANTS)}")
     root = fixture_root()
-    final = root / fixture_name(family, dtype, shards)
+    final = root / fixture_name(family, dtype, shards, variant)
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        build_fixture(tmp, family, dtype, shards)
+        build_fixture(tmp, family, dtype, shards, variant)
         try:
             tmp.rename(final)
         except OSError:

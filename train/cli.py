@@ -114,12 +114,16 @@ def main(argv=None) -> int:
         compile=args.compile, resume=args.resume, resume_adapter_file=args.resume_adapter_file,
         clear_cache_threshold=args.clear_cache_threshold)
     train_set, valid_set = data["train"], data["valid"]
+    from .distributed import data_parallel
+    main_rank = data_parallel().is_main  # under mlx.launch only rank 0 prints
     if valid_set is None or len(valid_set) == 0:
-        print("engine-train: no valid.jsonl; training without validation", file=sys.stderr)
+        if main_rank:
+            print("engine-train: no valid.jsonl; training without validation", file=sys.stderr)
         valid_set = None
-    print(f"Loaded {len(train_set)} train / {0 if valid_set is None else len(valid_set)} valid "
-          f"examples ({train_set.format} format, prompt masking "
-          f"{'on' if args.mask_prompt else 'off'})")
+    if main_rank:
+        print(f"Loaded {len(train_set)} train / {0 if valid_set is None else len(valid_set)} valid "
+              f"examples ({train_set.format} format, prompt masking "
+              f"{'on' if args.mask_prompt else 'off'})")
     try:
         import engine
         meta = {"engine_version": engine.__version__}
