@@ -61,6 +61,7 @@ class _Request:
         self.n = 0                        # tokens returned (EOS excluded)
         self.pending_ids: list = []
         self.pending_lp: list = []
+        self.pending_arrays: list = []
         self.tic = time.perf_counter()
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
@@ -79,8 +80,8 @@ class _Request:
                             prompt_tps=self.prompt_tps,
                             generation_tps=self.n / (now - self.tic) if now > self.tic else 0.0,
                             peak_memory_gb=mx.get_peak_memory() / 1e9, request_id=self.rid,
-                            started=bool(self.fed), **kw)
-        self.pending_ids, self.pending_lp = [], []
+                            started=bool(self.fed), logprob_arrays=self.pending_arrays, **kw)
+        self.pending_ids, self.pending_lp, self.pending_arrays = [], [], []
         return out
 
 
@@ -91,13 +92,14 @@ class Engine:
     `mlx_lm.generate`'s token loop). prompt_cache: an `engine.PromptCache` (or
     None). admission: an `engine.admission.Admission` (None: no memory check).
     adapters: an object with `activate(ids)` and `namespace(ids)` (the adapter
-    registry), needed only for requests that select adapters.
+    registry), needed only for requests that select adapters. keep_logprob_arrays:
+    outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
                  admission=None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
-                 prefill_batch_size: int = 8, adapters=None):
+                 prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -105,6 +107,7 @@ class Engine:
         self.prompt_cache = prompt_cache
         self.admission = admission
         self.adapters = adapters
+        self.keep_logprob_arrays = keep_logprob_arrays
         self.prefill_step_size = prefill_step_size
         self.policy = make_policy(model, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   quantized_kv_start=quantized_kv_start, kv_config=kv_config)
@@ -401,6 +404,8 @@ class Engine:
             if not ev.stop_token:
                 req.n += 1
                 req.pending_ids.append(ev.token)
+                if self.keep_logprob_arrays:
+                    req.pending_arrays.append(ev.logprobs)
                 if req.params.wants_logprobs:
                     req.pending_lp.append(token_logprob(ev.token, ev.logprobs, req.top))
         if ev.finish_reason is None and not ev.text:

@@ -64,12 +64,19 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
         object.__setattr__(self, "stop", stop)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a dict of token id to bias")
         if self.logit_bias:
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         s = self._sampler_settings(FALLBACK_SAMPLING)
-        make_sampler(temp=s[0], top_p=s[1], min_p=s[2], top_k=s[3],
-                     min_tokens_to_keep=self.min_tokens_to_keep,
-                     xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold)
+        try:
+            make_sampler(temp=s[0], top_p=s[1], min_p=s[2], top_k=s[3],
+                         min_tokens_to_keep=self.min_tokens_to_keep,
+                         xtc_probability=self.xtc_probability,
+                         xtc_threshold=self.xtc_threshold)
+        except ValueError as e:      # the sampler says "temp"; the field is "temperature"
+            msg = str(e)
+            raise ValueError("temperature" + msg[4:] if msg.startswith("temp ") else msg) from None
         make_logits_processors(**self._processor_kwargs())
 
     # --- resolution -------------------------------------------------------------
@@ -132,6 +139,7 @@ class RequestOutput:
     stop_string: Optional[str] = None                 # the stop string that ended it
     error: Optional[BaseException] = None             # finish_reason "error": what was raised
     started: bool = True                              # False: it failed before any token
+    logprob_arrays: list = field(default_factory=list)  # [V] per token (keep_logprob_arrays)
 
     @property
     def finished(self) -> bool:
