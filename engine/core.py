@@ -206,6 +206,11 @@ class Engine:
         self._done_now.append(req.output("", "cancelled"))
         return True
 
+    @property
+    def batching(self) -> bool:
+        """Whether requests can run as batch rows (max_batch > 1 and unquantized KV)."""
+        return self._sched is not None and not self.policy.active
+
     def has_unfinished(self) -> bool:
         return bool(self._live or self._done_now)
 
@@ -221,10 +226,20 @@ class Engine:
         """One scheduler step; the outputs it produced (a request appears at most once)."""
         outs, self._done_now = self._done_now, []
         outs += self._schedule()
-        if self._solo is not None:
-            outs += self._solo_step()
-        elif self._sched is not None and self._sched.has_work():
-            outs += self._batch_step()
+        solo = self._solo
+        try:      # the forward runs right below here (one frame to the model in each lane)
+            if solo is not None:
+                outs += self._solo_token(solo, *next(solo.steps))
+            elif self._sched is not None and self._sched.has_work():
+                outs += self._batch_events(self._sched.step())
+        except Exception as e:   # a fault: the solo request, or every row of the batch, ends
+            if solo is not None:
+                self._end_solo(solo, store=False)
+                outs.append(self._fail(solo, e))
+            else:
+                rows = list(self._rows.values())
+                self._sched, self._rows = self._new_scheduler(), {}
+                outs += [self._fail(r, e) for r in rows]
         self.steps += 1
         return outs
 
@@ -243,19 +258,20 @@ class Engine:
                 except Exception as e:     # (an adapter unmounted since submit, ...)
                     failed.append(self._fail(req, e))
                 break
-            if self._rows and not self._fits(req.need):
+            if self._rows and not self.batch_fits([r.need for r in self._rows.values()]
+                                                  + [req.need]):
                 break
             self._waiting.popleft()
             self._start_row(req)
         self.peak_rows = max(self.peak_rows, len(self._rows))
         return failed
 
-    def _fits(self, need: int) -> bool:
-        """Aggregate admission: every row's KV is padded to the longest row."""
+    def batch_fits(self, needs: list) -> bool:
+        """Aggregate admission: whether rows of these context lengths (prompt +
+        max_tokens) fit together; every row's KV is padded to the longest row."""
         adm = self.admission
         if adm is None:
             return True
-        needs = [r.need for r in self._rows.values()] + [need]
         longest = max(needs)
         per_row = (adm.transient_bytes(min(longest, adm.prefill_step))
                    - adm.FIXED_SLACK[adm.backend])
@@ -323,25 +339,17 @@ class Engine:
                                   on_prefilled=on_prefilled)
         self._solo = req
 
-    def _solo_step(self) -> list:
-        req = self._solo
-        try:
-            tok, lp = next(req.steps)
-            ev = RowEvent(-1, tok, lp)
-            if len(req.fed) + 1 >= req.params.max_tokens:
-                ev.finish_reason = "length"
-            if tok in self.eos:
-                ev.finish_reason, ev.stop_token = "stop", True
-            text, hit = req.text.feed(None if ev.stop_token else tok,
-                                      ev.finish_reason is not None)
-            if hit:
-                ev.finish_reason, ev.stop_string = "stop", req.text.stop_string
-            ev.text = text
-            out = self._update(req, ev)
-        except Exception as e:
-            self._live.pop(req.rid, None)
-            self._end_solo(req, store=False)
-            return [self._fail(req, e)]
+    def _solo_token(self, req: _Request, tok: int, lp) -> list:
+        ev = RowEvent(-1, tok, lp)
+        if len(req.fed) + 1 >= req.params.max_tokens:
+            ev.finish_reason = "length"
+        if tok in self.eos:
+            ev.finish_reason, ev.stop_token = "stop", True
+        text, hit = req.text.feed(None if ev.stop_token else tok, ev.finish_reason is not None)
+        if hit:
+            ev.finish_reason, ev.stop_string = "stop", req.text.stop_string
+        ev.text = text
+        out = self._update(req, ev)
         if ev.finish_reason is not None:
             self._live.pop(req.rid, None)
             self._end_solo(req)
@@ -370,13 +378,7 @@ class Engine:
             return_cache=self.prompt_cache is not None))
         self._rows[req.uid] = req
 
-    def _batch_step(self) -> list:
-        try:
-            events = self._sched.step()
-        except Exception as e:   # a fault in the batch: every row in it ends with the error
-            rows = list(self._rows.values())
-            self._sched, self._rows = self._new_scheduler(), {}
-            return [self._fail(r, e) for r in rows]
+    def _batch_events(self, events) -> list:
         outs = []
         for ev in events:
             req = self._rows.get(ev.uid)

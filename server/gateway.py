@@ -233,7 +233,11 @@ class Gateway:
                 if job.cancelled.is_set():
                     self.engine.abort(rid)
             if self._busy():
-                self._step()
+                try:      # (the engine ends failing requests itself; this is a last resort)
+                    outs = self.engine.step()
+                except Exception as e:
+                    outs = self._fail_all(e)
+                self._deliver(outs)
         for rid in list(self._jobs):          # stopping: end whatever still runs
             self.engine.abort(rid)
         if self.engine is not None and self.engine.has_unfinished():
@@ -289,17 +293,13 @@ class Gateway:
             return
         self._jobs[rid] = job
 
-    def _step(self) -> None:
-        try:
-            outs = self.engine.step()
-        except Exception as e:      # (the engine ends failing requests itself; a last resort)
-            outs = []
-            for rid in list(self._jobs):
-                self.engine.abort(rid)
-                outs.append(RequestOutput("", [], finish_reason="error", request_id=rid,
-                                          error=e))
-            self.engine.step()
-        self._deliver(outs)
+    def _fail_all(self, e: BaseException) -> list:
+        outs = []
+        for rid in list(self._jobs):
+            self.engine.abort(rid)
+            outs.append(RequestOutput("", [], finish_reason="error", request_id=rid, error=e))
+        self.engine.step()
+        return outs
 
     def _deliver(self, outs) -> None:
         for out in outs:

@@ -87,7 +87,9 @@ def test_max_batch_n_equals_batch_generator(family):
     assert st["lanes"] == {"batch": n, "solo": 0} and st["peak_rows"] == n
 
 
-def test_abort_mid_generation_equals_batch_generator_remove():
+def _abort_case(abort_step):
+    """3 rows; mlx-lm removes row 1 before loop step 5, the Engine aborts it before
+    `abort_step`. Returns (ours, reference, engine)."""
     n = 3
     eng, ref_model = _engine("llama", max_batch=n)
     prompts, mts = _prompts(n, seed=7), [12, 12, 12]
@@ -95,7 +97,12 @@ def test_abort_mid_generation_equals_batch_generator_remove():
     sched[1].cancel_step = 5
     ref = run_mlx_lm(ref_model, sched, completion_batch_size=n, prefill_batch_size=n)
     _eos_free(eng, ref)
-    got = _drive(eng, prompts, mts, abort_at={1: 5})
+    got = _drive(eng, prompts, mts, abort_at={1: abort_step})
+    return got, ref, eng
+
+
+def test_abort_mid_generation_equals_batch_generator_remove():
+    got, ref, eng = _abort_case(5)
     assert got[1][2] == ref[1].finish == "cancelled"
     assert 0 < len(got[1][0]) < 12
     problems = compare([RowResult(t, l, f) for t, l, f in got], ref)
@@ -105,11 +112,5 @@ def test_abort_mid_generation_equals_batch_generator_remove():
 
 def test_negative_control_abort_one_step_later_differs():
     """The abort test can fail: aborting a step later gives the row one more token."""
-    n = 3
-    eng, ref_model = _engine("llama", max_batch=n)
-    prompts, mts = _prompts(n, seed=7), [12, 12, 12]
-    sched = [Insert(0, p, m) for p, m in zip(prompts, mts)]
-    sched[1].cancel_step = 5
-    ref = run_mlx_lm(ref_model, sched, completion_batch_size=n, prefill_batch_size=n)
-    got = _drive(eng, prompts, mts, abort_at={1: 6})
+    got, ref, _ = _abort_case(6)
     assert compare([RowResult(t, l, f) for t, l, f in got], ref)
