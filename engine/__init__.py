@@ -5,22 +5,11 @@ from __future__ import annotations
 __version__ = "0.2.0"
 
 from .core import Engine  # noqa: E402
+from .loader import load  # noqa: E402
 from .request import RequestOutput, SamplingParams  # noqa: E402
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "generate", "load", "make_cache",
            "stream_generate"]
-
-
-def load(path, adapter_path=None, lazy: bool = False):
-    """(model, tokenizer) from an HF/MLX model directory."""
-    from .loader import load_model
-    from .tokenizer import load_tokenizer
-
-    model, _config = load_model(path, lazy=lazy)
-    if adapter_path is not None:
-        from .lora import mount_adapter
-        mount_adapter(model, adapter_path)
-    return model, load_tokenizer(path)
 
 
 def make_cache(model, kv_bits=None, kv_group_size: int = 64):

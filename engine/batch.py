@@ -25,7 +25,7 @@ The scheduler never touches HTTP; a server lane drives `step()` from one thread.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx

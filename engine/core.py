@@ -136,8 +136,8 @@ class Engine:
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
              memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: int = 0, **kw):
         """Load a model directory; memory admission on (budget: 75% of RAM by default)."""
-        from . import load
         from .admission import Admission
+        from .loader import load
         from .prompt_cache import PromptCache
 
         model, tokenizer = load(path, adapter_path=adapter_path)
@@ -323,13 +323,13 @@ class Engine:
             caches = self.model.make_cache()
         reused, ids = req.reused, req.ids
         history = mx.array(ids[:reused]) if reused and processors else None
-        on_prefilled = None
-        if self.prompt_cache is not None and any(isinstance(c, RotatingKVCache) for c in caches):
-            # A sliding-window ring that wraps while decoding can no longer be trimmed
-            # back to a shared prefix; keep a snapshot at the end of the prompt too (all
-            # tokens but the last), so a prompt that branches after it still hits.
-            def on_prefilled(cs):
-                self.prompt_cache.store(req.ns, ids[:len(ids) - 1], cs)
+        # A sliding-window ring that wraps while decoding can no longer be trimmed back to
+        # a shared prefix; keep a snapshot at the end of the prompt too (all tokens but
+        # the last), so a prompt that branches after it still hits.
+        def snapshot(cs):
+            self.prompt_cache.store(req.ns, ids[:len(ids) - 1], cs)
+        rings = any(isinstance(c, RotatingKVCache) for c in caches)
+        on_prefilled = snapshot if self.prompt_cache is not None and rings else None
         req.caches = caches
         req.tic = time.perf_counter()
         req.steps = generate_step(mx.array(ids[reused:]), self.model, max_tokens=p.max_tokens,

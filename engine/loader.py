@@ -111,3 +111,14 @@ def load_model(path, lazy: bool = False):
         mx.eval(model.parameters())
     model.eval()
     return model, config
+
+
+def load(path, adapter_path=None, lazy: bool = False):
+    """(model, tokenizer) from an HF/MLX model directory (`engine.load`)."""
+    from .tokenizer import load_tokenizer
+
+    model, _config = load_model(path, lazy=lazy)
+    if adapter_path is not None:
+        from .lora import mount_adapter
+        mount_adapter(model, adapter_path)
+    return model, load_tokenizer(path)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from functools import lru_cache
@@ -97,7 +96,7 @@ SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5}
 
 
 def fixture_root() -> Path:
-    from . import cache_root
+    from .paths import cache_root
     return cache_root()
 
 
