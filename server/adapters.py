@@ -102,14 +102,7 @@ class AdapterManager:
             raise bad_request(f"cannot mount adapter {adapter_id!r}: {e}", param="path") from None
         info = lora.mounted_adapters(self.model)[adapter_id]
         cfg = info["config"]
-        size = 0
-        for p, kind in lora._registry(self.model)[adapter_id]["slots"]:
-            m = lora._get_module(self.model, p)
-            if kind == "primary":
-                size += m.lora_a.nbytes + m.lora_b.nbytes
-            else:
-                it = m._stack.find(adapter_id)
-                size += it["a"].nbytes + it["b"].nbytes
+        size = lora.adapter_nbytes(self.model, adapter_id)
         mounted = Mounted(id=adapter_id, path=str(path), rank=int(cfg["lora_parameters"]["rank"]),
                           scale=float(info["scale"]), size_bytes=int(size),
                           mounted_layers=int(info["layers"]), generation=next(self._gen))

@@ -78,9 +78,10 @@ def parser() -> argparse.ArgumentParser:
       help="LoRA adapter (mlx-lm format) mounted at start; the default for requests")
     a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
       "/health")
-    a("--batch", "--decode-concurrency", dest="batch", type=int, default=1, metavar="N",
-      help="1 = one request at a time; N>1 = continuous batching of up to N rows "
-           "(docs/batching.md); not with quantized KV")
+    a("--batch", "--decode-concurrency", dest="batch", type=int, default=8, metavar="N",
+      help="continuous batching of up to N rows (default 8); 1 = one request at a time, "
+           "each exactly mlx_lm.generate's token loop (docs/server.md); quantized KV and "
+           "per-request adapters run one at a time")
     a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
     a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
     a("--chat-template-args", type=_json_dict, default={}, metavar="JSON",

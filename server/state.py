@@ -45,7 +45,7 @@ class ServerConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS
     adapter: Optional[str] = None
     api_key: Optional[str] = None
-    batch: int = 1
+    batch: int = 8                      # rows decoding together (1: one request at a time)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     template_kwargs: dict = field(default_factory=dict)
     prefill_step_size: int = 2048

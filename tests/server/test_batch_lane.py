@@ -39,7 +39,7 @@ def bsrv(llama_dir, adapter_a):
 @pytest.fixture(scope="module")
 def ssrv(llama_dir, adapter_a):
     """The same model without batching: every request on the serial lane."""
-    s = start_server(llama_dir, prompt_cache_bytes=64 << 20, max_tokens=64)
+    s = start_server(llama_dir, prompt_cache_bytes=64 << 20, max_tokens=64, batch=1)
     _mount(s, adapter_a)
     yield s
     stop_server(s)
