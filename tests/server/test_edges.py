@@ -2,22 +2,13 @@
 server-side defaults (--max-tokens, --thinking), multi-byte streaming, the
 Responses `store: false`, and per-protocol error shapes for 404/405/413."""
 
-import json
-import uuid
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from srv_helpers import sse_events
-
-NO_EOS = {"998": -100, "1000": -100}   # the qwen3 fixture's EOS ids
-
-
-def uniq(p="hi"):
-    return f"{p} {uuid.uuid4().hex[:8]}"
-
+from srv_helpers import NO_EOS, sse_events, uniq
 
 @pytest.fixture
 def faulty(srv, monkeypatch):

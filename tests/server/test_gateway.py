@@ -11,7 +11,7 @@ import pytest
 from engine.request import RequestOutput
 from server.gateway import Gateway, GenerationJob, client_error
 
-NO_EOS = {"998": -100, "1000": -100}   # the qwen3 fixture's EOS ids: run to max_tokens
+from srv_helpers import NO_EOS
 
 
 class FakeEngine:
@@ -70,7 +70,7 @@ async def _drain(job):
 
 def test_fifo_one_at_a_time_unit():
     gw = Gateway()
-    log, lock = [], threading.Lock()
+    log = []
     gw.engine = FakeEngine(log)
 
     async def main():
