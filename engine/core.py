@@ -91,8 +91,9 @@ class Engine:
     max_batch: most requests decoding together (1: one at a time, each exactly
     `mlx_lm.generate`'s token loop). prompt_cache: an `engine.PromptCache` (or
     None). admission: an `engine.admission.Admission` (None: no memory check).
-    adapters: an object with `activate(ids)` and `namespace(ids)` (the adapter
-    registry), needed only for requests that select adapters. keep_logprob_arrays:
+    adapters: the adapter registry (`engine.adapters.AdapterRegistry`; its
+    `activate(ids)` and `namespace(ids)`), needed only for requests that select
+    adapters; `Engine.load` makes one. keep_logprob_arrays:
     outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
     """
 
@@ -140,10 +141,12 @@ class Engine:
         from .loader import load
         from .prompt_cache import PromptCache
 
+        from .adapters import AdapterRegistry
+
         model, tokenizer = load(path, adapter_path=adapter_path)
-        eng = cls(model, tokenizer, max_batch=max_batch,
-                  prompt_cache=PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None,
-                  **kw)
+        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+        eng = cls(model, tokenizer, max_batch=max_batch, prompt_cache=cache,
+                  adapters=AdapterRegistry(model, cache), **kw)
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
         return eng

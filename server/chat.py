@@ -400,8 +400,11 @@ def _input_chars(call: Call) -> int:
 async def start(state, call: Call, request=None) -> Generation:
     """Validate, render, admit and queue; returns once the first output is back."""
     params = sampling_params(state, call)
-    adapters = (state.default_adapters if call.adapter == "__default__"
-                else state.adapters.resolve(call.adapter))
+    try:
+        adapters = (state.default_adapters if call.adapter == "__default__"
+                    else state.adapters.resolve(call.adapter))
+    except ValueError as e:
+        raise from_exception(e) from None
     # tokenizing a long prompt must not stall the stream being served; a short one is
     # encoded inline (the thread hand-off and back costs more than the encode: TTFT)
     if _input_chars(call) <= INLINE_ENCODE_CHARS:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .adapters import AdapterManager
 from .gateway import Gateway
 from .store import ResponseStore
 
@@ -71,6 +70,7 @@ def activation_dtype(model) -> str:
 class ServerState:
     def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str):
         from engine import Engine
+        from engine.adapters import AdapterRegistry
         from engine.admission import Admission
         from engine.kv_quant import make_policy
         from engine.prompt_cache import PromptCache
@@ -100,7 +100,7 @@ class ServerState:
         self.admission = Admission.for_model(model, config.memory_budget_bytes, self.kv_policy,
                                              prefill_step=config.prefill_step_size)
         self.ceiling = self.admission.max_context()
-        self.adapters = AdapterManager(model, self.prompt_cache)
+        self.adapters = AdapterRegistry(model, self.prompt_cache)
         self.default_adapters: tuple = ()
         self.store = ResponseStore()
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
