@@ -12,7 +12,7 @@ from functools import lru_cache
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.text import StopMatcher, cut_at_stop
