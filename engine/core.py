@@ -177,9 +177,10 @@ class Engine:
         reason = self._solo_reason(adapter)
         req = _Request(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
+        # (copied on write: stats() may be read from another thread)
         if reason is not None:
-            self.solo_reasons[reason] = self.solo_reasons.get(reason, 0) + 1
-        self.lanes[req.lane] += 1
+            self.solo_reasons = {**self.solo_reasons, reason: self.solo_reasons.get(reason, 0) + 1}
+        self.lanes = {**self.lanes, req.lane: self.lanes[req.lane] + 1}
         self._live[rid] = req
         self._waiting.append(req)
         return rid
@@ -218,6 +219,7 @@ class Engine:
         return bool(self._live or self._done_now)
 
     def stats(self) -> dict:
+        """Counters (safe to read from another thread than the one stepping)."""
         return {"max_batch": self.max_batch, "active_rows": len(self._rows),
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
                 "steps": self.steps, "peak_rows": self.peak_rows, "lanes": dict(self.lanes),
