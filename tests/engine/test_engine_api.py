@@ -96,3 +96,15 @@ def test_submit_errors_are_value_errors(qwen):
     with pytest.raises(ValueError, match="max_batch"):
         Engine(model, tok, max_batch=0)
     assert not eng.has_unfinished()
+
+
+def test_quantized_kv_runs_solo_and_equals_generate(qwen):
+    model, tok = qwen
+    want = [engine.generate(model, tok, p, max_tokens=6, temperature=0.0, kv_bits=8,
+                            kv_group_size=32).token_ids for p in ("one", "two")]
+    eng = Engine(model, tok, max_batch=4, kv_bits=8, kv_group_size=32)
+    assert not eng.batching
+    rids = [eng.submit(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in ("one", "two")]
+    got = _run(eng)
+    assert [got[r]["ids"] for r in rids] == want
+    assert eng.stats()["solo_reasons"] == {"kv_quant": 2} and eng.stats()["peak_rows"] == 0
