@@ -271,9 +271,10 @@ class BatchScheduler:
             yield from self.step()
 
     # -- phases ---------------------------------------------------------------------
-    def _forward_sample(self, g: _Group, inputs: mx.array):
-        """One decode forward of g's rows on inputs [B]; returns (sampled [B], logprobs [B, V])."""
-        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+    def _sample(self, g: _Group, inputs: mx.array, logits: mx.array):
+        """g's rows' next tokens from one decode forward's logits [B, V] on inputs [B]
+        (the callers run the forward themselves: one frame less between the engine's step
+        and the model); returns (sampled [B], logprobs [B, V])."""
         rows = g.rows
         if any(r.req.logits_processors for r in rows):
             logits = self._process(g, rows, inputs, logits)
@@ -319,7 +320,8 @@ class BatchScheduler:
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
         inputs, cur_lp = g.next_tokens, g.next_logprobs
-        sampled, logprobs = self._forward_sample(g, inputs)
+        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+        sampled, logprobs = self._sample(g, inputs, logits)
         g.next_tokens, g.next_logprobs = sampled, list(logprobs)
         mx.async_eval(g.next_tokens, g.next_logprobs)
         mx.eval(inputs, cur_lp)
@@ -366,7 +368,8 @@ class BatchScheduler:
     def _graduate(self, idx: List[int]):
         g = self._prefill.take(idx)
         inputs = mx.array([r.last for r in g.rows])
-        g.next_tokens, lp = self._forward_sample(g, inputs)
+        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+        g.next_tokens, lp = self._sample(g, inputs, logits)
         g.next_logprobs = list(lp)
         mx.async_eval(g.next_tokens, g.next_logprobs)
         for r in g.rows:
