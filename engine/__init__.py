@@ -4,32 +4,12 @@ from __future__ import annotations
 
 __version__ = "0.2.0"
 
+from .core import Engine  # noqa: E402
+from .loader import load  # noqa: E402
+from .request import RequestOutput, SamplingParams  # noqa: E402
 
-def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = False):
-    """(model, tokenizer) from an HF/MLX model directory.
-
-    `tensor_parallel=True` shards the model over the ranks of
-    `mx.distributed.init()` (see `engine.sharding`); run it under `mlx.launch`.
-    """
-    from .loader import load_model
-    from .tokenizer import load_tokenizer
-
-    if tensor_parallel:
-        if adapter_path is not None:
-            raise ValueError("LoRA adapters are not supported with tensor_parallel=True")
-        from .sharding import barrier, shard_model
-        model, _config = load_model(path, lazy=True)
-        shard_model(model)
-        if not lazy:
-            import mlx.core as mx
-            mx.eval(model.parameters())
-        barrier()
-        return model, load_tokenizer(path)
-    model, _config = load_model(path, lazy=lazy)
-    if adapter_path is not None:
-        from .lora import mount_adapter
-        mount_adapter(model, adapter_path)
-    return model, load_tokenizer(path)
+__all__ = ["Engine", "RequestOutput", "SamplingParams", "generate", "load", "make_cache",
+           "stream_generate"]
 
 
 def make_cache(model, kv_bits=None, kv_group_size: int = 64):
@@ -39,7 +19,7 @@ def make_cache(model, kv_bits=None, kv_group_size: int = 64):
 
 
 def stream_generate(model, tokenizer, prompt, **opts):
-    """Yield `Segment`s of new text; see `engine.generation.stream_generate`."""
+    """Yield `RequestOutput`s of new text; see `engine.generation.stream_generate`."""
     from .generation import stream_generate as _stream
     return _stream(model, tokenizer, prompt, **opts)
 

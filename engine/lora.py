@@ -455,6 +455,18 @@ def unmount_adapter(model, name: str):
     del reg[name]
 
 
+def adapter_nbytes(model, name: str) -> int:
+    """Bytes of a mounted adapter's A and B matrices."""
+    size = 0
+    for _, kind, m in _slot_modules(model, name):
+        if kind == "primary":
+            size += m.lora_a.nbytes + m.lora_b.nbytes
+        else:
+            it = m._stack.find(name)
+            size += it["a"].nbytes + it["b"].nbytes
+    return size
+
+
 def mounted_adapters(model) -> dict:
     """name -> {path, scale, active layers, config} of the adapters mounted at runtime."""
     out = {}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from functools import lru_cache
@@ -172,7 +171,7 @@ def cpu_dtypes(family: str) -> tuple:
 
 
 def fixture_root() -> Path:
-    from . import cache_root
+    from .paths import cache_root
     return cache_root()
 
 

@@ -974,7 +974,7 @@ TOKENIZER_FILES = (
 
 
 def fixture_root() -> Path:
-    from . import cache_root
+    from .paths import cache_root
     return cache_root()
 
 

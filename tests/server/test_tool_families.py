@@ -37,7 +37,7 @@ WANT = {"q": "a, b {c}", "n": 7}
 
 @pytest.fixture(scope="module", params=sorted(MARKUP))
 def fam(request):
-    s = start_server(ensure_fixture(request.param, "bfloat16"), forced=True)
+    s = start_server(ensure_fixture(request.param, "bfloat16"), forced=True, batch=1)
     s.family = request.param
     yield s
     stop_server(s)
