@@ -33,6 +33,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .checkpoint import checkpointed_layers, get_key, has_dropout, set_key
+from .token_chunk import bind, cat
+
 HEADS = ("full", "gather", "chunked")
 
 
@@ -70,7 +73,6 @@ def _replay_key(holder, use_key):
     """Under dropout, make a checkpoint's recompute draw the masks its forward drew."""
     if not use_key:
         return
-    from .segmented import get_key, set_key
     if "key" in holder:
         set_key(holder["key"])
     else:
@@ -93,7 +95,6 @@ def gathered_head_loss(model, h, targets, mask, chunk_size: int = 0, sel=None):
         # Trainable parameters outside the blocks (e.g. LoRA on lm_head) must be
         # explicit checkpoint inputs, or their gradient would be dropped.
         names, arrays = _outer_trainable(model)
-        from .segmented import has_dropout
         use_key = has_dropout(model)
         parts = []
         for s in range(0, M, chunk_size):
@@ -148,7 +149,6 @@ def hidden_states(model, inputs, checkpoint: bool = False):
         for i in range(len(model.layers)):
             h = model.layer_step(i, h, ctx)
         return h
-    from .segmented import checkpointed_layers
     return checkpointed_layers(model, h, ctx)
 
 
@@ -165,8 +165,6 @@ def chunked_head_vjp(model, outer_names, outer, h, targets, mask, chunk_size, se
     H200. The loss is computed with gathered_head_loss's ops (bit-exact); the
     cotangent of each row's CE does not depend on the CE values, so it is taken
     up front from the reduction alone."""
-    from .segmented import set_key
-    from .token_chunk import bind, cat
     B, T, D = h.shape
     M = int(sel.shape[0])
     h_sel = h.reshape(B * T, D)[sel]

@@ -48,7 +48,8 @@ from engine.lora import adapter_config, adapter_weights, apply_lora, save_adapte
 from .data import BatchIterator, Dataset, rng_state, set_rng_state
 from .distributed import DataParallel, data_parallel, silent
 from .loss import HEADS, head_loss, hidden_states, sft_loss, split_batch
-from .segmented import get_key, has_dropout, segmented_value_and_grad, set_key
+from .checkpoint import get_key, has_dropout, set_key
+from .segmented import segmented_value_and_grad
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 STATE_JSON = "training_state.json"

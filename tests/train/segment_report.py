@@ -15,7 +15,8 @@ from engine.lora import apply_lora
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import FAMILIES, LORA, flat, inject_b, kv_sharing_config, random_batch, rel_norm
 from train.loss import sft_loss
-from train.segmented import donors, plan_segments, segmented_value_and_grad
+from train.checkpoint import donors
+from train.segmented import plan_segments, segmented_value_and_grad
 
 
 def lora_model(family=None, dtype="float32", config=None, seed=11):
