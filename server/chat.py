@@ -176,15 +176,15 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
 
 def sampling_from(body: dict, call: Call, state) -> None:
     """The sampling fields every protocol shares (request values; None = absent)."""
-    call.temperature = F.number(body, "temperature", lo=0)
+    call.temperature = F.number(body, "temperature", lo=0, hi=2)
     call.top_p = F.number(body, "top_p", lo=0, hi=1)
     call.top_k = F.integer(body, "top_k", lo=0)
     call.min_p = F.number(body, "min_p", lo=0, hi=1)
     call.repetition_penalty = F.number(body, "repetition_penalty", lo=0)
     call.repetition_context_size = F.integer(body, "repetition_context_size", lo=1)
-    call.presence_penalty = F.number(body, "presence_penalty")
-    call.frequency_penalty = F.number(body, "frequency_penalty")
-    call.seed = F.integer(body, "seed")
+    call.presence_penalty = F.number(body, "presence_penalty", lo=-2, hi=2)
+    call.frequency_penalty = F.number(body, "frequency_penalty", lo=-2, hi=2)
+    call.seed = F.integer(body, "seed", lo=0, hi=2**64 - 1)   # what mx.random.key takes
     call.logit_bias = F.logit_bias(body, "logit_bias", state.vocab_size)
     if "adapter" in body:
         call.adapter = body["adapter"]

@@ -103,15 +103,20 @@ class Served:
         return self.on_worker(engine.generate, self.model, self.tokenizer, prompt, **kw)
 
 
-def start_server(model_dir, *, forced: bool = False, **config) -> Served:
-    from server.app import create_app
+def start_server(model_dir, *, forced: bool = False, security=None, **config) -> Served:
+    """`security` (a SecurityConfig) defaults to the server's, with adapters mountable
+    from the temp directory (where the tests write them)."""
+    import tempfile
+
+    from server.app import create_app, security_for
     from server.cli import BackgroundServer
     from server.state import ServerConfig, build_state
 
     cfg = ServerConfig(model=str(model_dir), **config)
     state = build_state(cfg, wrap_model=ForcedModel if forced else None)
     inner = state.model._inner if forced else state.model
-    bg = BackgroundServer(create_app(state)).start()
+    security = security or security_for(cfg, adapter_dirs=(tempfile.gettempdir(),))
+    bg = BackgroundServer(create_app(state, security)).start()
     return Served(bg.url, state, inner, state.tokenizer, Path(model_dir),
                   state.model if forced else None, bg)
 
