@@ -194,7 +194,8 @@ def security_from_args(args, config):
     return security_for(config, cors_origins=tuple(args.cors_origins or ()),
                         cors_admin=args.cors_admin, limits=limits,
                         adapter_dirs=tuple(args.adapter_dir or (DEFAULT_ADAPTER_DIR,)),
-                        max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)), **extra)
+                        max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+                        max_header_bytes=args.max_header_kb * 1024, **extra)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -333,10 +334,10 @@ def uvicorn_server(app, log_level="warning", access_log=False, *, header_timeout
 class BackgroundServer:
     """Serve an app from a thread (tests, benchmarks): `with BackgroundServer(app) as s: s.url`."""
 
-    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning"):
+    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning", **server_kw):
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self.server = uvicorn_server(app, log_level)
+        self.server = uvicorn_server(app, log_level, **server_kw)
         self.thread = threading.Thread(target=self._run, daemon=True, name="uvicorn")
 
     def _run(self):

@@ -28,7 +28,8 @@ from typing import Optional
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                   413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                   413: "request_too_large", 415: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):

@@ -1,7 +1,7 @@
 """Request-body limits checked before any handler or tokenizer sees the body.
 
 `BodyGuard` is an ASGI middleware for every request that carries a body
-(POST/PUT/PATCH). In order, cheapest first:
+(every POST; no route takes PUT or PATCH). In order, cheapest first:
 
 1. `Content-Type`: a JSON route takes `application/json` (or a `+json` type).
    Admin routes (`/v1/adapters`) require it; the generation routes also take a
@@ -136,7 +136,7 @@ class BodyGuard:
         self.limits = limits
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
             raw = await self._checked_body(scope, receive)

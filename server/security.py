@@ -2,7 +2,8 @@
 
 `SecurityConfig` holds the flags; `create_app` wraps the app in, outermost first:
 
-- `OriginGuard`: the `Host` header must name the bound interface when it is a
+- `OriginGuard`: at most `max_headers` headers of `max_header_bytes` in all (431;
+  h11 only bounds headers that arrive in pieces); the `Host` header must name the bound interface when it is a
   loopback one (DNS rebinding); a request that carries an `Origin` (a browser)
   is served only when that origin is granted for the route: `--cors-origins`
   grants the API routes, admin routes (`/v1/adapters`, `/stats`) only with
@@ -45,6 +46,8 @@ class SecurityConfig:
     allowed_hosts: Optional[tuple] = None  # None = loopback names when bound to loopback
     adapter_dirs: tuple = (DEFAULT_ADAPTER_DIR,)
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES
+    max_header_bytes: int = 16 * 1024      # request line + headers (also given to h11)
+    max_headers: int = 100
     limits: BodyLimits = field(default_factory=BodyLimits)
 
 
@@ -76,6 +79,7 @@ class OriginGuard:
     def __init__(self, app, config: SecurityConfig):
         self.app = app
         self.hosts = config.allowed_hosts
+        self.max_headers, self.max_header_bytes = config.max_headers, config.max_header_bytes
         origins = tuple(config.cors_origins)
         self.any_origin = "*" in origins
         self.origins = frozenset(o.rstrip("/") for o in origins if o != "*")
@@ -91,7 +95,14 @@ class OriginGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
+        raw = scope.get("headers") or []
+        size = sum(len(k) + len(v) + 4 for k, v in raw) + len(scope.get("raw_path") or b"")
+        if len(raw) > self.max_headers or size > self.max_header_bytes:
+            return await reply(scope, send, APIError(
+                431, f"request headers too large ({len(raw)} headers, {size} bytes; the limits "
+                     f"are {self.max_headers} and {self.max_header_bytes} bytes)"),
+                {"Connection": "close"})
+        headers = dict(raw)
         if self.hosts is not None and "*" not in self.hosts:
             host = _host_name(headers.get(b"host", b""))
             if host not in self.hosts:
