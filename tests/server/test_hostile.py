@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from experiments.served import raw_exchange
 from srv_helpers import make_adapter
 
 KEY = "hostile-key"
@@ -270,22 +271,8 @@ def test_seed_at_the_edges_of_the_range_is_served(hs):
         assert r.status_code == 200, r.text
 
 
-def _raw(hs, data: bytes, timeout=5.0) -> bytes:
-    """Send raw bytes, read the answer until the server closes; b"" if it reset us
-    (a server that closes with unread input sends RST, which can drop its answer)."""
-    host, port = hs.sock.getsockname()[:2]
-    out = b""
-    with socket.create_connection((host, port), timeout=timeout) as c:
-        try:
-            c.sendall(data)
-            while True:
-                b = c.recv(65536)
-                if not b:
-                    break
-                out += b
-        except (ConnectionResetError, BrokenPipeError):
-            pass
-    return out
+def _raw(hs, data: bytes) -> bytes:
+    return raw_exchange(hs.url, data)
 
 
 @pytest.mark.parametrize("name,data", [
