@@ -68,6 +68,7 @@ def from_exception(exc: BaseException) -> APIError:
 
 _ABS_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.+@-]+/?)+")
 _NANOBIND = re.compile(r"incompatible function arguments\..*", re.S)
+_EXC_NAME = re.compile(r"\b(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): ")
 
 
 def _hide_path(m: "re.Match") -> str:
@@ -77,9 +78,10 @@ def _hide_path(m: "re.Match") -> str:
 
 def scrub(message: str) -> str:
     """A client-facing message without internals: absolute filesystem paths become
-    `<path>` (route paths such as /v1/models are kept), native binding signatures are
-    cut, and the length is bounded."""
+    `<path>` (route paths such as /v1/models are kept), native binding signatures and
+    exception class names are cut, and the length is bounded."""
     message = _NANOBIND.sub("invalid argument", message)
+    message = _EXC_NAME.sub("", message)
     message = _ABS_PATH.sub(_hide_path, message)
     return message if len(message) <= 2000 else message[:2000] + "..."
 

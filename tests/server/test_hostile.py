@@ -411,3 +411,6 @@ def test_scrub_hides_internals():
         "cannot read <path>"
     assert scrub("seed(): incompatible function arguments. The following argument types "
                  "are supported:\n    1. seed(seed: int) -> None") == "seed(): invalid argument"
+    assert scrub("generation failed: TypeError: key(): incompatible function arguments. "
+                 "The following") == "generation failed: key(): invalid argument"
+    assert scrub("bad: json.decoder.JSONDecodeError: Expecting value") == "bad: Expecting value"
