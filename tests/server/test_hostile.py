@@ -398,6 +398,9 @@ FIELDS = ["messages", "prompt", "input", "model", "max_tokens", "max_output_toke
        body=st.dictionaries(st.sampled_from(FIELDS), JSONISH, max_size=6))
 def test_fuzzed_bodies_never_5xx(hs, path, body):
     body.setdefault("max_tokens", 2)
+    for k in ("max_tokens", "max_output_tokens", "n"):     # keep valid lengths short
+        if isinstance(body.get(k), int) and not isinstance(body[k], bool) and body[k] > 4:
+            body[k] = 4
     r = post(hs, path, body, timeout=30)
     assert r.status_code < 500, (path, body, r.text[:300])
     if r.status_code >= 400:
