@@ -12,7 +12,9 @@ completions, messages, responses) with random lengths, dropped after a random nu
 of chunks with probability --p-disconnect, or, with probability --p-hostile, one
 hostile request from the catalogue (deep JSON, seed out of range, too many prompt
 characters, a browser simple request, a foreign origin, malformed HTTP), which must
-be refused with a 4xx.
+be refused with a 4xx. Responses turns are sent with `store: false` unless --store
+(the store is a bounded cache that would otherwise grow to its cap: a slope, no leak);
+its size is sampled as `store_mb`. The prompt cache is off unless --prompt-cache-mb.
 
 Verdict: the slope of RSS and of MLX active memory over the second half of the run
 (after warm-up), by least squares, in MB/min; "flat" when both are under --flat-mb-min.
@@ -48,7 +50,7 @@ def rss_bytes() -> int:
     return 0
 
 
-def stream_request(rng: random.Random, n_tokens: int):
+def stream_request(rng: random.Random, n_tokens: int, store: bool = False):
     kind = rng.choice(["chat", "completions", "messages", "responses"])
     text = f"soak {rng.randrange(10 ** 6)} " + "word " * rng.randrange(1, 200)
     if kind == "chat":
@@ -59,7 +61,8 @@ def stream_request(rng: random.Random, n_tokens: int):
     if kind == "messages":
         return "/v1/messages", {"messages": [{"role": "user", "content": text}],
                                 "max_tokens": n_tokens, "stream": True}
-    return "/v1/responses", {"input": text, "max_output_tokens": n_tokens, "stream": True}
+    return "/v1/responses", {"input": text, "max_output_tokens": n_tokens, "stream": True,
+                             "store": store}
 
 
 class Soak:
@@ -93,7 +96,7 @@ class Soak:
                     self.note("error", f"transport: {e!r}")
 
     def stream(self, http: httpx.Client, rng: random.Random):
-        path, body = stream_request(rng, rng.randrange(4, 64))
+        path, body = stream_request(rng, rng.randrange(4, 64), self.a.store)
         drop_after = rng.randrange(1, 8) if rng.random() < self.a.p_disconnect else None
         chunks = 0
         with http.stream("POST", path, json=body) as r:
@@ -205,6 +208,7 @@ def run(a) -> dict:
                             "rss_mb": rss_bytes() / 1e6,
                             "mlx_active_mb": mx.get_active_memory() / 1e6,
                             "mlx_cache_mb": mx.get_cache_memory() / 1e6,
+                            "store_mb": state.store.stats()["bytes"] / 1e6,
                             **{k: soak.counts[k] for k in
                                ("completed", "disconnected", "refused", "error")}})
             time.sleep(a.sample_s)
@@ -266,6 +270,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--model", default=None, help="model dir (default: the built-in model)")
     p.add_argument("--prompt-cache-mb", type=int, default=0)
+    p.add_argument("--store", action="store_true",
+                   help="keep Responses turns (the store grows to its 32 MiB cap; off by "
+                   "default so that a slope means a leak)")
     p.add_argument("--p-disconnect", type=float, default=0.3)
     p.add_argument("--p-hostile", type=float, default=0.15)
     p.add_argument("--sample-s", type=float, default=2.0)
