@@ -417,3 +417,62 @@ def test_scrub_hides_internals():
     assert scrub("generation failed: TypeError: key(): incompatible function arguments. "
                  "The following") == "generation failed: key(): invalid argument"
     assert scrub("bad: json.decoder.JSONDecodeError: Expecting value") == "bad: Expecting value"
+
+
+def _depth(v) -> int:
+    if isinstance(v, list):
+        return 1 + max((_depth(x) for x in v), default=0)
+    if isinstance(v, dict):
+        return 1 + max((_depth(x) for x in v.values()), default=0)
+    return 0
+
+
+def _chars(v) -> int:
+    if isinstance(v, str):
+        return len(v)
+    if isinstance(v, list):
+        return sum(_chars(x) for x in v)
+    if isinstance(v, dict):
+        return sum(len(k) + _chars(x) for k, x in v.items())
+    return 0
+
+
+BRACKETY = st.text(alphabet='[]{}"\\ab,:', max_size=12)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | BRACKETY,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(BRACKETY, kids, max_size=4),
+    max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(v=JSON_VALUES, indent=st.sampled_from([None, 1]))
+def test_depth_and_characters_are_exact(v, indent):
+    """The raw-byte depth scan equals the parsed depth (brackets and escaped quotes inside
+    strings included), and the character count is every string and key."""
+    from server.limits import json_depth, string_chars
+    raw = json.dumps(v, indent=indent, ensure_ascii=False).encode()
+    assert json_depth(raw) == _depth(v)
+    assert string_chars(v) == _chars(v)
+
+
+def test_cors_star_never_grants_admin_unless_asked():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+    from server.security import SecurityConfig, add_security_middleware
+
+    def ok(request):
+        return PlainTextResponse("ok")
+
+    routes = [Route(p, ok, methods=["GET"]) for p in ("/v1/models", "/stats", "/v1/adapters")]
+    for admin_too in (False, True):
+        app = Starlette(routes=routes)
+        add_security_middleware(app, SecurityConfig(cors_origins=("*",), cors_admin=admin_too))
+        c = TestClient(app, base_url="http://127.0.0.1")
+        r = c.get("/v1/models", headers={"Origin": EVIL})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        for path in ("/stats", "/v1/adapters"):
+            r = c.get(path, headers={"Origin": EVIL})
+            assert r.status_code == (200 if admin_too else 403), (path, admin_too)
+        assert c.get("/stats").status_code == 200          # no Origin: not a browser
