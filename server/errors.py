@@ -63,7 +63,7 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, f"{exc}. Lower max_tokens or shorten the prompt; the ceiling is "
                              f"visible at /stats.", type="memory_admission",
                         code="context_over_budget")
-    return APIError(400, str(exc) or "invalid request")
+    return APIError(400, str(exc) or "invalid request", param=getattr(exc, "param", None))
 
 
 _ABS_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.+@-]+/?)+")

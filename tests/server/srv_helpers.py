@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +26,14 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}},
         "required": ["city"]}}}]
+
+
+NO_EOS = {"998": -100, "1000": -100}   # the qwen3 fixture's EOS ids: run to max_tokens
+
+
+def uniq(prefix: str = "hi") -> str:
+    """A fresh prompt, so no prompt-cache hit changes the path under test."""
+    return f"{prefix} {uuid.uuid4().hex[:8]}"
 
 
 class ForcedModel:
@@ -157,3 +166,23 @@ def sse_events(raw: str):
         d = "\n".join(data)
         out.append((name, d if d == "[DONE]" else json.loads(d)))
     return out
+
+
+def stream_chat_text(url: str, prompt: str, max_tokens: int, *, headers=None,
+                     logit_bias=None) -> str:
+    """The text of one streamed /v1/chat/completions request (asserts a 200)."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "stream": True}
+    if logit_bias:
+        body["logit_bias"] = logit_bias
+    text = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text.append(c["delta"].get("content") or "")
+    return "".join(text)

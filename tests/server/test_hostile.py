@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from experiments.served import raw_exchange
-from srv_helpers import make_adapter
+from srv_helpers import make_adapter, stream_chat_text
 
 KEY = "hostile-key"
 GOOD = "http://good.example"
@@ -320,16 +320,7 @@ def test_slowloris_headers_time_out(hs):
 
 
 def _stream_text(hs, prompt, n, out):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n,
-            "stream": True, "logit_bias": EOS}
-    text = []
-    with httpx.stream("POST", hs.url + "/v1/chat/completions", json=body, headers=H(),
-                      timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                for c in json.loads(line[6:])["choices"]:
-                    text.append(c["delta"].get("content") or "")
-    out.append("".join(text))
+    out.append(stream_chat_text(hs.url, prompt, n, headers=H(), logit_bias=EOS))
 
 
 def test_innocent_stream_untouched_by_hostile_neighbours(hs):
