@@ -3,8 +3,10 @@
 `SamplingParams` holds every generation knob. Values left at None take the
 model's `generation_config.json` (sampling fields) or the engine's fallback;
 `SamplingParams.resolved(tokenizer)` fills them in. Every value is checked
-when the object is made (`ValueError` naming the field), so a request that
-reaches the engine's loop cannot fail on its options.
+when the object is made (`ValueError` whose message starts with the field's
+name), so a request that reaches the engine's loop cannot fail on its options:
+seed in [0, 2**64 - 1], temperature in [0, 2], presence and frequency penalties
+in [-2, 2] (`RANGES`), plus what the sampler and processors check.
 
 `RequestOutput` is one piece of a request's output: the text made final since
 the previous piece, the tokens behind it (and their logprobs when asked), and
@@ -20,6 +22,15 @@ from typing import Optional, Union
 import mlx.core as mx
 
 FALLBACK_SAMPLING = {"temperature": 0.0, "top_p": 0.0, "top_k": 0, "min_p": 0.0}
+SEED_MAX = 2 ** 64 - 1            # mx.random.key takes a uint64
+# Ranges of a request's sampling values (the OpenAI API's; the sampler functions
+# themselves take any temperature, as mlx-lm's do).
+RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0),
+          "frequency_penalty": (-2.0, 2.0)}
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class PromptError(ValueError):
@@ -59,6 +70,13 @@ class SamplingParams:
             raise ValueError("top_logprobs must be between 0 and 20")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [0, 2**64 - 1] (what mx.random.key takes), "
+                             f"got {self.seed}")
+        for name, (lo, hi) in RANGES.items():
+            v = getattr(self, name)
+            if v is not None and _is_real(v) and not lo <= v <= hi:
+                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {v!r}")
         stop = self.stop
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) for s in stop):

@@ -7,6 +7,7 @@ from starlette.responses import JSONResponse, Response
 
 from . import fields as F
 from .errors import APIError, bad_request, from_exception
+from .security import confine_adapter_dir
 
 HEALTH = b'{"status": "ok"}'   # the exact bytes mlx_lm.server sends
 
@@ -55,6 +56,7 @@ async def mount_adapter(request: Request):
     if not path:
         raise bad_request("path required: the adapter directory (adapters.safetensors + "
                           "adapter_config.json)", param="path")
+    path = confine_adapter_dir(path, request.app.state.security)   # resolved, in a root
     if not aid:
         from pathlib import Path
         aid = Path(path).name

@@ -1,6 +1,10 @@
-"""The FastAPI app factory: routes, error shapes, auth, CORS.
+"""The FastAPI app factory: routes, error shapes, auth, CORS, limits.
 
-    app = create_app(state)        # state = server.state.build_state(config)
+    app = create_app(state, security)   # state = server.state.build_state(config)
+
+`security` (a `server.security.SecurityConfig`: API key, CORS, hosts, adapter
+roots, body limits) defaults to what `state.config` says plus the secure
+defaults (kept in `app.state.security`).
 
 The HTTP layer only translates wire formats; every generation goes through
 `server.chat.start` onto the state's single gateway queue.
@@ -8,44 +12,22 @@ The HTTP layer only translates wire formats; every generation goes through
 
 from __future__ import annotations
 
-import hmac
 import logging
+import uuid
+from typing import Optional
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.routing import Match
 
 from . import admin, anthropic, openai, responses
 from .errors import APIError, body_for, is_anthropic_path
+from .limits import BodyLimits, default_prompt_chars
+from .security import SecurityConfig, add_security_middleware, default_allowed_hosts
 
 log = logging.getLogger("engine-serve")
-
-
-class AuthMiddleware:
-    """`--api-key`: every route but /health needs `Authorization: Bearer KEY` or
-    `x-api-key: KEY` (CORS preflights pass)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health" or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"x-api-key")
-        auth = headers.get(b"authorization", b"")
-        if given is None and auth[:7].lower() == b"bearer ":
-            given = auth[7:].strip()
-        if given is not None and hmac.compare_digest(given, self.key):
-            return await self.app(scope, receive, send)
-        msg = "invalid API key" if given is not None else (
-            "missing API key: send Authorization: Bearer <key> or x-api-key: <key>")
-        err = APIError(401, msg, type="authentication_error", code="invalid_api_key")
-        resp = JSONResponse(body_for(scope["path"], err), status_code=401)
-        await resp(scope, receive, send)
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
@@ -64,19 +46,40 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     elif exc.status_code == 405:
         err = APIError(405, f"method {request.method} not allowed on {request.url.path}",
                        type="invalid_request_error")
+        err.headers = {"Allow": _allowed_methods(request)}
     else:
         err = APIError(exc.status_code, str(exc.detail))
     return _error_response(request, err)
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path (routes are one per method)."""
+    methods = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return ", ".join(sorted(methods))
+
+
 async def _server_error(request: Request, exc: Exception):
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+    ref = uuid.uuid4().hex[:12]
+    log.exception("unhandled error %s on %s %s", ref, request.method, request.url.path)
+    err = APIError(500, f"internal server error (reference {ref} in the server log)",
                    type="api_error" if is_anthropic_path(request.url.path) else "server_error")
     return _error_response(request, err)
 
 
-def create_app(state) -> FastAPI:
+def security_for(config, **overrides) -> SecurityConfig:
+    """The security settings a `ServerConfig` implies, with the secure defaults."""
+    limits = BodyLimits(max_body_bytes=config.max_body_bytes)
+    base = dict(api_key=config.api_key or None, allowed_hosts=default_allowed_hosts(config.host),
+                limits=limits)
+    base.update(overrides)
+    return SecurityConfig(**base)
+
+
+def create_app(state, security: Optional[SecurityConfig] = None) -> FastAPI:
     app = FastAPI(title="engine-serve", docs_url=None, redoc_url=None, openapi_url=None,
                   exception_handlers={APIError: _api_error,
                                       StarletteHTTPException: _http_error,
@@ -100,9 +103,11 @@ def create_app(state) -> FastAPI:
     r.add_api_route("/v1/responses/{response_id}", responses.get_response, methods=["GET"])
     r.add_api_route("/v1/responses/{response_id}", responses.delete_response,
                     methods=["DELETE"])
-    if state.config.api_key:
-        app.add_middleware(AuthMiddleware, api_key=state.config.api_key)
-    if state.config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
+    security = security or security_for(state.config)
+    if security.limits.max_prompt_chars <= 0:     # 0 = derive from the model's context
+        from dataclasses import replace
+        chars = default_prompt_chars(getattr(state, "max_position", None))
+        security = replace(security, limits=replace(security.limits, max_prompt_chars=chars))
+    app.state.security = security
+    add_security_middleware(app, security)
     return app

@@ -185,7 +185,7 @@ def sampling_from(body: dict, call: Call, state) -> None:
     call.repetition_context_size = F.integer(body, "repetition_context_size", lo=1)
     call.presence_penalty = F.number(body, "presence_penalty")
     call.frequency_penalty = F.number(body, "frequency_penalty")
-    call.seed = F.integer(body, "seed")
+    call.seed = F.integer(body, "seed")     # ranges: engine.SamplingParams (sampling_params)
     call.logit_bias = F.logit_bias(body, "logit_bias", state.vocab_size)
     if "adapter" in body:
         call.adapter = body["adapter"]
@@ -231,11 +231,15 @@ def sampling_params(state, call: Call):
             logit_bias=call.logit_bias, seed=call.seed, stop=list(call.stop),
             logprobs=bool(call.logprobs or call.top_logprobs),
             top_logprobs=call.top_logprobs or None, **kw)
-    except ValueError as e:
+    except ValueError as e:          # the message starts with the field's name
         msg = str(e)
         param = msg.split(" ", 1)[0]
-        raise bad_request(msg, param=param if param in (
-            "max_tokens", "top_logprobs") else None) from None
+        raise bad_request(msg, param=param if param in _PARAM_FIELDS else None) from None
+
+
+_PARAM_FIELDS = frozenset(("max_tokens", "top_logprobs", "temperature", "top_p", "top_k", "min_p",
+                           "repetition_penalty", "repetition_context_size", "presence_penalty",
+                           "frequency_penalty", "logit_bias", "seed", "stop"))
 
 
 def encode(state, call: Call) -> list:

@@ -3,13 +3,15 @@
     engine-serve [--model DIR] [--host 127.0.0.1] [--port 8090] [--memory-budget GB]
                  [--prompt-cache GiB] [--kv-quant config|off|4|8] [--thinking true|false]
                  [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
-                 [--adapter DIR] [--api-key KEY] [--batch N]
+                 [--adapter DIR] [--api-key KEY] [--batch N] [--adapter-dir DIR ...]
+                 [--cors-origins ORIGIN ...] [--max-body-mb MB] [--max-prompt-chars N]
 
 Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
 are accepted as aliases (--temp, --adapter-path, --decode-concurrency,
 --prompt-cache-bytes, --kv-bits, --chat-template-args, ...), so it is a
-drop-in. It prints one ready line: URL, model id, admission ceiling.
+drop-in. It prints one ready line: URL, model id, admission ceiling, auth.
+The security flags and their defaults are described in docs/security.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import threading
 import time
 
 from engine.cli import parse_bool as _bool
+
+from .security import is_loopback
 
 NOT_YET = "continuous batching is not available"
 
@@ -79,8 +83,33 @@ def parser() -> argparse.ArgumentParser:
     a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
     a("--chat-template-args", type=_json_dict, default={}, metavar="JSON",
       help='default chat-template kwargs, e.g. \'{"enable_thinking": false}\'')
-    a("--allowed-origins", nargs="*", default=["*"], help="CORS origins (default *)")
+    a("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*", default=[],
+      metavar="ORIGIN", help="browser origins granted the API routes (CORS), e.g. "
+      "http://localhost:3000, or * for any; default none: requests carrying an Origin "
+      "header are refused")
+    a("--cors-admin", action="store_true",
+      help="grant the --cors-origins the admin routes too (/v1/adapters, /stats)")
+    a("--allowed-hosts", nargs="*", default=None, metavar="HOST",
+      help="Host header names answered (default: localhost, 127.0.0.1, ::1 when bound to "
+      "loopback, any otherwise; * = any)")
+    a("--adapter-dir", action="append", default=None, metavar="DIR",
+      help="directory POST /v1/adapters may mount from (repeatable; default "
+      "~/.cache/mlx-parity/adapters)")
+    a("--max-adapter-mb", type=float, default=1024.0,
+      help="largest adapters.safetensors POST /v1/adapters loads, in MiB (1024)")
     a("--max-body-mb", type=float, default=32.0, help="request body limit in MiB (32)")
+    a("--max-json-depth", type=int, default=64, help="JSON nesting limit (64)")
+    a("--max-prompt-chars", type=int, default=0, metavar="N",
+      help="characters of text a request may carry, checked before tokenizing (default 0 = "
+      "16 x the model's context length)")
+    a("--body-timeout", type=float, default=30.0, metavar="S",
+      help="a request body must arrive within S seconds (30)")
+    a("--header-timeout", type=float, default=10.0, metavar="S",
+      help="request line and headers must arrive within S seconds (10)")
+    a("--max-header-kb", type=int, default=16, metavar="KB",
+      help="request line + headers limit in KiB (16)")
+    a("--shutdown-timeout", type=float, default=10.0, metavar="S",
+      help="on SIGTERM/SIGINT, running requests get S seconds to finish (10)")
     a("--stream-interval-ms", type=float, default=25.0, metavar="MS",
       help="coalesce streamed deltas into at most one write per MS while decoding (default "
       "25, as mlx-bun; 0 = a write per token; the first and last tokens are never delayed)")
@@ -118,6 +147,18 @@ def config_from_args(args):
         raise SystemExit("engine-serve: --batch must be >= 1")
     if args.max_tokens < 1:
         raise SystemExit("engine-serve: --max-tokens must be >= 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("engine-serve: --api-key is empty (an unset variable?); give a key "
+                         "or leave the flag out")
+    for flag, v in (("--max-body-mb", args.max_body_mb), ("--max-json-depth", args.max_json_depth),
+                    ("--body-timeout", args.body_timeout),
+                    ("--header-timeout", args.header_timeout),
+                    ("--max-header-kb", args.max_header_kb),
+                    ("--max-adapter-mb", args.max_adapter_mb)):
+        if not v > 0:
+            raise SystemExit(f"engine-serve: {flag} must be > 0")
+    if args.max_prompt_chars < 0 or args.shutdown_timeout < 0:
+        raise SystemExit("engine-serve: --max-prompt-chars and --shutdown-timeout must be >= 0")
     return ServerConfig(
         model=args.model, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
@@ -128,8 +169,27 @@ def config_from_args(args):
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         template_kwargs=dict(args.chat_template_args or {}),
         prefill_step_size=args.prefill_step_size,
-        allowed_origins=list(args.allowed_origins or []),
+        allowed_origins=list(args.cors_origins or []),
         stream_interval_ms=max(0.0, args.stream_interval_ms))
+
+
+def security_from_args(args, config):
+    """The `SecurityConfig` the flags say (see server.security)."""
+    from .app import security_for
+    from .limits import BodyLimits
+    from .security import DEFAULT_ADAPTER_DIR
+
+    hosts = tuple(h.lower().strip("[]") for h in args.allowed_hosts) \
+        if args.allowed_hosts is not None else None
+    limits = BodyLimits(max_body_bytes=config.max_body_bytes, max_json_depth=args.max_json_depth,
+                        max_prompt_chars=args.max_prompt_chars,
+                        body_timeout_s=args.body_timeout)
+    extra = {} if hosts is None else {"allowed_hosts": hosts}
+    return security_for(config, cors_origins=tuple(args.cors_origins or ()),
+                        cors_admin=args.cors_admin, limits=limits,
+                        adapter_dirs=tuple(args.adapter_dir or (DEFAULT_ADAPTER_DIR,)),
+                        max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+                        max_header_bytes=args.max_header_kb * 1024, **extra)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -164,8 +224,10 @@ def ready_line(state, url: str) -> str:
               if state.config.memory_budget_bytes else
               f"{adm.budget_bytes / 1e9:.2f} GB budget (RAM x 0.75)")
     extra = f", adapter {'+'.join(state.default_adapters)}" if state.default_adapters else ""
+    auth = "on" if state.config.api_key else "off"
     return (f"engine-serve ready: {url} model={state.model_id} "
-            f"admission ceiling={state.ceiling} tokens ({budget}; kv {state.kv_mode}{extra})")
+            f"admission ceiling={state.ceiling} tokens ({budget}; kv {state.kv_mode}{extra}) "
+            f"auth={auth}")
 
 
 def _quick_ack(sock) -> None:
@@ -175,44 +237,101 @@ def _quick_ack(sock) -> None:
         pass
 
 
-def _h11_protocol():
-    """uvicorn's h11 protocol, ACKing each request segment at once (TCP_QUICKACK).
+def _h11_protocol(header_timeout_s: float = 10.0):
+    """uvicorn's h11 protocol with three changes.
 
-    Clients such as httpx (the openai/anthropic SDKs) write a request's headers and
-    body separately; with Nagle on their side, the body waits for our ACK of the
-    headers, which Linux delays by up to 40 ms on a keep-alive connection."""
+    - Each request segment is ACKed at once (TCP_QUICKACK): clients such as httpx
+      (the openai/anthropic SDKs) write a request's headers and body separately;
+      with Nagle on their side, the body waits for our ACK of the headers, which
+      Linux delays by up to 40 ms on a keep-alive connection.
+    - A malformed request (bad Content-Length or chunk size, headers over the limit)
+      is answered with a JSON error body (uvicorn sends plain text).
+    - The request line and headers must arrive within `header_timeout_s` of the
+      connection (or of the request's first byte on a kept-alive connection): a
+      client trickling headers (slowloris) gets a 408 and is closed."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class QuickAckH11Protocol(H11Protocol):
+        _header_timer = None
+
         def connection_made(self, transport):
             self._qa_sock = transport.get_extra_info("socket")
             if self._qa_sock is not None:
                 _quick_ack(self._qa_sock)
             super().connection_made(transport)
+            self._arm_header_timer()
 
         def data_received(self, data):
             if self._qa_sock is not None:
                 _quick_ack(self._qa_sock)
+            if self.conn.their_state is h11.IDLE and self._header_timer is None:
+                self._arm_header_timer()      # first byte of a kept-alive request
             super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm_header_timer()
+
+        def connection_lost(self, exc):
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self):
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm_header_timer(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self):
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                if self.conn.our_state is h11.IDLE:
+                    self._send_json_error(408, "the request headers did not arrive within "
+                                               f"{header_timeout_s:g} s")
+                else:
+                    self.transport.close()
+
+        def send_400_response(self, msg):
+            self._send_json_error(400, "malformed HTTP request (bad request line, headers, "
+                                       "Content-Length or chunk encoding, or headers over "
+                                       "the size limit)")
+
+        def _send_json_error(self, status, message):
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                         "param": None, "code": None}}).encode()
+            try:
+                for event in (h11.Response(status_code=status, headers=[
+                        (b"content-type", b"application/json"), (b"connection", b"close"),
+                        (b"content-length", str(len(body)).encode())]),
+                        h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:
+                pass
+            self.transport.close()
 
     return QuickAckH11Protocol
 
 
-def uvicorn_server(app, log_level="warning", access_log=False):
+def uvicorn_server(app, log_level="warning", access_log=False, *, header_timeout_s=10.0,
+                   max_header_bytes=16 * 1024, shutdown_timeout_s=10.0):
     import uvicorn
     cfg = uvicorn.Config(app, log_level=log_level.lower(), access_log=access_log,
                          lifespan="off", timeout_keep_alive=30, loop="asyncio",
-                         http=_h11_protocol(), ws="none")
+                         http=_h11_protocol(header_timeout_s), ws="none",
+                         h11_max_incomplete_event_size=max_header_bytes,
+                         timeout_graceful_shutdown=shutdown_timeout_s)
     return uvicorn.Server(cfg)
 
 
 class BackgroundServer:
     """Serve an app from a thread (tests, benchmarks): `with BackgroundServer(app) as s: s.url`."""
 
-    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning"):
+    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning", **server_kw):
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self.server = uvicorn_server(app, log_level)
+        self.server = uvicorn_server(app, log_level, **server_kw)
         self.thread = threading.Thread(target=self._run, daemon=True, name="uvicorn")
 
     def _run(self):
@@ -251,6 +370,10 @@ def main(argv=None) -> int:
               "used", file=sys.stderr)
         return 2
     config = config_from_args(args)
+    security = security_from_args(args, config)
+    if not config.api_key and not is_loopback(config.host):
+        print(f"engine-serve: warning: listening on {config.host} without --api-key: anyone "
+              "who can reach this address can use the server", file=sys.stderr)
     if args.quantized_kv_start:
         print("engine-serve: --quantized-kv-start is ignored (the server quantizes from "
               "token 0)", file=sys.stderr)
@@ -279,8 +402,11 @@ def main(argv=None) -> int:
         print("engine-serve: cannot start: the model's weights do not fit the memory budget "
               f"({state.admission.budget_bytes / 1e9:.2f} GB)", file=sys.stderr)
         return 2
-    app = create_app(state)
-    server = uvicorn_server(app, args.log_level, args.access_log)
+    app = create_app(state, security)
+    server = uvicorn_server(app, args.log_level, args.access_log,
+                            header_timeout_s=args.header_timeout,
+                            max_header_bytes=args.max_header_kb * 1024,
+                            shutdown_timeout_s=args.shutdown_timeout)
     url = url_of(sock)
 
     async def run():

@@ -22,11 +22,14 @@ to the log).
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Optional
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                   413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                   413: "request_too_large", 415: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -60,13 +63,33 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, f"{exc}. Lower max_tokens or shorten the prompt; the ceiling is "
                              f"visible at /stats.", type="memory_admission",
                         code="context_over_budget")
-    return APIError(400, str(exc) or type(exc).__name__, param=getattr(exc, "param", None))
+    return APIError(400, str(exc) or "invalid request", param=getattr(exc, "param", None))
+
+
+_ABS_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.+@-]+/?)+")
+_NANOBIND = re.compile(r"incompatible function arguments\..*", re.S)
+_EXC_NAME = re.compile(r"\b(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception): ")
+
+
+def _hide_path(m: "re.Match") -> str:
+    top = m.group(0).strip("/").split("/", 1)[0]
+    return "<path>" if top and os.path.isdir("/" + top) else m.group(0)
+
+
+def scrub(message: str) -> str:
+    """A client-facing message without internals: absolute filesystem paths become
+    `<path>` (route paths such as /v1/models are kept), native binding signatures and
+    exception class names are cut, and the length is bounded."""
+    message = _NANOBIND.sub("invalid argument", message)
+    message = _EXC_NAME.sub("", message)
+    message = _ABS_PATH.sub(_hide_path, message)
+    return message if len(message) <= 2000 else message[:2000] + "..."
 
 
 def openai_body(err: APIError) -> dict:
     if err.status >= 500 and err.type == "invalid_request_error":
         err.type = "server_error"
-    return {"error": {"message": err.message, "type": err.type, "param": err.param,
+    return {"error": {"message": scrub(err.message), "type": err.type, "param": err.param,
                       "code": err.code}}
 
 
@@ -75,7 +98,7 @@ def anthropic_body(err: APIError) -> dict:
         t = ANTHROPIC_TYPES.get(err.status, "api_error")
     else:
         t = ANTHROPIC_TYPES.get(err.status, "invalid_request_error")
-    body = {"type": t, "message": err.message}
+    body = {"type": t, "message": scrub(err.message)}
     if err.code:
         body["code"] = err.code
     return {"type": "error", "error": body}

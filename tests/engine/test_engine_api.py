@@ -20,10 +20,31 @@ def qwen():
     (dict(top_logprobs=21), "top_logprobs"), (dict(repetition_penalty=-1), "repetition_penalty"),
     (dict(repetition_context_size=0), "repetition_context_size"), (dict(seed="x"), "seed"),
     (dict(stop=[1]), "stop"), (dict(logit_bias=[1]), "logit_bias"),
-    (dict(xtc_probability=2), "xtc_probability")])
+    (dict(xtc_probability=2), "xtc_probability"), (dict(seed=-1), "seed"),
+    (dict(seed=2 ** 64), "seed"), (dict(seed=1.5), "seed"), (dict(temperature=2.5), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty")])
 def test_sampling_params_validated_once_naming_the_field(kw, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**kw)
+
+
+def test_sampling_params_range_edges_accepted():
+    for kw in (dict(seed=0), dict(seed=2 ** 64 - 1), dict(temperature=0), dict(temperature=2),
+               dict(presence_penalty=-2, frequency_penalty=2)):
+        SamplingParams(**kw)
+
+
+def test_library_calls_refuse_out_of_range_seed(qwen):
+    """The ranges hold for the library API too: a negative seed (which mx.random.key
+    cannot take) is a ValueError naming the field, before anything is queued."""
+    model, tok = qwen
+    with pytest.raises(ValueError, match="^seed "):
+        engine.generate(model, tok, "hello", max_tokens=2, temperature=0.5, seed=-1)
+    eng = Engine(model, tok, max_batch=4)
+    with pytest.raises(ValueError, match="^presence_penalty "):
+        eng.submit("hello", SamplingParams(max_tokens=2, presence_penalty=9))
+    assert not eng.has_unfinished()
 
 
 def test_sampling_params_resolve_generation_config(qwen):

@@ -112,15 +112,20 @@ class Served:
         return self.on_worker(engine.generate, self.model, self.tokenizer, prompt, **kw)
 
 
-def start_server(model_dir, *, forced: bool = False, **config) -> Served:
-    from server.app import create_app
+def start_server(model_dir, *, forced: bool = False, security=None, **config) -> Served:
+    """`security` (a SecurityConfig) defaults to the server's, with adapters mountable
+    from the temp directory (where the tests write them)."""
+    import tempfile
+
+    from server.app import create_app, security_for
     from server.cli import BackgroundServer
     from server.state import ServerConfig, build_state
 
     cfg = ServerConfig(model=str(model_dir), **config)
     state = build_state(cfg, wrap_model=ForcedModel if forced else None)
     inner = state.model._inner if forced else state.model
-    bg = BackgroundServer(create_app(state)).start()
+    security = security or security_for(cfg, adapter_dirs=(tempfile.gettempdir(),))
+    bg = BackgroundServer(create_app(state, security)).start()
     return Served(bg.url, state, inner, state.tokenizer, Path(model_dir),
                   state.model if forced else None, bg)
 
@@ -161,3 +166,23 @@ def sse_events(raw: str):
         d = "\n".join(data)
         out.append((name, d if d == "[DONE]" else json.loads(d)))
     return out
+
+
+def stream_chat_text(url: str, prompt: str, max_tokens: int, *, headers=None,
+                     logit_bias=None) -> str:
+    """The text of one streamed /v1/chat/completions request (asserts a 200)."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "stream": True}
+    if logit_bias:
+        body["logit_bias"] = logit_bias
+    text = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text.append(c["delta"].get("content") or "")
+    return "".join(text)

@@ -244,6 +244,7 @@ def test_error_shapes_per_protocol(aux):
     e = assert_openai_error(r, 413, "request_too_large")
     r = httpx.post(aux.v1 + "/adapters", headers=H(), json={"id": "x", "path": big})
     assert_openai_error(r, 413)
-    assert_openai_error(httpx.post(aux.v1 + "/adapters", headers=H(), content=b"{"), 400)
+    assert_openai_error(httpx.post(aux.v1 + "/adapters", content=b"{", headers={
+        **H(), "content-type": "application/json"}), 400)
     assert_openai_error(httpx.get(aux.v1 + "/responses/resp_x", headers=H()), 404)
     assert chat(aux, ok_body()).status_code == 200      # still serving

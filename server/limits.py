@@ -1,0 +1,219 @@
+"""Request-body limits checked before any handler or tokenizer sees the body.
+
+`BodyGuard` is an ASGI middleware for every request that carries a body
+(every POST; no route takes PUT or PATCH). In order, cheapest first:
+
+1. `Content-Type`: a JSON route takes `application/json` (or a `+json` type).
+   Admin routes (`/v1/adapters`) require it; the generation routes also take a
+   request without a Content-Type (scripts), but never `text/plain`, a form or
+   multipart: those are the types a web page can send without a CORS preflight.
+2. Body bytes: a `Content-Length` over the limit is refused before reading; a
+   chunked body is counted while read and refused as soon as it passes the
+   limit (413). The whole body must arrive within `body_timeout_s` (408).
+3. JSON nesting depth, measured on the raw bytes (strings removed by one regex,
+   brackets counted with numpy) *before* parsing, so a 10,000-deep array never
+   reaches the recursive parser (400).
+4. Characters of string content in the parsed body (every string value and
+   key, all messages, tools and system prompts together): over the limit is a
+   413 before the prompt is rendered or tokenized.
+
+The body is then replayed unchanged to the app. Errors use the protocol's
+shape (`server.errors.body_for`: the path tells the protocol).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .errors import APIError, body_for
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_BODY_TIMEOUT_S = 30.0
+CHARS_PER_CONTEXT_TOKEN = 16      # default prompt-character limit = 16 x the model's context
+FALLBACK_MAX_PROMPT_CHARS = 2_000_000
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_JSON_TYPES = ("application/json",)
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    max_prompt_chars: int = 0        # 0 = 16 x the model's context (create_app)
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+
+
+def default_prompt_chars(context_tokens: Optional[int]) -> int:
+    """16 characters per token of the model's context (a prompt that long cannot fit)."""
+    if not context_tokens or context_tokens < 1:
+        return FALLBACK_MAX_PROMPT_CHARS
+    return int(context_tokens) * CHARS_PER_CONTEXT_TOKEN
+
+
+def json_depth(raw: bytes) -> int:
+    """Maximum nesting depth of `[`/`{` in a JSON text (0 for a scalar).
+
+    Strings are removed first (one C-speed regex pass), then the brackets are
+    counted with a cumulative sum; exact for valid JSON, and never below the
+    true depth for malformed input (which the parser then refuses)."""
+    bare = _STRING.sub(b"", raw)
+    if not bare:
+        return 0
+    a = np.frombuffer(bare, dtype=np.uint8)
+    step = np.zeros(256, dtype=np.int8)
+    step[[ord("["), ord("{")]] = 1
+    step[[ord("]"), ord("}")]] = -1
+    s = step[a]
+    if not s.any():
+        return 0
+    return int(np.cumsum(s, dtype=np.int64).max())
+
+
+def string_chars(value) -> int:
+    """Total characters of every string (values and keys) inside a parsed JSON value."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                total += len(k)
+                stack.append(x)
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def _media_type(headers: dict) -> Optional[str]:
+    ct = headers.get(b"content-type")
+    if ct is None:
+        return None
+    return ct.split(b";", 1)[0].strip().lower().decode("latin-1")
+
+
+def is_json_type(media: Optional[str]) -> bool:
+    return media is not None and (media in _JSON_TYPES or media.endswith("+json"))
+
+
+def is_admin_path(path: str) -> bool:
+    """Routes that change or reveal server state (not granted to browsers by default)."""
+    return path == "/stats" or path == "/v1/adapters" or path.startswith("/v1/adapters/")
+
+
+class _Refused(Exception):
+    def __init__(self, err: APIError):
+        self.err = err
+
+
+async def reply(scope, send, err: APIError, headers: Optional[dict] = None) -> None:
+    body = json.dumps(body_for(scope.get("path", ""), err)).encode()
+    hs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    for k, v in (headers or {}).items():
+        hs.append((k.lower().encode("latin-1"), str(v).encode("latin-1")))
+    await send({"type": "http.response.start", "status": err.status, "headers": hs})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def too_large(what: str, size, limit: int, flag: str) -> APIError:
+    return APIError(413, f"request {what} {size} exceeds the limit of {limit} ({flag})",
+                    type="request_too_large")
+
+
+class BodyGuard:
+    """ASGI middleware: content type, body bytes, read time, JSON depth, prompt characters."""
+
+    def __init__(self, app, limits: BodyLimits):
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            raw = await self._checked_body(scope, receive)
+        except _Refused as r:
+            return await reply(scope, send, r.err)
+        if raw is None:        # the client left while sending
+            return
+        done = False
+
+        async def replay():
+            nonlocal done
+            if not done:
+                done = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _checked_body(self, scope, receive) -> Optional[bytes]:
+        lim = self.limits
+        headers = dict(scope.get("headers") or [])
+        media = _media_type(headers)
+        admin = scope["path"].startswith("/v1/adapters")
+        if not is_json_type(media) and (admin or media is not None):
+            raise _Refused(APIError(
+                415, "unsupported Content-Type: send the JSON body with "
+                     "Content-Type: application/json", type="invalid_request_error"))
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                raise _Refused(APIError(400, "invalid Content-Length header")) from None
+            if n > lim.max_body_bytes:
+                raise _Refused(too_large("body of", f"{n} bytes", lim.max_body_bytes,
+                                         "--max-body-mb"))
+        raw = await self._read(receive)
+        if raw is None:
+            return None
+        if not raw.strip():
+            return raw        # the handler answers "the body is empty"
+        depth = json_depth(raw)
+        if depth > lim.max_json_depth:
+            raise _Refused(APIError(400, f"invalid JSON body: nested {depth} levels deep, "
+                                         f"the limit is {lim.max_json_depth} "
+                                         f"(--max-json-depth)"))
+        try:
+            parsed = json.loads(raw)
+        except (ValueError, RecursionError):
+            return raw        # the handler answers with the parser's message
+        chars = string_chars(parsed)
+        if chars > lim.max_prompt_chars:
+            raise _Refused(too_large("text of", f"{chars} characters", lim.max_prompt_chars,
+                                     "--max-prompt-chars"))
+        return raw
+
+    async def _read(self, receive) -> Optional[bytes]:
+        lim = self.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + lim.body_timeout_s
+        chunks, size = [], 0
+        while True:
+            left = deadline - loop.time()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                msg = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:
+                raise _Refused(APIError(408, f"the request body did not arrive within "
+                                             f"{lim.body_timeout_s:g} s")) from None
+            if msg["type"] == "http.disconnect":
+                return None
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > lim.max_body_bytes:
+                raise _Refused(too_large("body of more than", f"{lim.max_body_bytes} bytes",
+                                         lim.max_body_bytes, "--max-body-mb"))
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)

@@ -1,0 +1,115 @@
+"""Security defaults of `engine-serve` as a user starts it (subprocesses): the API key,
+the ready line, the bind warning, bounded shutdown, default CORS and limits."""
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from test_cli import spawn, wait_ready
+
+EOS = {"1009": -100, "1016": -100, "1017": -100}
+
+
+def test_empty_api_key_is_refused_at_start():
+    p = spawn("--port", "0", "--api-key", "  ")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "--api-key is empty" in err and "ready" not in out
+
+
+@pytest.mark.parametrize("flag", [["--max-json-depth", "0"], ["--max-body-mb", "-1"],
+                                  ["--header-timeout", "0"], ["--max-prompt-chars", "-5"]])
+def test_bad_limit_flags_are_refused(flag):
+    p = spawn("--port", "0", *flag)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and flag[0] in err
+
+
+def _stream(url, out):
+    body = {"prompt": "tell me everything", "max_tokens": 20000, "stream": True,
+            "logit_bias": EOS}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    out.append(line)
+    except httpx.HTTPError as e:
+        out.append(repr(e))
+
+
+def test_defaults_and_bounded_shutdown(llama_dir, tmp_path):
+    """No key: the ready line says auth=off; no origin is granted; the prompt-character
+    limit is 16 x the model's context; SIGTERM with a long stream running exits within
+    --shutdown-timeout (+ teardown)."""
+    p = spawn("--model", str(llama_dir), "--port", "0", "--shutdown-timeout", "1",
+              "--prompt-cache", "0", "--adapter-dir", str(tmp_path))
+    try:
+        m, line = wait_ready(p)
+        url = m.group(1)
+        assert line.rstrip().endswith("auth=off")
+        r = httpx.post(url + "/v1/completions", headers={"Origin": "http://page.example"},
+                       json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+        over = 16 * 131072 + 1                   # llama fixture: 131,072 positions
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a" * over, "max_tokens": 1},
+                       timeout=30)
+        assert r.status_code == 413 and "--max-prompt-chars" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/adapters", json={"path": "/root"})
+        assert r.status_code == 400 and "--adapter-dir" in r.json()["error"]["message"]
+        got = []
+        t = threading.Thread(target=_stream, args=(url, got), daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        while len(got) < 3 and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        assert len(got) >= 3, got
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=20)
+    assert took < 1 + 6, took       # without the bound it waits for all 20,000 tokens
+
+
+def test_key_in_ready_line_and_public_bind_warning():
+    p = spawn("--port", "0", "--host", "0.0.0.0", "--prompt-cache", "0")
+    try:
+        m, line = wait_ready(p)
+        assert line.rstrip().endswith("auth=off")
+    finally:
+        p.terminate()
+        _, err = p.communicate(timeout=30)
+    assert "without --api-key" in err
+    p = spawn("--port", "0", "--api-key", "k", "--prompt-cache", "0")
+    try:
+        m, line = wait_ready(p)
+        assert line.rstrip().endswith("auth=on")
+        assert httpx.get(m.group(1) + "/v1/models").status_code == 401
+    finally:
+        p.terminate()
+        _, err = p.communicate(timeout=30)
+    assert "without --api-key" not in err
+
+
+def test_prompt_char_default_follows_the_model(llama_dir):
+    from server.app import create_app, security_for
+    from server.state import ServerConfig
+
+    class FakeState:
+        config = ServerConfig(model=str(llama_dir))
+        max_position = 4096
+
+    app = create_app(FakeState())
+    assert app.state.security.limits.max_prompt_chars == 16 * 4096
+    assert app.state.security.cors_origins == ()
+    assert app.state.security.allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    sec = security_for(ServerConfig(host="0.0.0.0"))
+    assert sec.allowed_hosts is None and sec.adapter_dirs == ("~/.cache/mlx-parity/adapters",)
+    json.dumps(sec.limits.__dict__)
