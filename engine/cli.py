@@ -2,7 +2,8 @@
 
     engine-generate --model DIR --prompt "Hello" [--max-tokens N --temp T --top-p P
                     --top-k K --min-p M --seed S --kv-bits B --kv-group-size G
-                    --quantized-kv-start N --kv-config FILE --chat --system TEXT]
+                    --quantized-kv-start N --kv-config FILE --chat --system TEXT
+                    --tier l1|l2|l3 --[no-]compiled-decode --[no-]perf-kernel ...]
 
 Without --model it uses the built-in default model: a tiny random-weight
 model built offline into the fixture cache (no download).
@@ -42,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-config", help="per-layer kv_config.json")
     p.add_argument("--chat-template-args", type=json.loads, default=None,
                    help='JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'')
+    from engine.levers import add_lever_args   # L3 hook: tier presets and lever switches
+    add_lever_args(p)
     return p.parse_args(argv)
 
 
@@ -50,8 +53,14 @@ def main(argv=None) -> int:
     import engine
     from engine.generation import PromptError
     from engine.kv_quant import KVConfigError
+    from engine.levers import LeverError, levers_from_args
     from engine.loader import ModelLoadError
 
+    try:
+        levers = levers_from_args(args)
+    except LeverError as e:
+        print(f"engine-generate: {e}", file=sys.stderr)
+        return 2
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         model, tok = engine.load(args.model or default_model_dir(), adapter_path=args.adapter_path)
@@ -69,7 +78,7 @@ def main(argv=None) -> int:
                 repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
-                template_kwargs=args.chat_template_args):
+                template_kwargs=args.chat_template_args, levers=levers):
             print(seg.text, end="", flush=True)
             last = seg
     except (PromptError, KVConfigError, ValueError) as e:

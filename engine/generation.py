@@ -136,6 +136,7 @@ def stream_generate(
     template_kwargs: Optional[dict] = None,
     prefill_step_size: int = 2048,
     should_stop=None,
+    levers=None,
 ) -> Iterator[Segment]:
     from .sampling import make_logits_processors, make_sampler
     from .text import StopMatcher
@@ -200,10 +201,12 @@ def stream_generate(
         # too (all tokens but the last): a prompt that branches after it still hits.
         def on_prefilled(cs):
             prompt_cache.store(cache_namespace, ids[:len(ids) - 1], cs)
+    from .fast.apply import decoder_for   # L3 hook: None unless a fast lever is on
+    decoder = decoder_for(model, levers, caches, policy)
     steps = generate_step(mx.array(ids[reused:]), model, max_tokens=max_tokens, sampler=sampler,
                           logits_processors=processors or None, caches=caches, policy=policy,
                           prefill_step_size=prefill_step_size, history=history,
-                          on_prefilled=on_prefilled)
+                          on_prefilled=on_prefilled, decoder=decoder)
 
     def segment(text, reason=None):
         nonlocal pending_ids, pending_lp

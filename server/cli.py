@@ -102,6 +102,8 @@ def parser() -> argparse.ArgumentParser:
     a("--use-default-chat-template", action="store_true", help=argparse.SUPPRESS)
     a("--pipeline", action="store_true", help=argparse.SUPPRESS)
     a("--quantized-kv-start", type=int, help=argparse.SUPPRESS)
+    from engine.levers import add_lever_args   # L3 hook: --tier and the lever switches
+    add_lever_args(p)
     return p
 
 
@@ -124,7 +126,13 @@ def config_from_args(args):
         raise SystemExit("engine-serve: --batch must be >= 1")
     if args.max_tokens < 1:
         raise SystemExit("engine-serve: --max-tokens must be >= 1")
+    from engine.levers import LeverError, levers_from_args
+    try:
+        levers = levers_from_args(args)
+    except LeverError as e:
+        raise SystemExit(f"engine-serve: {e}") from None
     return ServerConfig(
+        levers=levers,
         model=args.model, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
         prompt_cache_bytes=cache_bytes, kv_quant=kv, kv_group_size=args.kv_group_size,

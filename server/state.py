@@ -51,6 +51,7 @@ class ServerConfig:
     allowed_origins: list = field(default_factory=lambda: ["*"])
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
+    levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
 
 
 def _dtype_name(dt) -> str:
@@ -175,7 +176,13 @@ class ServerState:
         return self.engine_fn(
             self.model, self.tokenizer, job.prompt, prompt_cache=self.prompt_cache,
             cache_namespace=ns, admission=self.admission, should_stop=job.cancelled.is_set,
-            prefill_step_size=self.config.prefill_step_size, **self.kv_options, **job.options)
+            prefill_step_size=self.config.prefill_step_size, **self.kv_options,
+            **self._lever_options(), **job.options)
+
+    def _lever_options(self) -> dict:
+        # L3 hook: only a fast lever changes the serial lane (engine.fast.apply)
+        lv = self.config.levers
+        return {"levers": lv} if lv is not None and lv.fast_decode else {}
 
     # --- /stats -------------------------------------------------------------
 
@@ -205,7 +212,12 @@ class ServerState:
             "queue": g,
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},
+            "levers": self._levers_stats(),
         }
+
+    def _levers_stats(self) -> dict:
+        from engine.fast.apply import describe
+        return describe(self.config.levers, self.model)
 
 
 def default_model_dir() -> str:
