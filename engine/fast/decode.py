@@ -28,6 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .. import models as _models  # noqa: F401  (engine.cache needs the models package first)
 from ..cache import KVCache
 from ..levers import Levers
 from . import kernels as K
