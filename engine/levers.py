@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Mapping, Optional
 
@@ -123,3 +124,16 @@ def with_levers(levers: Levers, **changes) -> Levers:
     if bad:
         raise LeverError(f"unknown lever(s): {', '.join(sorted(bad))}")
     return replace(levers, **changes)
+
+
+def parse_spec(spec: str) -> Levers:
+    """A tier with levers switched, as benchmarks name them: `l3`, `l3-compiled_decode`
+    (l3 without that lever), `l1+merged_proj` (l1 with it). Environment variables are
+    not consulted: a spec says everything."""
+    parts = re.split(r"([+-])", spec)
+    lv = resolve(parts[0], env={})
+    for sign, name in zip(parts[1::2], parts[2::2]):
+        if name not in LEVER_NAMES:
+            raise LeverError(f"unknown lever {name!r} in {spec!r}")
+        lv = with_levers(lv, **{name: sign == "+"})
+    return lv

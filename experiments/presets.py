@@ -1,6 +1,6 @@
 """Random-weight models of real shapes for benchmarks (built on the machine that runs them).
 
-    python -m experiments.presets 1b OUT_DIR [--dtype bfloat16]
+    python -m experiments.presets 1b OUT_DIR [--dtype bfloat16] [--bits 4]
 
 `1b` is the Llama 1.1B shape the device README's mlx-lm figures use (16 layers,
 hidden 2048, MLP 8192, 32 heads / 8 KV heads, vocab 32000). The tokenizer files
@@ -31,6 +31,11 @@ PRESETS = {
                      num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
                      rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
                      tie_word_embeddings=False),
+    # the 8B Llama 3 shape of the device README's figures (hidden 4096, 32 layers, MLP 14336)
+    "8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+               rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+               tie_word_embeddings=False),
     "speed": dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                   num_attention_heads=8, num_key_value_heads=8, vocab_size=4096, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),
@@ -48,7 +53,10 @@ def _pad_tokenizer(path: Path, vocab_size: int) -> None:
     path.write_text(json.dumps(tj, ensure_ascii=False))
 
 
-def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0,
+                 bits: int | None = None, group_size: int = 64) -> Path:
+    """Random weights of a preset shape; with `bits`, every Linear and the embedding are
+    affine-quantized (mlx format: config "quantization", weight/scales/biases)."""
     from engine.models import build
     from parity.fixtures.models import ensure_fixture
 
@@ -68,6 +76,10 @@ def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0) -
     mx.random.seed(seed)
     model = build(cfg)
     model.set_dtype(getattr(mx, dtype))
+    if bits:
+        import mlx.nn as nn
+        nn.quantize(model, group_size=group_size, bits=bits)
+        cfg["quantization"] = {"group_size": group_size, "bits": bits}
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -80,8 +92,9 @@ def main(argv=None):
     ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("out")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--bits", type=int, default=None, help="quantize the weights (4 or 8)")
     a = ap.parse_args(argv)
-    print(build_preset(a.preset, Path(a.out), a.dtype))
+    print(build_preset(a.preset, Path(a.out), a.dtype, bits=a.bits))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 import engine
 from engine.fast import kernels
 from engine.fast.decode import FastDecoder
-from engine.levers import Levers, resolve
+from engine.levers import Levers, parse_spec, resolve
 from engine.loader import load_model
 from engine.stepper import generate_step
 
@@ -141,18 +141,20 @@ def main(argv=None) -> int:
     ap.add_argument("--model", action="append", help="model dir (repeatable; default: CPU fixtures)")
     ap.add_argument("--dtype", default="bfloat16", help="fixture dtype (with the CPU fixtures)")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--tier", default="l3")
+    ap.add_argument("--tier", default="l3", help="tier or lever spec, e.g. l3 or "
+                    "l3-perf_kernel-fused_sdpa (see engine.levers.parse_spec)")
+    ap.add_argument("--no-faults", action="store_true", help="skip the negative control")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    levers = resolve(a.tier)
+    levers = parse_spec(a.tier)
     models = a.model or []
     if not models:
         from .fixtures.models import ensure_fixture
         models = [str(ensure_fixture(f, a.dtype)) for f in FAMILIES]
     results = []
     for m in models:
-        results += run_gate(m, levers, steps=a.steps)
+        results += run_gate(m, levers, steps=a.steps, faults=() if a.no_faults else kernels._FAULTS)
     for r in results:
         print(json.dumps(asdict(r)), flush=True)
     tag = a.tag or ("cpu-fixtures" if not a.model else "custom")
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
                         f"{'on' if kernels.cuda_available() else 'off (stock-MLX reference ops)'}; "
                         f"levers {levers.as_dict()}. Reproduce: `{cmd.strip()}`")
     print(f"wrote {out}")
-    ok = all(r.passes == (r.variant == "l3") for r in results)
+    ok = all(r.passes == (r.variant == "l3") for r in results)   # L3 passes, every fault fails
     return 0 if ok else 1
 
 

@@ -141,6 +141,7 @@ class FastDecoder:
 
     @staticmethod
     def capacity_for(need: int) -> int:
+        """Buffers come in multiples of CAPACITY_STEP tokens, so traces are reused."""
         return (need + CAPACITY_STEP - 1) // CAPACITY_STEP * CAPACITY_STEP
 
     def reserve(self, caches, extra: int) -> None:
@@ -148,7 +149,8 @@ class FastDecoder:
         off = caches[0].offset
         cap = self.capacity_for(off + extra)
         for c in caches:
-            if c.keys is not None and c.keys.shape[2] >= off + extra:
+            have = c.keys.shape[2] if c.keys is not None else 0
+            if have >= off + extra and have % CAPACITY_STEP == 0:
                 continue
             a0 = self.model.layers[0].self_attn
             B = c.keys.shape[0] if c.keys is not None else 1
