@@ -16,7 +16,8 @@ the host time to build one step (calling the model / the compiled step, no eval)
     python experiments/bench_decode.py --model DIR --tier l1,l3 --tag h200-1b
 
 Writes bench_decode.csv (model,prompt,tier,ours_tok_s,mlx_lm_tok_s,ratio, ...),
-bench_decode.md and bench_decode.png to reports/bench_decode/<version>/<tag>/.
+bench_decode.md and bench_decode.png to reports/bench_decode/<version>/<tag>/. `vs_l1` is a
+tier's decode tok/s over our plain L1 loop's in the same trials (when l1 is among the tiers).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from engine.stepper import generate_step as ours_step  # noqa: E402
 
 VIEWS = {"Broadcast", "Transpose", "Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze",
          "Slice", "Split", "AsStrided", "StopGradient", "Depends"}
-FIELDS = ["model", "prompt", "tier", "ours_tok_s", "mlx_lm_tok_s", "ratio",
+FIELDS = ["model", "prompt", "tier", "ours_tok_s", "mlx_lm_tok_s", "ratio", "vs_l1",
           "ours_prefill_tok_s", "mlx_lm_prefill_tok_s", "prefill_ratio",
           "ours_kernels_per_step", "mlx_lm_kernels_per_step", "ours_host_ms_per_step",
           "mlx_lm_host_ms_per_step", "gen", "trials", "levers", "error"]
@@ -181,9 +182,14 @@ def bench(model_dir, tiers: list[str], lengths, gen, trials):
                            ours_prefill_tok_s=o["prefill"],
                            prefill_ratio=o["prefill"] / ref_med["prefill"],
                            ours_kernels_per_step=work[spec][0], ours_host_ms_per_step=work[spec][1])
+            rows.append(row)
+        # each tier against our own plain L1 loop in the same trials (the lever's own effect)
+        l1 = next((r for r in rows[-len(engines):] if r["tier"] == "l1" and "ours_tok_s" in r), None)
+        for row in rows[-len(engines):]:
+            if l1 is not None and "ours_tok_s" in row:
+                row["vs_l1"] = row["ours_tok_s"] / l1["ours_tok_s"]
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                               for k, v in row.items() if k != "levers"}), flush=True)
-            rows.append(row)
     return rows
 
 
@@ -193,12 +199,12 @@ def write(rows, out: Path, note: str):
     out.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame(rows, columns=FIELDS)
     df.to_csv(out / "bench_decode.csv", index=False)
-    show = df[["model", "prompt", "tier", "ours_tok_s", "mlx_lm_tok_s", "ratio", "prefill_ratio",
+    show = df[["model", "prompt", "tier", "ours_tok_s", "mlx_lm_tok_s", "ratio", "vs_l1", "prefill_ratio",
                "ours_kernels_per_step", "mlx_lm_kernels_per_step", "ours_host_ms_per_step",
                "mlx_lm_host_ms_per_step", "error"]].copy()
     for c in ("ours_tok_s", "mlx_lm_tok_s"):
         show[c] = show[c].map(lambda x: f"{x:.1f}")
-    for c in ("ratio", "prefill_ratio", "ours_host_ms_per_step", "mlx_lm_host_ms_per_step"):
+    for c in ("ratio", "vs_l1", "prefill_ratio", "ours_host_ms_per_step", "mlx_lm_host_ms_per_step"):
         show[c] = show[c].map(lambda x: f"{x:.3f}")
     lines = [f"# Decode benchmark — mlx-parity {engine.__version__}", "", note, "",
              "| " + " | ".join(show.columns) + " |", "|" + "---|" * len(show.columns)]
