@@ -90,7 +90,7 @@ def summarize(model: str, variant: str, parts: list[dict]) -> GateResult:
 
 
 def run_gate(model_dir, levers: Optional[Levers] = None, prompt_list=None, steps: int = 32,
-             faults=kernels._FAULTS, name: Optional[str] = None) -> list[GateResult]:
+             faults=kernels.FAULTS, name: Optional[str] = None) -> list[GateResult]:
     """L3 (and each fault) against L1 on one model. Two copies of the model are loaded:
     the L3 levers may transform theirs (merged projections)."""
     levers = levers or resolve("l3")
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         models = [str(ensure_fixture(f, a.dtype)) for f in FAMILIES]
     results = []
     for m in models:
-        results += run_gate(m, levers, steps=a.steps, faults=() if a.no_faults else kernels._FAULTS)
+        results += run_gate(m, levers, steps=a.steps, faults=() if a.no_faults else kernels.FAULTS)
     for r in results:
         print(json.dumps(asdict(r)), flush=True)
     tag = a.tag or ("cpu-fixtures" if not a.model else "custom")

@@ -1,5 +1,8 @@
 """From a `Levers` value to what the token loop uses: the fast decoder, if any.
 
+`decoder_for` is called once per request (engine.generation); it also applies
+`force_wire` the first time it sees a model.
+
 One `FastDecoder` per (model, levers) is kept on the model object, so its traced
 steps are reused from one request to the next. `force_wire` is applied here too.
 """
@@ -16,6 +19,7 @@ from .decode import FastDecoder, why_not
 
 log = logging.getLogger("engine.fast")
 _ATTR = "_mlxp_fast_decoders"
+_WIRED = "_mlxp_wired"
 
 
 def apply_force_wire(model, levers: Levers) -> bool:
@@ -36,7 +40,11 @@ def apply_force_wire(model, levers: Levers) -> bool:
 def decoder_for(model, levers: Optional[Levers], caches=None, policy=None) -> Optional[FastDecoder]:
     """The fast decoder for this model and levers, or None where decode stays on L1
     (levers off, or a model/cache the fast step does not cover: logged once)."""
-    if levers is None or not levers.fast_decode:
+    if levers is None:
+        return None
+    if levers.force_wire and not getattr(model, _WIRED, False):
+        object.__setattr__(model, _WIRED, apply_force_wire(model, levers) or "n/a")
+    if not levers.fast_decode:
         return None
     reason = why_not(model, caches, policy)
     if reason:

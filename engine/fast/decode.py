@@ -100,7 +100,7 @@ class FastDecoder:
             v = attn.v_proj(x).reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            shift = 1 if K._fault == "rope_pos_plus_one" else 0
+            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
             p = pos + shift if shift else pos
             q = attn.rope(q.transpose(0, 2, 1, 3), offset=p)
             k = attn.rope(k.transpose(0, 2, 1, 3), offset=p)

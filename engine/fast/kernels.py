@@ -25,7 +25,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-_FAULTS = ("attn_drop_last_key", "rope_pos_plus_one")
+FAULTS = ("attn_drop_last_key", "rope_pos_plus_one")
 _fault: Optional[str] = None
 KERNELS = ("add_rms", "rope_qkv", "attention")
 # kernels switched off (their reference ops run instead), e.g. after a failed check:
@@ -37,13 +37,17 @@ DISABLED: set = {k for k in os.environ.get("MLXP_DISABLE_KERNELS", "").split(","
 def inject_fault(name: str):
     """Within this block the named fault is active (kernel and reference path alike)."""
     global _fault
-    if name not in _FAULTS:
-        raise ValueError(f"fault must be one of {_FAULTS}")
+    if name not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}")
     old, _fault = _fault, name
     try:
         yield
     finally:
         _fault = old
+
+
+def active_fault() -> Optional[str]:
+    return _fault
 
 
 def cuda_available() -> bool:

@@ -25,7 +25,7 @@ def test_l3_passes_the_gate(results):
     assert r.tokens == 99
 
 
-@pytest.mark.parametrize("fault", kernels._FAULTS)
+@pytest.mark.parametrize("fault", kernels.FAULTS)
 def test_negative_control_fails_the_gate(results, fault):
     r = results[f"fault:{fault}"]
     assert not r.passes, r
