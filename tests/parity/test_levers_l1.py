@@ -49,7 +49,7 @@ def test_merged_projections_equal_mlx_lm(family, dtype):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_fast_decode_equals_mlx_lm(family, dtype):
     path = ensure_fixture(family, dtype)
     model = load_model(path)[0]
