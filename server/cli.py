@@ -24,16 +24,9 @@ import sys
 import threading
 import time
 
+from engine.cli import parse_bool as _bool
+
 NOT_YET = "continuous batching is not available"
-
-
-def _bool(v: str) -> bool:
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
 def _json_dict(v: str) -> dict:
@@ -68,19 +61,21 @@ def parser() -> argparse.ArgumentParser:
     a("--kv-group-size", type=int, choices=[32, 64, 128], help="group size for --kv-quant BITS")
     a("--thinking", type=_bool, metavar="true|false",
       help="server default for the template's enable_thinking")
-    a("--temperature", "--temp", dest="temperature", type=float,
+    a("--temp", "--temperature", dest="temperature", type=float,
       help="default temperature (request > this > generation_config.json > greedy)")
     a("--top-p", type=float, help="default top-p")
     a("--top-k", type=int, help="default top-k")
     a("--min-p", type=float, help="default min-p")
     a("--max-tokens", type=int, default=512, help="default max tokens per request (512)")
-    a("--adapter", "--adapter-path", dest="adapter", metavar="DIR",
+    a("--adapter-path", "--adapter", dest="adapter", metavar="DIR",
       help="LoRA adapter (mlx-lm format) mounted at start; the default for requests")
     a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
       "/health")
-    a("--batch", "--decode-concurrency", dest="batch", type=int, default=1, metavar="N",
-      help="1 = one request at a time; N>1 = continuous batching of up to N rows "
-           "(docs/batching.md); not with quantized KV")
+    a("--batch", "--decode-concurrency", dest="batch", type=int, default=None, metavar="N",
+      help="continuous batching of up to N rows (default 8; 1 with --tier l3, whose fast "
+           "decode runs one request at a time); 1 = one request at a time, "
+           "each exactly mlx_lm.generate's token loop (docs/server.md); quantized KV and "
+           "per-request adapters run one at a time")
     a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
     a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
     a("--chat-template-args", type=_json_dict, default={}, metavar="JSON",
@@ -122,15 +117,17 @@ def config_from_args(args):
         str(args.kv_bits) if args.kv_bits is not None else "config")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise SystemExit("engine-serve: --memory-budget must be > 0 (GB)")
-    if args.batch < 1:
-        raise SystemExit("engine-serve: --batch must be >= 1")
-    if args.max_tokens < 1:
-        raise SystemExit("engine-serve: --max-tokens must be >= 1")
     from engine.levers import LeverError, levers_from_args
     try:
         levers = levers_from_args(args)
     except LeverError as e:
         raise SystemExit(f"engine-serve: {e}") from None
+    if args.batch is None:   # the fast decode step is the solo lane's: l3 serves one at a time
+        args.batch = 1 if levers.fast_decode else 8
+    if args.batch < 1:
+        raise SystemExit("engine-serve: --batch must be >= 1")
+    if args.max_tokens < 1:
+        raise SystemExit("engine-serve: --max-tokens must be >= 1")
     return ServerConfig(
         levers=levers,
         model=args.model, model_id=args.model_id, host=args.host, port=args.port,
@@ -273,6 +270,10 @@ def main(argv=None) -> int:
         print(f"engine-serve: --batch {config.batch}: {NOT_YET} with quantized KV "
               "(--kv-quant); serving one request at a time (/stats batch.batched = false)",
               file=sys.stderr)
+    if config.batch > 1 and config.levers is not None and config.levers.fast_decode:
+        print(f"engine-serve: --tier {config.levers.tier} with --batch {config.batch}: batched "
+              "requests decode on L1; the fast step runs only in the one-at-a-time lane "
+              "(use --batch 1 for it on every request; /stats levers.lanes)", file=sys.stderr)
     sock = bind(config.host, config.port)
 
     from engine.kv_quant import KVConfigError

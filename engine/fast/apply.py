@@ -1,10 +1,10 @@
 """From a `Levers` value to what the token loop uses: the fast decoder, if any.
 
-`decoder_for` is called once per request (engine.generation); it also applies
-`force_wire` the first time it sees a model.
+`decoder_for` is called once per solo-lane request (engine.core.Engine._start_solo);
+`prepare` applies `force_wire` once per model (Engine construction, and decoder_for).
 
 One `FastDecoder` per (model, levers) is kept on the model object, so its traced
-steps are reused from one request to the next. `force_wire` is applied here too.
+steps are reused from one request to the next.
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ def apply_force_wire(model, levers: Levers) -> bool:
     return True
 
 
+def prepare(model, levers: Optional[Levers]) -> None:
+    """Model-wide levers, once per model (engine.core.Engine at construction): force_wire."""
+    if levers is not None and levers.force_wire and not getattr(model, _WIRED, False):
+        object.__setattr__(model, _WIRED, apply_force_wire(model, levers) or "n/a")
+
+
 def decoder_for(model, levers: Optional[Levers], caches=None, policy=None) -> Optional[FastDecoder]:
     """The fast decoder for this model and levers, or None where decode stays on L1
     (levers off, or a model/cache the fast step does not cover: logged once)."""
     if levers is None:
         return None
-    if levers.force_wire and not getattr(model, _WIRED, False):
-        object.__setattr__(model, _WIRED, apply_force_wire(model, levers) or "n/a")
+    prepare(model, levers)
     if not levers.fast_decode:
         return None
     reason = why_not(model, caches, policy)

@@ -45,6 +45,9 @@ def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
     args = model.args
     if any(t != "full_attention" for t in args.layer_types):
         return "sliding-window layers are not supported by the fast step"
+    if any("Sharded" in type(getattr(layer.self_attn, "o_proj", None)).__name__
+           for layer in model.layers):
+        return "tensor-parallel (sharded) models stay on the L1 path"
     if policy is not None and getattr(policy, "active", False):
         return "quantized KV stays on the L1 path"
     if caches is not None and any(type(c) is not KVCache for c in caches):
