@@ -3,11 +3,13 @@
     engine-generate --model DIR --prompt "Hello" [--max-tokens N --temp T --top-p P
                     --top-k K --min-p M --seed S --kv-bits B --kv-group-size G
                     --quantized-kv-start N --kv-config FILE --chat --system TEXT
-                    --thinking true|false --memory-budget GB --adapter-path DIR]
+                    --thinking true|false --memory-budget GB --adapter-path DIR
+                    --tier l1|l2|l3 --[no-]compiled-decode --[no-]perf-kernel ...]
 
 The flags are mlx_lm.generate's, shared with engine-serve and engine-train where they
 mean the same thing (--model, --adapter-path, --temp/--temperature, --top-p, --max-tokens,
---kv-bits, --chat-template-args, --thinking, --memory-budget, --seed).
+--kv-bits, --chat-template-args, --thinking, --memory-budget, --seed). The tier and
+lever flags (--tier, --compiled-decode, ...) are this project's own (docs/l3.md).
 
 Without --model it uses the built-in default model: a tiny random-weight
 model built offline into the fixture cache (no download).
@@ -67,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
                    help="refuse a prompt + max tokens that would not fit this many decimal GB "
                         "(default: machine RAM x 0.75)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prefill chunk (2048)")
+    from engine.levers import add_lever_args   # L3 hook: tier presets and lever switches
+    add_lever_args(p)
     return p
 
 
@@ -79,8 +83,14 @@ def main(argv=None) -> int:
     import engine
     from engine.generation import PromptError
     from engine.kv_quant import KVConfigError
+    from engine.levers import LeverError, levers_from_args
     from engine.loader import ModelLoadError
 
+    try:
+        levers = levers_from_args(args)
+    except LeverError as e:
+        print(f"engine-generate: {e}", file=sys.stderr)
+        return 2
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     out = sys.stdout
     if args.tensor_parallel:
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
                 template_kwargs=template_kwargs, admission=admission,
-                prefill_step_size=args.prefill_step_size):
+                prefill_step_size=args.prefill_step_size, levers=levers):
             print(seg.text, end="", flush=True, file=out)
             last = seg
     except (PromptError, KVConfigError, ValueError) as e:      # (incl. over the memory budget)

@@ -95,12 +95,15 @@ class Engine:
     `activate(ids)` and `namespace(ids)`), needed only for requests that select
     adapters; `Engine.load` makes one. keep_logprob_arrays:
     outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
+    levers: an `engine.levers.Levers` (None: L1). A fast-decode lever (tier l3)
+    runs the solo lane's decode steps through `engine.fast`; batch rows stay L1.
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
                  admission=None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
-                 prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False):
+                 prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
+                 levers=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -109,6 +112,10 @@ class Engine:
         self.admission = admission
         self.adapters = adapters
         self.keep_logprob_arrays = keep_logprob_arrays
+        self.levers = levers
+        if levers is not None:
+            from .fast.apply import prepare   # (engine.fast imports the models)
+            prepare(model, levers)
         self.prefill_step_size = prefill_step_size
         self.policy = make_policy(model, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   quantized_kv_start=quantized_kv_start, kv_config=kv_config)
@@ -338,12 +345,14 @@ class Engine:
         rings = any(isinstance(c, RotatingKVCache) for c in caches)
         on_prefilled = snapshot if self.prompt_cache is not None and rings else None
         req.caches = caches
+        from .fast.apply import decoder_for   # L3: None unless a fast lever is on
+        decoder = decoder_for(self.model, self.levers, caches, self.policy)
         req.tic = time.perf_counter()
         req.steps = generate_step(mx.array(ids[reused:]), self.model, max_tokens=p.max_tokens,
                                   sampler=sampler, logits_processors=processors or None,
                                   caches=caches, policy=self.policy,
                                   prefill_step_size=self.prefill_step_size, history=history,
-                                  on_prefilled=on_prefilled)
+                                  on_prefilled=on_prefilled, decoder=decoder)
         self._solo = req
 
     def _solo_token(self, req: _Request, tok: int, lp) -> list:

@@ -57,6 +57,7 @@ def stream_generate(
     template_kwargs: Optional[dict] = None,
     prefill_step_size: int = 2048,
     should_stop=None,
+    levers=None,
     **sampling,
 ) -> Iterator[RequestOutput]:
     """Yield `RequestOutput`s of new text; `sampling` are `SamplingParams` fields
@@ -67,7 +68,7 @@ def stream_generate(
     eng = Engine(model, tokenizer, max_batch=1, prompt_cache=prompt_cache, admission=admission,
                  kv_bits=kv_bits, kv_group_size=kv_group_size,
                  quantized_kv_start=quantized_kv_start, kv_config=kv_config,
-                 prefill_step_size=prefill_step_size)
+                 prefill_step_size=prefill_step_size, levers=levers)
     rid = eng.submit(prompt, params, tools=tools, template_kwargs=template_kwargs,
                      cache_namespace=cache_namespace)
     try:

@@ -52,6 +52,7 @@ def generate_step(
     prefill_step_size: int = 2048,
     history: Optional[mx.array] = None,
     on_prefilled: Optional[Callable[[list], None]] = None,
+    decoder: Optional[Callable] = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [V]) for up to max_tokens tokens.
 
@@ -59,7 +60,8 @@ def generate_step(
     cached prefix) matters only with logits processors. `on_prefilled(caches)`
     is called once the caches hold every prompt token but the last (evaluated,
     before the first decode step) — the prompt cache snapshots there; it must
-    not modify the caches."""
+    not modify the caches. `decoder(tokens, caches) -> logits [1, V]` (L3, see
+    engine.fast.decode) replaces the model's forward for decode steps only."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     caches = caches if caches is not None else model.make_cache()
@@ -69,7 +71,10 @@ def generate_step(
 
     def step(tokens):
         nonlocal seen
-        logits = model(tokens[None], cache=caches)[:, -1, :]
+        if decoder is not None:          # L3 fast decode (engine.fast); prefill stays L1
+            logits = decoder(tokens, caches)
+        else:
+            logits = model(tokens[None], cache=caches)[:, -1, :]
         if logits_processors:
             seen = mx.concatenate([seen, tokens]) if seen is not None else tokens
             for proc in logits_processors:
@@ -87,6 +92,8 @@ def generate_step(
     last = prefill(model, prompt, caches, policy, prefill_step_size)
     if on_prefilled is not None and prompt.size > 1:
         on_prefilled(caches)
+    if decoder is not None:             # L3: room for every decode step, allocated once
+        decoder.reserve(caches, max_tokens + 1)
     y, logprobs = step(last)
     mx.async_eval(y, logprobs)
     n = 0

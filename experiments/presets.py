@@ -1,6 +1,6 @@
 """Random-weight models of real shapes for benchmarks (built on the machine that runs them).
 
-    python -m experiments.presets 1b OUT_DIR [--dtype bfloat16]
+    python -m experiments.presets 1b OUT_DIR [--dtype bfloat16] [--bits 4]
 
 `qwen3-moe` is a Qwen3-MoE-shaped model (Qwen3-30B-A3B layers, fewer of them; see below).
 `1b` is the Llama 1.1B shape the device README's mlx-lm figures use (16 layers,
@@ -82,7 +82,10 @@ def _pad_tokenizer(path: Path, vocab_size: int) -> None:
     path.write_text(json.dumps(tj, ensure_ascii=False))
 
 
-def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0,
+                 bits: int | None = None, group_size: int = 64) -> Path:
+    """Random weights of a preset shape; with `bits`, every Linear and the embedding are
+    affine-quantized (mlx format: config "quantization", weight/scales/biases)."""
     from engine.models import build
     from parity.fixtures.models import ensure_fixture
 
@@ -102,6 +105,10 @@ def build_preset(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0) -
     mx.random.seed(seed)
     model = build(cfg)
     model.set_dtype(getattr(mx, dtype))
+    if bits:
+        import mlx.nn as nn
+        nn.quantize(model, group_size=group_size, bits=bits)
+        cfg["quantization"] = {"group_size": group_size, "bits": bits}
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -114,11 +121,12 @@ def main(argv=None):
     ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("out")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--bits", type=int, default=None, help="quantize the weights (4 or 8)")
     ap.add_argument("--layers", type=int, help="override num_hidden_layers (a shorter stack)")
     a = ap.parse_args(argv)
     if a.layers:
         PRESETS[a.preset] = dict(PRESETS[a.preset], num_hidden_layers=a.layers)
-    print(build_preset(a.preset, Path(a.out), a.dtype))
+    print(build_preset(a.preset, Path(a.out), a.dtype, bits=a.bits))
 
 
 if __name__ == "__main__":

@@ -75,8 +75,9 @@ def parser() -> argparse.ArgumentParser:
       help="LoRA adapter (mlx-lm format) mounted at start; the default for requests")
     a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
       "/health")
-    a("--batch", "--decode-concurrency", dest="batch", type=int, default=8, metavar="N",
-      help="continuous batching of up to N rows (default 8); 1 = one request at a time, "
+    a("--batch", "--decode-concurrency", dest="batch", type=int, default=None, metavar="N",
+      help="continuous batching of up to N rows (default 8; 1 with --tier l3, whose fast "
+           "decode runs one request at a time); 1 = one request at a time, "
            "each exactly mlx_lm.generate's token loop (docs/server.md); quantized KV and "
            "per-request adapters run one at a time")
     a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
@@ -125,6 +126,8 @@ def parser() -> argparse.ArgumentParser:
     a("--use-default-chat-template", action="store_true", help=argparse.SUPPRESS)
     a("--pipeline", action="store_true", help=argparse.SUPPRESS)
     a("--quantized-kv-start", type=int, help=argparse.SUPPRESS)
+    from engine.levers import add_lever_args   # L3 hook: --tier and the lever switches
+    add_lever_args(p)
     return p
 
 
@@ -143,6 +146,13 @@ def config_from_args(args):
         str(args.kv_bits) if args.kv_bits is not None else "config")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise SystemExit("engine-serve: --memory-budget must be > 0 (GB)")
+    from engine.levers import LeverError, levers_from_args
+    try:
+        levers = levers_from_args(args)
+    except LeverError as e:
+        raise SystemExit(f"engine-serve: {e}") from None
+    if args.batch is None:   # the fast decode step is the solo lane's: l3 serves one at a time
+        args.batch = 1 if levers.fast_decode else 8
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
     if args.max_tokens < 1:
@@ -160,6 +170,7 @@ def config_from_args(args):
     if args.max_prompt_chars < 0 or args.shutdown_timeout < 0:
         raise SystemExit("engine-serve: --max-prompt-chars and --shutdown-timeout must be >= 0")
     return ServerConfig(
+        levers=levers,
         model=args.model, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
         prompt_cache_bytes=cache_bytes, kv_quant=kv, kv_group_size=args.kv_group_size,
@@ -382,6 +393,10 @@ def main(argv=None) -> int:
         print(f"engine-serve: --batch {config.batch}: {NOT_YET} with quantized KV "
               "(--kv-quant); serving one request at a time (/stats batch.batched = false)",
               file=sys.stderr)
+    if config.batch > 1 and config.levers is not None and config.levers.fast_decode:
+        print(f"engine-serve: --tier {config.levers.tier} with --batch {config.batch}: batched "
+              "requests decode on L1; the fast step runs only in the one-at-a-time lane "
+              "(use --batch 1 for it on every request; /stats levers.lanes)", file=sys.stderr)
     sock = bind(config.host, config.port)
 
     from engine.kv_quant import KVConfigError

@@ -51,6 +51,7 @@ class ServerConfig:
     allowed_origins: list = field(default_factory=lambda: ["*"])
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
+    levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
 
 
 def _dtype_name(dt) -> str:
@@ -106,7 +107,7 @@ class ServerState:
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
-                             **self.kv_options)
+                             levers=config.levers, **self.kv_options)
         gateway.engine = self.engine
         # jobs waiting (inbox + engine) before a new one is refused with 503 (batching only)
         self.max_queue: Optional[int] = 8 * config.batch if config.batch > 1 else None
@@ -216,7 +217,17 @@ class ServerState:
             "queue": g,
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},
+            "levers": self._levers_stats(),
         }
+
+    def _levers_stats(self) -> dict:
+        from engine.fast.apply import describe
+        out = describe(self.config.levers, self.model)
+        # which lane decodes through the fast step: only the solo one; batch rows stay L1
+        fast = bool(out.get("fast_decode")) and not self.engine.policy.active  # (quantized KV: L1)
+        out["lanes"] = {"solo": "fast" if fast else "l1",
+                        "batch": "l1" if self.engine.batching else "off"}
+        return out
 
 
 def default_model_dir() -> str:

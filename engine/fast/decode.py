@@ -1,0 +1,186 @@
+"""L3 decode step: one token per row over a preallocated cache, traced once.
+
+`FastDecoder(model, levers)` replaces the model's forward for decode steps only
+(prefill stays on the L1 path, so prompt processing and its logits are exactly
+L1's). Before the first decode step the layer caches get a buffer of fixed
+capacity (the filled part copied in once); each step then
+
+- writes the new K/V at the position held in a device scalar (`mx.slice_update`),
+- attends over the filled part of the buffer (`kernels.decode_attention`),
+- folds every residual add into the next RMSNorm (`kernels.add_rms_norm`),
+- rotates q/k straight out of the merged q/k/v projection (`kernels.rope_qkv`),
+
+and with `compiled_decode` the whole step is traced once per capacity
+(`mx.compile`): no per-token graph building in Python, the position never leaves
+the device. Shapes are fixed, so a trace is reused until the capacity grows.
+
+The caches stay `engine.cache.KVCache` objects (buffer + offset), so the prompt
+cache and any later L1 request can continue from them.
+
+Supported: the llama and qwen3 families with full attention and float KV.
+`why_not(model, ...)` says why another model stays on the L1 path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import models as _models  # noqa: F401  (engine.cache needs the models package first)
+from ..cache import KVCache
+from ..levers import Levers
+from . import kernels as K
+from .merge import merge_projections, merged_of
+
+SUPPORTED_TYPES = ("llama", "qwen3")
+CAPACITY_STEP = 512
+
+
+def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
+    """None if the fast step can run this model/caches, else the reason it cannot."""
+    if getattr(model, "model_type", None) not in SUPPORTED_TYPES:
+        return f"model_type {getattr(model, 'model_type', None)!r} has no fast decode step"
+    args = model.args
+    if any(t != "full_attention" for t in args.layer_types):
+        return "sliding-window layers are not supported by the fast step"
+    if any("Sharded" in type(getattr(layer.self_attn, "o_proj", None)).__name__
+           for layer in model.layers):
+        return "tensor-parallel (sharded) models stay on the L1 path"
+    if policy is not None and getattr(policy, "active", False):
+        return "quantized KV stays on the L1 path"
+    if caches is not None and any(type(c) is not KVCache for c in caches):
+        return "only plain float KV caches are supported"
+    if any(type(getattr(layer.self_attn, "rope", None)).__name__ not in ("RoPE", "FreqRoPE")
+           for layer in model.layers):
+        return "unsupported RoPE module"
+    return None
+
+
+@dataclass
+class FastStats:
+    traces: int = 0        # distinct compiled steps built (one per capacity)
+    steps: int = 0         # decode steps run through the fast path
+    kernels: bool = False  # CUDA kernels in use (False: stock-MLX reference ops)
+    attn_kernel: bool = False
+
+
+class FastDecoder:
+    """Callable `(tokens [B], caches) -> logits [B, V]` for one decode step."""
+
+    def __init__(self, model, levers: Levers):
+        reason = why_not(model)
+        if reason:
+            raise ValueError(reason)
+        self.model = model
+        self.levers = levers
+        cuda = K.cuda_available()
+        if levers.merged_proj:
+            merge_projections(model)
+        self.use_kernels = levers.perf_kernel and cuda
+        self.use_attn_kernel = levers.fused_sdpa and cuda
+        a0 = model.layers[0].self_attn
+        self._rope_kernel_ok = (self.use_kernels and not hasattr(a0, "q_norm")
+                                and merged_of(a0, ("q_proj", "k_proj", "v_proj")) is not None)
+        self._inv_freq = K.rope_inv_freq(a0.rope, a0.head_dim) if self._rope_kernel_ok else None
+        self._fns: dict = {}
+        self._pos: Optional[mx.array] = None
+        self._pos_host = -1
+        self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
+
+    # --- the step, as a pure function of (tokens, position, buffers) ----------------
+
+    def _attention(self, attn, x, pos, keys, values):
+        B = x.shape[0]
+        H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        if self._rope_kernel_ok:
+            qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear(x)
+            q, k, v = K.rope_qkv(qkv, self._inv_freq, pos, H, Hkv, D, attn.rope, True)
+        else:
+            q = attn.q_proj(x).reshape(B, 1, H, D)
+            k = attn.k_proj(x).reshape(B, 1, Hkv, D)
+            v = attn.v_proj(x).reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
+            p = pos + shift if shift else pos
+            q = attn.rope(q.transpose(0, 2, 1, 3), offset=p)
+            k = attn.rope(k.transpose(0, 2, 1, 3), offset=p)
+        keys = mx.slice_update(keys, k, pos, axes=(2,))
+        values = mx.slice_update(values, v, pos, axes=(2,))
+        o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
+        return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, 1, -1)), keys, values
+
+    def _forward(self, tokens, pos, *buffers):
+        m = self.model
+        n = len(m.layers)
+        ks, vs = list(buffers[:n]), list(buffers[n:])
+        uk = self.use_kernels
+        h = m.embed(tokens[:, None])
+        resid = None
+        for i, layer in enumerate(m.layers):
+            ln = layer.input_layernorm
+            if resid is None:
+                x = ln(h)
+            else:
+                h, x = K.add_rms_norm(h, resid, ln.weight, ln.eps, uk)
+            a, ks[i], vs[i] = self._attention(layer.self_attn, x, pos, ks[i], vs[i])
+            ln = layer.post_attention_layernorm
+            h, x = K.add_rms_norm(h, a, ln.weight, ln.eps, uk)
+            resid = layer.mlp(x)
+        logits = m.head(h + resid)[:, -1, :]
+        return (logits, pos + 1, *ks, *vs)
+
+    def _fn(self, capacity: int):
+        fn = self._fns.get(capacity)
+        if fn is None:
+            fn = mx.compile(self._forward) if self.levers.compiled_decode else self._forward
+            self._fns[capacity] = fn
+            self.stats.traces += 1
+        return fn
+
+    # --- cache preparation ---------------------------------------------------------
+
+    @staticmethod
+    def capacity_for(need: int) -> int:
+        """Buffers come in multiples of CAPACITY_STEP tokens, so traces are reused."""
+        return (need + CAPACITY_STEP - 1) // CAPACITY_STEP * CAPACITY_STEP
+
+    def reserve(self, caches, extra: int) -> None:
+        """Give every cache a buffer with room for `extra` more tokens (copying once)."""
+        off = caches[0].offset
+        cap = self.capacity_for(off + extra)
+        for c in caches:
+            have = c.keys.shape[2] if c.keys is not None else 0
+            if have >= off + extra and have % CAPACITY_STEP == 0:
+                continue
+            a0 = self.model.layers[0].self_attn
+            B = c.keys.shape[0] if c.keys is not None else 1
+            dtype = c.keys.dtype if c.keys is not None else self.model.layers[0].input_layernorm.weight.dtype
+            kb = mx.zeros((B, a0.n_kv_heads, cap, a0.head_dim), dtype)
+            vb = mx.zeros((B, a0.n_kv_heads, cap, a0.head_dim), dtype)
+            if off:
+                kb[..., :off, :] = c.keys[..., :off, :]
+                vb[..., :off, :] = c.values[..., :off, :]
+            c.keys, c.values = kb, vb
+        mx.eval([c.state for c in caches])
+
+    def __call__(self, tokens: mx.array, caches) -> mx.array:
+        """Logits [B, V] for one new token per row; updates the caches."""
+        off = caches[0].offset
+        if caches[0].keys is None or off + 1 > caches[0].keys.shape[2]:
+            self.reserve(caches, CAPACITY_STEP)
+        if self._pos is None or self._pos_host != off:
+            self._pos = mx.array([off], dtype=mx.int32)
+        n = len(caches)
+        out = self._fn(caches[0].keys.shape[2])(
+            tokens.astype(mx.int32).reshape(-1), self._pos,
+            *[c.keys for c in caches], *[c.values for c in caches])
+        logits, self._pos = out[0], out[1]
+        for i, c in enumerate(caches):
+            c.keys, c.values = out[2 + i], out[2 + n + i]
+            c.offset += 1
+        self._pos_host = off + 1
+        self.stats.steps += 1
+        return logits

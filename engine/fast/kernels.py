@@ -1,0 +1,303 @@
+"""Fused decode kernels (CUDA, through `mx.fast.cuda_kernel`) and their stock-MLX references.
+
+Every public function here takes a `use_kernel` flag: True runs the CUDA kernel
+(only on an NVIDIA GPU), False runs the same math with stock MLX ops, which is
+what the CPU (and CI) exercises. The kernels compile at run time (NVRTC) on the
+first call with a given shape; nothing is built at install time.
+
+- `add_rms_norm(x, r, w, eps)`: h = x + r and RMSNorm(h) * w in one pass (the
+  residual add folded into the next layer norm).
+- `rope_qkv(qkv, inv_freq, pos, ...)`: split a merged q/k/v projection row into
+  heads, rotate q and k at position `pos` (a device scalar), copy v.
+- `decode_attention(q, K, V, length, scale)`: one query token against the first
+  `length` keys of a preallocated cache (`length` is a device scalar), split over
+  key chunks in one kernel and combined in a second (flash-decoding).
+
+`fault` (see `inject_fault`) deliberately breaks one of these for the negative
+control of the L3 gate: a gate that passes a broken kernel would prove nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Optional
+
+import mlx.core as mx
+
+FAULTS = ("attn_drop_last_key", "rope_pos_plus_one")
+_fault: Optional[str] = None
+KERNELS = ("add_rms", "rope_qkv", "attention")
+# kernels switched off (their reference ops run instead), e.g. after a failed check:
+# $MLXP_DISABLE_KERNELS=rope_qkv,attention
+DISABLED: set = {k for k in os.environ.get("MLXP_DISABLE_KERNELS", "").split(",") if k}
+
+
+@contextmanager
+def inject_fault(name: str):
+    """Within this block the named fault is active (kernel and reference path alike)."""
+    global _fault
+    if name not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}")
+    old, _fault = _fault, name
+    try:
+        yield
+    finally:
+        _fault = old
+
+
+def active_fault() -> Optional[str]:
+    return _fault
+
+
+def cuda_available() -> bool:
+    """Whether the default device is an NVIDIA GPU (where the kernels run)."""
+    if mx.default_device() != mx.gpu:
+        return False
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:
+        return not mx.metal.is_available()
+
+
+_kernels: dict = {}
+
+
+def _kernel(name: str, inputs, outputs, source: str, header: str = ""):
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                                             source=source, header=header)
+    return _kernels[name]
+
+
+# --- residual add + RMSNorm ---------------------------------------------------
+
+ADD_RMS_SOURCE = r"""
+  // one block of 256 threads per row of D elements
+  const int row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const T* xr = x + (size_t)row * D;
+  const T* rr = r + (size_t)row * D;
+  T* hr = h + (size_t)row * D;
+  T* yr = y + (size_t)row * D;
+  float ss = 0.f;
+  for (int i = tid; i < D; i += 256) {
+    T hv = T(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+    hr[i] = hv;
+    float f = static_cast<float>(hv);
+    ss += f * f;
+  }
+  __shared__ float part[8];
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((tid & 31) == 0) part[tid >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int j = 0; j < 8; ++j) tot += part[j];
+  const float inv = rsqrtf(tot / D + EPS_NUM / 1e9f);
+  for (int i = tid; i < D; i += 256) {
+    float hv = static_cast<float>(hr[i]);
+    yr[i] = T(static_cast<float>(w[i]) * static_cast<float>(T(hv * inv)));
+  }
+"""
+
+
+def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float, use_kernel: bool):
+    """(x + r, rms_norm(x + r) * w) over the last axis."""
+    if not use_kernel or "add_rms" in DISABLED:
+        h = x + r
+        return h, mx.fast.rms_norm(h, w, eps)
+    D = x.shape[-1]
+    rows = x.size // D
+    k = _kernel("mlxp_add_rms", ["x", "r", "w"], ["h", "y"], ADD_RMS_SOURCE)
+    h, y = k(inputs=[x, r, w], template=[("T", x.dtype), ("D", D), ("EPS_NUM", int(round(eps * 1e9)))],
+             grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1),
+             output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+    return h, y
+
+
+# --- RoPE + q/k/v split ---------------------------------------------------------
+
+ROPE_QKV_SOURCE = r"""
+  // one thread per (row, head, pair); heads 0..H-1 are q, H..H+HKV-1 k, the rest v
+  const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
+  constexpr int HALF = D / 2;
+  constexpr int NH = H + 2 * HKV;
+  if (gid >= (unsigned int)(B * NH * HALF)) return;
+  const int i = gid % HALF;
+  const int head = (gid / HALF) % NH;
+  const int b = gid / (HALF * NH);
+  const T* src = qkv + (size_t)b * NH * D + (size_t)head * D;
+  const float x1 = static_cast<float>(src[i]);
+  const float x2 = static_cast<float>(src[i + HALF]);
+  if (head >= H + HKV) {
+    T* dst = v + ((size_t)b * HKV + (head - H - HKV)) * D;
+    dst[i] = src[i];
+    dst[i + HALF] = src[i + HALF];
+    return;
+  }
+  const float theta = static_cast<float>(pos[0] + SHIFT) * inv_freq[i];
+  float s, c;
+  sincosf(theta, &s, &c);
+  T* dst = head < H ? q + ((size_t)b * H + head) * D : k + ((size_t)b * HKV + (head - H)) * D;
+  dst[i] = T(x1 * c - x2 * s);
+  dst[i + HALF] = T(x1 * s + x2 * c);
+"""
+
+
+def rope_qkv(qkv: mx.array, inv_freq: mx.array, pos: mx.array, n_heads: int, n_kv: int,
+             head_dim: int, rope, use_kernel: bool):
+    """q [B,H,1,D], k [B,Hkv,1,D] rotated at position pos[0]; v [B,Hkv,1,D].
+
+    `qkv` is the merged projection's output [B, 1, (H + 2 Hkv) * D]; `rope` is the
+    model's own RoPE module (the reference path calls it), `inv_freq` its inverse
+    frequencies (the kernel path reads them)."""
+    B = qkv.shape[0]
+    shift = 1 if _fault == "rope_pos_plus_one" else 0
+    if not use_kernel or "rope_qkv" in DISABLED:
+        q, k, v = mx.split(qkv, [n_heads * head_dim, (n_heads + n_kv) * head_dim], axis=-1)
+        q = q.reshape(B, 1, n_heads, head_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(B, 1, n_kv, head_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(B, 1, n_kv, head_dim).transpose(0, 2, 1, 3)
+        p = pos + shift if shift else pos
+        return rope(q, offset=p), rope(k, offset=p), v
+    kern = _kernel("mlxp_rope_qkv", ["qkv", "inv_freq", "pos"], ["q", "k", "v"], ROPE_QKV_SOURCE)
+    n = B * (n_heads + 2 * n_kv) * (head_dim // 2)
+    q, k, v = kern(inputs=[qkv, inv_freq, pos],
+                   template=[("T", qkv.dtype), ("B", B), ("H", n_heads), ("HKV", n_kv),
+                             ("D", head_dim), ("SHIFT", shift)],
+                   grid=((n + 127) // 128 * 128, 1, 1), threadgroup=(128, 1, 1),
+                   output_shapes=[(B, n_heads, 1, head_dim), (B, n_kv, 1, head_dim),
+                                  (B, n_kv, 1, head_dim)],
+                   output_dtypes=[qkv.dtype] * 3)
+    return q, k, v
+
+
+def rope_inv_freq(rope, head_dim: int) -> mx.array:
+    """Inverse frequencies [D/2] (float32) of an nn.RoPE or a FreqRoPE-style module
+    (position * scale * inv_freq is the angle, as in `mx.fast.rope`)."""
+    if getattr(rope, "dims", head_dim) != head_dim or getattr(rope, "traditional", False):
+        raise ValueError("the RoPE kernel handles full-width, non-traditional RoPE only")
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is not None:
+        return (1.0 / freqs.astype(mx.float32)) * getattr(rope, "scale", 1.0)
+    base, scale = rope.base, rope.scale
+    return scale * mx.power(mx.array(base, mx.float32),
+                            -mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+
+
+# --- decode attention -----------------------------------------------------------
+
+ATTN_PARTIAL_SOURCE = r"""
+  // block = (row b, query head h, chunk s); 8 warps stride over the chunk's keys.
+  constexpr int PER = D / 32;
+  const int s = blockIdx.x % NS;
+  const int h = (blockIdx.x / NS) % H;
+  const int b = blockIdx.x / (NS * H);
+  const int kvh = h / (H / HKV);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int len = length[0] - DROP;
+  const int chunk = (len + NS - 1) / NS;
+  const int j0 = s * chunk;
+  const int j1 = min(len, j0 + chunk);
+  const T* qp = q + ((size_t)b * H + h) * D;
+  const T* kp = keys + ((size_t)b * HKV + kvh) * (size_t)CAP * D;
+  const T* vp = values + ((size_t)b * HKV + kvh) * (size_t)CAP * D;
+  float qf[PER], acc[PER];
+#pragma unroll
+  for (int e = 0; e < PER; ++e) {
+    qf[e] = static_cast<float>(qp[lane * PER + e]) * SCALE_NUM / 1e9f;
+    acc[e] = 0.f;
+  }
+  float m = -1e30f, l = 0.f;
+  for (int j = j0 + warp; j < j1; j += 8) {
+    const T* kr = kp + (size_t)j * D + lane * PER;
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) dot += qf[e] * static_cast<float>(kr[e]);
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const float mn = fmaxf(m, dot);
+    const float corr = __expf(m - mn);
+    const float p = __expf(dot - mn);
+    l = l * corr + p;
+    const T* vr = vp + (size_t)j * D + lane * PER;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) acc[e] = acc[e] * corr + p * static_cast<float>(vr[e]);
+    m = mn;
+  }
+  __shared__ float sm[8], sl[8], sacc[8][D];
+  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+#pragma unroll
+  for (int e = 0; e < PER; ++e) sacc[warp][lane * PER + e] = acc[e];
+  __syncthreads();
+  float M = -1e30f;
+  for (int w = 0; w < 8; ++w) M = fmaxf(M, sm[w]);
+  float* out = partial + (size_t)blockIdx.x * (D + 2);
+  for (int d = threadIdx.x; d < D; d += 256) {
+    float a = 0.f;
+    for (int w = 0; w < 8; ++w) a += sacc[w][d] * __expf(sm[w] - M);
+    out[2 + d] = a;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0.f;
+    for (int w = 0; w < 8; ++w) L += sl[w] * __expf(sm[w] - M);
+    out[0] = M;
+    out[1] = L;
+  }
+"""
+
+ATTN_COMBINE_SOURCE = r"""
+  // block = (row b, head h); thread d combines the NS chunk partials of element d.
+  const int bh = blockIdx.x;
+  const int d = threadIdx.x;
+  if (d >= D) return;
+  const float* p = partial + (size_t)bh * NS * (D + 2);
+  float M = -1e30f;
+  for (int s = 0; s < NS; ++s) M = fmaxf(M, p[s * (D + 2)]);
+  float L = 0.f, a = 0.f;
+  for (int s = 0; s < NS; ++s) {
+    const float w = __expf(p[s * (D + 2)] - M);
+    L += p[s * (D + 2) + 1] * w;
+    a += p[s * (D + 2) + 2 + d] * w;
+  }
+  out[(size_t)bh * D + d] = T(a / L);
+"""
+
+
+def n_splits(capacity: int) -> int:
+    """Key chunks per head: enough blocks to fill the GPU at long contexts."""
+    return max(1, min(32, (capacity + 255) // 256))
+
+
+def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.array,
+                     scale: float, use_kernel: bool) -> mx.array:
+    """softmax(q K[:length]^T * scale) V[:length] for one query token per row.
+
+    q [B,H,1,D]; keys/values [B,Hkv,CAP,D] preallocated; length: int32 [1] on the device."""
+    drop = 1 if _fault == "attn_drop_last_key" else 0
+    B, H, _, D = q.shape
+    Hkv, cap = keys.shape[1], keys.shape[2]
+    if not use_kernel or "attention" in DISABLED:
+        valid = mx.arange(cap) < (length - drop)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
+                                                    mask=valid.reshape(1, 1, 1, cap))
+    if D % 32 or D > 256:
+        raise ValueError("decode_attention kernel needs head_dim a multiple of 32, at most 256")
+    ns = n_splits(cap)
+    common = [("T", q.dtype), ("H", H), ("HKV", Hkv), ("D", D), ("NS", ns)]
+    part = _kernel("mlxp_attn_partial", ["q", "keys", "values", "length"], ["partial"],
+                   ATTN_PARTIAL_SOURCE)
+    (partial,) = part(inputs=[q, keys, values, length],
+                      template=common + [("CAP", cap), ("DROP", drop),
+                                         ("SCALE_NUM", int(round(scale * 1e9)))],
+                      grid=(B * H * ns * 256, 1, 1), threadgroup=(256, 1, 1),
+                      output_shapes=[(B * H * ns, D + 2)], output_dtypes=[mx.float32])
+    comb = _kernel("mlxp_attn_combine", ["partial"], ["out"], ATTN_COMBINE_SOURCE)
+    threads = (D + 31) // 32 * 32
+    (out,) = comb(inputs=[partial], template=common,
+                  grid=(B * H * threads, 1, 1), threadgroup=(threads, 1, 1),
+                  output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype])
+    return out
+
+
+SOURCES = {"add_rms": ADD_RMS_SOURCE, "rope_qkv": ROPE_QKV_SOURCE,
+           "attn_partial": ATTN_PARTIAL_SOURCE, "attn_combine": ATTN_COMBINE_SOURCE}

@@ -1,0 +1,68 @@
+"""Compile the fused decode kernels with a local nvcc (no GPU needed) to catch CUDA errors
+before spending device time. The wrapper mimics the one `mx.fast.cuda_kernel` generates
+(inputs `const T*`, outputs `T*`, template values as constexpr).
+
+    python experiments/check_kernels_nvcc.py            # prints ptxas register/spill report
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.fast import kernels as K  # noqa: E402
+
+SPECS = {
+    "add_rms": (K.ADD_RMS_SOURCE, [("x", "T"), ("r", "T"), ("w", "T")], [("h", "T"), ("y", "T")],
+                dict(D=2048, EPS_NUM=10000)),
+    "rope_qkv": (K.ROPE_QKV_SOURCE, [("qkv", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
+                 [("q", "T"), ("k", "T"), ("v", "T")], dict(B=1, H=32, HKV=8, D=64, SHIFT=0)),
+    "attn_partial": (K.ATTN_PARTIAL_SOURCE,
+                     [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t")],
+                     [("partial", "float")],
+                     dict(H=32, HKV=8, D=64, NS=9, CAP=2304, DROP=0, SCALE_NUM=125000000)),
+    "attn_combine": (K.ATTN_COMBINE_SOURCE, [("partial", "float")], [("out", "T")],
+                     dict(H=32, HKV=8, D=64, NS=9)),
+}
+PRELUDE = """#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/limits>
+#include <cooperative_groups.h>
+namespace mlx::core::cu {
+namespace cg = cooperative_groups;
+"""
+
+
+def source() -> str:
+    src = PRELUDE
+    for name, (body, ins, outs, tmpl) in SPECS.items():
+        for T in ("__nv_bfloat16", "__half", "float"):
+            ty = lambda t: T if t == "T" else t  # noqa: E731
+            args = [f"const {ty(t)}* {n}" for n, t in ins] + [f"{ty(t)}* {n}" for n, t in outs]
+            src += f"__global__ void k_{name}_{T.strip('_')}({', '.join(args)}) {{\n  using T = {T};\n"
+            src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tmpl.items()) + body + "\n}\n"
+    return src + "}\n"
+
+
+def main() -> int:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("check_kernels_nvcc: nvcc not found", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as d:
+        cu = Path(d) / "k.cu"
+        cu.write_text(source())
+        r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-c", str(cu),
+                            "-o", str(Path(d) / "k.o"), "-Xptxas", "-v"], capture_output=True, text=True)
+    print(r.stdout + r.stderr)
+    print("OK" if r.returncode == 0 else "FAILED")
+    return r.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+#!/bin/bash
+# The L3 device run in one go (kernel checks, exactness, gate, benchmarks), results under $OUT.
+#   bash experiments/l3_h200.sh        (from the repo root, MLX's CUDA build on PYTHONPATH)
+# Each stage has its own time limit; a failing kernel check switches that kernel off
+# ($MLXP_DISABLE_KERNELS) for the later stages rather than stopping the run.
+set -u
+export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/l3out}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-150}; T0=$(date +%s)
+PRESET=${PRESET:-1b}; M=/tmp/m/$PRESET   # PRESET=speed: a small model, for a dry run on the CPU
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+lim() { local v=$(( $(left) - $1 )); [ "$v" -lt 1 ] && v=1; echo "$v"; }
+stage() { echo "### $1 (t=$(( $(date +%s) - T0 ))s, left $(left)s)"; }
+{
+stage env
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,memory.used --format=csv,noheader
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.cuda.is_available())"
+stage build-1b
+python3 -m experiments.presets "$PRESET" "$M"
+stage kernel-check
+timeout 30 python3 experiments/l3_kernel_check.py --reps 20 --out "$OUT/kernel_check.json"
+FAILED=$(python3 -c "import json;print(','.join(json.load(open('$OUT/kernel_check.json'))['summary']['failed']))" 2>/dev/null || echo add_rms,rope_qkv,attention)
+export MLXP_DISABLE_KERNELS=${FAILED}
+echo "MLXP_DISABLE_KERNELS=$MLXP_DISABLE_KERNELS"
+stage bench-1b
+timeout $(lim 30) python3 experiments/bench_decode.py --model "$M" \
+  --tier ${TIERS:-l1,l3,l3-compiled_decode,l3-perf_kernel-fused_sdpa,l1+merged_proj} \
+  --lengths 128,2048 --gen ${GEN:-64} --trials 5 --tag h200-1b --out "$OUT/bench"
+stage gate
+timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --tag h200-1b --out "$OUT/gate"
+stage exactness
+timeout $(lim 2) python3 experiments/l3_exactness.py --model "$M" --steps 8
+if [ "${FULL:-0}" = 1 ]; then
+  stage bench-q4-8b
+  python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4
+  python3 -m experiments.presets 8b /tmp/m/8b
+  timeout $(lim 5) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --model /tmp/m/8b \
+    --tier l1,l3 --lengths 128,2048 --gen 128 --trials 5 --tag h200-q4-8b --out /tmp/bench2
+  cp /tmp/bench2/bench_decode.csv "$OUT/bench2.csv" 2>/dev/null
+fi
+stage done
+} 2>&1 | tee "$OUT/l3_h200.log"

@@ -1,0 +1,172 @@
+"""The L3 gate: the fast decode path against L1, teacher-forced, with a negative control.
+
+For each model and prompt, L1 greedily continues the prompt; that sequence is then
+fed to both paths (teacher forcing) and at every decode position we measure
+KL(p_L1 || p_L3) and whether the top-1 tokens agree. The gate passes when the mean
+KL is at most 1e-3 and top-1 agreement at least 0.99 (bf16 targets of the L3 tier).
+
+A gate that cannot fail proves nothing, so every report also runs the L3 path
+with a deliberately broken kernel (`engine.fast.kernels.inject_fault`: attention
+that drops the newest key, RoPE one position off) and records that it fails.
+
+    python -m parity.l3_gate                         # CPU fixtures -> reports/l3_gate/<version>/cpu-fixtures/
+    python -m parity.l3_gate --model DIR --tag h200-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+import engine
+from engine.fast import kernels
+from engine.fast.decode import FastDecoder
+from engine.levers import Levers, parse_spec, resolve
+from engine.loader import load_model
+from engine.stepper import generate_step
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_MEAN_KL = 1e-3
+MIN_TOP1 = 0.99
+FAMILIES = ("llama", "qwen3")
+
+
+@dataclass
+class GateResult:
+    model: str
+    variant: str            # "l3" or "fault:<name>"
+    kl_mean: float
+    kl_p99: float
+    kl_max: float
+    top1: float
+    tokens: int
+    bit_exact: bool         # every L3 logit vector equal to L1's
+    passes: bool
+
+
+def prompts(n: int = 3, length: int = 48, vocab: int = 1024, seed: int = 1234) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(32, vocab - 32, size=length).tolist() for _ in range(n)]
+
+
+def teacher_forced(model, seq: list[int], prompt_len: int, decoder=None) -> mx.array:
+    """float32 log-probs [len(seq) - prompt_len + 1, V] at positions prompt_len-1 .. end.
+    Prefill (all but the last prompt token) is always the model's own forward (L1)."""
+    caches = model.make_cache()
+    t = mx.array(seq)
+    model(t[None, : prompt_len - 1], cache=caches)
+    out = []
+    for i in range(prompt_len - 1, len(seq)):
+        tok = t[i:i + 1]
+        lg = decoder(tok, caches) if decoder is not None else model(tok[None], cache=caches)[:, -1]
+        lg = lg[0].astype(mx.float32)
+        out.append(lg - mx.logsumexp(lg))
+        mx.eval(out[-1])
+    return mx.stack(out)
+
+
+def compare(ref: mx.array, got: mx.array) -> dict:
+    kl = mx.maximum((mx.exp(ref) * (ref - got)).sum(-1), 0.0)   # tiny negatives: rounding
+    return {"kl": np.array(kl).tolist(),
+            "top1": (mx.argmax(ref, -1) == mx.argmax(got, -1)).tolist(),
+            "equal": bool(mx.array_equal(ref, got).item())}
+
+
+def summarize(model: str, variant: str, parts: list[dict]) -> GateResult:
+    kl = np.array([k for p in parts for k in p["kl"]])
+    top1 = float(np.mean([t for p in parts for t in p["top1"]]))
+    mean = float(kl.mean())
+    return GateResult(model=model, variant=variant, kl_mean=mean, kl_p99=float(np.percentile(kl, 99)),
+                      kl_max=float(kl.max()), top1=top1, tokens=int(kl.size),
+                      bit_exact=all(p["equal"] for p in parts),
+                      passes=mean <= MAX_MEAN_KL and top1 >= MIN_TOP1)
+
+
+def run_gate(model_dir, levers: Optional[Levers] = None, prompt_list=None, steps: int = 32,
+             faults=kernels.FAULTS, name: Optional[str] = None) -> list[GateResult]:
+    """L3 (and each fault) against L1 on one model. Two copies of the model are loaded:
+    the L3 levers may transform theirs (merged projections)."""
+    levers = levers or resolve("l3")
+    ref_model = load_model(model_dir)[0]
+    fast_model = load_model(model_dir)[0]
+    dec = FastDecoder(fast_model, levers)
+    vocab = ref_model.args.vocab_size
+    prompt_list = prompt_list or prompts(vocab=min(vocab, 1024))
+    name = name or Path(model_dir).name
+    variants = {"l3": None, **{f"fault:{f}": f for f in faults}}
+    parts: dict = {v: [] for v in variants}
+    for p in prompt_list:
+        cont = [t for t, _ in generate_step(mx.array(p), ref_model, max_tokens=steps)]
+        seq = p + cont
+        ref = teacher_forced(ref_model, seq, len(p))
+        for v, fault in variants.items():
+            if fault is None:
+                got = teacher_forced(fast_model, seq, len(p), dec)
+            else:
+                with kernels.inject_fault(fault):
+                    # a fresh decoder: a traced step must not carry the fault into others
+                    got = teacher_forced(fast_model, seq, len(p), FastDecoder(fast_model, levers))
+            parts[v].append(compare(ref, got))
+    return [summarize(name, v, parts[v]) for v in variants]
+
+
+def write(results: list[GateResult], out: Path, note: str) -> None:
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [asdict(r) for r in results]
+    (out / "l3_gate.json").write_text(json.dumps({"note": note, "max_mean_kl": MAX_MEAN_KL,
+                                                  "min_top1": MIN_TOP1, "results": rows}, indent=2))
+    df = pd.DataFrame(rows)
+    for c in ("kl_mean", "kl_p99", "kl_max"):
+        df[c] = df[c].map(lambda x: f"{x:.3g}")
+    df["top1"] = df["top1"].map(lambda x: f"{x:.4f}")
+    head = [f"# L3 gate — mlx-parity {engine.__version__}", "", note, "",
+            f"Gate: mean KL(L1 ‖ L3) ≤ {MAX_MEAN_KL:g} and top-1 agreement ≥ {MIN_TOP1}, teacher-forced. "
+            "Rows `fault:*` are the negative control (a deliberately broken kernel): they must fail.", ""]
+    table = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    table += ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    (out / "l3_gate.md").write_text("\n".join(head + table) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", help="model dir (repeatable; default: CPU fixtures)")
+    ap.add_argument("--dtype", default="bfloat16", help="fixture dtype (with the CPU fixtures)")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--tier", default="l3", help="tier or lever spec, e.g. l3 or "
+                    "l3-perf_kernel-fused_sdpa (see engine.levers.parse_spec)")
+    ap.add_argument("--no-faults", action="store_true", help="skip the negative control")
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    levers = parse_spec(a.tier)
+    models = a.model or []
+    if not models:
+        from .fixtures.models import ensure_fixture
+        models = [str(ensure_fixture(f, a.dtype)) for f in FAMILIES]
+    results = []
+    for m in models:
+        results += run_gate(m, levers, steps=a.steps, faults=() if a.no_faults else kernels.FAULTS)
+    for r in results:
+        print(json.dumps(asdict(r)), flush=True)
+    tag = a.tag or ("cpu-fixtures" if not a.model else "custom")
+    out = Path(a.out) if a.out else REPO / "reports" / "l3_gate" / engine.__version__ / tag
+    cmd = "python -m parity.l3_gate " + " ".join(argv if argv is not None else sys.argv[1:])
+    write(results, out, f"Device {mx.default_device()}, mlx {mx.__version__}, CUDA kernels "
+                        f"{'on' if kernels.cuda_available() else 'off (stock-MLX reference ops)'}; "
+                        f"levers {levers.as_dict()}. Reproduce: `{cmd.strip()}`")
+    print(f"wrote {out}")
+    ok = all(r.passes == (r.variant == "l3") for r in results)   # L3 passes, every fault fails
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

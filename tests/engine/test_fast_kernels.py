@@ -1,0 +1,149 @@
+"""The CUDA kernels' decomposition, checked on the CPU.
+
+The kernels themselves need an NVIDIA GPU (experiments/l3_kernel_check.py runs them
+against their references there). Here each kernel's index arithmetic and reduction
+scheme is mirrored in numpy, loop for loop (blocks, warps, key chunks, online
+softmax, the two-pass combine; RoPE's thread -> (row, head, pair) map and its
+inverse frequencies), and compared with the stock-MLX reference path that the CPU
+runs: a wrong chunk bound, pairing or frequency shows up as a large error, while
+float32-vs-bf16 rounding stays far under the bounds used here (relative error < 1e-2,
+the bf16 bound of a kernel check)."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine.fast import kernels as K
+from engine.models.base import FreqRoPE, _llama3_freqs
+
+
+def _np(a):
+    return np.array(a.astype(mx.float32))
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def attention_mirror(q, k, v, length, scale, ns, drop=0):
+    """ATTN_PARTIAL_SOURCE + ATTN_COMBINE_SOURCE for B=1, in numpy float32."""
+    H, D = q.shape[1], q.shape[3]
+    Hkv = k.shape[1]
+    n = length - drop
+    chunk = (n + ns - 1) // ns
+    out = np.zeros((1, H, 1, D), np.float32)
+    for h in range(H):
+        kvh = h // (H // Hkv)
+        qf = q[0, h, 0] * np.float32(scale)
+        parts = []
+        for s in range(ns):
+            j0, j1 = s * chunk, min(n, s * chunk + chunk)
+            warps = []
+            for w in range(8):
+                m, l, acc = np.float32(-1e30), np.float32(0), np.zeros(D, np.float32)
+                for j in range(j0 + w, j1, 8):
+                    dot = np.float32(qf @ k[0, kvh, j])
+                    mn = max(m, dot)
+                    corr, p = np.exp(m - mn), np.exp(dot - mn)
+                    l = l * corr + p
+                    acc = acc * corr + p * v[0, kvh, j]
+                    m = mn
+                warps.append((m, l, acc))
+            M = max(w[0] for w in warps)
+            parts.append((M, sum(w[1] * np.exp(w[0] - M) for w in warps),
+                          sum(w[2] * np.exp(w[0] - M) for w in warps)))
+        M = max(p[0] for p in parts)
+        L = sum(p[1] * np.exp(p[0] - M) for p in parts)
+        out[0, h, 0] = sum(p[2] * np.exp(p[0] - M) for p in parts) / L
+    return out
+
+
+@pytest.mark.parametrize("cap,length", [(256, 1), (256, 100), (1024, 1024), (2560, 777)])
+def test_attention_split_k_scheme(cap, length):
+    mx.random.seed(cap + length)
+    H, Hkv, D = 4, 2, 32
+    q, k, v = (mx.random.normal(s).astype(mx.bfloat16)
+               for s in ((1, H, 1, D), (1, Hkv, cap, D), (1, Hkv, cap, D)))
+    ln = mx.array([length], dtype=mx.int32)
+    ref = _np(K.decode_attention(q, k, v, ln, D ** -0.5, use_kernel=False))
+    got = attention_mirror(_np(q), _np(k), _np(v), length, D ** -0.5, K.n_splits(cap))
+    assert _rel(got, ref) < 1e-2
+    # and the negative control's fault is visible in the same mirror
+    if length > 1:
+        bad = attention_mirror(_np(q), _np(k), _np(v), length, D ** -0.5, K.n_splits(cap), drop=1)
+        assert _rel(bad, ref) > 1e-2
+
+
+def rope_mirror(qkv, inv_freq, pos, H, Hkv, D):
+    """ROPE_QKV_SOURCE: one thread per (row, head, pair), non-traditional pairs (i, i+D/2)."""
+    half, nh = D // 2, H + 2 * Hkv
+    q = np.zeros((1, H, 1, D), np.float32)
+    k = np.zeros((1, Hkv, 1, D), np.float32)
+    v = np.zeros((1, Hkv, 1, D), np.float32)
+    src = qkv.reshape(-1)
+    for gid in range(nh * half):
+        i, head = gid % half, (gid // half) % nh
+        x1, x2 = src[head * D + i], src[head * D + i + half]
+        if head >= H + Hkv:
+            v[0, head - H - Hkv, 0, [i, i + half]] = x1, x2
+            continue
+        th = np.float32(pos) * inv_freq[i]
+        c, s = math.cos(th), math.sin(th)
+        dst = q[0, head, 0] if head < H else k[0, head - H, 0]
+        dst[i], dst[i + half] = x1 * c - x2 * s, x1 * s + x2 * c
+    return q, k, v
+
+
+ROPES = {
+    "base": lambda d: nn.RoPE(d, base=500000.0),
+    "linear-scaled": lambda d: nn.RoPE(d, base=10000.0, scale=0.25),
+    "llama3": lambda d: FreqRoPE(d, _llama3_freqs(d, 500000.0, {"factor": 8.0})),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+@pytest.mark.parametrize("pos", [0, 5, 2047])
+def test_rope_thread_map_and_frequencies(kind, pos):
+    H, Hkv, D = 4, 2, 64
+    rope = ROPES[kind](D)
+    qkv = mx.random.normal((1, 1, (H + 2 * Hkv) * D)).astype(mx.float32)
+    p = mx.array([pos], dtype=mx.int32)
+    ref = K.rope_qkv(qkv, None, p, H, Hkv, D, rope, use_kernel=False)
+    got = rope_mirror(_np(qkv), _np(K.rope_inv_freq(rope, D)), pos, H, Hkv, D)
+    for g, r in zip(got, ref):
+        assert _rel(g, _np(r)) < 1e-3
+
+
+def test_rope_kernel_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError):
+        K.rope_inv_freq(nn.RoPE(32, traditional=True), 32)
+    with pytest.raises(ValueError):
+        K.rope_inv_freq(nn.RoPE(16), 32)          # partial rotation
+
+
+def test_add_rms_norm_mirror():
+    D = 2048
+    x, r = mx.random.normal((1, 1, D)).astype(mx.bfloat16), mx.random.normal((1, 1, D)).astype(mx.bfloat16)
+    w = (1 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
+    h_ref, y_ref = K.add_rms_norm(x, r, w, 1e-5, use_kernel=False)
+    h = _np((x + r))                               # the kernel rounds h to T before squaring
+    inv = 1.0 / np.sqrt((h.astype(np.float64) ** 2).sum() / D + 1e-5)
+    y = _np(w) * _np(mx.array(h * inv).astype(mx.bfloat16))
+    assert np.array_equal(h, _np(h_ref))
+    assert _rel(y, _np(y_ref)) < 1e-2
+
+
+def test_off_gpu_the_decoder_runs_the_references():
+    from engine.fast.decode import FastDecoder
+    from engine.levers import resolve
+    from engine.loader import load_model
+    from parity.fixtures.models import ensure_fixture
+
+    if mx.default_device() == mx.gpu:
+        pytest.skip("this checks the CPU fallback")
+    assert not K.cuda_available()
+    dec = FastDecoder(load_model(ensure_fixture("llama", "bfloat16"))[0], resolve("l3", env={}))
+    assert dec.stats.kernels is False and dec.stats.attn_kernel is False

@@ -1,0 +1,43 @@
+"""The L3 gate on the CPU fixtures, and its negative control.
+
+On the CPU the fast path runs the stock-MLX reference of every kernel, compiled:
+it is measured bit-exact with L1 there (KL 0, top-1 1.0). Each deliberately broken
+kernel (attention dropping the newest key, RoPE one position off) must fail the
+same gate, or the gate would prove nothing."""
+
+import pytest
+
+from engine.fast import kernels
+from engine.levers import resolve
+from parity.fixtures.models import ensure_fixture
+from parity.l3_gate import MAX_MEAN_KL, MIN_TOP1, run_gate
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def results(request):
+    return {r.variant: r for r in run_gate(ensure_fixture(request.param, "bfloat16"), resolve("l3"),
+                                           steps=32)}
+
+
+def test_l3_passes_the_gate(results):
+    r = results["l3"]
+    assert r.kl_mean <= MAX_MEAN_KL and r.top1 >= MIN_TOP1 and r.passes
+    assert r.tokens == 99
+
+
+@pytest.mark.parametrize("fault", kernels.FAULTS)
+def test_negative_control_fails_the_gate(results, fault):
+    r = results[f"fault:{fault}"]
+    assert not r.passes, r
+    assert not r.bit_exact
+
+
+def test_cpu_fast_path_is_bit_exact_with_l1(results):
+    # a finding, not a tolerance: on the CPU every L3 lever computes L1's exact logits
+    assert results["l3"].bit_exact and results["l3"].kl_max == 0.0
+
+
+def test_fault_names_are_checked():
+    with pytest.raises(ValueError):
+        with kernels.inject_fault("nope"):
+            pass

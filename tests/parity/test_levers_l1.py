@@ -1,0 +1,109 @@
+"""L1 with levers on: still bit-exact with mlx-lm (the levers' tier is proved, not assumed).
+
+- merged q/k/v and gate/up projections (`--merged-proj`): every family and weight
+  format, per-step log-probs of the token loop equal mlx-lm's `generate_step`.
+- the L3 fast decode step on the CPU (stock-MLX reference ops, compiled, over a
+  preallocated cache): equal to mlx-lm for the families it covers. On the CPU it is
+  therefore exact; on a GPU its kernels change rounding and the KL gate applies
+  (parity/l3_gate.py).
+- models the fast step does not cover fall back to the L1 path and stay exact.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step as ref_generate_step
+
+import engine
+from engine.fast.apply import decoder_for, describe
+from engine.fast.decode import why_not
+from engine.fast.merge import Part, merge_projections
+from engine.levers import resolve
+from engine.loader import load_model
+from engine.stepper import generate_step
+from parity.fixtures.models import DTYPES, FAMILIES, cpu_dtypes, ensure_fixture
+from parity.oracles import mlx_lm_oracle as oracle
+
+pytestmark = pytest.mark.parity
+
+PROMPT = list(range(40, 80)) + [7, 300, 512, 9]
+
+
+def _ref_steps(path, n):
+    return list(ref_generate_step(mx.array(PROMPT), oracle.load_model(str(path)), max_tokens=n))
+
+
+def _assert_same(mine, ref):
+    assert [t for t, _ in mine] == [int(t) for t, _ in ref]
+    for (_, a), (_, b) in zip(mine, ref):
+        assert mx.array_equal(a, b).item()
+
+
+# (MoE families: no bf16 fixture on the CPU, whose gather_mm is float32-only for mlx-lm too)
+@pytest.mark.parametrize("family, dtype", [(f, d) for d in DTYPES for f in FAMILIES
+                                           if d in cpu_dtypes(f)])
+def test_merged_projections_equal_mlx_lm(family, dtype):
+    path = ensure_fixture(family, dtype)
+    model = load_model(path)[0]
+    assert merge_projections(model) > 0
+    assert isinstance(model.layers[0].self_attn.q_proj, Part)
+    _assert_same(list(generate_step(mx.array(PROMPT), model, max_tokens=12)), _ref_steps(path, 12))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_fast_decode_equals_mlx_lm(family, dtype):
+    path = ensure_fixture(family, dtype)
+    model = load_model(path)[0]
+    lv = resolve("l3", env={})
+    dec = decoder_for(model, lv, model.make_cache())
+    assert dec is not None
+    mine = list(generate_step(mx.array(PROMPT), model, max_tokens=16, decoder=dec))
+    _assert_same(mine, _ref_steps(path, 16))
+    assert dec.stats.steps >= 16 and dec.stats.traces == 1   # (the loop runs one step ahead)
+    assert describe(lv, model)["fast_decode"] is True
+
+
+def test_stream_generate_with_l3_levers_matches_mlx_lm_text():
+    path = str(ensure_fixture("llama", "bfloat16"))
+    model, tok = engine.load(path)
+    rmodel, rtok = oracle.load(path)
+    from mlx_lm.generate import generate as ref_generate
+    want = ref_generate(rmodel, rtok, "def f(x):", max_tokens=20)
+    got = engine.generate(model, tok, "def f(x):", max_tokens=20, temperature=0.0,
+                          levers=resolve("l3", env={}))
+    assert got.text == want
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "minicpm"])
+def test_uncovered_models_fall_back_to_l1(family):
+    path = ensure_fixture(family, "bfloat16")
+    model = load_model(path)[0]
+    assert why_not(model) is not None
+    assert decoder_for(model, resolve("l3", env={})) is None
+    _assert_same(list(generate_step(mx.array(PROMPT), model, max_tokens=8)), _ref_steps(path, 8))
+
+
+def test_engine_levers_fast_in_the_solo_lane_l1_in_the_batch_lane():
+    """`Engine(levers=...)`: the solo lane decodes through the fast step, batch rows stay
+    L1; both give mlx-lm's text on the CPU."""
+    path = str(ensure_fixture("llama", "bfloat16"))
+    model, tok = engine.load(path)
+    rmodel, rtok = oracle.load(path)
+    from mlx_lm.generate import generate as ref_generate
+    want = ref_generate(rmodel, rtok, "def f(x):", max_tokens=12)
+    lv = resolve("l3", env={})
+
+    def run(max_batch):
+        eng = engine.Engine(model, tok, max_batch=max_batch, levers=lv)
+        eng.submit("def f(x):", engine.SamplingParams(max_tokens=12, temperature=0.0))
+        text = ""
+        while eng.has_unfinished():
+            text += "".join(o.text for o in eng.step())
+        return text, eng.stats()["lanes"]
+
+    solo, lanes = run(1)
+    steps = describe(lv, model)["fast_stats"]["steps"]
+    assert solo == want and lanes["solo"] == 1 and steps >= 11
+    batched, lanes = run(4)
+    assert batched == want and lanes["batch"] == 1
+    assert describe(lv, model)["fast_stats"]["steps"] == steps     # no fast step in the batch
