@@ -6,10 +6,11 @@ __version__ = "0.2.0"
 
 
 def load(path, adapter_path=None, lazy: bool = False):
-    """(model, tokenizer) from an HF/MLX model directory."""
-    from .loader import load_model
+    """(model, tokenizer) from an HF/MLX model directory or a Hugging Face repo id."""
+    from .loader import load_model, resolve_model_path
     from .tokenizer import load_tokenizer
 
+    path = resolve_model_path(path)
     model, _config = load_model(path, lazy=lazy)
     if adapter_path is not None:
         from .lora import mount_adapter

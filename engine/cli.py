@@ -23,7 +23,8 @@ def default_model_dir() -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="engine-generate", description="Generate text with mlx-parity")
-    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    p.add_argument("--model", help="model directory or Hugging Face repo id (default: the "
+                   "built-in tiny model)")
     p.add_argument("--adapter-path", help="LoRA adapter directory (mlx-lm format)")
     p.add_argument("--prompt", "-p", default="hello", help="prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")

@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", help="model directory (default: the built-in tiny model)")
+    a("--model", help="model directory or Hugging Face repo id (default: the built-in tiny "
+      "model, random weights)")
     a("--model-id", help="the id echoed back as `model` (default: the directory name)")
     a("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     a("--port", type=int, default=8090, help="port (default 8090; 0 = any free port)")

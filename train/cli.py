@@ -18,7 +18,8 @@ import sys
 
 def build_parser():
     p = argparse.ArgumentParser(prog="engine-train", description="LoRA fine-tuning (mlx-parity)")
-    p.add_argument("--model", required=True, help="model directory (HF/MLX layout, may be quantized)")
+    p.add_argument("--model", required=True, help="model directory (HF/MLX layout, may be "
+                   "quantized) or Hugging Face repo id")
     p.add_argument("--data", required=True, help="directory with train.jsonl [valid.jsonl]")
     p.add_argument("--adapter-path", default="adapters", help="output adapter directory")
     p.add_argument("--train", action="store_true", help="accepted for mlx-lm compatibility")
@@ -73,15 +74,16 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from engine.loader import ModelLoadError, load_model
+    from engine.loader import ModelLoadError, load_model, resolve_model_path
     from engine.tokenizer import load_tokenizer
 
     from .data import DataError, load_data_dir
     from .trainer import TrainConfig, train
 
     try:
-        model, _config = load_model(args.model)
-        tok = load_tokenizer(args.model)
+        model_dir = resolve_model_path(args.model)
+        model, _config = load_model(model_dir)
+        tok = load_tokenizer(model_dir)
     except (ModelLoadError, FileNotFoundError, ValueError) as e:
         print(f"engine-train: cannot load model: {e}", file=sys.stderr)
         return 2
