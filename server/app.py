@@ -17,22 +17,24 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from . import admin, anthropic, openai, responses
+from . import admin, anthropic, chat_page, metrics, openai, responses
 from .errors import APIError, body_for, is_anthropic_path
 
 log = logging.getLogger("engine-serve")
+PUBLIC_PATHS = ("/health",) + chat_page.PATHS   # the page holds no data; its requests send the key
 
 
 class AuthMiddleware:
-    """`--api-key`: every route but /health needs `Authorization: Bearer KEY` or
-    `x-api-key: KEY` (CORS preflights pass)."""
+    """`--api-key`: every route but /health and the chat page needs `Authorization:
+    Bearer KEY` or `x-api-key: KEY` (CORS preflights pass)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health" or scope["method"] == "OPTIONS":
+        if (scope["type"] != "http" or scope["path"] in PUBLIC_PATHS
+                or scope["method"] == "OPTIONS"):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"x-api-key")
@@ -102,7 +104,9 @@ def create_app(state) -> FastAPI:
                     methods=["DELETE"])
     if state.config.api_key:
         app.add_middleware(AuthMiddleware, api_key=state.config.api_key)
+    chat_page.install(app)
     if state.config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
+    metrics.install(app, state)     # last: the outermost middleware, it also sees 401s
     return app
