@@ -25,6 +25,7 @@ This is the input `engine-convert` and `mlx_lm.convert` are compared on.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -65,3 +66,27 @@ def write_hf_checkpoint(family: str, out, dtype: str = "bfloat16",
     weights = {k: v.astype(DTYPES[dtype]) for k, v in sorted(weights.items())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     return out
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="python -m parity.hf_layout",
+        description="Write a built-in tiny model as a transformers-layout checkpoint "
+                    "(needs `pip install transformers`; no torch).")
+    p.add_argument("--family", default="llama", choices=["llama", "qwen3"])
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    args = p.parse_args(argv)
+    try:
+        out = write_hf_checkpoint(args.family, args.out, args.dtype,
+                                  classic_rope=args.family == "llama")
+    except FileExistsError:
+        print(f"{args.out} already exists", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

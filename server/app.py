@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import admin, anthropic, chat_page, metrics, openai, responses
+from .first_run import FirstRequestNotice
 from .errors import APIError, body_for, is_anthropic_path
 
 log = logging.getLogger("engine-serve")
@@ -105,6 +106,7 @@ def create_app(state) -> FastAPI:
     if state.config.api_key:
         app.add_middleware(AuthMiddleware, api_key=state.config.api_key)
     chat_page.install(app)
+    app.add_middleware(FirstRequestNotice)
     if state.config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])

@@ -9,7 +9,8 @@ Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
 are accepted as aliases (--temp, --adapter-path, --decode-concurrency,
 --prompt-cache-bytes, --kv-bits, --chat-template-args, ...), so it is a
-drop-in. It prints one ready line: URL, model id, admission ceiling.
+drop-in. When it listens it prints a ready line (URL, model id, admission ceiling),
+then the SDK base URL, the chat page, /metrics and a copy-paste curl.
 """
 
 from __future__ import annotations
@@ -271,6 +272,7 @@ def main(argv=None) -> int:
     from engine.kv_quant import KVConfigError
     from engine.loader import ModelLoadError
     from .app import create_app
+    from .first_run import ready_text
     from .state import build_state
 
     if config.memory_budget_bytes is not None:
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started:
-            print(ready_line(state, url), flush=True)
+            print(ready_text(state, url, ready_line(state, url)), flush=True)
         await task
 
     try:
