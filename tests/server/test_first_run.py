@@ -5,42 +5,21 @@ random-weights note) and the one-time kernel-compile notice in the log."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
-import pytest
 
 from server.first_run import COMPILE_NOTICE
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def read_ready(p, timeout=120) -> list[str]:
-    lines, t0 = [], time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        line = p.stdout.readline()
-        if not line:
-            if p.poll() is not None:
-                raise AssertionError(f"exited {p.returncode}: {p.stderr.read()}")
-            continue
-        lines.append(line.rstrip("\n"))
-        if line.startswith("  note:"):
-            return lines
-    raise AssertionError(f"no ready text: {lines}")
+from test_cli import spawn, wait_ready
 
 
 def test_ready_text_curl_and_compile_notice():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", "0", "--prompt-cache",
-                          "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = spawn("--port", "0", "--prompt-cache", "0")
     try:
-        lines = read_ready(p)
+        _, first = wait_ready(p)
+        # the ready text is printed in one write: the rest is already there
+        lines = [first.rstrip("\n")] + [p.stdout.readline().rstrip("\n") for _ in range(5)]
         url = lines[0].split()[2]
         assert lines[0].startswith("engine-serve ready: http://127.0.0.1:")
         assert f"SDK base URL: {url}/v1" in lines[1]
