@@ -22,7 +22,7 @@ from .first_run import FirstRequestNotice
 from .errors import APIError, body_for, is_anthropic_path
 
 log = logging.getLogger("engine-serve")
-PUBLIC_PATHS = ("/health",) + chat_page.PATHS   # the page holds no data; its requests send the key
+PUBLIC_PATHS = ("/health", "/favicon.ico") + chat_page.PATHS   # the page holds no data; its requests send the key
 
 
 class AuthMiddleware:

@@ -14,7 +14,7 @@ from functools import lru_cache
 from importlib.resources import files
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, Response
 
 PATHS = ("/", "/chat")
 
@@ -28,6 +28,11 @@ async def chat_page(request: Request):
     return HTMLResponse(page(), headers={"Cache-Control": "no-cache"})
 
 
+async def no_icon(request: Request):
+    return Response(status_code=204)
+
+
 def install(app) -> None:
     for path in PATHS:
         app.router.add_api_route(path, chat_page, methods=["GET"])
+    app.router.add_api_route("/favicon.ico", no_icon, methods=["GET"])   # browsers ask for it

@@ -3,8 +3,9 @@
 `ready_text(state, url)` is what `engine-serve` prints once it listens: the
 ready line, the base URL for SDKs, a copy-paste `curl`, the chat page's URL,
 and, for the built-in model, that its weights are random. `FirstRequestNotice`
-logs once, on the first generation request, that MLX compiles its kernels now
-(that request takes longer; later ones do not).
+logs once per process, on the first generation request, that MLX compiles the
+kernels it has not built yet (on a CPU it caches them on disk, so the first
+request on a fresh machine can take tens of seconds, later ones do not).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from .metrics import protocol_of
 
 log = logging.getLogger("engine-serve")
 
-COMPILE_NOTICE = ("first generation request: MLX compiles its kernels now, so this one takes "
-                  "longer (once per process; later requests do not)")
+COMPILE_NOTICE = ("first generation request: MLX compiles the kernels it has not built on this "
+                  "machine yet (cached on disk afterwards), so this one can take several "
+                  "seconds longer")
 
 
 def curl_example(url: str, model_id: str, api_key: bool) -> str:

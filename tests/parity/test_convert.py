@@ -147,3 +147,24 @@ def test_oracle_quirk_mlx_lm_llama_ignores_rope_parameters(tmp_path):
     ids = mx.array([tok.encode("The quick brown fox jumps over the lazy dog")])
     assert mx.array_equal(m_new(ids), m_old(ids))
     assert not mx.array_equal(r_new(ids), m_new(ids))
+
+
+def test_mixed_recipe_without_group_size_records_the_group_mlx_lm_leaves_null(hf, tmp_path):
+    """mlx_lm.convert hands a mixed recipe `--q-group-size` as given (None when not set),
+    so its config records `"group_size": null` per layer (MLX then quantizes with 64).
+    We record the group actually used (64): same weight bytes, config differs there only."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    convert(hf["llama-bfloat16"], ours, ConvertOptions(quantize=True,
+                                                       quant_predicate="mixed_3_6"),
+            log=lambda _: None)
+    _mlx_lm_convert(hf["llama-bfloat16"], theirs, quantize=True, quant_predicate="mixed_3_6")
+    assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
+    a = json.loads((ours / "config.json").read_text())
+    b = json.loads((theirs / "config.json").read_text())
+    layers = [k for k in b["quantization"] if isinstance(b["quantization"][k], dict)]
+    assert layers and all(b["quantization"][k]["group_size"] is None for k in layers)
+    for k in layers:
+        b["quantization"][k]["group_size"] = 64
+    b["quantization_config"] = b["quantization"]
+    assert a == b
+    assert_same_logits(ours, theirs)
