@@ -30,7 +30,7 @@ step "venv + pip install -e ." "$t"
 t=$(now); engine-serve --port "$PORT1" >"$WORK/s1.out" 2>"$WORK/s1.err" & P=$!
 wait_line "$WORK/s1.out" "try:" $P; step "engine-serve (built-in model) ready" "$t"
 t=$(now); ask "$PORT1"; step "first request (kernels compile)" "$t"
-t=$(now); ask "$PORT1"; step "second request (64 tokens)" "$t"
+t=$(now); ask "$PORT1"; step "second request (max_tokens 64)" "$t"
 kill $P; wait $P 2>/dev/null || true
 
 t=$(now); python -m pip install -q transformers 2>/dev/null; step "pip install transformers" "$t"
@@ -42,7 +42,7 @@ step "engine-convert -q (4-bit)" "$t"
 t=$(now); engine-serve --model llama-4bit --port "$PORT2" >"$WORK/s2.out" 2>"$WORK/s2.err" & P=$!
 wait_line "$WORK/s2.out" "try:" $P; step "engine-serve --model llama-4bit ready" "$t"
 t=$(now); ask "$PORT2"; step "first request (kernels compile)" "$t"
-t=$(now); ask "$PORT2"; step "second request (64 tokens)" "$t"
+t=$(now); ask "$PORT2"; step "second request (max_tokens 64)" "$t"
 if command -v chromium >/dev/null && command -v chromedriver >/dev/null \
    && python -m pip install -q selenium 2>/dev/null; then
   t=$(now); python experiments/chat_screenshot.py --url "http://127.0.0.1:$PORT2" \

@@ -5,8 +5,8 @@ Two sources, neither inside the request handlers:
 - `MetricsMiddleware`, an ASGI middleware around the whole app, sees every
   request and its response messages: request counts by protocol and status,
   end-to-end latency, and for streamed (SSE) responses the time to the first
-  generated chunk (the stream's opening frame is written before generation
-  starts, so the first chunk after it) and the gaps between later chunks
+  chunk of generated output (an opening frame written before generation starts,
+  such as OpenAI's role delta, does not count) and the gaps between later chunks
   (inter-token latency; with `--stream-interval-ms` above 0 the server
   coalesces tokens, so a gap can span several tokens). Prompt and generated
   token counts come from the `usage` every protocol reports in its response.
@@ -34,6 +34,10 @@ PROTOCOLS = (
     ("/v1/completions", "openai_completions"), ("/v1/messages", "anthropic"),
     ("/v1/responses", "responses"),
 )
+# A stream's opening frame, written before generation starts (not generated output):
+# OpenAI chat's role delta, Anthropic's message_start, Responses' response.created.
+OPENING_FRAMES = (b'"delta":{"role":"assistant","content":""}', b"event: message_start",
+                  b"event: response.created")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -152,12 +156,14 @@ class MetricsMiddleware:
                 body = message.get("body", b"")
                 now = time.perf_counter()
                 if kind["sse"] and body:
-                    chunks[0] += 1
-                    if chunks[0] == 2:
-                        self.m.ttft.labels(proto).observe(now - t0)
-                    elif chunks[0] > 2:
-                        self.m.itl.labels(proto).observe(now - last[0])
-                    last[0] = now
+                    opening = chunks[0] == 0 and any(f in body for f in OPENING_FRAMES)
+                    if not opening:
+                        chunks[0] += 1
+                        if chunks[0] == 1:
+                            self.m.ttft.labels(proto).observe(now - t0)
+                        else:
+                            self.m.itl.labels(proto).observe(now - last[0])
+                        last[0] = now
                     usage.take_sse(body)
                 elif kind["json"] and body:
                     body_parts.append(body)
