@@ -68,6 +68,21 @@ def write_hf_checkpoint(family: str, out, dtype: str = "bfloat16",
     return out
 
 
+def write_hub_cache(cache, repo_id: str, src, rev: str = "0" * 40) -> Path:
+    """Copy a model directory into `cache` the way huggingface_hub lays out a downloaded
+    snapshot (`models--org--name/refs/main` -> `snapshots/<rev>/...`); returns the snapshot."""
+    import shutil
+    org, name = repo_id.split("/")
+    repo = Path(cache) / f"models--{org}--{name}"
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        shutil.copy(f, snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
 def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(

@@ -6,7 +6,6 @@ is cached in the user cache directory, never in the source tree."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,24 +13,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from parity.hf_layout import write_hub_cache
 from starter.models import ensure_fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = "acme/tiny-qwen"
 REV = "0123456789abcdef0123456789abcdef01234567"
-
-
-def make_hub_cache(cache: Path, repo_id: str, src: Path, rev: str = REV) -> Path:
-    """Copy a model directory into `cache` in the hub's own layout."""
-    org, name = repo_id.split("/")
-    repo = cache / f"models--{org}--{name}"
-    snap = repo / "snapshots" / rev
-    snap.mkdir(parents=True)
-    for f in Path(src).iterdir():
-        shutil.copy(f, snap / f.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(rev)
-    return snap
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +30,7 @@ def qwen_dir():
 def hub_cache(tmp_path, qwen_dir, monkeypatch):
     from huggingface_hub import constants
     cache = tmp_path / "hub"
-    snap = make_hub_cache(cache, REPO, qwen_dir)
+    snap = write_hub_cache(cache, REPO, qwen_dir, REV)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return cache, snap
@@ -104,7 +91,7 @@ def _env(**extra):
 
 def test_cli_loads_a_repo_id_offline_and_fails_cleanly_on_a_missing_one(tmp_path, qwen_dir):
     cache = tmp_path / "hub"
-    make_hub_cache(cache, REPO, qwen_dir)
+    write_hub_cache(cache, REPO, qwen_dir)
     env = _env(HF_HUB_CACHE=str(cache))
     ok = subprocess.run([sys.executable, "-m", "engine.cli", "--model", REPO, "--prompt", "hi",
                          "--max-tokens", "2"], env=env, capture_output=True, text=True,

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 from engine.convert import ConvertOptions, convert
-from parity.hf_layout import write_hf_checkpoint
+from parity.hf_layout import write_hf_checkpoint, write_hub_cache
 
 pytestmark = pytest.mark.parity
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,3 +168,22 @@ def test_mixed_recipe_without_group_size_records_the_group_mlx_lm_leaves_null(hf
     b["quantization_config"] = b["quantization"]
     assert a == b
     assert_same_logits(ours, theirs)
+
+
+def test_convert_from_a_hub_id(hf, tmp_path, monkeypatch):
+    """A repo id resolves through the hub cache (offline); the output equals converting
+    the directory itself, except the model card, which names the id as base model."""
+    from huggingface_hub import constants
+    cache = tmp_path / "hub"
+    write_hub_cache(cache, "acme/tiny-llama", hf["llama-bfloat16"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    by_id, by_dir = tmp_path / "by-id", tmp_path / "by-dir"
+    convert("acme/tiny-llama", by_id, ConvertOptions(quantize=True), log=lambda _: None)
+    convert(hf["llama-bfloat16"], by_dir, ConvertOptions(quantize=True), log=lambda _: None)
+    names = sorted(p.name for p in by_dir.iterdir())
+    assert names == sorted(p.name for p in by_id.iterdir())
+    for n in names:
+        if n != "README.md":
+            assert (by_id / n).read_bytes() == (by_dir / n).read_bytes(), n
+    assert "base_model: acme/tiny-llama" in (by_id / "README.md").read_text()

@@ -1,10 +1,12 @@
 """The chat page: served self-contained, and driven in a real headless Chromium
 (selenium + Debian's chromium/chromium-driver, which scripts/test.sh installs):
 it types a message, sees the streamed text arrive while the request is still
-running, and stops a long generation (the server cancels it)."""
+running, stops a long generation (the server cancels it), and sees reasoning
+apart from the answer and a tool call rendered as a call."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from srv_helpers import ForcedModel, Served, start_server, stop_server
+from srv_helpers import TOOLS, ForcedModel, Served, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -134,6 +136,26 @@ def test_browser_streams_and_stops(browser, slow_srv):
     assert len(content().split()) < 3000
     # the conversation keeps both turns; the page can send again
     assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == 2
+
+    # 3. reasoning is shown apart from the answer; a tool call is rendered as a call
+    def last(sel):
+        return d.find_elements(By.CSS_SELECTOR, sel)[-1].text
+
+    find(By.ID, "max_tokens").clear()
+    find(By.ID, "max_tokens").send_keys("200")
+    forced.arm("<think>pondering the question</think>The answer is four.")
+    box.send_keys("What is 2+2?", Keys.ENTER)
+    wait_for(lambda: find(By.ID, "status").text == "done")
+    assert last(".assistant .reasoning") == "pondering the question"
+    assert last(".assistant .content").strip() == "The answer is four."
+    find(By.ID, "tools").send_keys(json.dumps(TOOLS))
+    forced.arm('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call>')
+    box.send_keys("Weather in Paris?", Keys.ENTER)
+    wait_for(lambda: find(By.ID, "status").text == "done")
+    assert last(".assistant .tools") == 'tool call: get_weather({"city": "Paris"})'
+    assert "tool_calls" in last(".assistant .meta")
+
     shot = os.environ.get("MLXP_CHAT_SCREENSHOT")
     if shot:
         d.save_screenshot(shot)
