@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from .loader import ModelLoadError, load_model, read_config, resolve_model_path
+from .loader import load_model, read_config, resolve_model_path
 
 DTYPES = ("float16", "bfloat16", "float32")
 RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     try:
         convert(args.hf_path, args.mlx_path, opts, revision=args.revision,
                 log=lambda m: print(f"engine-convert: {m}", file=sys.stderr))
-    except (ConvertError, ModelLoadError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:   # ConvertError, ModelLoadError, unsupported model_type
         print(f"engine-convert: {e}", file=sys.stderr)
         return 2
     return 0

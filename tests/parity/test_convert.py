@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +120,13 @@ def test_cli_converts_and_refuses_bad_input_cleanly(hf, tmp_path):
     assert ok.returncode == 0, ok.stderr
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    cfg = json.loads((hf["llama-bfloat16"] / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**cfg, "model_type": "no_such_arch"}))
+    shutil.copy(hf["llama-bfloat16"] / "model.safetensors", odd / "model.safetensors")
     for args, words in [
+        (("--hf-path", str(odd), "--mlx-path", str(tmp_path / "z")), "unsupported model_type"),
         (("--hf-path", str(hf["llama-bfloat16"]), "--mlx-path", str(dst)), "already exists"),
         (("--hf-path", str(tmp_path / "nope"), "--mlx-path", str(tmp_path / "x")),
          "no such directory"),
