@@ -62,7 +62,8 @@ class FirstRequestNotice:
 
     async def __call__(self, scope, receive, send):
         if (not self.said and scope["type"] == "http" and scope["method"] == "POST"
-                and protocol_of(scope["path"]) != "other"):
+                and protocol_of(scope["path"]) != "other"
+                and not scope["path"].endswith("/count_tokens")):
             self.said = True
             log.warning(COMPILE_NOTICE)
         return await self.app(scope, receive, send)
