@@ -118,3 +118,14 @@ def test_builtin_model_lands_in_the_xdg_cache(tmp_path):
     assert d.parent == tmp_path / "mlx-parity" / "builtin"
     assert (d / "config.json").is_file() and (d / "tokenizer.json").is_file()
     assert not str(d).startswith(str(ROOT))
+
+
+def test_serve_and_train_clis_refuse_a_missing_id_with_one_line(hub_cache, tmp_path, capsys):
+    from server.cli import main as serve
+    from train.cli import main as train
+    cache, _ = hub_cache
+    assert serve(["--model", "acme/gone", "--port", "0"]) == 2
+    assert train(["--model", "acme/gone", "--data", str(tmp_path),
+                  "--adapter-path", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("acme/gone" in e and str(cache) in e for e in err), err
