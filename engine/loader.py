@@ -3,11 +3,11 @@
 `resolve_model_path` turns a repo id (`org/name`) into a local snapshot
 directory through `huggingface_hub` (the local hub cache first; a download
 with a progress bar when the network is allowed; `HF_HUB_OFFLINE=1` stays
-offline). `load_model` then reads `config.json`, one or many `model*.safetensors` (an index file names the
-shards when present), applies the architecture's `sanitize`, and rebuilds
-quantized layers from the `quantization` block mlx-lm writes (per-layer
-overrides included: a path mapped to False stays float, a dict sets its own
-bits/group size).
+offline). `load_model` then reads `config.json`, one or many `model*.safetensors`
+(an index file names the shards when present), applies the architecture's
+`sanitize`, and rebuilds quantized layers from the `quantization` block mlx-lm
+writes (per-layer overrides included: a path mapped to False stays float, a dict
+sets its own bits/group size).
 """
 
 from __future__ import annotations
@@ -135,7 +135,10 @@ def load_model(path, lazy: bool = False):
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: config.json is missing a field the "
                              f"{config.get('model_type')!r} architecture needs ({e})") from None
-    weights = model.sanitize(weights)
+    try:
+        weights = model.sanitize(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     quant = quantization_of(config)
     if quant is not None:
         apply_quantization(model, quant, weights)
@@ -156,3 +159,31 @@ def load_model(path, lazy: bool = False):
         mx.eval(model.parameters())
     model.eval()
     return model, config
+
+
+def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = False):
+    """(model, tokenizer) from an HF/MLX model directory or a Hugging Face repo id
+    (`engine.load`; see `resolve_model_path`).
+
+    `tensor_parallel=True` shards the model over the ranks of
+    `mx.distributed.init()` (see `engine.sharding`); run it under `mlx.launch`.
+    """
+    from .tokenizer import load_tokenizer
+
+    path = resolve_model_path(path)
+    if tensor_parallel:
+        if adapter_path is not None:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel=True")
+        from .sharding import barrier, shard_model
+        model, _config = load_model(path, lazy=True)
+        shard_model(model)
+        if not lazy:
+            import mlx.core as mx
+            mx.eval(model.parameters())
+        barrier()
+        return model, load_tokenizer(path)
+    model, _config = load_model(path, lazy=lazy)
+    if adapter_path is not None:
+        from .lora import mount_adapter
+        mount_adapter(model, adapter_path)
+    return model, load_tokenizer(path)

@@ -197,13 +197,10 @@ class ServerCollector:
         yield GaugeMetricFamily("engine_queue_depth", "generations waiting for the model",
                                 value=g["queued"])
         yield GaugeMetricFamily("engine_active_generations", "generations running now",
-                                value=(st.batch_lane.active_rows if st.batch_lane is not None
-                                       else g["active"]))
-        if st.batch_lane is not None:
-            b = st.batch_lane.stats()
-            rows, size = b["active_rows"], b["configured"]
-        else:
-            rows, size = g["active"], 1
+                                value=g["active"])
+        b = st.batch_stats()     # the Engine's counters, through the server state
+        rows = b["active_rows"]
+        size = b["configured"] if b["batched"] else 1   # unbatched (--batch 1, KV quant): 1
         yield GaugeMetricFamily("engine_batch_rows", "batch rows in use", value=rows)
         yield GaugeMetricFamily("engine_batch_rows_max", "batch rows configured (--batch)",
                                 value=size)

@@ -21,6 +21,7 @@ from . import sse
 from .chat import (Call, Done, Text, Tool, complete, finite, logprob_entries,
                    normalize_chat_messages, normalize_tools, sampling_from, start,
                    template_kwargs_from)
+from .chat import stream as chat_stream
 from .errors import APIError, bad_request, openai_body
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
@@ -145,20 +146,6 @@ class ChatRender:
                 "usage": usage(done)}
 
 
-async def stream_body(gen, render, head: bytes, error_frame):
-    try:
-        if head:
-            yield head
-        async for batch in gen.events():
-            b = render.feed(batch)
-            if b:
-                yield b
-    except APIError as e:
-        yield error_frame(e)
-    finally:
-        gen.cancel()
-
-
 def _openai_error_frame(e: APIError) -> bytes:
     return sse.data(openai_body(e)) + sse.DONE
 
@@ -171,8 +158,7 @@ async def chat_completions(request: Request):
     gen = await start(state, call, request)
     render = ChatRender(state, state.model_id)
     if stream:
-        gen.stop_watching()
-        return sse.response(stream_body(gen, render, render.head(), _openai_error_frame))
+        return chat_stream(gen, render, render.head(), _openai_error_frame)
     done = await complete(gen)
     return JSONResponse(render.result(done, call.logprobs or call.top_logprobs > 0))
 
@@ -291,7 +277,6 @@ async def completions(request: Request):
     gen = await start(state, call, request)
     render = CompletionRender(state, state.model_id, call.logprobs)
     if stream:
-        gen.stop_watching()
-        return sse.response(stream_body(gen, render, b"", _openai_error_frame))
+        return chat_stream(gen, render, b"", _openai_error_frame)
     done = await complete(gen)
     return JSONResponse(render.result(done))

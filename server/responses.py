@@ -33,6 +33,7 @@ from . import fields as F
 from . import sse
 from .chat import (Call, Done, Text, Tool, complete, normalize_tools, parse_arguments,
                    sampling_from, start, template_kwargs_from)
+from .chat import stream as chat_stream
 from .errors import APIError, bad_request, not_found, openai_body
 
 
@@ -302,19 +303,6 @@ def _error_frame(render: ResponseRender, e: APIError) -> bytes:
         "error", {"message": e.message, "code": e.code, "param": None})
 
 
-async def _stream(gen, render, head):
-    try:
-        yield head
-        async for batch in gen.events():
-            b = render.feed(batch)
-            if b:
-                yield b
-    except APIError as e:
-        yield _error_frame(render, e)
-    finally:
-        gen.cancel()
-
-
 async def create_response(request: Request):
     state = request.app.state.server
     body = await F.read_json(request, state.config.max_body_bytes)
@@ -329,8 +317,7 @@ async def create_response(request: Request):
                             instructions, response=render.final)
     render.on_done = on_done
     if stream:
-        gen.stop_watching()
-        return sse.response(_stream(gen, render, render.head()))
+        return chat_stream(gen, render, render.head(), lambda e: _error_frame(render, e))
     await complete(gen, render.feed)
     return JSONResponse(render.final)
 

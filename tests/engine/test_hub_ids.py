@@ -52,6 +52,24 @@ def test_engine_load_by_repo_id_gives_the_same_logits(hub_cache, qwen_dir):
     assert mx.array_equal(m_id(ids), m_dir(ids))
 
 
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_engine_load_by_repo_id_generates_the_same_tokens(hub_cache, qwen_dir, max_batch):
+    from engine import Engine, SamplingParams
+
+    def run(path):
+        eng = Engine.load(path, max_batch=max_batch)
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        rids = [eng.submit(p, params) for p in ("hello world", "def add(a, b):")]
+        toks = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for out in eng.step():
+                toks[out.request_id] += list(out.token_ids)
+        return [toks[r] for r in rids]
+
+    by_id = run(REPO)
+    assert all(by_id) and by_id == run(qwen_dir)
+
+
 def test_missing_repo_id_says_what_and_where(hub_cache):
     from engine.loader import ModelLoadError, resolve_model_path
     cache, _ = hub_cache

@@ -126,3 +126,25 @@ def test_stream_timing_skips_the_opening_frame_and_reads_usage():
         assert got[("engine_inter_token_latency_seconds_count", "openai_chat")] == 2
         assert got[("engine_prompt_tokens_total", "openai_chat")] == 7
         assert got[("engine_generation_tokens_total", "openai_chat")] == 3
+
+
+@pytest.mark.parametrize("batched,configured,rows_max", [(True, 4, 4), (False, 4, 1)])
+def test_collector_reads_the_engine_counters_through_the_state(batched, configured, rows_max):
+    """Batch gauges come from the state's `batch_stats()` (the Engine's `stats()`): the batched
+    lane reports its rows and `--batch`; one-at-a-time (--batch 1, KV quant) reports 1."""
+    from server.metrics import ServerCollector
+
+    class Gateway:
+        def stats(self):
+            return {"queued": 2, "active": 3, "completed": 5, "cancelled": 1, "failed": 0}
+
+    class State:
+        gateway, prompt_cache = Gateway(), None
+
+        def batch_stats(self):
+            return {"configured": configured, "batched": batched, "active_rows": 3}
+
+    got = {fam.name: fam.samples[0].value for fam in ServerCollector(State()).collect()}
+    assert got["engine_queue_depth"] == 2 and got["engine_active_generations"] == 3
+    assert got["engine_batch_rows"] == 3 and got["engine_batch_rows_max"] == rows_max
+    assert got["engine_generations_completed"] == 5
