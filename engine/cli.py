@@ -42,7 +42,8 @@ def parse_bool(v: str) -> bool:
 def parser() -> argparse.ArgumentParser:
     """Flags named like mlx_lm.generate's (the project's other names as aliases)."""
     p = argparse.ArgumentParser(prog="engine-generate", description="Generate text with mlx-parity")
-    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    p.add_argument("--model", help="model directory or Hugging Face repo id (default: the "
+                   "built-in tiny model)")
     p.add_argument("--adapter-path", help="LoRA adapter directory (mlx-lm format)")
     p.add_argument("--prompt", "-p", default="hello", help="prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")

@@ -1,10 +1,13 @@
-"""Model directory (HF or MLX layout) -> model.
+"""Model directory (HF or MLX layout) or Hugging Face repo id -> model.
 
-Reads `config.json`, one or many `model*.safetensors` (an index file names the
-shards when present), applies the architecture's `sanitize`, and rebuilds
-quantized layers from the `quantization` block mlx-lm writes (per-layer
-overrides included: a path mapped to False stays float, a dict sets its own
-bits/group size).
+`resolve_model_path` turns a repo id (`org/name`) into a local snapshot
+directory through `huggingface_hub` (the local hub cache first; a download
+with a progress bar when the network is allowed; `HF_HUB_OFFLINE=1` stays
+offline). `load_model` then reads `config.json`, one or many `model*.safetensors`
+(an index file names the shards when present), applies the architecture's
+`sanitize`, and rebuilds quantized layers from the `quantization` block mlx-lm
+writes (per-layer overrides included: a path mapped to False stays float, a dict
+sets its own bits/group size).
 """
 
 from __future__ import annotations
@@ -22,6 +25,50 @@ from .models import build
 
 class ModelLoadError(ValueError):
     """The directory does not hold a model this engine can load."""
+
+
+# What a snapshot download fetches: weights, configs, tokenizer and template files.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken",
+                "*.jsonl"]
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return (0 < len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
+            and "\\" not in name)
+
+
+def resolve_model_path(path_or_id, revision: str | None = None, cache_dir=None) -> Path:
+    """A local model directory for a directory path or a Hugging Face repo id.
+
+    An existing path is returned as is (it must be a directory). Anything else
+    that looks like `org/name` is looked up with `huggingface_hub.snapshot_download`:
+    the local hub cache (`HF_HUB_CACHE`, or `cache_dir`) answers when it holds the
+    snapshot; otherwise the files are downloaded unless `HF_HUB_OFFLINE=1`."""
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{path}: not a directory")
+        return path
+    name = str(path_or_id)
+    if not _looks_like_repo_id(name):
+        raise ModelLoadError(f"{name}: no such directory")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
+    where = f"the Hugging Face cache {cache}"
+    try:
+        return Path(snapshot_download(name, revision=revision, cache_dir=cache,
+                                      allow_patterns=HUB_PATTERNS))
+    except HFValidationError:
+        raise ModelLoadError(f"{name}: no such directory, and not a valid Hugging Face "
+                             "repo id") from None
+    except Exception as e:   # offline, unknown repo, network, auth: one line, no traceback
+        offline = " (HF_HUB_OFFLINE=1: downloads are off)" if constants.HF_HUB_OFFLINE else ""
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{name}: not a local directory and not found in {where}"
+                             f"{offline}; {type(e).__name__}: {reason}") from None
 
 
 def read_config(path: Path) -> dict:
@@ -78,9 +125,7 @@ def apply_quantization(model: nn.Module, quant: dict, weights: dict):
 
 
 def load_model(path, lazy: bool = False):
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a directory")
+    path = resolve_model_path(path)
     config = read_config(path)
     weights = {}
     for f in weight_files(path):
@@ -117,13 +162,15 @@ def load_model(path, lazy: bool = False):
 
 
 def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = False):
-    """(model, tokenizer) from an HF/MLX model directory (`engine.load`).
+    """(model, tokenizer) from an HF/MLX model directory or a Hugging Face repo id
+    (`engine.load`; see `resolve_model_path`).
 
     `tensor_parallel=True` shards the model over the ranks of
     `mx.distributed.init()` (see `engine.sharding`); run it under `mlx.launch`.
     """
     from .tokenizer import load_tokenizer
 
+    path = resolve_model_path(path)
     if tensor_parallel:
         if adapter_path is not None:
             raise ValueError("LoRA adapters are not supported with tensor_parallel=True")

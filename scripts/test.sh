@@ -6,6 +6,23 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q -e ".[test]"
 # mlx-optiq is only the L2 oracle (its KV modules); its other requirements are irrelevant here.
 python3 -m pip install -q --no-deps "mlx-optiq==0.7.7"
+# The chat-page test drives a headless Chromium (Debian's chromium + chromium-driver).
+# Installed once when missing; where it cannot be installed that test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    SUDO="sudo -n"
+  fi
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; }; then
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+      || { $SUDO apt-get update -q >/dev/null 2>&1 \
+           && $SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } \
+      || echo "scripts/test.sh: could not install chromium; the browser test will skip"
+  else
+    echo "scripts/test.sh: no chromium and no way to install it (apt-get as root); the browser test will skip"
+  fi
+fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 set +e
 python3 -m pytest -q "$@"

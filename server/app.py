@@ -22,12 +22,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Match
 
-from . import admin, anthropic, openai, responses
+from . import admin, anthropic, chat_page, metrics, openai, responses
+from .first_run import FirstRequestNotice
 from .errors import APIError, body_for, is_anthropic_path
 from .limits import BodyLimits, default_prompt_chars
 from .security import SecurityConfig, add_security_middleware, default_allowed_hosts
 
 log = logging.getLogger("engine-serve")
+PUBLIC_PATHS = ("/health", "/favicon.ico") + chat_page.PATHS   # the page holds no data; its requests send the key
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
@@ -109,5 +111,8 @@ def create_app(state, security: Optional[SecurityConfig] = None) -> FastAPI:
         chars = default_prompt_chars(getattr(state, "max_position", None))
         security = replace(security, limits=replace(security.limits, max_prompt_chars=chars))
     app.state.security = security
-    add_security_middleware(app, security)
+    add_security_middleware(app, security, public_paths=PUBLIC_PATHS)
+    chat_page.install(app)
+    app.add_middleware(FirstRequestNotice)
+    metrics.install(app, state)     # last: the outermost middleware, it also sees 401s
     return app

@@ -10,7 +10,8 @@ Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
 are accepted as aliases (--temp, --adapter-path, --decode-concurrency,
 --prompt-cache-bytes, --kv-bits, --chat-template-args, ...), so it is a
-drop-in. It prints one ready line: URL, model id, admission ceiling, auth.
+drop-in. When it listens it prints a ready line (URL, model id, admission ceiling, auth),
+then the SDK base URL, the chat page, /metrics and a copy-paste curl.
 The security flags and their defaults are described in docs/security.md.
 """
 
@@ -47,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", help="model directory (default: the built-in tiny model)")
+    a("--model", help="model directory or Hugging Face repo id (default: the built-in tiny "
+      "model, random weights)")
     a("--model-id", help="the id echoed back as `model` (default: the directory name)")
     a("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     a("--port", type=int, default=8090, help="port (default 8090; 0 = any free port)")
@@ -402,6 +404,7 @@ def main(argv=None) -> int:
     from engine.kv_quant import KVConfigError
     from engine.loader import ModelLoadError
     from .app import create_app
+    from .first_run import ready_text
     from .state import build_state
 
     if config.memory_budget_bytes is not None:
@@ -429,7 +432,7 @@ def main(argv=None) -> int:
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started:
-            print(ready_line(state, url), flush=True)
+            print(ready_text(state, url, ready_line(state, url)), flush=True)
         await task
 
     try:

@@ -73,6 +73,16 @@ def _host_name(value: bytes) -> str:
     return v.rsplit(":", 1)[0] if v.count(":") == 1 else v
 
 
+def _same_origin(origin: bytes, host: bytes) -> bool:
+    """A page served by this server (the chat page) calling its own API: the
+    Origin names the Host it was sent to. (Host names are checked before this.)"""
+    o = origin.decode("latin-1").strip().lower()
+    for scheme in ("http://", "https://"):
+        if o.startswith(scheme):
+            return bool(host) and o[len(scheme):].rstrip("/") == host.decode("latin-1").strip().lower()
+    return False
+
+
 class OriginGuard:
     """Host check, then per-route CORS: granted origins get headers, the rest a 403."""
 
@@ -111,7 +121,7 @@ class OriginGuard:
                          f"{', '.join(self.hosts)}; see --allowed-hosts)",
                     type="permission_error"))
         origin = headers.get(b"origin")
-        if origin is None:
+        if origin is None or _same_origin(origin, headers.get(b"host", b"")):
             return await self.app(scope, receive, send)
         origin = origin.decode("latin-1")
         if not self.granted(origin, scope["path"]):
@@ -122,15 +132,17 @@ class OriginGuard:
 
 
 class AuthMiddleware:
-    """`--api-key`: every route but /health needs `Authorization: Bearer KEY` or
-    `x-api-key: KEY` (CORS preflights of granted origins pass)."""
+    """`--api-key`: every route but the public ones (/health, the chat page: it
+    holds no data, its own API calls send the key) needs `Authorization: Bearer
+    KEY` or `x-api-key: KEY` (CORS preflights of granted origins pass)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, public_paths=("/health",)):
         self.app = app
         self.key = api_key.encode()
+        self.public = frozenset(public_paths)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health" or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["path"] in self.public or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"x-api-key")
@@ -145,13 +157,13 @@ class AuthMiddleware:
                                           code="invalid_api_key"))
 
 
-def add_security_middleware(app, config: SecurityConfig) -> None:
+def add_security_middleware(app, config: SecurityConfig, public_paths=("/health",)) -> None:
     """The middleware stack of a FastAPI `app` (outermost first: origin, auth, body limits)."""
     from .limits import BodyGuard
 
     app.add_middleware(BodyGuard, limits=config.limits)
     if config.api_key:
-        app.add_middleware(AuthMiddleware, api_key=config.api_key)
+        app.add_middleware(AuthMiddleware, api_key=config.api_key, public_paths=public_paths)
     app.add_middleware(OriginGuard, config=config)
 
 

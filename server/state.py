@@ -244,10 +244,17 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
     on one thread cannot be evaluated on another (MLX streams are per thread),
     so loading on the worker is the safe default. `wrap_model(model, tok)`
     (tests) may wrap the loaded model."""
+    import dataclasses
+
     import engine
+    from engine.loader import resolve_model_path
 
     gateway = gateway or Gateway()
     model_dir = config.model or default_model_dir()
+    if not Path(model_dir).exists():   # a Hugging Face repo id: its snapshot directory
+        if not config.model_id:
+            config = dataclasses.replace(config, model_id=model_dir)
+        model_dir = str(resolve_model_path(model_dir))
 
     def load():
         if model is not None:

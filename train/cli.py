@@ -19,7 +19,7 @@ import sys
 # Help texts of `TrainConfig`'s fields; the flags, their types and defaults come from the
 # dataclass itself (one place). Flag = the field name with dashes (mlx-lm's names).
 HELP = {
-    "model": "model directory (HF/MLX layout, may be quantized)",
+    "model": "model directory (HF/MLX layout, may be quantized) or Hugging Face repo id",
     "data": "directory with train.jsonl [valid.jsonl]",
     "adapter_path": "output adapter directory",
     "optimizer": "optimizer",

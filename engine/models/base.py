@@ -55,9 +55,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, act=silu_gate):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        # built gate, up, down (the random-init order the fixtures were made with) but
+        # registered gate, down, up: the parameter order mlx-lm's models have, which is
+        # the tensor order of a converted checkpoint (engine-convert's byte parity)
+        gate = nn.Linear(dim, hidden, bias=bias)
+        up = nn.Linear(dim, hidden, bias=bias)
+        down = nn.Linear(hidden, dim, bias=bias)
+        self.gate_proj, self.down_proj, self.up_proj = gate, down, up
         self._act = act
 
     def __call__(self, x):

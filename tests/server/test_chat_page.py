@@ -1,0 +1,161 @@
+"""The chat page: served self-contained, and driven in a real headless Chromium
+(selenium + Debian's chromium/chromium-driver, which scripts/test.sh installs):
+it types a message, sees the streamed text arrive while the request is still
+running, stops a long generation (the server cancels it), and sees reasoning
+apart from the answer and a tool call rendered as a call."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import httpx
+import pytest
+
+from srv_helpers import TOOLS, ForcedModel, Served, start_server, stop_server
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+
+
+def test_page_is_served_self_contained(srv):
+    for path in ("/", "/chat"):
+        r = httpx.get(srv.url + path, timeout=30)
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/html")
+        assert "v1/chat/completions" in r.text
+        # nothing is fetched from outside the server: no absolute URLs at all
+        assert not re.search(r"https?://|//cdn|@import", r.text)
+
+
+def test_page_loads_without_the_key_but_the_api_does_not(qwen_dir):
+    s = start_server(qwen_dir, api_key="k1", prompt_cache_bytes=0)
+    try:
+        assert httpx.get(s.url + "/", timeout=30).status_code == 200
+        assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 401
+    finally:
+        stop_server(s)
+
+
+class SlowModel:
+    """A real model that takes `delay` seconds more per forward (a long generation
+    the browser can stop while it runs)."""
+
+    def __init__(self, model, delay: float):
+        object.__setattr__(self, "_inner", model)
+        object.__setattr__(self, "_delay", delay)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __call__(self, *a, **kw):
+        time.sleep(self._delay)
+        return self._inner(*a, **kw)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and DRIVER):
+        msg = "no chromium/chromedriver on PATH (scripts/test.sh installs Debian's chromium)"
+        print(f"SKIP browser test: {msg}")
+        pytest.skip(msg)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+              "--window-size=1200,800"):
+        opts.add_argument(a)
+    drv = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield drv
+    drv.quit()
+
+
+@pytest.fixture(scope="module")
+def slow_srv(qwen_dir):
+    from server.app import create_app
+    from server.cli import BackgroundServer
+    from server.state import ServerConfig, build_state
+    cfg = ServerConfig(model=str(qwen_dir), prompt_cache_bytes=0, stream_interval_ms=0)
+    state = build_state(cfg, wrap_model=lambda m, t: ForcedModel(SlowModel(m, 0.02), t))
+    bg = BackgroundServer(create_app(state)).start()
+    s = Served(bg.url, state, None, state.tokenizer, qwen_dir, state.model, bg)
+    yield s
+    stop_server(s)
+
+
+def wait_for(fn, timeout=30.0, every=0.02):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = fn()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError("timed out waiting")
+
+
+def test_browser_streams_and_stops(browser, slow_srv):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    d, s = browser, slow_srv
+    forced = s.forced
+    d.get(s.url + "/chat")
+    find = d.find_element
+    wait_for(lambda: find(By.ID, "model").text == s.state.model_id)
+
+    # 1. a message streams in, piece by piece, and ends with tokens/s
+    reply = "Streaming works from the model to the page one token at a time."
+    forced.arm(reply)
+    box = find(By.ID, "input")
+    box.send_keys("Say something", Keys.ENTER)
+    content = lambda: d.execute_script(  # noqa: E731
+        "const c = document.querySelectorAll('.assistant .content');"
+        "return c.length ? c[c.length - 1].textContent : '';")
+    partial = wait_for(lambda: (t := content()) and not find(By.ID, "stop").get_attribute(
+        "disabled") and t != reply and t)
+    assert reply.startswith(partial)               # seen mid-stream, a prefix of the answer
+    wait_for(lambda: find(By.ID, "status").text == "done")
+    assert content() == reply
+    meta = d.find_elements(By.CSS_SELECTOR, ".assistant .meta")[-1].text
+    assert re.search(r"\d+ tokens · [\d.]+ tok/s", meta), meta
+
+    # 2. a long generation is stopped from the page; the server cancels it
+    cancelled = s.state.gateway.stats()["cancelled"]
+    forced.arm("word " * 3000)
+    find(By.ID, "max_tokens").clear()
+    find(By.ID, "max_tokens").send_keys("3000")
+    box.send_keys("Go on for a long time", Keys.ENTER)
+    wait_for(lambda: len(content()) > 20)
+    find(By.ID, "stop").click()
+    wait_for(lambda: find(By.ID, "status").text == "stopped")
+    wait_for(lambda: s.state.gateway.stats()["cancelled"] == cancelled + 1, timeout=20)
+    assert s.state.gateway.stats()["active"] == 0
+    assert len(content().split()) < 3000
+    # the conversation keeps both turns; the page can send again
+    assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == 2
+
+    # 3. reasoning is shown apart from the answer; a tool call is rendered as a call
+    def last(sel):
+        return d.find_elements(By.CSS_SELECTOR, sel)[-1].text
+
+    find(By.ID, "max_tokens").clear()
+    find(By.ID, "max_tokens").send_keys("200")
+    forced.arm("<think>pondering the question</think>The answer is four.")
+    box.send_keys("What is 2+2?", Keys.ENTER)
+    wait_for(lambda: find(By.ID, "status").text == "done")
+    assert last(".assistant .reasoning") == "pondering the question"
+    assert last(".assistant .content").strip() == "The answer is four."
+    find(By.ID, "tools").send_keys(json.dumps(TOOLS))
+    forced.arm('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call>')
+    box.send_keys("Weather in Paris?", Keys.ENTER)
+    wait_for(lambda: find(By.ID, "status").text == "done")
+    assert last(".assistant .tools") == 'tool call: get_weather({"city": "Paris"})'
+    assert "tool_calls" in last(".assistant .meta")
+
+    shot = os.environ.get("MLXP_CHAT_SCREENSHOT")
+    if shot:
+        d.save_screenshot(shot)
