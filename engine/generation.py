@@ -136,6 +136,7 @@ def stream_generate(
     template_kwargs: Optional[dict] = None,
     prefill_step_size: int = 2048,
     should_stop=None,
+    logits_processors: Optional[list] = None,
 ) -> Iterator[Segment]:
     from .sampling import make_logits_processors, make_sampler
     from .text import StopMatcher
@@ -160,6 +161,7 @@ def stream_generate(
         logit_bias=logit_bias, repetition_penalty=repetition_penalty,
         repetition_context_size=repetition_context_size,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+    processors += list(logits_processors or ())   # e.g. engine.constrained's, run last
     if seed is not None:
         mx.random.seed(seed)
 
