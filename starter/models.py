@@ -95,6 +95,18 @@ TOKENIZER_FAMILY = {"llama": "llama", "qwen3": "qwen3", "minicpm": "minicpm",
 DTYPES = ("float32", "bfloat16", "q4", "q8")
 SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5}
 
+# Checkpoints whose architecture is one family's and whose tokenizer is another's:
+# name -> (architecture family, tokenizer family). Released MiniCPM5 checkpoints are
+# `model_type: llama` with MiniCPM5's template (its thinking and tool-call format).
+VARIANTS = {"minicpm5_llama": ("llama", "minicpm")}
+
+
+def _resolve(family: str) -> tuple:
+    """(architecture family, tokenizer family) of a fixture name."""
+    if family in VARIANTS:
+        return VARIANTS[family]
+    return family, TOKENIZER_FAMILY[family]
+
 
 def fixture_root() -> Path:
     from . import cache_root
@@ -174,9 +186,10 @@ def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok_ids = build_tokenizer(out, TOKENIZER_FAMILY[family], vocab_size=VOCAB)
-    config = config_for(family, tok_ids)
-    model, weights = _random_weights(family, config, SEEDS[family])
+    arch, tok_family = _resolve(family)
+    tok_ids = build_tokenizer(out, tok_family, vocab_size=VOCAB)
+    config = config_for(arch, tok_ids)
+    model, weights = _random_weights(arch, config, SEEDS[arch])
     float_dtype = mx.float32 if dtype == "float32" else mx.bfloat16
     weights = {k: v.astype(float_dtype) for k, v in weights.items()}
     if dtype in ("q4", "q8"):
@@ -187,7 +200,7 @@ def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 
         config["quantization"] = dict(q)
         config["quantization_config"] = dict(q)
     config["torch_dtype"] = "float32" if dtype == "float32" else "bfloat16"
-    _save_weights(out, _hf_names(family, weights), shards)
+    _save_weights(out, _hf_names(arch, weights), shards)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
 
@@ -201,15 +214,19 @@ def _tokenizer_key() -> str:
 def fixture_name(family: str, dtype: str = "float32", shards: int = 1) -> str:
     """Directory name: readable part + hash of everything that shapes the bytes."""
     name = f"{family}-{dtype}" + (f"-sharded{shards}" if shards > 1 else "")
-    spec = json.dumps([BUILDER_VERSION, _tokenizer_key(), FAMILIES[family], dtype, shards],
-                      sort_keys=True)
+    arch, tok_family = _resolve(family)
+    parts = [BUILDER_VERSION, _tokenizer_key(), FAMILIES[arch], dtype, shards]
+    if family in VARIANTS:
+        parts.append(tok_family)
+    spec = json.dumps(parts, sort_keys=True)
     return f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
 
 
 def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1) -> Path:
     """Path of the cached fixture, building it first (atomically) if needed."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)}")
+    if family not in FAMILIES and family not in VARIANTS:
+        raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)} "
+                         f"and variants {sorted(VARIANTS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown fixture dtype {dtype!r}; have {DTYPES}")
     root = fixture_root()

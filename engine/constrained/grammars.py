@@ -116,10 +116,10 @@ def reasoning_prefix(start: Optional[str], end: str, lit: Literals,
                      budget: Optional[int] = None) -> str:
     """Rules ``think`` (and ``think_body``) for an optional reasoning block:
     ``start`` (None when the prompt already opened the block) ... ``end``,
-    then whitespace; ``budget`` caps the reasoning tokens."""
+    then at most 8 whitespace characters; ``budget`` caps the reasoning tokens."""
     cap = f"[max_tokens={int(budget)}]" if budget is not None else ""
     opener = f"{lit(start)} " if start else ""
-    return (f"think: {opener}think_body {lit(end)} /[ \\t\\r\\n]*/\n"
+    return (f"think: {opener}think_body {lit(end)} /[ \\t\\r\\n]{{0,8}}/\n"
             f"think_body{cap}: /(?s:.*)/\n")
 
 
