@@ -5,7 +5,9 @@ A ``GrammarProcessor`` is a logits processor of the usual shape
 request, stateful: the first call sees the prompt (``tokens`` is the history
 the loop hands processors); each later call finds exactly the tokens sampled
 since, advances the grammar matcher by them (reading them on the host), then
-sets every token the grammar does not allow next to ``-inf``. When the
+sets every token the grammar does not allow next to ``-inf``. Before it waits
+for the last token it queues the step's forward (``mx.async_eval``), so the
+mask is computed on the host while the model runs, not after it. When the
 grammar is complete only the end-of-sequence tokens remain allowed, so the
 loop stops with ``finish_reason == "stop"``.
 
@@ -97,6 +99,10 @@ class GrammarProcessor:
         return np.concatenate([bits, np.zeros(vocab - bits.size, np.uint8)]).astype(bool)
 
     def __call__(self, tokens, logits: mx.array) -> mx.array:
+        if self._start is not None:
+            # Reading the last sampled token waits for it. Queue this step's
+            # forward first, so the mask is computed on the host while it runs.
+            mx.async_eval(logits)
         self._advance(tokens)
         mask = mx.array(self.allowed(logits.shape[-1]))
         return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))

@@ -308,7 +308,7 @@ def _check_calls(text, tool_format, name=None, at_least=1):
 
 
 @pytest.mark.parametrize("family,tool_format", FAMILIES)
-@pytest.mark.parametrize("choice", ["required", "get_weather", "get_time"])
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
 def test_forced_tool_call_serial(models, family, tool_format, choice):
     model, tok = models[family]
     value = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
