@@ -127,6 +127,9 @@ def normalize_chat_messages(messages) -> list:
                               param="messages")
         if role == "developer":
             role = "system"
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise bad_request(f"{where}.content is required (only an assistant message with "
+                              "tool_calls may leave it out)", param="messages")
         msg = {"role": role, "content": F.text_content(m.get("content"), where)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = normalize_tool_calls(m["tool_calls"], where)
