@@ -44,7 +44,7 @@ from .tools import ContentDelta, ToolCall, ToolCallRouter, ToolFormat
 
 __all__ = [
     "ReasoningFormat", "ReasoningDelta", "REASONING_FORMATS", "get_reasoning_format",
-    "reasoning_format_for", "starts_in_reasoning", "ReasoningSplitter", "split_reasoning",
+    "reasoning_format_for", "default_enable_thinking", "starts_in_reasoning", "ReasoningSplitter", "split_reasoning",
     "ChatOutputParser", "ParsedOutput", "parse_chat_output",
 ]
 
@@ -110,6 +110,15 @@ def reasoning_format_for(tokenizer: Any) -> Optional[ReasoningFormat]:
                 return REASONING_FORMATS[name]
             return fmt
     return ReasoningFormat("think", start, end)
+
+
+def default_enable_thinking(tokenizer: Any) -> Optional[bool]:
+    """The ``enable_thinking`` a server should render with when neither the
+    request nor the server's settings say: False for MiniCPM5 (it answers
+    directly unless asked to think), None (the tokenizer's own default,
+    ``has_thinking`` as in mlx-lm) for every other family."""
+    fmt = reasoning_format_for(tokenizer)
+    return False if fmt is not None and fmt.name == "minicpm5" else None
 
 
 def starts_in_reasoning(prompt_text: str, fmt: Union[str, ReasoningFormat, None]) -> bool:

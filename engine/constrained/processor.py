@@ -72,9 +72,9 @@ class GrammarProcessor:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
     @property
-    def done(self) -> bool:
-        """The grammar is complete (only end-of-sequence tokens remain)."""
-        return self.matcher.is_stopped() or self.matcher.is_accepting()
+    def complete(self) -> bool:
+        """The output so far is a whole match (an end-of-sequence token is allowed next)."""
+        return self.matcher.is_accepting()
 
     def _advance(self, tokens) -> None:
         n = tokens.size if isinstance(tokens, mx.array) else len(tokens)

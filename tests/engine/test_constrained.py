@@ -19,7 +19,7 @@ from engine.constrained import (ConstraintError, ResponseFormat, ToolChoice,
                                 parse_response_format, parse_tool_choice,
                                 response_format_processor, tool_choice_processor)
 from engine.constrained.grammars import close_objects
-from engine.reasoning import split_reasoning
+from engine.reasoning import ChatOutputParser, collect, parse_chat_output, split_reasoning
 from engine.sampling import make_sampler
 from engine.tools import parse_tool_calls
 from starter.models import ensure_fixture
@@ -381,3 +381,22 @@ def test_prompt_opened_reasoning_then_tool_call(models):
     assert r.finish_reason == "stop" and "</think>" in r.text
     reasoning, content = split_reasoning(r.text, "minicpm5", in_reasoning=True)
     _check_calls(content, "minicpm5", "get_time")
+
+
+def test_streamed_segments_split_like_the_whole_text(qwen3):
+    """engine.stream_generate's segments through ChatOutputParser give what the
+    one-shot parse of the whole text gives: reasoning, then valid JSON content."""
+    model, tok = qwen3
+    think = tok.convert_tokens_to_ids("<think>")
+    proc = response_format_processor(tok, _format(SCHEMAS["enums"]), reasoning="qwen3",
+                                     reasoning_budget=6)
+    segs = [s.text for s in engine.stream_generate(
+        model, tok, USER, max_tokens=200, temperature=1.0, seed=4, logits_processors=[proc],
+        logit_bias={think: 30.0}, template_kwargs={"enable_thinking": True})]
+    assert len(segs) > 5
+    parser = ChatOutputParser("qwen3")
+    events = [e for s in segs for e in parser.feed(s)] + parser.finish()
+    streamed = collect(events)
+    assert streamed == parse_chat_output("".join(segs), "qwen3")
+    assert streamed.reasoning and not streamed.tool_calls
+    jsonschema.validate(json.loads(streamed.content), SCHEMAS["enums"])

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.reasoning import (REASONING_FORMATS, ChatOutputParser, ReasoningDelta,
-                              ReasoningSplitter, collect, get_reasoning_format,
+                              ReasoningSplitter, collect, default_enable_thinking,
+                              get_reasoning_format,
                               parse_chat_output, reasoning_format_for, split_reasoning,
                               starts_in_reasoning)
 from engine.tools import ContentDelta, ToolCall
@@ -255,3 +256,17 @@ def test_markers_survive_detokenization(tokenizers):
             d.add_token(i)
         d.finalize()
         assert split_reasoning(d.text, fmt) == ("why", "because")
+
+
+@pytest.mark.parametrize("family,want", [("minicpm", False), ("qwen3", None), ("gemma4", None),
+                                         ("llama", None)])
+def test_default_enable_thinking(tokenizers, family, want):
+    """MiniCPM5 answers directly unless asked: its default renders a closed block."""
+    tok = tokenizers[family]
+    assert default_enable_thinking(tok) is want
+    if want is False:
+        prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         enable_thinking=want)
+        assert not starts_in_reasoning(prompt, reasoning_format_for(tok))
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) \
+            != prompt   # the tokenizer's own default (mlx-lm's) would think
