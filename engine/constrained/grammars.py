@@ -39,6 +39,11 @@ __all__ = ["json_grammar", "tool_call_grammar", "reasoning_prefix", "Literals"]
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _quote(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 class Literals:
     """Lark literals for text, with the tokenizer's added tokens as ``<[id]>``."""
 
@@ -52,11 +57,11 @@ class Literals:
         parts, i = [], 0
         for m in (self._pattern.finditer(text) if self._pattern else ()):
             if m.start() > i:
-                parts.append(json.dumps(text[i:m.start()]))
+                parts.append(_quote(text[i:m.start()]))
             parts.append(f"<[{self._by_text[m.group()]}]>")
             i = m.end()
         if i < len(text):
-            parts.append(json.dumps(text[i:]))
+            parts.append(_quote(text[i:]))
         return " ".join(parts) if parts else '""'
 
 
@@ -149,23 +154,41 @@ def _strip_anchors(pattern: str) -> str:
     return pattern
 
 
-def _text_value(schema: dict, char: str, escape: Callable[[str], str]) -> str:
+def _length(schema: dict):
+    lo = max(int(schema.get("minLength", 0)), 0)
+    hi = schema.get("maxLength")
+    return lo, (int(hi) if hi is not None else None)
+
+
+def _text_value(schema: dict, char: str, escape: Callable[[str], str], trimmed: bool = False) -> str:
     """A Lark expression for a string parameter written as text: its enum /
-    const as alternatives, else its pattern, else ``char`` repeated within
-    its length limits."""
+    const as alternatives, else its pattern, else ``char`` repeated within its
+    length limits. ``trimmed``: the format's parser strips whitespace around a
+    value, so the text neither starts nor ends with whitespace."""
     values = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if values is not None:
-        alts = [json.dumps(escape(v)) for v in values if isinstance(v, str)]
+        alts = [_quote(escape(v)) for v in values if isinstance(v, str)]
         if not alts:
             raise ValueError("a string enum needs string values")
         return "(" + " | ".join(alts) + ")"
     if isinstance(schema.get("pattern"), str):
         pat = _strip_anchors(schema["pattern"]).replace("/", "\\/")
         return f"/{pat}/"
-    lo = int(schema.get("minLength", 0))
-    hi = schema.get("maxLength")
-    rep = f"{{{lo},{int(hi)}}}" if hi is not None else ("*" if lo == 0 else f"{{{lo},}}")
-    return f"/{char}{rep}/"
+    lo, hi = _length(schema)
+    if not trimmed:
+        rep = f"{{{lo},{hi}}}" if hi is not None else ("*" if lo == 0 else f"{{{lo},}}")
+        return f"/{char}{rep}/"
+    # no whitespace at either end: an edge character, a middle, an edge character
+    edge = char[:-1] + "\\s]"
+    if hi == 0:
+        return '""'
+    if hi == 1:
+        return f"/({edge})?/" if lo == 0 else f"/{edge}/"
+    mid_hi = "" if hi is None else str(hi - 2)
+    longer = f"{edge}{char}{{{max(lo - 2, 0)},{mid_hi}}}{edge}"
+    if lo <= 1:
+        longer = f"({edge}|{longer})"
+    return f"/({longer})?/" if lo == 0 else f"/{longer}/"
 
 
 def _is_text(schema) -> bool:
@@ -173,6 +196,10 @@ def _is_text(schema) -> bool:
 
 
 def _xml_escape(s: str) -> str:
+    """MiniCPM5 text for an exact string: CDATA keeps surrounding whitespace
+    (plain text is trimmed by the parser), else entities for < & >."""
+    if s != s.strip() and "]]>" not in s:
+        return "<![CDATA[" + s + "]]>"
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
@@ -217,29 +244,31 @@ def _call_gemma4(name, schema, lit, rules, r):
     q = lit('<|"|>')
     items, req = [], []
     for i, (key, sub, required) in enumerate(_props(schema)):
-        key_txt = key if re.fullmatch(r'[^\s:,{}\[\]<>"]+', key) else json.dumps(key)
+        key_txt = key if re.fullmatch(r'[^\s:,{}\[\]<>"]+', key) else _quote(key)
         if _is_text(sub):
             value = f"{q} {_text_value(sub, '[^<]', lambda s: s)} {q}"
         else:
             value = _json(sub)
-        rules.append(f"{r}_m{i}: {json.dumps(key_txt + ':')} {value}")
+        rules.append(f"{r}_m{i}: {_quote(key_txt + ':')} {value}")
         items.append(f"{r}_m{i}")
         req.append(required)
     members = _members(items, req, '","')
-    return f'{lit("<|tool_call>")} {json.dumps("call:" + name + "{")} {members} "}}" ' \
+    return f'{lit("<|tool_call>")} {_quote("call:" + name + "{")} {members} "}}" ' \
            f'{lit("<tool_call|>")}'
 
 
 def _call_minicpm5(name, schema, lit, rules, r):
     items, req = [], []
     for i, (key, sub, required) in enumerate(_props(schema)):
-        value = _text_value(sub, "[^<&\\s]", _xml_escape) if _is_text(sub) else _json(sub)
-        rules.append(f'{r}_p{i}: {lit(f"<param name={json.dumps(key)}>")} {value} '
+        value = _text_value(sub, "[^<&]", _xml_escape, trimmed=True) if _is_text(sub) else _json(sub)
+        opener = lit('<param name="' + key + '">')
+        rules.append(f'{r}_p{i}: {opener} {value} '
                      f'{lit("</param>")}')
         items.append(f"{r}_p{i}")
         req.append(required)
     members = _members(items, req, "")
-    return f'{lit(f"<function name={json.dumps(name)}>")} {members} {lit("</function>")}'
+    opener = lit('<function name="' + name + '">')
+    return f'{opener} {members} {lit("</function>")}'
 
 
 def _call_qwen3_coder(name, schema, lit, rules, r):

@@ -45,14 +45,9 @@ def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
 
 
 def compile_grammar(lark: str, tokenizer) -> str:
-    """Validate a Lark grammar against the tokenizer; ValueError naming the
-    problem if it is not usable. Returns llguidance's serialized grammar."""
-    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, ll_tokenizer(tokenizer))
-    if is_error:
-        raise ValueError(f"the grammar cannot be used: {messages[0] if messages else 'invalid'}")
-    return grammar
+    """llguidance's grammar for a Lark text (checked when a ``GrammarProcessor``
+    is made from it: ValueError naming the problem if it is not usable)."""
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 class GrammarProcessor:
