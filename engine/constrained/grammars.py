@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..tools.schema import schema_types, string_only
@@ -160,14 +161,31 @@ def _length(schema: dict):
     return lo, (int(hi) if hi is not None else None)
 
 
-def _text_value(schema: dict, char: str, escape: Callable[[str], str], trimmed: bool = False) -> str:
+@dataclass(frozen=True)
+class _TextStyle:
+    """How a format writes a string parameter as text.
+
+    ``char``: one character of a length-limited value; ``unit``/``tail``: a
+    value with no length limit is ``unit* tail`` (a unit may be an escape, or
+    a ``<`` that cannot start the closing markup); ``trimmed``: the parser
+    strips whitespace around values, so none is written at either end
+    (``edge``: a unit that is not whitespace); ``escape``: an exact value
+    (enum / const) as text."""
+
+    char: str
+    unit: str
+    tail: str = ""
+    trimmed: bool = False
+    edge: str = ""
+    escape: Callable[[str], str] = str
+
+
+def _text_value(schema: dict, style: _TextStyle) -> str:
     """A Lark expression for a string parameter written as text: its enum /
-    const as alternatives, else its pattern, else ``char`` repeated within its
-    length limits. ``trimmed``: the format's parser strips whitespace around a
-    value, so the text neither starts nor ends with whitespace."""
+    const as alternatives, else its pattern, else text within its length limits."""
     values = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if values is not None:
-        alts = [_quote(escape(v)) for v in values if isinstance(v, str)]
+        alts = [_quote(style.escape(v)) for v in values if isinstance(v, str)]
         if not alts:
             raise ValueError("a string enum needs string values")
         return "(" + " | ".join(alts) + ")"
@@ -175,8 +193,13 @@ def _text_value(schema: dict, char: str, escape: Callable[[str], str], trimmed: 
         pat = _strip_anchors(schema["pattern"]).replace("/", "\\/")
         return f"/{pat}/"
     lo, hi = _length(schema)
-    if not trimmed:
-        rep = f"{{{lo},{hi}}}" if hi is not None else ("*" if lo == 0 else f"{{{lo},}}")
+    if lo == 0 and hi is None:     # unlimited: escapes and harmless '<' allowed
+        if style.trimmed:
+            return f"/({style.edge}({style.unit}*{style.edge})?)?/"
+        return f"/{style.unit}*{style.tail}/"
+    char = style.char
+    if not style.trimmed:
+        rep = f"{{{lo},{hi}}}" if hi is not None else f"{{{lo},}}"
         return f"/{char}{rep}/"
     # no whitespace at either end: an edge character, a middle, an edge character
     edge = char[:-1] + "\\s]"
@@ -201,6 +224,16 @@ def _xml_escape(s: str) -> str:
     if s != s.strip() and "]]>" not in s:
         return "<![CDATA[" + s + "]]>"
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+_ENTITY = "&(lt|gt|amp|quot|apos);"
+# Gemma 4: verbatim between <|"|> tokens; text must not spell '<|' (a quote look-alike)
+GEMMA4_TEXT = _TextStyle(char="[^<]", unit="([^<]|<+[^<|])", tail="<*")
+# Qwen equals-XML: verbatim; text must not spell '</' (a closing tag look-alike)
+QWEN3_CODER_TEXT = _TextStyle(char="[^<]", unit="([^<]|<+[^<\\/])", tail="<*")
+# MiniCPM5: XML character data, trimmed by the parser; < and & only as entities
+MINICPM5_TEXT = _TextStyle(char="[^<&]", unit=f"([^<&]|{_ENTITY})", trimmed=True,
+                           edge=f"([^<&\\s]|{_ENTITY})", escape=_xml_escape)
 
 
 def _members(items: List[str], required: List[bool], sep: str) -> str:
@@ -246,7 +279,7 @@ def _call_gemma4(name, schema, lit, rules, r):
     for i, (key, sub, required) in enumerate(_props(schema)):
         key_txt = key if re.fullmatch(r'[^\s:,{}\[\]<>"]+', key) else _quote(key)
         if _is_text(sub):
-            value = f"{q} {_text_value(sub, '[^<]', lambda s: s)} {q}"
+            value = f"{q} {_text_value(sub, GEMMA4_TEXT)} {q}"
         else:
             value = _json(sub)
         rules.append(f"{r}_m{i}: {_quote(key_txt + ':')} {value}")
@@ -260,7 +293,7 @@ def _call_gemma4(name, schema, lit, rules, r):
 def _call_minicpm5(name, schema, lit, rules, r):
     items, req = [], []
     for i, (key, sub, required) in enumerate(_props(schema)):
-        value = _text_value(sub, "[^<&]", _xml_escape, trimmed=True) if _is_text(sub) else _json(sub)
+        value = _text_value(sub, MINICPM5_TEXT) if _is_text(sub) else _json(sub)
         opener = lit('<param name="' + key + '">')
         rules.append(f'{r}_p{i}: {opener} {value} '
                      f'{lit("</param>")}')
@@ -273,10 +306,17 @@ def _call_minicpm5(name, schema, lit, rules, r):
 
 def _call_qwen3_coder(name, schema, lit, rules, r):
     items, req = [], []
+    close = f'"\\n" {lit("</parameter>")} "\\n"'
     for i, (key, sub, required) in enumerate(_props(schema)):
-        value = _text_value(sub, "[^<]", lambda s: s) if _is_text(sub) else _json(sub)
-        rules.append(f'{r}_p{i}: {lit(f"<parameter={key}>")} "\\n" {value} "\\n" '
-                     f'{lit("</parameter>")} "\\n"')
+        value = _text_value(sub, QWEN3_CODER_TEXT) if _is_text(sub) else _json(sub)
+        if value.startswith("/") and close == '"\\n" "</parameter>" "\\n"':
+            # The lexer extends a text value while it can, so a value that may
+            # hold "\n<" would swallow the start of the closing tag: the value
+            # and its closing tag are one regex instead.
+            body, tail = value[1:-1], "\\n<\\/parameter>\\n"
+            rules.append(f'{r}_p{i}: {lit(f"<parameter={key}>")} "\\n" /({body}){tail}/')
+        else:
+            rules.append(f'{r}_p{i}: {lit(f"<parameter={key}>")} "\\n" {value} {close}')
         items.append(f"{r}_p{i}")
         req.append(required)
     members = _members(items, req, "")

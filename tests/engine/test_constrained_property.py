@@ -114,3 +114,53 @@ def test_property_json_schema_output_validates(tokenizers, schema, seed):
     ids, ended = walk(proc, tok, seed)
     assert ended
     jsonschema.validate(json.loads(tok.decode(ids)), schema)
+
+
+MARKUP = {
+    "gemma4": ('<|tool_call>call:f{s:<|"|>', '<|"|>}<tool_call|>'),
+    "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=s>\n",
+                    "\n</parameter>\n</function>\n</tool_call>"),
+    "minicpm5": ('<function name="f"><param name="s">', "</param></function>"),
+}
+
+
+@pytest.mark.parametrize("fmt,value,ok,parsed", [
+    ("gemma4", "a < b", True, "a < b"),
+    ("gemma4", "<<c <", True, "<<c <"),
+    ("gemma4", "a<|b", False, None),
+    ("qwen3_coder", "if a < b:\n    x = '<'", True, "if a < b:\n    x = '<'"),
+    ("qwen3_coder", "a</b", False, None),
+    ("minicpm5", "a &lt; b &amp;&amp; c", True, "a < b && c"),
+    ("minicpm5", "New York", True, "New York"),
+    ("minicpm5", "a < b", False, None),
+    ("minicpm5", " padded", False, None),
+])
+def test_unlimited_text_values(tokenizers, fmt, value, ok, parsed):
+    _check_text_value(tokenizers, fmt, value, ok, parsed, {"type": "string"})
+
+
+@pytest.mark.parametrize("fmt,value,ok", [
+    ("qwen3_coder", "a\nb\n", True), ("qwen3_coder", "x", True),
+    ("qwen3_coder", "a<b", False), ("qwen3_coder", "y" * 9, False),
+    ("gemma4", "two\nline", True), ("gemma4", "y" * 9, False),
+    ("minicpm5", "in side", True), ("minicpm5", "y" * 9, False), ("minicpm5", "a ", False),
+])
+def test_length_limited_text_values(tokenizers, fmt, value, ok):
+    _check_text_value(tokenizers, fmt, value, ok, value, {"type": "string", "maxLength": 8})
+
+
+def _check_text_value(tokenizers, fmt, value, ok, parsed, schema):
+    """A string parameter with no length limit may hold '<' (where it cannot
+    start the closing markup) or, in MiniCPM5, XML entities; what the grammar
+    accepts parses back to the intended value."""
+    tok = tokenizers[FORMATS[fmt]]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": schema}, "required": ["s"]}}}]
+    proc = tool_choice_processor(tok, fmt, tools, ToolChoice("function", "f"), parallel=False)
+    head, tail = MARKUP[fmt]
+    text = head + value + tail
+    m = proc.matcher
+    accepted = m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    assert accepted is ok, m.get_error()
+    if ok:
+        assert [c.arguments for c in parse_tool_calls(text, fmt, tools)[1]] == [{"s": parsed}]
