@@ -268,11 +268,12 @@ def make_router(state, tools):
     if not tools:
         return None
     try:
-        from engine.tools import ToolCallRouter, get_tool_format
-        fmt = get_tool_format(state.model_type or "")
-    except (ImportError, ValueError):
+        from engine.tools import ToolCallRouter, tool_format_for
+        # the chat template's format first (MiniCPM5 checkpoints are model_type llama)
+        fmt = tool_format_for(state.tokenizer, state.model_type)
+    except ImportError:
         return None
-    return ToolCallRouter(fmt, tools)
+    return ToolCallRouter(fmt, tools) if fmt is not None else None
 
 
 class Generation:
