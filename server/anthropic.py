@@ -31,8 +31,8 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, complete, encode, normalize_tools, parse_arguments,
-                   sampling_from, start, template_kwargs_from)
+from .chat import (Call, Done, Text, Tool, check_constraints, complete, encode, normalize_tools,
+                   parse_arguments, sampling_from, start, template_kwargs_from)
 from .errors import APIError, anthropic_body, bad_request
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -168,6 +168,7 @@ def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
     choice = body.get("tool_choice")
     if choice is not None and not isinstance(choice, dict):
         raise bad_request("tool_choice must be an object", param="tool_choice")
+    check_constraints(None, choice, tools)
     if isinstance(choice, dict) and choice.get("type") == "none":
         tools = None
     call.tools = tools

@@ -264,6 +264,20 @@ def encode(state, call: Call) -> list:
     return ids
 
 
+def check_constraints(response_format, tool_choice, tools,
+                      format_param: str = "response_format") -> None:
+    """Known fields with values we cannot honour are a 400 naming the field: an
+    unknown response format type or a bad schema, a tool_choice naming a tool
+    that is not among the tools (or forcing a call with no tools)."""
+    from engine.constrained import ConstraintError, parse_response_format, parse_tool_choice
+    try:
+        parse_response_format(response_format, param=format_param)
+        if tool_choice is not None:
+            parse_tool_choice(tool_choice, tools)
+    except ConstraintError as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
 def make_router(state, tools):
     if not tools:
         return None

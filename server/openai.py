@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, complete, finite, logprob_entries,
+from .chat import (Call, Done, Text, Tool, check_constraints, complete, finite, logprob_entries,
                    normalize_chat_messages, normalize_tools, sampling_from, start,
                    template_kwargs_from)
 from .errors import APIError, bad_request, openai_body
@@ -48,18 +48,6 @@ def _max_tokens(body: dict, *keys):
     return None
 
 
-def _check_constraints(body: dict, tools) -> None:
-    """Known fields with values we cannot honour are a 400 naming the field
-    (an unknown response_format type, a tool_choice naming a missing tool)."""
-    from engine.constrained import ConstraintError, parse_response_format, parse_tool_choice
-    try:
-        parse_response_format(body.get("response_format"))
-        if body.get("tool_choice") is not None:
-            parse_tool_choice(body["tool_choice"], tools)
-    except ConstraintError as e:
-        raise bad_request(str(e), param=e.param) from None
-
-
 def _single_choice(body: dict):
     n = F.integer(body, "n", 1, lo=1)
     if n != 1:
@@ -83,7 +71,7 @@ def parse_chat(body: dict, state) -> Call:
     choice = body.get("tool_choice")
     if choice is not None and not isinstance(choice, (str, dict)):
         raise bad_request("tool_choice must be a string or an object", param="tool_choice")
-    _check_constraints(body, tools)
+    check_constraints(body.get("response_format"), body.get("tool_choice"), tools)
     if choice == "none":
         tools = None
     call.tools = tools
@@ -211,7 +199,7 @@ def parse_completion(body: dict, state) -> Call:
         raise bad_request("prompt must be a string or an array of token ids (one prompt)",
                           param="prompt")
     _single_choice(body)
-    _check_constraints(body, None)
+    check_constraints(body.get("response_format"), None, None)
     if F.boolean(body, "echo", False):
         raise bad_request("echo is not supported", param="echo")
     call = Call(prompt=prompt)

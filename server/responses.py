@@ -31,8 +31,8 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, complete, normalize_tools, parse_arguments,
-                   sampling_from, start, template_kwargs_from)
+from .chat import (Call, Done, Text, Tool, check_constraints, complete, normalize_tools,
+                   parse_arguments, sampling_from, start, template_kwargs_from)
 from .errors import APIError, bad_request, not_found, openai_body
 
 
@@ -269,6 +269,9 @@ def parse_responses(body: dict, state):
     call.stop = F.stop_list(body, "stop")
     tools = normalize_tools(body.get("tools"))
     choice = body.get("tool_choice")
+    text = body.get("text")
+    check_constraints(text.get("format") if isinstance(text, dict) else None, choice, tools,
+                      format_param="text.format")
     if choice == "none":
         tools = None
     call.tools = tools

@@ -68,3 +68,34 @@ def test_completions_unknown_response_format_is_400(srv):
                                                   "response_format": {"type": "xml"}},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type"
+
+
+A_TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}]
+
+
+def test_anthropic_tool_choice_naming_a_missing_tool_is_400(claude):
+    import anthropic
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m", max_tokens=2, messages=USER, tools=A_TOOLS,
+                               tool_choice={"type": "tool", "name": "nope"})
+    assert "nope" in str(e.value)
+    ok = claude.messages.create(model="m", max_tokens=2, messages=USER, tools=A_TOOLS,
+                                tool_choice={"type": "tool", "name": "get_weather"})
+    assert ok.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+      "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+])
+def test_responses_checks_are_400(oai, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="m", input="hi", max_output_tokens=16, **kw)
+    assert e.value.body["param"] == param
+
+
+def test_responses_accepts_a_json_schema_format(oai):
+    r = oai.responses.create(model="m", input="hi", max_output_tokens=16, text={"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}})
+    assert r.status in ("completed", "incomplete")
