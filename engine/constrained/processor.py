@@ -88,10 +88,10 @@ class GrammarProcessor:
     def allowed(self, vocab: int) -> np.ndarray:
         """Boolean mask [vocab] of the tokens the grammar allows next."""
         self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little").view(bool)  # 0/1
         if bits.size >= vocab:
-            return bits[:vocab].astype(bool)
-        return np.concatenate([bits, np.zeros(vocab - bits.size, np.uint8)]).astype(bool)
+            return bits[:vocab]
+        return np.concatenate([bits, np.zeros(vocab - bits.size, bool)])
 
     def __call__(self, tokens, logits: mx.array) -> mx.array:
         if self._start is not None:

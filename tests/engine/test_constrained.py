@@ -208,6 +208,16 @@ def test_processor_only_masks(qwen3):
     assert np.array_equal(np.array(logits), before)
 
 
+def test_model_vocab_larger_than_tokenizer(qwen3):
+    """Checkpoints often pad the embedding past the tokenizer: the padding ids
+    are never allowed."""
+    _, tok = qwen3
+    proc = response_format_processor(tok, ResponseFormat("json_object"))
+    out = np.array(proc(mx.array([1]), mx.zeros((1, tok.vocab_size + 64))))
+    assert out.shape == (1, tok.vocab_size + 64)
+    assert np.all(np.isneginf(out[0, tok.vocab_size:])) and np.isfinite(out[0]).any()
+
+
 def test_forbidden_token_ends_the_request(qwen3):
     """A token the grammar cannot take (only possible if something else picked
     it) puts the processor in an error state: only EOS remains allowed."""
