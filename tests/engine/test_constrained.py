@@ -82,7 +82,7 @@ def _format(schema):
                                   "json_schema": {"name": "out", "schema": schema, "strict": True}})
 
 
-def _serial(model, tok, procs, *, temp=0.0, seed=0, max_tokens=200, prompt=USER, tools=None,
+def _serial(model, tok, procs, *, temp=0.0, seed=0, max_tokens=400, prompt=USER, tools=None,
             template=NO_THINK, **kw):
     return engine.generate(model, tok, prompt, max_tokens=max_tokens, temperature=temp, seed=seed,
                            logits_processors=procs, tools=tools, template_kwargs=template, **kw)
