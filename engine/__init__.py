@@ -4,17 +4,12 @@ from __future__ import annotations
 
 __version__ = "0.2.0"
 
+from .core import Engine  # noqa: E402
+from .loader import load  # noqa: E402
+from .request import RequestOutput, SamplingParams  # noqa: E402
 
-def load(path, adapter_path=None, lazy: bool = False):
-    """(model, tokenizer) from an HF/MLX model directory."""
-    from .loader import load_model
-    from .tokenizer import load_tokenizer
-
-    model, _config = load_model(path, lazy=lazy)
-    if adapter_path is not None:
-        from .lora import mount_adapter
-        mount_adapter(model, adapter_path)
-    return model, load_tokenizer(path)
+__all__ = ["Engine", "RequestOutput", "SamplingParams", "generate", "load", "make_cache",
+           "stream_generate"]
 
 
 def make_cache(model, kv_bits=None, kv_group_size: int = 64):
@@ -24,7 +19,7 @@ def make_cache(model, kv_bits=None, kv_group_size: int = 64):
 
 
 def stream_generate(model, tokenizer, prompt, **opts):
-    """Yield `Segment`s of new text; see `engine.generation.stream_generate`."""
+    """Yield `RequestOutput`s of new text; see `engine.generation.stream_generate`."""
     from .generation import stream_generate as _stream
     return _stream(model, tokenizer, prompt, **opts)
 

@@ -25,13 +25,14 @@ The scheduler never touches HTTP; a server lane drives `step()` from one thread.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
 from .batch_cache import batch_caches, extend_caches
 from .sampling import greedy
+from .text import TextStream
 
 __all__ = ["BatchRequest", "RowEvent", "BatchScheduler", "batch_generate"]
 
@@ -61,13 +62,14 @@ class RowEvent:
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
     text: str = ""                       # text made final by this token (tokenizer given)
     stop_token: bool = False             # `token` is an EOS/stop token (not part of the text)
+    stop_string: Optional[str] = None    # the stop string that ended the row
     caches: Optional[list] = None        # finishing row's single-row caches (return_cache=True);
                                          # they hold the prompt and every emitted token
 
 
 class _Row:
     __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
-                 "detok", "matcher", "cancelled")
+                 "text", "cancelled")
 
     def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
         self.uid, self.req = uid, req
@@ -78,13 +80,11 @@ class _Row:
         self.n = 0
         self.key = mx.random.key(req.seed) if req.seed is not None else None
         self.stops = stops
-        self.detok = self.matcher = None
+        self.text = None
         self.cancelled = False
         if tokenizer is not None:
-            from .text import StopMatcher
-            self.detok = tokenizer.make_detokenizer(trim_leading_space=True)
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-            self.matcher = StopMatcher(stop) if stop else None
+            self.text = TextStream(tokenizer, stop)
         elif req.stop:
             raise ValueError("stop strings need a tokenizer")
 
@@ -271,9 +271,10 @@ class BatchScheduler:
             yield from self.step()
 
     # -- phases ---------------------------------------------------------------------
-    def _forward_sample(self, g: _Group, inputs: mx.array):
-        """One decode forward of g's rows on inputs [B]; returns (sampled [B], logprobs [B, V])."""
-        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+    def _sample(self, g: _Group, inputs: mx.array, logits: mx.array):
+        """g's rows' next tokens from one decode forward's logits [B, V] on inputs [B]
+        (the callers run the forward themselves: one frame less between the engine's step
+        and the model); returns (sampled [B], logprobs [B, V])."""
         rows = g.rows
         if any(r.req.logits_processors for r in rows):
             logits = self._process(g, rows, inputs, logits)
@@ -319,7 +320,8 @@ class BatchScheduler:
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
         inputs, cur_lp = g.next_tokens, g.next_logprobs
-        sampled, logprobs = self._forward_sample(g, inputs)
+        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+        sampled, logprobs = self._sample(g, inputs, logits)
         g.next_tokens, g.next_logprobs = sampled, list(logprobs)
         mx.async_eval(g.next_tokens, g.next_logprobs)
         mx.eval(inputs, cur_lp)
@@ -333,7 +335,7 @@ class BatchScheduler:
                 ev.finish_reason = "length"
             if tok in row.stops:
                 ev.finish_reason, ev.stop_token = "stop", True
-            if row.detok is not None:
+            if row.text is not None:
                 self._text(row, ev)
             if ev.finish_reason is None:
                 keep.append(i)
@@ -345,24 +347,10 @@ class BatchScheduler:
         return events
 
     def _text(self, row: _Row, ev: RowEvent):
-        text, hit = "", False
-        if not ev.stop_token:
-            row.detok.add_token(ev.token)
-            text = row.detok.last_segment
-            if row.matcher is not None:
-                text, hit = row.matcher.feed(text)
+        text, hit = row.text.feed(None if ev.stop_token else ev.token,
+                                  ev.finish_reason is not None)
         if hit:
-            ev.finish_reason = "stop"
-        elif ev.finish_reason is not None:
-            row.detok.finalize()
-            tail = row.detok.last_segment
-            if row.matcher is not None:
-                tail, hit = row.matcher.feed(tail)
-                if hit:
-                    ev.finish_reason = "stop"
-                else:
-                    tail += row.matcher.flush()
-            text += tail
+            ev.finish_reason, ev.stop_string = "stop", row.text.stop_string
         ev.text = text
 
     def _admit(self):
@@ -380,7 +368,8 @@ class BatchScheduler:
     def _graduate(self, idx: List[int]):
         g = self._prefill.take(idx)
         inputs = mx.array([r.last for r in g.rows])
-        g.next_tokens, lp = self._forward_sample(g, inputs)
+        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+        g.next_tokens, lp = self._sample(g, inputs, logits)
         g.next_logprobs = list(lp)
         mx.async_eval(g.next_tokens, g.next_logprobs)
         for r in g.rows:

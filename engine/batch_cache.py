@@ -22,8 +22,8 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .models.base import causal_mask  # first: engine.cache <-> engine.models import cycle
 from .cache import KVCache, RotatingKVCache
+from .masks import causal_mask
 
 
 def roll_rows(x: mx.array, shifts: mx.array, axis: int = 2) -> mx.array:
@@ -238,8 +238,8 @@ class BatchRotatingKVCache:
         values = mx.zeros((len(caches), H, T, dv), ref.values.dtype)
         for b, (p, s, c) in enumerate(zip(pads, sizes, caches)):
             if s:
-                keys[b:b + 1, :, p:] = c._temporal_order(c.keys)[..., -s:, :]
-                values[b:b + 1, :, p:] = c._temporal_order(c.values)[..., -s:, :]
+                keys[b:b + 1, :, p:] = c.temporal_order(c.keys)[..., -s:, :]
+                values[b:b + 1, :, p:] = c.temporal_order(c.values)[..., -s:, :]
         out = cls(W, pads)
         out.keys, out.values = keys, values
         out.offset = _ints(c.offset for c in caches)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .models.base import causal_mask
+from .masks import causal_mask
 
 
 def _mask_for(n: int, offset: int, window: Optional[int], return_array: bool = False):
@@ -209,7 +209,7 @@ class RotatingKVCache(KVCache):
             parts.append(append)
         return parts[0] if len(parts) == 1 else self._cat(parts)
 
-    def _temporal_order(self, v):
+    def temporal_order(self, v):
         n = self._len(v)
         if self._idx == n:
             return v
@@ -224,8 +224,8 @@ class RotatingKVCache(KVCache):
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
-            self.keys = self._temporal_order(self.keys)
-            self.values = self._temporal_order(self.values)
+            self.keys = self.temporal_order(self.keys)
+            self.values = self.temporal_order(self.values)
             self._idx = self._len(self.keys)
             trim = self._idx - self.max_size + 1
             self.keys = self._trim(trim, self.keys, keys)

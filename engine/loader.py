@@ -90,7 +90,10 @@ def load_model(path, lazy: bool = False):
     except (TypeError, KeyError) as e:
         raise ModelLoadError(f"{path}: config.json is missing a field the "
                              f"{config.get('model_type')!r} architecture needs ({e})") from None
-    weights = model.sanitize(weights)
+    try:
+        weights = model.sanitize(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     quant = quantization_of(config)
     if quant is not None:
         apply_quantization(model, quant, weights)
@@ -111,3 +114,29 @@ def load_model(path, lazy: bool = False):
         mx.eval(model.parameters())
     model.eval()
     return model, config
+
+
+def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = False):
+    """(model, tokenizer) from an HF/MLX model directory (`engine.load`).
+
+    `tensor_parallel=True` shards the model over the ranks of
+    `mx.distributed.init()` (see `engine.sharding`); run it under `mlx.launch`.
+    """
+    from .tokenizer import load_tokenizer
+
+    if tensor_parallel:
+        if adapter_path is not None:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel=True")
+        from .sharding import barrier, shard_model
+        model, _config = load_model(path, lazy=True)
+        shard_model(model)
+        if not lazy:
+            import mlx.core as mx
+            mx.eval(model.parameters())
+        barrier()
+        return model, load_tokenizer(path)
+    model, _config = load_model(path, lazy=lazy)
+    if adapter_path is not None:
+        from .lora import mount_adapter
+        mount_adapter(model, adapter_path)
+    return model, load_tokenizer(path)

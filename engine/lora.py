@@ -39,6 +39,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .lora_switch import SWITCH_TYPES, LoRASwitchLinear
+from .models.switch import SwitchGLU
+
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
 DEFAULT_LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
@@ -54,6 +57,9 @@ _MLX_LM_MLP_ORDER = {
     "qwen3": ("gate_proj", "down_proj", "up_proj"),
     "gemma4_text": ("gate_proj", "down_proj", "up_proj"),
     "gemma4": ("gate_proj", "down_proj", "up_proj"),
+    "gemma4_unified": ("gate_proj", "down_proj", "up_proj"),
+    "qwen2": ("gate_proj", "down_proj", "up_proj"),
+    "qwen3_moe": ("gate_proj", "down_proj", "up_proj"),
     "minicpm": ("gate_proj", "up_proj", "down_proj"),
 }
 
@@ -158,7 +164,8 @@ def _children_in_mlx_lm_order(mod: nn.Module, model_type: str):
     kids = [(k, v) for k, v in mod.children().items()]
     names = {k for k, _ in kids}
     order = _MLX_LM_MLP_ORDER.get(model_type)
-    if order and names == set(order):
+    # (expert switch layers keep their definition order: gate/up/down in both engines)
+    if order and names == set(order) and not isinstance(mod, SwitchGLU):
         kids = sorted(kids, key=lambda kv: order.index(kv[0]))
     return kids
 
@@ -178,12 +185,13 @@ def _named_modules_mlx_lm_order(root: nn.Module, model_type: str):
 
 
 def default_keys(model) -> set:
-    """mlx-lm's default targets: every Linear (and Embedding) path inside any block."""
+    """mlx-lm's default targets: every Linear, expert switch layer (and Embedding)
+    path inside any block."""
     keys = set()
     for layer in model.layers:
         for p, m in layer.named_modules():
-            base = m.linear if isinstance(m, LoRALinear) else m
-            if isinstance(base, _TARGET_TYPES + _EMBED_TYPES):
+            base = m.linear if isinstance(m, (LoRALinear, LoRASwitchLinear)) else m
+            if isinstance(base, _TARGET_TYPES + _EMBED_TYPES + SWITCH_TYPES):
                 keys.add(p)
     return keys
 
@@ -255,6 +263,12 @@ def apply_lora(model, rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
             continue
         if isinstance(m, _EMBED_TYPES):
             raise NotImplementedError(f"LoRA on embeddings ({path}) is not supported")
+        if isinstance(m, SWITCH_TYPES):   # MoE experts: one adapter pair per expert
+            _set_module(model, path, LoRASwitchLinear(m, rank=rank, scale=scale, dropout=dropout))
+            done.append(path)
+            continue
+        if isinstance(m, LoRASwitchLinear):
+            raise AdapterError(f"{path} already has a trainable LoRA adapter")
         if not isinstance(m, _TARGET_TYPES):
             raise AdapterError(f"can't convert {path} ({type(m).__name__}) to LoRA")
         lora = LoRALinear(m, rank=rank, scale=scale, dropout=dropout, with_primary=False)
@@ -441,6 +455,18 @@ def unmount_adapter(model, name: str):
     del reg[name]
 
 
+def adapter_nbytes(model, name: str) -> int:
+    """Bytes of a mounted adapter's A and B matrices."""
+    size = 0
+    for _, kind, m in _slot_modules(model, name):
+        if kind == "primary":
+            size += m.lora_a.nbytes + m.lora_b.nbytes
+        else:
+            it = m._stack.find(name)
+            size += it["a"].nbytes + it["b"].nbytes
+    return size
+
+
 def mounted_adapters(model) -> dict:
     """name -> {path, scale, active layers, config} of the adapters mounted at runtime."""
     out = {}
@@ -451,8 +477,9 @@ def mounted_adapters(model) -> dict:
 
 
 def remove_lora(model):
-    """Unwrap every LoRALinear (drops all adapters, primary and stacked)."""
-    for path, m in lora_layers(model):
+    """Unwrap every LoRA layer (drops all adapters, primary and stacked)."""
+    for path, m in [(p, m) for p, m in model.named_modules()
+                    if isinstance(m, (LoRALinear, LoRASwitchLinear))]:
         _set_module(model, path, m.linear)
     _registry(model).clear()
     return model

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["StopMatcher", "cut_at_stop"]
+__all__ = ["StopMatcher", "TextStream", "cut_at_stop"]
 
 
 def cut_at_stop(text: str, stops: Iterable[str]) -> tuple[str, str | None]:
@@ -127,3 +127,40 @@ class StopMatcher:
             self.stop_string = which
             return buf[:m]
         return buf
+
+
+class TextStream:
+    """One request's text: a streaming detokenizer (never splits a character; drops
+    one space at the very start, like mlx-lm's streamed text) and its stop strings.
+
+    `feed(token, finishing)` takes the next token (None: a stop/EOS token, which is
+    not part of the text) and returns (text made final by it, a stop string hit);
+    when `finishing`, the held-back text is flushed too."""
+
+    __slots__ = ("detok", "matcher")
+
+    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+        self.detok = tokenizer.make_detokenizer(trim_leading_space=True)
+        stop = list(stop or ())
+        self.matcher = StopMatcher(stop) if stop else None
+
+    @property
+    def stop_string(self) -> str | None:
+        return self.matcher.stop_string if self.matcher is not None else None
+
+    def feed(self, token: int | None, finishing: bool) -> tuple[str, bool]:
+        text, hit = "", False
+        if token is not None:
+            self.detok.add_token(token)
+            text = self.detok.last_segment
+            if self.matcher is not None:
+                text, hit = self.matcher.feed(text)
+        if hit or not finishing:
+            return text, hit
+        self.detok.finalize()
+        tail = self.detok.last_segment
+        if self.matcher is not None:
+            tail, hit = self.matcher.feed(tail)
+            if not hit:
+                tail += self.matcher.flush()
+        return text + tail, hit

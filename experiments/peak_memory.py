@@ -49,13 +49,13 @@ from experiments._common import (build_pair, dump_json, machine, md_table, prese
 MODES = ["mlx_lm_full", "mlx_lm_ckpt", "ours_full", "ours_ckpt", "ours_seg1", "ours_seg2",
          "ours_seg4", "ours_seg1_fullhead", "ours_seg1_mlpchunk", "ours_seg1_tokchunk"]
 FIELDS = ["mode", "context", "status", "peak_bytes", "resting_bytes", "step_time_s", "loss",
-          "steps", "preset", "dtype", "device", "error"]
+          "steps", "preset", "dtype", "device", "attn_block", "error"]
 TARGET_PEAK, TARGET_TIME = 0.4, 1.5
 
 
 # --- one cell (runs in a subprocess) ------------------------------------------------
 
-def _step_fn(mode, model, chunk, mlp_chunk, token_chunk=4096):
+def _step_fn(mode, model, chunk, mlp_chunk, token_chunk=4096, attn_block=0):
     import mlx.nn as nn
     import mlx.optimizers as optim
 
@@ -74,7 +74,8 @@ def _step_fn(mode, model, chunk, mlp_chunk, token_chunk=4096):
                "ours_seg1_mlpchunk": TrainConfig(segment_size=1, loss_head="chunked",
                                                  mlp_chunk=mlp_chunk),
                "ours_seg1_tokchunk": TrainConfig(segment_size=1, loss_head="chunked",
-                                                 token_chunk=token_chunk)}.get(mode)
+                                                 token_chunk=token_chunk,
+                                                 attn_block=attn_block)}.get(mode)
         if cfg is None:
             cfg = TrainConfig(segment_size=int(mode[len("ours_seg"):]), loss_head="chunked")
         cfg.chunk_size = chunk
@@ -110,11 +111,18 @@ def run_cell(spec: dict) -> dict:
     batch = mx.array(rng.integers(4, min(cfg["vocab_size"], 1000), size=(1, T + 1)).astype(np.int32))
     lengths = mx.array([[0, T + 1]])
     step, opt = _step_fn(mode, model, spec["chunk"], spec.get("mlp_chunk", 4096),
-                         spec.get("token_chunk", 4096))
+                         spec.get("token_chunk", 4096), spec.get("attn_block", 0))
     out = {"mode": mode, "context": T, "preset": spec["preset"], "dtype": spec["dtype"],
            "device": str(mx.default_device())}
-    loss = step(batch, lengths)  # warm-up (kernel compilation), also initialises Adam
-    mx.eval(loss, model.parameters(), opt.state)
+    if mode == "ours_seg1_tokchunk":  # query rows per attention block this cell ran (0: whole)
+        from train.segmented import resolve_attn_block
+        out["attn_block"] = resolve_attn_block(spec.get("attn_block", 0), T)
+    if spec.get("warmup", 1):
+        loss = step(batch, lengths)  # warm-up (kernel compilation), also initialises Adam
+        mx.eval(loss, model.parameters(), opt.state)
+    else:  # huge contexts: no warm-up step; the timed step includes compilation
+        opt.init(model.trainable_parameters())
+        mx.eval(opt.state)
     peaks, times, rest = [], [], []
     for _ in range(spec["steps"]):
         mx.synchronize()
@@ -135,12 +143,13 @@ def run_cell(spec: dict) -> dict:
 # --- driver -----------------------------------------------------------------------
 
 def run_all(modes, contexts, preset, dtype, steps, chunk, timeout, mlp_chunk=4096,
-            token_chunk=4096):
+            token_chunk=4096, attn_block=0, warmup=1):
     rows = []
     for T in contexts:
         for mode in modes:
             spec = dict(mode=mode, context=T, preset=preset, dtype=dtype, steps=steps, chunk=chunk,
-                        mlp_chunk=mlp_chunk, token_chunk=token_chunk)
+                        mlp_chunk=mlp_chunk, token_chunk=token_chunk, attn_block=attn_block,
+                        warmup=warmup)
             t0 = time.time()
             try:
                 r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
@@ -193,6 +202,8 @@ def summarise(rows, tag, meta):
              f"engine {version()}, preset `{meta['preset']}` ({meta['dtype']}), batch 1, LoRA r=8 "
              f"on every projection of every block, every token a target, Adam step included. "
              f"Machine: {meta['machine']}.", "",
+             "Commands (cells merged from each):", "",
+             *[f"    {c}" for c in meta.get("commands", [])], "",
              "Peak = `mx.get_peak_memory()` during one step (reset before it; weights included), "
              f"{unit}:", "", md_table(hdr, fmt("peak_bytes", scale, 3 if unit == "GB" else 1)), "",
              f"Resting (active before the step: weights, LoRA, Adam state), {unit}:", "",
@@ -253,7 +264,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="CPU-sized model and contexts")
-    ap.add_argument("--preset", default=None, help="cpu | 1b | speed (default: cpu with --quick, else 1b)")
+    ap.add_argument("--preset", default=None,
+                    help="cpu | 1b | 8b | e4b | speed (default: cpu with --quick, else 1b)")
     ap.add_argument("--contexts", default=None, help="comma-separated context lengths")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
@@ -264,6 +276,12 @@ def main(argv=None):
     ap.add_argument("--token-chunk", type=int, default=None,
                     help="tokens per chunk for ours_seg1_tokchunk (default: 4096 on GPU, "
                          "context/4 on CPU)")
+    ap.add_argument("--attn-block", type=int, default=0,
+                    help="ours_seg1_tokchunk: query rows per attention block (0: automatic - "
+                         "8192-row blocks beyond 65536 tokens; -1: never)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="warm-up steps per cell (0 for huge contexts: the timed step then "
+                         "includes kernel compilation)")
     ap.add_argument("--tag", default=None, help="report subdirectory (default: derived)")
     ap.add_argument("--out", default=None,
                     help="output dir (default reports/peak_memory/<version>/<tag>)")
@@ -289,19 +307,24 @@ def main(argv=None):
     meta = {"preset": preset, "dtype": dtype, "machine": machine(), "config": preset_config(preset),
             "chunk_size": a.chunk_size, "steps": steps,
             "token_chunk": a.token_chunk or ("4096" if gpu else "context/4"),
-            "mlp_chunk": a.mlp_chunk or "context/8"}
+            "mlp_chunk": a.mlp_chunk or "context/8", "attn_block": a.attn_block,
+            "warmup": a.warmup}
     print(f"peak_memory: preset {preset} {dtype}, contexts {contexts}, modes {modes} -> {out}",
           flush=True)
     rows = []
     for T in contexts:
         mc = a.mlp_chunk or max(64, T // 8)
         tc = a.token_chunk or (4096 if gpu else max(64, T // 4))
-        rows += run_all(modes, [T], preset, dtype, steps, a.chunk_size, a.timeout, mc, tc)
+        rows += run_all(modes, [T], preset, dtype, steps, a.chunk_size, a.timeout, mc, tc,
+                        a.attn_block, a.warmup)
     # merge with earlier cells of the same tag (this version's directory only)
     old = [r for r in read_csv(out / "peak_memory.csv")
            if (r["mode"], int(r["context"])) not in {(x["mode"], int(x["context"])) for x in rows}]
     allrows = sorted(old + rows, key=lambda r: (int(r["context"]), MODES.index(r["mode"])))
     write_csv(out / "peak_memory.csv", allrows, FIELDS)
+    cmd = "python experiments/peak_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    old_meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    meta["commands"] = [c for c in old_meta.get("commands", []) if c != cmd] + [cmd]
     (out / "peak_memory.md").write_text(summarise(allrows, tag, meta))
     dump_json(out / "meta.json", meta)
     plot(allrows, out / "peak_memory.png", f"LoRA step peak memory, {preset} {dtype} ({tag})")

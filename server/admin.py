@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import fields as F
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, from_exception
 
 HEALTH = b'{"status": "ok"}'   # the exact bytes mlx_lm.server sends
 
@@ -63,7 +63,10 @@ async def mount_adapter(request: Request):
         m = state.adapters.mount(aid, path, scale)
         state.refresh_admission()
         return m
-    m = await state.gateway.call_async(mount)   # through the generation queue
+    try:
+        m = await state.gateway.call_async(mount)   # through the worker's queue
+    except ValueError as e:                          # (engine.adapters.AdapterRequestError)
+        raise from_exception(e) from None
     return JSONResponse({"id": m.id, "path": m.path, "mounted_layers": m.mounted_layers,
                          "rank": m.rank, "scale": m.scale, "size_bytes": m.size_bytes})
 

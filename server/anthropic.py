@@ -31,8 +31,10 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, check_constraints, complete, encode, normalize_tools,
-                   parse_arguments, sampling_from, start, template_kwargs_from)
+from .chat import (Call, Done, Text, Tool, complete, encode, normalize_tools, parse_arguments,
+                   sampling_from, start, template_kwargs_from)
+from .chat import stream as chat_stream
+from .constraints import apply_constraints
 from .errors import APIError, anthropic_body, bad_request
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -168,7 +170,8 @@ def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
     choice = body.get("tool_choice")
     if choice is not None and not isinstance(choice, dict):
         raise bad_request("tool_choice must be an object", param="tool_choice")
-    check_constraints(None, choice, tools)
+    apply_constraints(call, None, choice, tools, parallel=not (
+        isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True))
     if isinstance(choice, dict) and choice.get("type") == "none":
         tools = None
     call.tools = tools
@@ -268,19 +271,6 @@ def _error_frame(e: APIError) -> bytes:
     return sse.event("error", anthropic_body(e))
 
 
-async def _stream(gen, render, head):
-    try:
-        yield head
-        async for batch in gen.events():
-            b = render.feed(batch)
-            if b:
-                yield b
-    except APIError as e:
-        yield _error_frame(e)
-    finally:
-        gen.cancel()
-
-
 async def messages(request: Request):
     state = request.app.state.server
     body = await F.read_json(request, state.config.max_body_bytes)
@@ -289,10 +279,9 @@ async def messages(request: Request):
     gen = await start(state, call, request)
     render = MessageRender(state.model_id, stream)
     if stream:
-        gen.stop_watching()
-        first = gen.first_segment
+        first = gen.first_output
         cached = first.cached_tokens if first is not None else 0
-        return sse.response(_stream(gen, render, render.head(len(gen.prompt_ids), cached)))
+        return chat_stream(gen, render, render.head(len(gen.prompt_ids), cached), _error_frame)
     done = await complete(gen, render.feed)
     return JSONResponse(render.result(done))
 

@@ -3,14 +3,14 @@
 Each protocol module (openai, anthropic, responses) only translates its wire
 format into a `Call` (messages in the Hugging Face chat-template shape, or a
 raw prompt; sampling; stop strings; tools; adapters) and renders the events
-`run()` yields:
+`Generation.events()` yields:
 
     Text(text, logprobs)   content to show (tool markup already withheld)
     Tool(call)             one complete tool call (engine.tools.ToolCall)
     Done(...)              finish reason and usage
 
 `start()` validates, renders the prompt, checks memory admission and queues
-the generation on the gateway; it returns only once the first segment is
+the generation on the gateway; it returns only once the first output is
 back (or raises `APIError` for a client mistake), so an error is a proper
 4xx response, never a broken stream.
 """
@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from . import fields as F
+from . import sse
+from .constraints import processor_factories
 from .errors import APIError, bad_request, from_exception
-from .gateway import GenerationJob
+from .gateway import GenerationJob, client_error
 
 log = logging.getLogger("engine-serve")
 
@@ -78,6 +80,10 @@ class Call:
     tools: Optional[list] = None           # OpenAI function tools (None = no tools)
     template_kwargs: dict = field(default_factory=dict)
     adapter: Any = "__default__"           # request's adapter field ("__default__" = absent)
+    response_format: Any = None            # engine.constrained.ResponseFormat (constraints.py)
+    tool_choice: Any = None                # engine.constrained.ToolChoice
+    format_param: str = "response_format"  # the request field the format came from
+    parallel_tool_calls: bool = True
 
 
 # --- message normalization (shared by the protocols) ------------------------
@@ -211,40 +217,38 @@ def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -
 # --- the engine call ----------------------------------------------------------
 
 
-def _resolve_options(state, call: Call) -> dict:
+def sampling_params(state, call: Call):
+    """The request's `engine.SamplingParams` (server defaults for absent fields);
+    a bad value is a 400 before anything is queued."""
+    from engine import SamplingParams
+
     cfg = state.config
-    opts = dict(max_tokens=call.max_tokens if call.max_tokens is not None else cfg.max_tokens,
-                temperature=call.temperature if call.temperature is not None else cfg.temperature,
-                top_p=call.top_p if call.top_p is not None else cfg.top_p,
-                top_k=call.top_k if call.top_k is not None else cfg.top_k,
-                min_p=call.min_p if call.min_p is not None else cfg.min_p,
-                repetition_penalty=call.repetition_penalty,
-                presence_penalty=call.presence_penalty, frequency_penalty=call.frequency_penalty,
-                logit_bias=call.logit_bias, seed=call.seed, stop=list(call.stop) or None,
-                logprobs=bool(call.logprobs or call.top_logprobs),
-                top_logprobs=call.top_logprobs or None)
+
+    def pick(v, default):
+        return v if v is not None else default
+    kw = {}
     if call.repetition_context_size is not None:
-        opts["repetition_context_size"] = call.repetition_context_size
-    # range checks up front (a 400 before queueing), with the engine's own rules
-    from engine.sampling import make_sampler
-    from engine.generation import sampling_defaults
-    d = sampling_defaults(state.tokenizer)
+        kw["repetition_context_size"] = call.repetition_context_size
     try:
-        make_sampler(temp=d["temperature"] if opts["temperature"] is None else opts["temperature"],
-                     top_p=d["top_p"] if opts["top_p"] is None else opts["top_p"],
-                     min_p=d["min_p"] if opts["min_p"] is None else opts["min_p"],
-                     top_k=d["top_k"] if opts["top_k"] is None else opts["top_k"])
+        return SamplingParams(
+            max_tokens=pick(call.max_tokens, cfg.max_tokens),
+            temperature=pick(call.temperature, cfg.temperature),
+            top_p=pick(call.top_p, cfg.top_p), top_k=pick(call.top_k, cfg.top_k),
+            min_p=pick(call.min_p, cfg.min_p), repetition_penalty=call.repetition_penalty,
+            presence_penalty=call.presence_penalty, frequency_penalty=call.frequency_penalty,
+            logit_bias=call.logit_bias, seed=call.seed, stop=list(call.stop),
+            logprobs=bool(call.logprobs or call.top_logprobs),
+            top_logprobs=call.top_logprobs or None,
+            processor_factories=processor_factories(state, call), **kw)
     except ValueError as e:
-        raise bad_request(str(e)) from None
-    if not isinstance(opts["max_tokens"], int) or opts["max_tokens"] < 1:
-        raise bad_request("max_tokens must be a positive integer", param="max_tokens")
-    if opts["top_logprobs"] is not None and not 0 <= opts["top_logprobs"] <= 20:
-        raise bad_request("top_logprobs must be between 0 and 20", param="top_logprobs")
-    return opts
+        msg = str(e)
+        param = msg.split(" ", 1)[0]
+        raise bad_request(msg, param=param if param in (
+            "max_tokens", "top_logprobs") else None) from None
 
 
 def encode(state, call: Call) -> list:
-    from engine.generation import PromptError, encode_prompt
+    from engine.request import PromptError, encode_prompt
 
     try:
         if call.messages is not None:
@@ -262,20 +266,6 @@ def encode(state, call: Call) -> list:
         raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
                           f"(size {state.vocab_size})")
     return ids
-
-
-def check_constraints(response_format, tool_choice, tools,
-                      format_param: str = "response_format") -> None:
-    """Known fields with values we cannot honour are a 400 naming the field: an
-    unknown response format type or a bad schema, a tool_choice naming a tool
-    that is not among the tools (or forcing a call with no tools)."""
-    from engine.constrained import ConstraintError, parse_response_format, parse_tool_choice
-    try:
-        parse_response_format(response_format, param=format_param)
-        if tool_choice is not None:
-            parse_tool_choice(tool_choice, tools)
-    except ConstraintError as e:
-        raise bad_request(str(e), param=e.param) from None
 
 
 def make_router(state, tools):
@@ -304,11 +294,8 @@ class Generation:
         self.done: Optional[Done] = None
 
     @property
-    def first_segment(self):
-        for it in self._first:
-            if it[0] == "seg":
-                return it[1]
-        return None
+    def first_output(self):
+        return self._first[0] if self._first else None
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -337,115 +324,76 @@ class Generation:
         self.stop_watching()
 
     async def wait_first(self) -> None:
-        """Wait for the first item; raise APIError for a client error."""
+        """Wait for the first output; raise APIError for a client error."""
         items = await self.job.get_batch()
-        for it in items:
-            if it[0] == "error":
-                exc, client = it[1], it[2]
-                if client:
-                    self.stop_watching()
-                    raise from_exception(exc)
+        for out in items:
+            if client_error(out):
+                self.stop_watching()
+                raise from_exception(out.error)
         self._first = items
 
     # --- events -----------------------------------------------------------
 
+    def _emit(self, evs, out: list, pending_lp: list) -> list:
+        """Router events (or plain Text) into `out`; returns the logprobs not yet
+        attached to a Text event."""
+        for ev in evs:
+            if hasattr(ev, "arguments_json"):
+                self._calls.append(ev)
+                out.append(Tool(ev))
+            else:
+                self._text.append(ev.text)
+                out.append(Text(ev.text, pending_lp))
+                pending_lp = []
+        return pending_lp
+
     async def events(self) -> AsyncIterator[list]:
         """Batches of events (Text / Tool / Done); the last batch ends with Done
         (or raises APIError(500) for a server fault mid-generation)."""
-        text_all: list = []
-        raw_all: list = []
-        lps_all: list = []
-        ids_all: list = []
-        calls: list = []
-        pending_lp: list = []
-        last = None
-        finish = None
-        router = self.router
-        items = self._first
-        self._first = []
+        self._text, self._calls = [], []
+        lps_all, ids_all, pending_lp = [], [], []
+        items, self._first = self._first, []
         try:
             while True:
                 if not items:
                     # coalesced: at most one batch per --stream-interval-ms (the job's)
                     items = await self.job.get_batch()
-                out = []
-                ended = False
-                for it in items:
-                    kind = it[0]
-                    if kind == "seg":
-                        seg = it[1]
-                        last = seg
-                        ids_all.extend(seg.token_ids)
-                        if seg.logprobs:
-                            lps_all.extend(seg.logprobs)
-                            pending_lp.extend(seg.logprobs)
-                        if seg.finish_reason:
-                            finish = seg.finish_reason
-                        if not seg.text:
-                            continue
-                        raw_all.append(seg.text)
-                        if router is None:
-                            text_all.append(seg.text)
-                            out.append(Text(seg.text, pending_lp))
-                            pending_lp = []
-                            continue
-                        for ev in router.feed(seg.text):
-                            if hasattr(ev, "arguments_json"):
-                                calls.append(ev)
-                                out.append(Tool(ev))
-                            else:
-                                text_all.append(ev.text)
-                                out.append(Text(ev.text, pending_lp))
-                                pending_lp = []
-                    elif kind == "end":
-                        if it[1] == "cancelled":
-                            finish = "cancelled"
-                        ended = True
-                    elif kind == "error":
-                        exc, client = it[1], it[2]
+                events: list = []
+                for o in items:
+                    if o.finish_reason == "error":
+                        client = client_error(o)
                         raise APIError(400 if client else 500,
-                                       f"generation failed: {type(exc).__name__}: {exc}",
+                                       f"generation failed: {type(o.error).__name__}: {o.error}",
                                        type="invalid_request_error" if client else "server_error")
+                    ids_all.extend(o.token_ids)
+                    lps_all.extend(o.logprobs)
+                    pending_lp.extend(o.logprobs)
+                    if o.text:
+                        evs = [Text(o.text)] if self.router is None else self.router.feed(o.text)
+                        pending_lp = self._emit(evs, events, pending_lp)
+                    if o.finished:
+                        if self.router is not None:
+                            pending_lp = self._emit(self.router.finish(), events, pending_lp)
+                        self.done = self._done(o, ids_all, lps_all)
+                        events.append(self.done)
+                        yield events
+                        return
                 items = []
-                if ended:
-                    if router is not None:
-                        for ev in router.finish():
-                            if hasattr(ev, "arguments_json"):
-                                calls.append(ev)
-                                out.append(Tool(ev))
-                            else:
-                                text_all.append(ev.text)
-                                out.append(Text(ev.text, pending_lp))
-                                pending_lp = []
-                    self.done = self._done(last, finish, "".join(text_all), calls, lps_all,
-                                           ids_all, "".join(raw_all))
-                    out.append(self.done)
-                    yield out
-                    return
-                if out:
-                    yield out
+                if events:
+                    yield events
         finally:
             self.stop_watching()
             if self.done is None:
                 self.job.cancel()
 
-    def _done(self, last, finish, text, calls, lps, ids, raw) -> Done:
-        prompt_tokens = last.prompt_tokens if last else len(self.prompt_ids)
-        cached = last.cached_tokens if last else 0
-        n = last.generation_tokens if last else 0
-        finish = finish or "stop"
-        stop_string = None
-        if finish == "stop" and self.call.stop and ids:
-            # A stop string (not EOS) ended it when the decoded tokens run past the
-            # text the engine emitted and continue with that stop string.
-            rest = self.state.tokenizer.decode(ids)[len(raw):]
-            for s in self.call.stop:
-                if rest.startswith(s):
-                    stop_string = s
-                    break
-        if calls and finish != "cancelled":
+    def _done(self, last, ids, lps) -> Done:
+        finish = last.finish_reason
+        stop_string = last.stop_string if finish == "stop" else None
+        if self._calls and finish != "cancelled":
             finish = "tool_calls"
-        return Done(finish, prompt_tokens, n, cached, stop_string, lps, text, calls, ids)
+        prompt_tokens = last.prompt_tokens or len(self.prompt_ids)
+        return Done(finish, prompt_tokens, last.generation_tokens, last.cached_tokens,
+                    stop_string, lps, "".join(self._text), self._calls, ids)
 
 
 INLINE_ENCODE_CHARS = 8192
@@ -460,10 +408,13 @@ def _input_chars(call: Call) -> int:
 
 
 async def start(state, call: Call, request=None) -> Generation:
-    """Validate, render, admit and queue; returns once the first segment is back."""
-    opts = _resolve_options(state, call)
-    adapters = (state.default_adapters if call.adapter == "__default__"
-                else state.adapters.resolve(call.adapter))
+    """Validate, render, admit and queue; returns once the first output is back."""
+    params = sampling_params(state, call)
+    try:
+        adapters = (state.default_adapters if call.adapter == "__default__"
+                    else state.adapters.resolve(call.adapter))
+    except ValueError as e:
+        raise from_exception(e) from None
     # tokenizing a long prompt must not stall the stream being served; a short one is
     # encoded inline (the thread hand-off and back costs more than the encode: TTFT)
     if _input_chars(call) <= INLINE_ENCODE_CHARS:
@@ -472,14 +423,12 @@ async def start(state, call: Call, request=None) -> Generation:
         ids = await asyncio.to_thread(encode, state, call)
     # memory admission before queueing (the engine re-checks on the worker)
     try:
-        state.admission.check(len(ids), opts["max_tokens"])
+        state.admission.check(len(ids), params.max_tokens)
     except ValueError as e:
         raise from_exception(e) from None
-    lane = getattr(state, "batch_lane", None)
-    if lane is not None:
-        lane.check_queue(state.gateway)          # bounded queue: 503 + Retry-After beyond it
+    state.check_capacity()                       # bounded queue: 503 + Retry-After beyond it
     router = make_router(state, call.tools)
-    job = GenerationJob(asyncio.get_running_loop(), ids, opts, adapters)
+    job = GenerationJob(asyncio.get_running_loop(), ids, params, adapters)
     job.interval = state.config.stream_interval_ms / 1000.0
     gen = Generation(state, call, job, ids, router)
     if request is not None:
@@ -491,6 +440,25 @@ async def start(state, call: Call, request=None) -> Generation:
         gen.cancel()
         raise
     return gen
+
+
+def stream(gen: Generation, render, head: bytes, error_frame):
+    """The SSE response of a streamed generation: `head`, then `render.feed(events)`
+    per batch; an APIError mid-stream becomes the protocol's `error_frame(e)`."""
+    async def body():
+        try:
+            if head:
+                yield head
+            async for batch in gen.events():
+                b = render.feed(batch)
+                if b:
+                    yield b
+        except APIError as e:
+            yield error_frame(e)
+        finally:
+            gen.cancel()
+    gen.stop_watching()
+    return sse.response(body())
 
 
 async def complete(gen: Generation, on_events=None) -> Done:

@@ -24,16 +24,9 @@ import sys
 import threading
 import time
 
+from engine.cli import parse_bool as _bool
+
 NOT_YET = "continuous batching is not available"
-
-
-def _bool(v: str) -> bool:
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
 def _json_dict(v: str) -> dict:
@@ -68,19 +61,20 @@ def parser() -> argparse.ArgumentParser:
     a("--kv-group-size", type=int, choices=[32, 64, 128], help="group size for --kv-quant BITS")
     a("--thinking", type=_bool, metavar="true|false",
       help="server default for the template's enable_thinking")
-    a("--temperature", "--temp", dest="temperature", type=float,
+    a("--temp", "--temperature", dest="temperature", type=float,
       help="default temperature (request > this > generation_config.json > greedy)")
     a("--top-p", type=float, help="default top-p")
     a("--top-k", type=int, help="default top-k")
     a("--min-p", type=float, help="default min-p")
     a("--max-tokens", type=int, default=512, help="default max tokens per request (512)")
-    a("--adapter", "--adapter-path", dest="adapter", metavar="DIR",
+    a("--adapter-path", "--adapter", dest="adapter", metavar="DIR",
       help="LoRA adapter (mlx-lm format) mounted at start; the default for requests")
     a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
       "/health")
-    a("--batch", "--decode-concurrency", dest="batch", type=int, default=1, metavar="N",
-      help="1 = one request at a time; N>1 = continuous batching of up to N rows "
-           "(docs/batching.md); not with quantized KV")
+    a("--batch", "--decode-concurrency", dest="batch", type=int, default=8, metavar="N",
+      help="continuous batching of up to N rows (default 8); 1 = one request at a time, "
+           "each exactly mlx_lm.generate's token loop (docs/server.md); quantized KV and "
+           "per-request adapters run one at a time")
     a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
     a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
     a("--chat-template-args", type=_json_dict, default={}, metavar="JSON",

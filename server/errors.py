@@ -60,7 +60,7 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, f"{exc}. Lower max_tokens or shorten the prompt; the ceiling is "
                              f"visible at /stats.", type="memory_admission",
                         code="context_over_budget")
-    return APIError(400, str(exc) or type(exc).__name__)
+    return APIError(400, str(exc) or type(exc).__name__, param=getattr(exc, "param", None))
 
 
 def openai_body(err: APIError) -> dict:

@@ -1,19 +1,20 @@
-"""The generation gateway: the single queue every protocol funnels into.
+"""The worker thread: the one owner of the `engine.Engine` (MLX sees one thread only).
 
-One worker thread owns the model. Every piece of work that touches MLX -
-loading, a generation, mounting or unmounting an adapter - is a job on one
-FIFO queue, run to completion one at a time in arrival order, so an adapter
-mount never races a forward pass and MLX only ever sees one thread.
+The event loop hands it messages on one FIFO queue: a generation job
+(`submit`), a call to run on the worker (`call`: loading, mounting or
+unmounting an adapter), or the stop signal. The worker submits jobs to the
+Engine at once and keeps stepping it while any request is unfinished; each
+step's `RequestOutput`s go back to their jobs through a thread-safe hand-off.
+A call waits until every job submitted before it has finished (an adapter
+mount never changes the weights under a running request), and everything
+after it waits behind it, so arrival order holds.
 
-A generation job streams its `Segment`s back to the asyncio side through a
-thread-safe hand-off. `job.cancel()` (called when the HTTP client goes away)
-makes the engine stop at the next token (`should_stop`), which ends the job
-and frees the queue; a job cancelled while still queued never starts.
+`job.cancel()` (the HTTP client went away) aborts the request at the next
+step; a job cancelled while still queued never starts.
 
-Errors: an exception raised before the first segment (prompt build,
-admission, bad sampling values, unknown adapter) is the client's and comes
-back as `("error", exc, True)`; one raised after generation started is a
-server fault, `("error", exc, False)`.
+Errors: one raised before the request produced a token (prompt build,
+admission, an adapter unmounted meanwhile) is the client's; one raised after
+is a server fault (`client_error(out)` tells them apart).
 """
 
 from __future__ import annotations
@@ -24,33 +25,40 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Optional
+
+from engine.request import RequestOutput
 
 log = logging.getLogger("engine-serve")
 
 CLIENT_ERRORS: tuple = (ValueError, TypeError, KeyError)
 
 
-class GenerationJob:
-    """One generation: its parameters and the channel its segments come back on.
+def client_error(out: RequestOutput) -> bool:
+    """A failed output whose cause is the request (raised before any token)."""
+    return (out.finish_reason == "error" and not out.started
+            and isinstance(out.error, CLIENT_ERRORS))
 
-    The worker appends items to a locked deque and wakes the event loop only
+
+class GenerationJob:
+    """One generation: its request and the channel its outputs come back on.
+
+    The worker appends outputs to a locked deque and wakes the event loop only
     when the consumer is actually waiting, so a consumer that is busy (or
     coalescing writes) costs the worker no cross-thread wake-ups."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt, options: dict,
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt, params=None,
                  adapters: tuple = ()):
         self.id = next(self._ids)
         self.loop = loop
         # the thread the job was made on (the event loop's): its CPU clock, for /stats
         self.loop_cpu_clock = _thread_cpu_clock(threading.get_ident())
         self.prompt = prompt
-        self.options = options
+        self.params = params               # engine.SamplingParams
         self.adapters = tuple(adapters)
         self.cancelled = threading.Event()
         self.queued_at = time.perf_counter()
@@ -61,19 +69,20 @@ class GenerationJob:
         self._waiter: Optional[asyncio.Future] = None
         self.interval = 0.0            # seconds between deliveries (stream coalescing)
         self._last = float("-inf")     # monotonic time of the last delivery
+        self.clock = _Clock(self)
 
     # worker side
-    def put(self, item) -> None:
-        """Queue an item; wake the consumer only if it waits and `interval` has passed
-        since the last delivery (or the item is the last segment / end / error). Waking
-        from here, just before the worker goes back into MLX (which releases the GIL),
-        lets the event loop write while the next token computes instead of preempting
-        the worker's Python at a timer's whim (measured: a 25 ms timer cost ~4% decode)."""
+    def put(self, out: RequestOutput) -> None:
+        """Queue an output; wake the consumer only if it waits and `interval` has passed
+        since the last delivery (or the output is the last one). Waking from here, just
+        before the worker goes back into MLX (which releases the GIL), lets the event
+        loop write while the next token computes instead of preempting the worker's
+        Python at a timer's whim (measured: a 25 ms timer cost ~4% decode)."""
         w = None
         with self._lock:
-            self._items.append(item)
+            self._items.append(out)
             if self._waiter is not None and (
-                    _final(item) or time.monotonic() - self._last >= self.interval):
+                    out.finished or time.monotonic() - self._last >= self.interval):
                 w, self._waiter = self._waiter, None
         if w is not None:
             self.loop.call_soon_threadsafe(_wake, w)
@@ -88,16 +97,11 @@ class GenerationJob:
         self._last = time.monotonic()
         return items
 
-    def drain(self) -> list:
-        """Everything available now (no waiting)."""
-        with self._lock:
-            return self._take()
-
     async def get_batch(self) -> list:
         """Everything available, at most once per `interval` (stream coalescing; the
-        first item, the last segment, the end and errors are never held back)."""
+        first output and the last one are never held back)."""
         with self._lock:
-            if self._items and (self.interval <= 0 or _final(self._items[-1])
+            if self._items and (self.interval <= 0 or self._items[-1].finished
                                 or time.monotonic() - self._last >= self.interval):
                 return self._take()
             self._waiter = w = self.loop.create_future()
@@ -105,14 +109,37 @@ class GenerationJob:
         with self._lock:
             return self._take()
 
-    async def get(self):
-        """One item (tests)."""
-        while True:
-            with self._lock:
-                if self._items:
-                    return self._items.popleft()
-                self._waiter = w = self.loop.create_future()
-            await w
+
+class _Clock:
+    """When the engine handed over text (before any HTTP work): the engine-side clock
+    of one generation, and the CPU time the event loop's thread used meanwhile (all
+    the HTTP work; an upper bound on what it can take from the worker through the
+    GIL), for /stats `last_generation`."""
+
+    __slots__ = ("job", "first", "last", "cpu_first", "cpu_last", "n")
+
+    def __init__(self, job):
+        self.job = job
+        self.first = self.last = self.cpu_first = self.cpu_last = None
+        self.n = 0
+
+    def tick(self, out: RequestOutput) -> None:
+        self.n = out.generation_tokens
+        if out.text:
+            self.last = time.perf_counter()
+            self.cpu_last = _cpu_s(self.job.loop_cpu_clock)
+            if self.first is None:
+                self.first, self.cpu_first = self.last, self.cpu_last
+
+    def summary(self) -> dict:
+        span = None if self.first is None else self.last - self.first
+        return {"job": self.job.id, "generation_tokens": self.n,
+                "first_text_s": (None if self.first is None or self.job.started_at is None
+                                 else self.first - self.job.started_at),
+                "decode_s": span, "decode_tps": (self.n - 1) / span if span else None,
+                "event_loop_cpu_s": (self.cpu_last - self.cpu_first
+                                     if self.cpu_first is not None and self.cpu_last is not None
+                                     else None)}
 
 
 def _thread_cpu_clock(ident: int) -> Optional[int]:
@@ -131,36 +158,31 @@ def _cpu_s(clock: Optional[int]) -> Optional[float]:
         return None
 
 
-def _final(item) -> bool:
-    return item[0] != "seg" or getattr(item[1], "finish_reason", None) is not None
-
-
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
 
 
 class Gateway:
-    """A FIFO of jobs run one at a time on one worker thread."""
+    """The worker thread and its FIFO inbox; `engine` is set once the model is loaded."""
 
     def __init__(self, name: str = "engine-gateway"):
         self._q: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._stopping = False
-        self.runner: Optional[Callable] = None    # runner(job) -> iterator of segments
-        self.active: Optional[GenerationJob] = None
-        self.batch_lane = None                    # server.batch_lane.BatchLane (--batch N)
-        self._deferred: deque = deque()           # items the batch lane took off the queue
+        self.engine = None                        # engine.Engine (set on the worker)
+        self._jobs: dict = {}                     # request id -> running job
+        self._deferred: deque = deque()           # items waiting for the engine to drain
+        self._stopped = False
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
         self.last_generation: Optional[dict] = None
         self._thread.start()
 
-    # --- submitting -------------------------------------------------------
+    # --- submitting (any thread) -------------------------------------------------
 
     def call(self, fn: Callable, *args, **kwargs) -> Future:
-        """Run `fn` on the worker (after everything queued before it)."""
+        """Run `fn` on the worker (after everything queued before it has finished)."""
         fut: Future = Future()
         self._q.put(("call", fn, args, kwargs, fut))
         return fut
@@ -177,87 +199,128 @@ class Gateway:
 
     @property
     def queued(self) -> int:
-        return self._q.qsize() + len(self._deferred)
+        """Jobs not started yet (in the inbox, held behind a call, or waiting in the engine)."""
+        eng = self.engine
+        waiting = eng.stats()["waiting"] if eng is not None else 0
+        return self._q.qsize() + len(self._deferred) + waiting
 
     def stats(self) -> dict:
-        return {"queued": self.queued, "active": 1 if self.active is not None else 0,
-                "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed,
+        eng = self.engine
+        active = 0
+        if eng is not None:
+            st = eng.stats()
+            active = st["active_rows"] + int(st["solo_active"])
+        return {"queued": self.queued, "active": active, "completed": self.completed,
+                "cancelled": self.cancelled, "failed": self.failed,
                 "last_generation": self.last_generation}
 
     def close(self, timeout: float = 5.0) -> None:
-        self._stopping = True
         self._q.put(("stop",))
         self._thread.join(timeout)
         time.sleep(0.05)   # let MLX finish tearing down the thread's stream (see cli.main)
 
-    # --- the worker -------------------------------------------------------
+    # --- the worker ------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        return self.engine is not None and self.engine.has_unfinished()
 
     def _loop(self) -> None:
-        while True:
-            item = self._deferred.popleft() if self._deferred else self._q.get()
-            kind = item[0]
-            if kind == "stop":
-                return
-            if kind == "call":
-                _, fn, args, kwargs, fut = item
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # handed to the caller
-                    fut.set_exception(e)
-                continue
-            lane = self.batch_lane
-            if lane is not None and not item[1].cancelled.is_set() and lane.accepts(item[1]):
-                lane.run(item[1], self)
-                continue
-            self._generate(item[1])
+        while not self._stopped:
+            self._intake()
+            if self._stopped:
+                break
+            for rid, job in list(self._jobs.items()):
+                if job.cancelled.is_set():
+                    self.engine.abort(rid)
+            if self._busy():
+                try:      # (the engine ends failing requests itself; this is a last resort)
+                    outs = self.engine.step()
+                except Exception as e:
+                    outs = self._fail_all(e)
+                self._deliver(outs)
+        for rid in list(self._jobs):          # stopping: end whatever still runs
+            self.engine.abort(rid)
+        if self.engine is not None and self.engine.has_unfinished():
+            self._deliver(self.engine.step())
 
-    def _generate(self, job: GenerationJob) -> None:
+    def _intake(self) -> None:
+        """Take the inbox's items: wait for one when there is nothing to step."""
+        block = not self._busy() and not self._deferred
+        while not self._stopped:
+            if self._deferred and not self._busy():
+                self._handle(self._deferred.popleft())
+                continue
+            try:
+                item = self._q.get(block=block)
+            except queue.Empty:
+                return
+            if self._deferred or (item[0] != "gen" and self._busy()):
+                self._deferred.append(item)      # behind the running requests
+            else:
+                self._handle(item)
+            block = not self._busy() and not self._deferred
+
+    def _handle(self, item) -> None:
+        kind = item[0]
+        if kind == "stop":
+            self._stopped = True
+        elif kind == "call":
+            _, fn, args, kwargs, fut = item
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+        else:
+            self._start(item[1])
+
+    def _start(self, job: GenerationJob) -> None:
+        rid = str(job.id)
         if job.cancelled.is_set():
             self.cancelled += 1
             job.finished = True
-            job.put(("end", "cancelled"))
+            job.put(RequestOutput("", [], finish_reason="cancelled", request_id=rid,
+                                  started=False))
             return
-        self.active = job
         job.started_at = time.perf_counter()
-        started = False
-        first = last = None
-        cpu_first = cpu_last = None
-        n = 0
         try:
-            for seg in self.runner(job):
-                started = True
-                if getattr(seg, "text", None):      # (runners in tests yield plain values)
-                    # when the engine handed over text (before any HTTP work): the
-                    # engine-side clock of this generation, and the CPU time the event
-                    # loop's thread used meanwhile (all the HTTP work; an upper bound on
-                    # what it can take from this thread through the GIL), for /stats
-                    last = time.perf_counter()
-                    cpu_last = _cpu_s(job.loop_cpu_clock)
-                    if first is None:
-                        first, cpu_first = last, cpu_last
-                n = getattr(seg, "generation_tokens", n)
-                job.put(("seg", seg))
-            job.put(("end", None))
-            span = None if first is None else last - first
-            self.last_generation = {
-                "job": job.id, "generation_tokens": n,
-                "first_text_s": None if first is None else first - job.started_at,
-                "decode_s": span,
-                "decode_tps": (n - 1) / span if span else None,
-                "event_loop_cpu_s": (cpu_last - cpu_first if cpu_first is not None
-                                     and cpu_last is not None else None)}
-            if job.cancelled.is_set():
+            self.engine.submit(job.prompt, job.params, request_id=rid, adapter=job.adapters)
+        except Exception as e:
+            job.finished = True
+            job.put(RequestOutput("", [], finish_reason="error", request_id=rid, error=e,
+                                  started=False))
+            return
+        self._jobs[rid] = job
+
+    def _fail_all(self, e: BaseException) -> list:
+        outs = []
+        for rid in list(self._jobs):
+            self.engine.abort(rid)
+            outs.append(RequestOutput("", [], finish_reason="error", request_id=rid, error=e))
+        self.engine.step()
+        return outs
+
+    def _deliver(self, outs) -> None:
+        for out in outs:
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            job.clock.tick(out)
+            job.put(out)
+            if not out.finished:
+                continue
+            del self._jobs[out.request_id]
+            job.finished = True
+            if out.finish_reason == "cancelled":
                 self.cancelled += 1
+            elif out.finish_reason == "error":
+                if not client_error(out):
+                    self.failed += 1
+                    log.error("generation %s failed: %s: %s", job.id,
+                              type(out.error).__name__, out.error,
+                              exc_info=(type(out.error), out.error, out.error.__traceback__))
             else:
                 self.completed += 1
-        except BaseException as e:
-            client = not started and isinstance(e, CLIENT_ERRORS)
-            if not client:
-                self.failed += 1
-                log.error("generation %d failed:\n%s", job.id, traceback.format_exc())
-            job.put(("error", e, client))
-        finally:
-            job.finished = True
-            self.active = None
+            if out.finish_reason != "error":
+                self.last_generation = job.clock.summary()

@@ -18,9 +18,11 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, check_constraints, complete, finite, logprob_entries,
+from .chat import (Call, Done, Text, Tool, complete, finite, logprob_entries,
                    normalize_chat_messages, normalize_tools, sampling_from, start,
                    template_kwargs_from)
+from .constraints import apply_constraints
+from .chat import stream as chat_stream
 from .errors import APIError, bad_request, openai_body
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
@@ -71,7 +73,8 @@ def parse_chat(body: dict, state) -> Call:
     choice = body.get("tool_choice")
     if choice is not None and not isinstance(choice, (str, dict)):
         raise bad_request("tool_choice must be a string or an object", param="tool_choice")
-    check_constraints(body.get("response_format"), body.get("tool_choice"), tools)
+    apply_constraints(call, body.get("response_format"), choice, tools,
+                      parallel=F.boolean(body, "parallel_tool_calls", True))
     if choice == "none":
         tools = None
     call.tools = tools
@@ -146,20 +149,6 @@ class ChatRender:
                 "usage": usage(done)}
 
 
-async def stream_body(gen, render, head: bytes, error_frame):
-    try:
-        if head:
-            yield head
-        async for batch in gen.events():
-            b = render.feed(batch)
-            if b:
-                yield b
-    except APIError as e:
-        yield error_frame(e)
-    finally:
-        gen.cancel()
-
-
 def _openai_error_frame(e: APIError) -> bytes:
     return sse.data(openai_body(e)) + sse.DONE
 
@@ -172,8 +161,7 @@ async def chat_completions(request: Request):
     gen = await start(state, call, request)
     render = ChatRender(state, state.model_id)
     if stream:
-        gen.stop_watching()
-        return sse.response(stream_body(gen, render, render.head(), _openai_error_frame))
+        return chat_stream(gen, render, render.head(), _openai_error_frame)
     done = await complete(gen)
     return JSONResponse(render.result(done, call.logprobs or call.top_logprobs > 0))
 
@@ -199,10 +187,10 @@ def parse_completion(body: dict, state) -> Call:
         raise bad_request("prompt must be a string or an array of token ids (one prompt)",
                           param="prompt")
     _single_choice(body)
-    check_constraints(body.get("response_format"), None, None)
     if F.boolean(body, "echo", False):
         raise bad_request("echo is not supported", param="echo")
     call = Call(prompt=prompt)
+    apply_constraints(call, body.get("response_format"), None, None)
     call.max_tokens = _max_tokens(body, "max_tokens")
     sampling_from(body, call, state)
     call.stop = F.stop_list(body, "stop")
@@ -293,7 +281,6 @@ async def completions(request: Request):
     gen = await start(state, call, request)
     render = CompletionRender(state, state.model_id, call.logprobs)
     if stream:
-        gen.stop_watching()
-        return sse.response(stream_body(gen, render, b"", _openai_error_frame))
+        return chat_stream(gen, render, b"", _openai_error_frame)
     done = await complete(gen)
     return JSONResponse(render.result(done))

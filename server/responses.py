@@ -31,8 +31,10 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, check_constraints, complete, normalize_tools,
-                   parse_arguments, sampling_from, start, template_kwargs_from)
+from .chat import (Call, Done, Text, Tool, complete, normalize_tools, parse_arguments,
+                   sampling_from, start, template_kwargs_from)
+from .chat import stream as chat_stream
+from .constraints import apply_constraints
 from .errors import APIError, bad_request, not_found, openai_body
 
 
@@ -270,8 +272,9 @@ def parse_responses(body: dict, state):
     tools = normalize_tools(body.get("tools"))
     choice = body.get("tool_choice")
     text = body.get("text")
-    check_constraints(text.get("format") if isinstance(text, dict) else None, choice, tools,
-                      format_param="text.format")
+    apply_constraints(call, text.get("format") if isinstance(text, dict) else None, choice,
+                      tools, format_param="text.format",
+                      parallel=F.boolean(body, "parallel_tool_calls", True))
     if choice == "none":
         tools = None
     call.tools = tools
@@ -305,19 +308,6 @@ def _error_frame(render: ResponseRender, e: APIError) -> bytes:
         "error", {"message": e.message, "code": e.code, "param": None})
 
 
-async def _stream(gen, render, head):
-    try:
-        yield head
-        async for batch in gen.events():
-            b = render.feed(batch)
-            if b:
-                yield b
-    except APIError as e:
-        yield _error_frame(render, e)
-    finally:
-        gen.cancel()
-
-
 async def create_response(request: Request):
     state = request.app.state.server
     body = await F.read_json(request, state.config.max_body_bytes)
@@ -332,8 +322,7 @@ async def create_response(request: Request):
                             instructions, response=render.final)
     render.on_done = on_done
     if stream:
-        gen.stop_watching()
-        return sse.response(_stream(gen, render, render.head()))
+        return chat_stream(gen, render, render.head(), lambda e: _error_frame(render, e))
     await complete(gen, render.feed)
     return JSONResponse(render.final)
 

@@ -1,9 +1,10 @@
 """Server configuration and the live state every route reads.
 
 `ServerConfig` is what the start flags say; `build_state(config)` loads the
-model on the gateway's worker thread (MLX sees one thread only), sets up the
-prompt cache, KV-quant policy, memory admission, adapters and the Responses
-store, and returns the `ServerState` that `create_app` serves.
+model on the gateway's worker thread (MLX sees one thread only), builds the
+`engine.Engine` that thread owns (prompt cache, KV-quant policy, memory
+admission, adapters, batching), the Responses store, and returns the
+`ServerState` that `create_app` serves.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-from .adapters import AdapterManager
-from .gateway import Gateway, GenerationJob
+from .gateway import Gateway
 from .store import ResponseStore
 
 log = logging.getLogger("engine-serve")
@@ -44,7 +44,7 @@ class ServerConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS
     adapter: Optional[str] = None
     api_key: Optional[str] = None
-    batch: int = 1
+    batch: int = 8                      # rows decoding together (1: one request at a time)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     template_kwargs: dict = field(default_factory=dict)
     prefill_step_size: int = 2048
@@ -69,6 +69,8 @@ def activation_dtype(model) -> str:
 
 class ServerState:
     def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str):
+        from engine import Engine
+        from engine.adapters import AdapterRegistry
         from engine.admission import Admission
         from engine.kv_quant import make_policy
         from engine.prompt_cache import PromptCache
@@ -98,15 +100,17 @@ class ServerState:
         self.admission = Admission.for_model(model, config.memory_budget_bytes, self.kv_policy,
                                              prefill_step=config.prefill_step_size)
         self.ceiling = self.admission.max_context()
-        self.adapters = AdapterManager(model, self.prompt_cache)
+        self.adapters = AdapterRegistry(model, self.prompt_cache)
         self.default_adapters: tuple = ()
         self.store = ResponseStore()
-        self.engine_fn: Optional[Callable] = None   # stream_generate (overridable in tests)
-        gateway.runner = self._run
-        self.batch_lane = None
-        if config.batch > 1:
-            from .batch_lane import install
-            install(self)
+        self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
+                             prompt_cache=self.prompt_cache, admission=self.admission,
+                             prefill_step_size=config.prefill_step_size, adapters=self.adapters,
+                             **self.kv_options)
+        gateway.engine = self.engine
+        # jobs waiting (inbox + engine) before a new one is refused with 503 (batching only)
+        self.max_queue: Optional[int] = 8 * config.batch if config.batch > 1 else None
+        self.rejected = 0
 
     # --- KV quantization ----------------------------------------------------
 
@@ -162,20 +166,29 @@ class ServerState:
                                              self.kv_policy,
                                              prefill_step=self.config.prefill_step_size)
         self.ceiling = self.admission.max_context()
+        self.engine.admission = self.admission
 
-    # --- the one engine call path ------------------------------------------
+    def check_capacity(self) -> None:
+        """Refuse a new request (503, Retry-After) when the wait queue is full. Any thread."""
+        if self.max_queue is not None and self.gateway.queued >= self.max_queue:
+            from .errors import APIError
+            self.rejected += 1
+            err = APIError(503, f"the server is at capacity ({self.max_queue} requests "
+                                "waiting); retry shortly", type="overloaded_error")
+            err.headers = {"Retry-After": "1"}
+            raise err
 
-    def _run(self, job: GenerationJob):
-        """Runs on the worker thread: one generation, segment by segment."""
-        if self.engine_fn is None:
-            from engine.generation import stream_generate
-            self.engine_fn = stream_generate
-        self.adapters.activate(job.adapters)
-        ns = self.adapters.namespace(job.adapters)
-        return self.engine_fn(
-            self.model, self.tokenizer, job.prompt, prompt_cache=self.prompt_cache,
-            cache_namespace=ns, admission=self.admission, should_stop=job.cancelled.is_set,
-            prefill_step_size=self.config.prefill_step_size, **self.kv_options, **job.options)
+    def batch_stats(self) -> dict:
+        st = self.engine.stats()
+        if not self.engine.batching:
+            return {"configured": self.config.batch, "batched": False,
+                    "active_rows": st["active_rows"] + int(st["solo_active"]), "available": False}
+        return {"configured": self.config.batch, "batched": self.engine.batching,
+                "available": self.engine.batching, "active_rows": st["active_rows"],
+                "queued": st["waiting"], "steps": st["steps"], "peak_rows": st["peak_rows"],
+                "max_queue": self.max_queue, "rejected": self.rejected,
+                "lanes": {"batch": st["lanes"]["batch"], "serial": st["lanes"]["solo"]},
+                "serial_reasons": st["solo_reasons"]}
 
     # --- /stats -------------------------------------------------------------
 
@@ -199,9 +212,7 @@ class ServerState:
             "admission": {"max_safe_context": self.ceiling,
                           "memory_budget_bytes": self.config.memory_budget_bytes,
                           "usable_bytes": adm.budget_bytes, "weights_bytes": adm.weights},
-            "batch": (self.batch_lane.stats() if self.batch_lane is not None else
-                      {"configured": self.config.batch, "batched": False,
-                       "active_rows": g["active"], "available": False}),
+            "batch": self.batch_stats(),
             "queue": g,
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},

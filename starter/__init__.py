@@ -10,17 +10,9 @@ them as fixtures. Built directories are cached under `$MLXP_FIXTURE_DIR`, else
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from .paths import cache_root
 
-
-def cache_root() -> Path:
-    """Where built models and tokenizers are cached."""
-    env = os.environ.get("MLXP_FIXTURE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "mlx-parity" / "builtin"
+__all__ = ["cache_root", "default_model_dir"]
 
 
 def default_model_dir() -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from functools import lru_cache
@@ -90,31 +89,121 @@ FAMILIES["gemma4"] = dict(
     vision_config={"model_type": "gemma4_vision", "hidden_size": 16},
 )
 
-TOKENIZER_FAMILY = {"llama": "llama", "qwen3": "qwen3", "minicpm": "minicpm",
-                    "gemma4_text": "gemma4", "gemma4": "gemma4"}
-DTYPES = ("float32", "bfloat16", "q4", "q8")
-SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5}
+# Qwen2.5-0.5B-style: q/k/v biases, tied head.
+FAMILIES["qwen2"] = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64,
+    num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+    num_key_value_heads=1, rope_theta=1000000.0, rope_scaling=None, hidden_act="silu",
+    tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
+    max_window_layers=2,
+)
+# Gemma 3 1B-style text decoder: S S F S S F, window 16, (1 + w) norms, tied head.
+FAMILIES["gemma3_text"] = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=64,
+    num_hidden_layers=6, intermediate_size=128, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+    sliding_window_pattern=3,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+    attn_logit_softcapping=None,
+)
+# Gemma 3 4B-style multimodal wrapper: linear RoPE scaling on global layers, a vision tower.
+FAMILIES["gemma3"] = dict(
+    architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", vocab_size=VOCAB,
+    text_config={**{k: v for k, v in FAMILIES["gemma3_text"].items() if k != "architectures"},
+                 **_COMMON, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    vision_config={"model_type": "siglip_vision_model", "hidden_size": 16},
+)
+# Qwen3-30B-A3B-style MoE: 8 experts, top-2, renormalised; layer 1 stays dense.
+FAMILIES["qwen3_moe"] = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
+    num_hidden_layers=3, intermediate_size=128, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, rope_theta=1000000.0, rope_scaling=None,
+    attention_bias=False, hidden_act="silu", tie_word_embeddings=False,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+    mlp_only_layers=[1], norm_topk_prob=True, sliding_window=None, use_sliding_window=False,
+)
+# Gemma 4 26B-A4B-style MoE in the released wrapper: dense MLP + 8 experts (top-2)
+# side by side, attention_k_eq_v on full layers, no KV sharing, no per-layer inputs.
+FAMILIES["gemma4_moe"] = dict(
+    architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", vocab_size=VOCAB,
+    text_config={**{k: v for k, v in FAMILIES["gemma4_text"].items() if k != "architectures"},
+                 **_COMMON, "num_hidden_layers": 4, "intermediate_size": 64,
+                 "layer_types": ["sliding_attention", "full_attention"] * 2,
+                 "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+                 "attention_k_eq_v": True, "num_key_value_heads": 2,
+                 "num_global_key_value_heads": 1, "enable_moe_block": True,
+                 "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 64},
+    vision_config={"model_type": "gemma4_vision", "hidden_size": 16},
+)
+# Encoder-free Gemma 4 (`gemma4_unified`): a dense decoder plus `vision_embedder.*` weights.
+FAMILIES["gemma4_unified"] = dict(
+    architectures=["Gemma4UnifiedForConditionalGeneration"], model_type="gemma4_unified",
+    vocab_size=VOCAB,
+    text_config={**{k: v for k, v in FAMILIES["gemma4_text"].items() if k != "architectures"},
+                 **_COMMON, "num_hidden_layers": 4,
+                 "layer_types": ["sliding_attention", "sliding_attention",
+                                 "sliding_attention", "full_attention"],
+                 "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0},
+)
 
-# Checkpoints whose architecture is one family's and whose tokenizer is another's:
-# name -> (architecture family, tokenizer family). Released MiniCPM5 checkpoints are
-# `model_type: llama` with MiniCPM5's template (its thinking and tool-call format).
-VARIANTS = {"minicpm5_llama": ("llama", "minicpm")}
+TOKENIZER_FAMILY = {"llama": "llama", "qwen3": "qwen3", "minicpm": "minicpm",
+                    "gemma4_text": "gemma4", "gemma4": "gemma4", "qwen2": "qwen2",
+                    "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3",
+                    "gemma4_moe": "gemma4", "gemma4_unified": "gemma4"}
+DTYPES = ("float32", "bfloat16", "q4", "q8")
+# Fixture variants, two kinds in one table:
+# - config variants, `ensure_fixture(family, variant=...)` (fixture name gets "-<variant>"):
+#   config overrides. "tp2": 4 query / 2 KV heads, so every head count splits over 2
+#   tensor-parallel ranks.
+# - checkpoint variants, used as the family name (`ensure_fixture("minicpm5_llama")`): one
+#   family's architecture with another's tokenizer ({"family": ..., "tokenizer": ...}).
+#   Released MiniCPM5 checkpoints are `model_type: llama` with MiniCPM5's template (its
+#   thinking and tool-call format).
+VARIANTS: dict[str, dict] = {
+    "tp2": {"num_attention_heads": 4, "num_key_value_heads": 2},
+    "minicpm5_llama": {"family": "llama", "tokenizer": "minicpm"},
+}
+SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5, "qwen2": 6,
+         "gemma3_text": 7, "gemma3": 8, "qwen3_moe": 9, "gemma4_moe": 10, "gemma4_unified": 11}
+# Families with expert layers: mlx's gather_mm has no bfloat16 kernel on the CPU, so
+# their float bfloat16 fixture can be built anywhere but only run on a GPU.
+MOE = ("qwen3_moe", "gemma4_moe")
+# Families with sliding-window layers (a rotating KV cache; quantized KV is L2 against mlx-optiq).
+SLIDING = ("gemma4_text", "gemma4", "gemma3_text", "gemma3", "gemma4_moe", "gemma4_unified")
+
+
+def cpu_dtypes(family: str) -> tuple:
+    """The fixture dtypes both engines can run on the CPU for this family."""
+    return tuple(d for d in DTYPES if not (family in MOE and d == "bfloat16"))
+
+
+def _checkpoint_variant(name: str) -> bool:
+    return "family" in VARIANTS.get(name, {})
+
+
+def _config_variant(name: str) -> bool:
+    return name in VARIANTS and not _checkpoint_variant(name)
 
 
 def _resolve(family: str) -> tuple:
     """(architecture family, tokenizer family) of a fixture name."""
-    if family in VARIANTS:
-        return VARIANTS[family]
+    if _checkpoint_variant(family):
+        v = VARIANTS[family]
+        return v["family"], v["tokenizer"]
     return family, TOKENIZER_FAMILY[family]
 
 
 def fixture_root() -> Path:
-    from . import cache_root
+    from .paths import cache_root
     return cache_root()
 
 
-def config_for(family: str, tok_ids: dict) -> dict:
+def config_for(family: str, tok_ids: dict, variant: str = "") -> dict:
     cfg = copy.deepcopy(FAMILIES[family])
+    if variant:
+        cfg.get("text_config", cfg).update(VARIANTS[variant])
     ids = {"bos_token_id": tok_ids["bos_token_id"], "eos_token_id": tok_ids["eos_token_id"],
            "pad_token_id": tok_ids["pad_token_id"]}
     if "text_config" in cfg:
@@ -140,15 +229,46 @@ def _random_weights(family: str, config: dict, seed: int) -> dict:
     return model, out
 
 
-def _hf_names(family: str, weights: dict) -> dict:
+def _unstack_experts(family: str, weights: dict) -> dict:
+    """Float MoE checkpoints as HF ships them (quantized ones keep mlx-lm's
+    stacked layout, which is what its converter writes)."""
+    out = {}
+    for k, v in weights.items():
+        if family == "qwen3_moe" and ".mlp.switch_mlp." in k:
+            base, name = k.split(".switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{base}.experts.{e}.{name}"] = v[e]
+        elif family == "gemma4_moe" and ".switch_glu.gate_proj." in k:
+            up = weights[k.replace(".gate_proj.", ".up_proj.")]
+            out[k.replace(".switch_glu.gate_proj.weight", ".gate_up_proj")] = mx.concatenate(
+                [v, up], axis=-2)
+        elif family == "gemma4_moe" and ".switch_glu.down_proj." in k:
+            out[k.replace(".switch_glu.down_proj.weight", ".down_proj")] = v
+        elif not (family == "gemma4_moe" and ".switch_glu.up_proj." in k):
+            out[k] = v
+    return out
+
+
+def _hf_names(family: str, weights: dict, quantized: bool = False) -> dict:
     """The names a released checkpoint uses (what `sanitize` must undo)."""
-    if family != "gemma4":
+    if family in MOE and not quantized:
+        weights = _unstack_experts(family, weights)
+    if family in ("gemma3_text", "gemma3"):
+        # Gemma 3 checkpoints tie the head by leaving lm_head out.
+        weights = {k: v for k, v in weights.items()
+                   if not k.startswith(("lm_head.", "language_model.lm_head."))}
+        if family == "gemma3":
+            weights["vision_tower.vision_model.embeddings.patch_embedding.weight"] = mx.zeros((4, 4))
+            weights["multi_modal_projector.mm_input_projection_weight"] = mx.zeros((4, 4))
+        return weights
+    if family not in ("gemma4", "gemma4_moe", "gemma4_unified"):
         return weights
     out = {}
     for k, v in weights.items():
         out[k.replace("language_model.model.", "model.language_model.", 1)] = v
     # A released multimodal checkpoint also carries towers the text engine drops.
-    out["model.vision_tower.patch_embed.weight"] = mx.zeros((4, 4))
+    tower = "vision_embedder" if family == "gemma4_unified" else "vision_tower"
+    out[f"model.{tower}.patch_embed.weight"] = mx.zeros((4, 4))
     return out
 
 
@@ -156,10 +276,18 @@ def _quantize(model: nn.Module, weights: dict, bits: int, group_size: int = 64):
     """Quantize the float model the way mlx-lm's converter does (layers whose
     input dim divides the group size), returning the packed weights."""
     model.load_weights(list(weights.items()))
+    family_rule = getattr(model, "quant_predicate", None)   # e.g. MoE routers at 8 bits
+    overrides = {}
+
     def pred(path, m):
-        return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+        if not (hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0):
+            return False
+        rule = family_rule(path, m) if family_rule is not None else True
+        if isinstance(rule, dict):
+            overrides[path] = rule
+        return rule
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=pred)
-    return dict(tree_flatten(model.parameters()))
+    return dict(tree_flatten(model.parameters())), overrides
 
 
 def _save_weights(out: Path, weights: dict, shards: int):
@@ -181,26 +309,27 @@ def _save_weights(out: Path, weights: dict, shards: int):
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
 
 
-def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 1) -> Path:
+def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 1,
+                  variant: str = "") -> Path:
     from .tokenizers import build_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     arch, tok_family = _resolve(family)
     tok_ids = build_tokenizer(out, tok_family, vocab_size=VOCAB)
-    config = config_for(arch, tok_ids)
+    config = config_for(arch, tok_ids, variant)
     model, weights = _random_weights(arch, config, SEEDS[arch])
     float_dtype = mx.float32 if dtype == "float32" else mx.bfloat16
     weights = {k: v.astype(float_dtype) for k, v in weights.items()}
     if dtype in ("q4", "q8"):
         bits = 4 if dtype == "q4" else 8
         model.set_dtype(mx.bfloat16)
-        weights = _quantize(model, weights, bits)
+        weights, overrides = _quantize(model, weights, bits)
         q = {"group_size": 64, "bits": bits, "mode": "affine"}
-        config["quantization"] = dict(q)
-        config["quantization_config"] = dict(q)
+        config["quantization"] = {**q, **overrides}
+        config["quantization_config"] = {**q, **overrides}
     config["torch_dtype"] = "float32" if dtype == "float32" else "bfloat16"
-    _save_weights(out, _hf_names(arch, weights), shards)
+    _save_weights(out, _hf_names(arch, weights, quantized=dtype in ("q4", "q8")), shards)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
 
@@ -211,32 +340,39 @@ def _tokenizer_key() -> str:
     return f"{t.BUILDER_VERSION}:{t.corpus_hash()}"
 
 
-def fixture_name(family: str, dtype: str = "float32", shards: int = 1) -> str:
+def fixture_name(family: str, dtype: str = "float32", shards: int = 1, variant: str = "") -> str:
     """Directory name: readable part + hash of everything that shapes the bytes."""
     name = f"{family}-{dtype}" + (f"-sharded{shards}" if shards > 1 else "")
     arch, tok_family = _resolve(family)
     parts = [BUILDER_VERSION, _tokenizer_key(), FAMILIES[arch], dtype, shards]
-    if family in VARIANTS:
+    if _checkpoint_variant(family):
         parts.append(tok_family)
+    if variant:
+        name += f"-{variant}"
+        parts.append(VARIANTS[variant])
     spec = json.dumps(parts, sort_keys=True)
     return f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
 
 
-def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1) -> Path:
+def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1,
+                   variant: str = "") -> Path:
     """Path of the cached fixture, building it first (atomically) if needed."""
-    if family not in FAMILIES and family not in VARIANTS:
-        raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)} "
-                         f"and variants {sorted(VARIANTS)}")
+    if family not in FAMILIES and not _checkpoint_variant(family):
+        raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)} and "
+                         f"{sorted(v for v in VARIANTS if _checkpoint_variant(v))}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown fixture dtype {dtype!r}; have {DTYPES}")
+    if variant and not _config_variant(variant):
+        raise ValueError(f"unknown fixture variant {variant!r}; have "
+                         f"{sorted(v for v in VARIANTS if _config_variant(v))}")
     root = fixture_root()
-    final = root / fixture_name(family, dtype, shards)
+    final = root / fixture_name(family, dtype, shards, variant)
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        build_fixture(tmp, family, dtype, shards)
+        build_fixture(tmp, family, dtype, shards, variant)
         try:
             tmp.rename(final)
         except OSError:

@@ -60,6 +60,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, processors, trainers
 
+from .chat_templates import GEMMA3_TEMPLATE, QWEN25_TEMPLATE
+
 __all__ = [
     "BUILDER_VERSION",
     "TOKENIZER_FAMILIES",
@@ -70,7 +72,7 @@ __all__ = [
 ]
 
 BUILDER_VERSION = "tok2"
-TOKENIZER_FAMILIES = ("llama", "qwen3", "gemma4", "minicpm")
+TOKENIZER_FAMILIES = ("llama", "qwen3", "gemma4", "minicpm", "qwen2", "gemma3")
 
 # Top-level stdlib modules present in every CPython >= 3.10 (sorted, fixed).
 CORPUS_MODULES = (
@@ -735,6 +737,32 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# Qwen2.5: Qwen3's ChatML tokens without the thinking pair, its own template.
+FAMILIES["qwen2"] = dict(
+    FAMILIES["qwen3"],
+    tail=[t for t in FAMILIES["qwen3"]["tail"] if t[0] not in ("<think>", "</think>")],
+    template=QWEN25_TEMPLATE,
+    config_extra=dict(FAMILIES["qwen3"]["config_extra"], model_max_length=32768),
+    generation=dict(eos=["<|im_end|>", "<|endoftext|>"], bos="<|endoftext|>",
+                    extra=dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
+                               repetition_penalty=1.05)),
+)
+
+# Gemma 3: <pad>/<eos>/<bos>/<unk>/<mask> first, then the turn and image markers.
+FAMILIES["gemma3"] = dict(
+    FAMILIES["gemma4"],
+    head=[("<pad>", True), ("<eos>", True), ("<bos>", True), ("<unk>", True), ("<mask>", True),
+          ("<start_of_turn>", True), ("<end_of_turn>", True), ("<start_of_image>", True),
+          ("<end_of_image>", True), ("<image_soft_token>", True)],
+    template=GEMMA3_TEMPLATE,
+    config_extra=dict(add_bos_token=True, add_eos_token=False, clean_up_tokenization_spaces=False,
+                      image_token="<image_soft_token>", model_max_length=131072,
+                      padding_side="left"),
+    generation=dict(eos=["<eos>", "<end_of_turn>"], bos="<bos>",
+                    extra=dict(do_sample=True, top_k=64, top_p=0.95)),
+)
+
+
 # ---------------------------------------------------------------------------
 # Building
 # ---------------------------------------------------------------------------
@@ -946,7 +974,7 @@ TOKENIZER_FILES = (
 
 
 def fixture_root() -> Path:
-    from . import cache_root
+    from .paths import cache_root
     return cache_root()
 
 

@@ -150,3 +150,56 @@ def hidden_states(model, inputs, checkpoint: bool = False):
         return h
     from .segmented import checkpointed_layers
     return checkpointed_layers(model, h, ctx)
+
+
+# --- loss head, chunk by chunk -------------------------------------------------------
+
+def chunked_head_vjp(model, outer_names, outer, h, targets, mask, chunk_size, sel, key):
+    """(loss, dh, outer grads) of the ``chunked`` loss head, one `chunk_size`-row
+    chunk of the counted rows at a time: each chunk's forward and vjp run and are
+    evaluated before the next, so only one chunk's [chunk, vocab] logits and its
+    [chunk, hidden] cotangent are live, and dh is assembled once (one scatter into
+    [B*T, hidden]). Differentiating `gathered_head_loss` as one graph instead
+    leaves the backward free to materialise every chunk's cotangent as a full-size
+    [rows, hidden] slice update before summing them - ~7 GB at 1B / 32K on the
+    H200. The loss is computed with gathered_head_loss's ops (bit-exact); the
+    cotangent of each row's CE does not depend on the CE values, so it is taken
+    up front from the reduction alone."""
+    from .segmented import set_key
+    from .token_chunk import bind, cat
+    B, T, D = h.shape
+    M = int(sel.shape[0])
+    h_sel = h.reshape(B * T, D)[sel]
+    t_sel = targets.reshape(B * T)[sel]
+    step = chunk_size if chunk_size and M > chunk_size else M
+    set_key(key)
+    ce_dtype = _rows_ce(model, h_sel[:1], t_sel[:1]).dtype  # lazy, never evaluated
+    set_key(key)  # the probe may have drawn dropout masks
+
+    def reduce(ce_sel):
+        ce = mx.zeros((B * T,), dtype=ce_sel.dtype).at[sel].add(ce_sel).reshape(B, T)
+        return [_reduce(ce, mask)[0]]
+
+    _, (d_ce,) = mx.vjp(reduce, [mx.zeros((M,), dtype=ce_dtype)],
+                        [mx.array(1.0, dtype=mx.float32)])
+
+    def fn(hr, *ps, tr):
+        bind(model, outer_names, ps)
+        return [_rows_ce(model, hr, tr)]
+
+    ces, dhs, acc = [], [], None
+    for a in range(0, M, step):
+        b = min(a + step, M)
+        (ce_c,), g = mx.vjp(lambda hr, *ps, tr=t_sel[a:b]: fn(hr, *ps, tr=tr),
+                            [h_sel[a:b], *outer], [d_ce[a:b]])
+        acc = list(g[1:]) if acc is None else [x + y for x, y in zip(acc, g[1:])]
+        ces.append(ce_c)
+        dhs.append(g[0])
+        mx.eval(ce_c, g[0], acc)
+    bind(model, outer_names, outer)
+    del h_sel, g
+    loss = reduce(cat(ces, 0))[0]
+    dh_sel = cat(dhs, 0)
+    del dhs
+    dh = mx.zeros((B * T, D), dtype=h.dtype).at[sel].add(dh_sel).reshape(B, T, D)
+    return loss, dh, acc

@@ -33,12 +33,13 @@ exports as explicit inputs/outputs (mlx-lm instead patches the block class's
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
-from .loss import head_loss, selected_rows, split_batch
+from .attention import Blocking
+from .loss import chunked_head_vjp, head_loss, selected_rows, split_batch
+from .token_chunk import (TokenBlock, bind, half_backward, half_forward, half_split_of,
+                          token_split_of)
 
 
 # --- PRNG key save/restore (mx.random.seed((hi << 32) | lo) recreates a key) ---
@@ -74,11 +75,6 @@ def has_dropout(model) -> bool:
 def _layer_paths(model) -> list[str]:
     ids = {id(m): p for p, m in model.named_modules()}
     return [ids[id(l)] for l in model.layers]
-
-
-def _bind(module, names, arrays):
-    if names:
-        module.update(tree_unflatten(list(zip(names, arrays))))
 
 
 class _Params:
@@ -154,7 +150,7 @@ def checkpointed_layers(model, h, ctx):
             if pli is not None:
                 pli_ = rest_args[pos]
                 pos += 1
-            _bind(layer, names, rest_args[pos:])
+            bind(layer, names, rest_args[pos:])
             c = _local_ctx(ctx, n, kv_in, pli_)
             out = model.layer_step(i, h_, c)
             outs = [out]
@@ -172,307 +168,19 @@ def checkpointed_layers(model, h, ctx):
     return h
 
 
-# --- sub-block split (attention half / per-token MLP half) --------------------------
-
-def split_block(layer):
-    """(attn_half, mlp_half) that compose to `layer(x, mask, None)` op for op, for the
-    Llama-layout blocks (llama, qwen3, minicpm); None for other blocks."""
-    from engine.models import llama, minicpm
-    if isinstance(layer, minicpm.Block):
-        def attn(x, mask):
-            return x + layer.self_attn(layer.input_layernorm(x), mask, None) * layer.branch_scale
-
-        def mlp(h):
-            return h + layer.mlp(layer.post_attention_layernorm(h)) * layer.branch_scale
-        return attn, mlp
-    if type(layer) is llama.Block:
-        def attn(x, mask):
-            return x + layer.self_attn(layer.input_layernorm(x), mask, None)
-
-        def mlp(h):
-            return h + layer.mlp(layer.post_attention_layernorm(h))
-        return attn, mlp
-    return None
+# Automatic attention blocking: beyond AUTO_ATTN_ABOVE tokens (the whole-sequence fused
+# CUDA vjp fails from 131072 tokens at 1B, 65536 at 8B: train/attention.py), query
+# blocks of AUTO_ATTN_BLOCK rows, each cut into head groups under the fused op's limit.
+AUTO_ATTN_BLOCK, AUTO_ATTN_ABOVE = 8192, 32768
 
 
-def _chunks(T, n):
-    return [(a, min(a + n, T)) for a in range(0, T, n)]
-
-
-def _split_forward(split, x, mask, chunk):
-    attn, mlp = split
-    h = mx.stop_gradient(attn(x, mask))
-    mx.eval(h)
-    parts = []
-    for a, b in _chunks(h.shape[1], chunk):
-        y = mlp(h[:, a:b])
-        mx.eval(y)
-        parts.append(y)
-    return mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-
-
-def _split_backward(model, P, i, split, x_in, dh, mask, chunk, h_primal, flat_grads):
-    """Backward of block i in two vjps: the MLP half token chunk by token chunk,
-    then the attention half. Returns the cotangent of the block input."""
-    attn, mlp = split
-    layer = model.layers[i]
-    names, arrays = P.layer[i]
-    mi = [k for k, nm in enumerate(names) if nm.startswith("mlp.")]
-    ai = [k for k in range(len(names)) if k not in mi]
-    m_names, m_arrays = [names[k] for k in mi], [arrays[k] for k in mi]
-    a_names, a_arrays = [names[k] for k in ai], [arrays[k] for k in ai]
-    h_mid = mx.stop_gradient(attn(x_in, mask))
-    mx.eval(h_mid)
-
-    def mlp_fn(hc, *ps):
-        _bind(layer, m_names, ps)
-        return [mlp(hc)]
-
-    acc, d_mid = None, []
-    for a, b in _chunks(h_mid.shape[1], chunk):
-        _, g = mx.vjp(mlp_fn, [h_mid[:, a:b], *m_arrays], [dh[:, a:b]])
-        d_mid.append(g[0])
-        acc = list(g[1:]) if acc is None else [x + y for x, y in zip(acc, g[1:])]
-        mx.eval(g[0], acc)
-    d_mid = mx.concatenate(d_mid, axis=1) if len(d_mid) > 1 else d_mid[0]
-    del h_mid
-
-    def attn_fn(*args):
-        x = args[0] if h_primal else x_in
-        _bind(layer, a_names, args[1:] if h_primal else args)
-        return [attn(x, mask)]
-
-    prim = ([x_in] if h_primal else []) + a_arrays
-    _, g = mx.vjp(attn_fn, prim, [d_mid])
-    dx = g[0] if h_primal else None
-    for nm, gr in zip(a_names, g[1:] if h_primal else g):
-        flat_grads[P.full_name(i, nm)] = gr
-    for nm, gr in zip(m_names, acc or []):
-        flat_grads[P.full_name(i, nm)] = gr
-    _bind(layer, names, arrays)
-    mx.eval([x for x in [dx] if x is not None] + [flat_grads[P.full_name(i, nm)] for nm in names])
-    return dx if h_primal else dh
-
-
-# --- whole-layer token chunking (pre / core / post) ---------------------------------
-
-def token_split(layer):
-    """(pre, core, post) of a Llama-layout block (llama, qwen3, minicpm) that compose
-    to `layer(x, mask, None)` op for op; None for other blocks.
-
-    pre(x_rows, offset) -> (q, k, v): input norm, q/k/v projections (qwen3's q/k
-    norms), RoPE at positions offset.. - a per-token function;
-    core(q, k, v, mask) -> o [B, T, H*hd]: SDPA, the only op that mixes tokens;
-    post(x_rows, o_rows) -> block output rows: o_proj, residual, post norm, MLP,
-    residual - per token again."""
-    from engine.models import llama, minicpm, qwen3
-    if type(layer) not in (llama.Block, minicpm.Block):
-        return None
-    attn = layer.self_attn
-    if type(attn) not in (llama.Attention, qwen3.Attention):
-        return None
-    qk_norm = isinstance(attn, qwen3.Attention)
-    bs = layer.branch_scale if isinstance(layer, minicpm.Block) else None
-
-    def pre(x, offset):
-        B, L, _ = x.shape
-        n = layer.input_layernorm(x)
-        q = attn.q_proj(n).reshape(B, L, attn.n_heads, -1)
-        k = attn.k_proj(n).reshape(B, L, attn.n_kv_heads, -1)
-        if qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        v = attn.v_proj(n).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
-
-    def core(q, k, v, mask):
-        B, _, L, _ = q.shape
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
-        return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
-
-    def post(x, o):
-        a = attn.o_proj(o)
-        h = x + (a * bs if bs is not None else a)
-        m = layer.mlp(layer.post_attention_layernorm(h))
-        return h + (m * bs if bs is not None else m)
-
-    return pre, core, post
-
-
-def _cat(parts, axis):
-    return mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
-
-
-def _tok_qkv(pre, x, chunk):
-    """q, k, v of the whole sequence, computed (no autograd) chunk by chunk."""
-    qs, ks, vs = [], [], []
-    for a, b in _chunks(x.shape[1], chunk):
-        q, k, v = (mx.stop_gradient(t) for t in pre(x[:, a:b], a))
-        mx.eval(q, k, v)
-        qs.append(q), ks.append(k), vs.append(v)
-    q, k, v = _cat(qs, 2), _cat(ks, 2), _cat(vs, 2)
-    del qs, ks, vs
-    mx.eval(q, k, v)
-    return q, k, v
-
-
-def _tok_forward(split, x, mask, chunk):
-    pre, core, post = split
-    q, k, v = _tok_qkv(pre, x, chunk)
-    o = mx.stop_gradient(core(q, k, v, mask))
-    mx.eval(o)
-    del q, k, v
-    parts = []
-    for a, b in _chunks(x.shape[1], chunk):
-        y = mx.stop_gradient(post(x[:, a:b], o[:, a:b]))
-        mx.eval(y)
-        parts.append(y)
-    del o
-    return _cat(parts, 1)
-
-
-def _tok_backward(model, P, i, split, x_in, dh, mask, chunk, h_primal, flat_grads):
-    """Backward of block i with every per-token part (norms, projections + LoRA,
-    RoPE, MLP) differentiated `chunk` tokens at a time; only SDPA sees the whole
-    sequence. Live at full length: q, k, v, o, their cotangents, dh / dx.
-    Returns the cotangent of the block input (dh itself when not needed)."""
-    pre, core, post = split
-    layer = model.layers[i]
-    names, arrays = P.layer[i]
-    is_pre = [nm.startswith("input_layernorm.") or
-              (nm.startswith("self_attn.") and not nm.startswith("self_attn.o_proj."))
-              for nm in names]
-    pre_n = [nm for nm, f in zip(names, is_pre) if f]
-    pre_a = [ar for ar, f in zip(arrays, is_pre) if f]
-    post_n = [nm for nm, f in zip(names, is_pre) if not f]
-    post_a = [ar for ar, f in zip(arrays, is_pre) if not f]
-    T = x_in.shape[1]
-    spans = _chunks(T, chunk)
-
-    def accumulate(acc, gs):
-        return list(gs) if acc is None else [x + y for x, y in zip(acc, gs)]
-
-    # recompute q, k, v and the attention output (no autograd)
-    q, k, v = _tok_qkv(pre, x_in, chunk)
-    o = mx.stop_gradient(core(q, k, v, mask))
-    mx.eval(o)
-
-    # post half (o_proj, MLP): per chunk -> d(o) rows, d(x) rows via the residual
-    def post_fn(*args):
-        if h_primal:
-            xc, oc, ps = args[0], args[1], args[2:]
-        else:
-            xc, oc, ps = post_x[0], args[0], args[1:]
-        _bind(layer, post_n, ps)
-        return [post(xc, oc)]
-
-    acc_post, do_parts, dxr_parts = None, [], []
-    for a, b in spans:
-        post_x = [x_in[:, a:b]]
-        prim = ([x_in[:, a:b]] if h_primal else []) + [o[:, a:b]] + post_a
-        _, g = mx.vjp(post_fn, prim, [dh[:, a:b]])
-        if h_primal:
-            dxr_parts.append(g[0])
-            g = g[1:]
-        do_parts.append(g[0])
-        acc_post = accumulate(acc_post, g[1:])
-        mx.eval(g[0], dxr_parts[-1:] if h_primal else [], acc_post)
-    del o, g
-    do = _cat(do_parts, 1)
-    del do_parts
-    dx_res = _cat(dxr_parts, 1) if h_primal else None
-    del dxr_parts
-    mx.eval(do, dx_res if h_primal else [])
-
-    # core (SDPA) over the whole sequence
-    _, (dq, dk, dv) = mx.vjp(lambda q_, k_, v_: [core(q_, k_, v_, mask)], [q, k, v], [do])
-    mx.eval(dq, dk, dv)
-    del q, k, v, do
-
-    # pre half (norm, q/k/v projections, RoPE): per chunk -> d(x) rows
-    def pre_fn(*args, offset=0):
-        if h_primal:
-            xc, ps = args[0], args[1:]
-        else:
-            xc, ps = pre_x[0], args
-        _bind(layer, pre_n, ps)
-        return list(pre(xc, offset))
-
-    acc_pre, dx_parts = None, []
-    for a, b in spans:
-        pre_x = [x_in[:, a:b]]
-        prim = ([x_in[:, a:b]] if h_primal else []) + pre_a
-        _, g = mx.vjp(lambda *args, a=a: pre_fn(*args, offset=a), prim,
-                      [dq[:, :, a:b], dk[:, :, a:b], dv[:, :, a:b]])
-        if h_primal:
-            dx_parts.append(dx_res[:, a:b] + g[0])
-            g = g[1:]
-        acc_pre = accumulate(acc_pre, g)
-        mx.eval(dx_parts[-1:] if h_primal else [], acc_pre)
-    del dq, dk, dv, dx_res
-    _bind(layer, names, arrays)
-    for nm, gr in zip(pre_n, acc_pre or []):
-        flat_grads[P.full_name(i, nm)] = gr
-    for nm, gr in zip(post_n, acc_post or []):
-        flat_grads[P.full_name(i, nm)] = gr
-    if not h_primal:
-        return dh
-    dx = _cat(dx_parts, 1)
-    del dx_parts
-    mx.eval(dx)
-    return dx
-
-
-# --- loss head, chunk by chunk -------------------------------------------------------
-
-def _chunked_head_vjp(model, P, h, targets, mask, chunk_size, sel, key):
-    """(loss, dh, outer grads) of the ``chunked`` loss head, one `chunk_size`-row
-    chunk of the counted rows at a time: each chunk's forward and vjp run and are
-    evaluated before the next, so only one chunk's [chunk, vocab] logits and its
-    [chunk, hidden] cotangent are live, and dh is assembled once (one scatter into
-    [B*T, hidden]). Differentiating `gathered_head_loss` as one graph instead
-    leaves the backward free to materialise every chunk's cotangent as a full-size
-    [rows, hidden] slice update before summing them - ~7 GB at 1B / 32K on the
-    H200. The loss is computed with gathered_head_loss's ops (bit-exact); the
-    cotangent of each row's CE does not depend on the CE values, so it is taken
-    up front from the reduction alone."""
-    from .loss import _reduce, _rows_ce
-    B, T, D = h.shape
-    M = int(sel.shape[0])
-    h_sel = h.reshape(B * T, D)[sel]
-    t_sel = targets.reshape(B * T)[sel]
-    step = chunk_size if chunk_size and M > chunk_size else M
-    set_key(key)
-    ce_dtype = _rows_ce(model, h_sel[:1], t_sel[:1]).dtype  # lazy, never evaluated
-    set_key(key)  # the probe may have drawn dropout masks
-
-    def reduce(ce_sel):
-        ce = mx.zeros((B * T,), dtype=ce_sel.dtype).at[sel].add(ce_sel).reshape(B, T)
-        return [_reduce(ce, mask)[0]]
-
-    _, (d_ce,) = mx.vjp(reduce, [mx.zeros((M,), dtype=ce_dtype)],
-                        [mx.array(1.0, dtype=mx.float32)])
-
-    def fn(hr, *ps, tr):
-        _bind(model, P.outer_names, ps)
-        return [_rows_ce(model, hr, tr)]
-
-    ces, dhs, acc = [], [], None
-    for a in range(0, M, step):
-        b = min(a + step, M)
-        (ce_c,), g = mx.vjp(lambda hr, *ps, tr=t_sel[a:b]: fn(hr, *ps, tr=tr),
-                            [h_sel[a:b], *P.outer], [d_ce[a:b]])
-        acc = list(g[1:]) if acc is None else [x + y for x, y in zip(acc, g[1:])]
-        ces.append(ce_c)
-        dhs.append(g[0])
-        mx.eval(ce_c, g[0], acc)
-    _bind(model, P.outer_names, P.outer)
-    del h_sel, g
-    loss = reduce(_cat(ces, 0))[0]
-    dh_sel = _cat(dhs, 0)
-    del dhs
-    dh = mx.zeros((B * T, D), dtype=h.dtype).at[sel].add(dh_sel).reshape(B, T, D)
-    return loss, dh, acc
+def resolve_attn_block(attn_block: int, T: int) -> int:
+    """Query rows per attention block for a T-token sequence (0: one block)."""
+    if attn_block < 0:
+        return 0
+    if attn_block == 0:
+        return AUTO_ATTN_BLOCK if T > AUTO_ATTN_ABOVE else 0
+    return attn_block if T > attn_block else 0
 
 
 # --- segmented backward ---------------------------------------------------------
@@ -480,7 +188,7 @@ def _chunked_head_vjp(model, P, h, targets, mask, chunk_size, sel, key):
 def segmented_value_and_grad(model, batch, lengths, segment_size: int,
                              head: str = "chunked", chunk_size: int = 1024,
                              return_stats: bool = False, exact_kv_order: bool = True,
-                             mlp_chunk: int = 0, token_chunk: int = 0):
+                             mlp_chunk: int = 0, token_chunk: int = 0, attn_block: int = 0):
     """((loss, ntoks), grads) like `nn.value_and_grad(model, sft_loss)`, computed
     segment by segment (see the module docstring). `grads` has the structure of
     `model.trainable_parameters()`.
@@ -492,7 +200,7 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     design; it re-associates the sum whenever a segment holds several sharers of
     an earlier donor).
 
-    mlp_chunk > 0 (segment_size 1, no dropout, Llama-layout blocks): each block is
+    mlp_chunk > 0 (segment_size 1, no dropout, blocks with `half_split()`): each block is
     split at the attention/MLP boundary and the MLP half - a per-token function -
     is run forward and differentiated `mlp_chunk` tokens at a time, so its
     [T, intermediate] activations (and LoRA's float32 [T, out] terms) are never
@@ -500,16 +208,25 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     independent); the MLP LoRA gradients become a sum over token chunks, which
     re-associates their reduction (measured in tests/train/test_segmented.py).
 
-    token_chunk > 0 (segment_size 1, no dropout, Llama-layout blocks; supersedes
-    mlp_chunk): the whole block is split into its per-token parts - input norm,
+    token_chunk > 0 (segment_size 1, no dropout, blocks with a token split -
+    Llama layout and Gemma 4, see engine/models/split.py; supersedes mlp_chunk):
+    the whole block is split into its per-token parts - input norm,
     q/k/v projections and RoPE before SDPA, o_proj and the MLP after it - and only
     SDPA sees the whole sequence; forward and backward run every per-token part
-    `token_chunk` tokens at a time (see :func:`token_split`), so no [T, hidden]
+    `token_chunk` tokens at a time (see train/token_chunk.py), so no [T, hidden]
     or [T, intermediate] activation of a projection, its LoRA float32 terms or
     its cotangent is live beyond one chunk. Blocks of other layouts fall back to
     the plain segment vjp. Hidden-state cotangents are exact per row; every LoRA
     gradient becomes a sum over chunks (re-associated; measured in
-    tests/train/test_segmented.py)."""
+    tests/train/test_segmented.py). With per-layer inputs upstream of trainable
+    parameters (LoRA on Gemma 4's per_layer_model_projection) every block runs
+    the plain segment vjp.
+
+    attn_block (with token_chunk): attention's forward and backward in query
+    blocks of that many rows (train/attention.py) when the sequence is longer
+    than one block; 0 = automatic (see resolve_attn_block: beyond
+    AUTO_ATTN_ABOVE tokens, where MLX's whole-sequence fused backward fails on
+    CUDA; below it the whole-sequence op runs, as before); -1 = never."""
     inputs, targets, mask = split_batch(batch, lengths)
     n = len(model.layers)
     segs = plan_segments(n, segment_size)
@@ -518,18 +235,19 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     need_outer = bool(P.outer)
     sel = None if head == "full" else selected_rows(mask)
     splits = tsplits = None
+    blocking = Blocking(resolve_attn_block(attn_block, inputs.shape[1]))
     if token_chunk:
         if segment_size != 1:
             raise ValueError("token_chunk needs segment_size 1")
         if has_dropout(model):
             raise ValueError("token_chunk does not support LoRA dropout")
-        tsplits = [token_split(l) for l in model.layers]
+        tsplits = [token_split_of(model, i) for i in range(n)]
     elif mlp_chunk:
         if segment_size != 1:
             raise ValueError("mlp_chunk needs segment_size 1")
         if has_dropout(model):
             raise ValueError("mlp_chunk does not support LoRA dropout")
-        splits = [split_block(l) for l in model.layers]
+        splits = [half_split_of(model, i) for i in range(n)]
 
     seg_of = {i: s for s, (lo, hi) in enumerate(segs) for i in range(lo, hi)}
     ext_donors, exported = [], []
@@ -545,7 +263,18 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     pli = ctx.get("pli")
     need_pli = need_outer and pli is not None
     h = mx.stop_gradient(h)
-    const = [h] + [m for m in ctx.get("masks", []) if isinstance(m, mx.array)]
+    if need_pli and tsplits is not None:  # per-layer-input cotangents: plain segment path
+        tsplits = None
+    tblocks = [None] * n
+    if tsplits is not None:
+        tblocks = [TokenBlock(model, i, sp, ctx, token_chunk, blocking) if sp is not None else None
+                   for i, sp in enumerate(tsplits)]
+    T = inputs.shape[1]
+    blocked = tsplits is not None and blocking.block and T > blocking.block
+    # attention masks are evaluated once here, unless blocked attention builds its own
+    # per block (a [T, T] sliding-window mask at long contexts is the size of the problem)
+    const = [h] + ([] if blocked else
+                   [m for m in ctx.get("masks", []) if isinstance(m, mx.array)])
     if pli is not None:
         pli = mx.stop_gradient(pli)
         ctx["pli"] = pli
@@ -557,10 +286,10 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     for s, (lo, hi) in enumerate(segs):
         keys.append(get_key())
         for i in range(lo, hi):
-            if tsplits is not None and tsplits[i] is not None:
-                h = _tok_forward(tsplits[i], h, ctx["masks"][i], token_chunk)
+            if tblocks[i] is not None:
+                h = tblocks[i].forward(h)
             elif splits is not None and splits[i] is not None:
-                h = _split_forward(splits[i], h, ctx["masks"][i], mlp_chunk)
+                h = half_forward(splits[i], h, ctx["masks"][i], mlp_chunk)
             else:
                 h = model.layer_step(i, h, ctx)
         h = mx.stop_gradient(h)
@@ -588,19 +317,19 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
 
     # ---- loss head
     def head_fn(h_last, *outer):
-        _bind(model, P.outer_names, outer)
+        bind(model, P.outer_names, outer)
         set_key(end_key)
         loss, _ = head_loss(model, h_last, targets, mask, head, chunk_size, sel)
         return [loss]
 
     if head == "chunked" and int(sel.shape[0]) > 0:
-        loss, dh, g_outer = _chunked_head_vjp(model, P, bounds[-1], targets, mask, chunk_size,
-                                              sel, end_key)
+        loss, dh, g_outer = chunked_head_vjp(model, P.outer_names, P.outer, bounds[-1], targets,
+                                             mask, chunk_size, sel, end_key)
     else:
         (loss,), g = mx.vjp(head_fn, [bounds[-1], *P.outer], [mx.array(1.0, dtype=mx.float32)])
         dh, g_outer = g[0], g[1:]
     add_outer(g_outer)
-    _bind(model, P.outer_names, P.outer)
+    bind(model, P.outer_names, P.outer)
     ntoks = mask.sum()
     mx.eval(loss, ntoks, dh, *[flat_grads[k] for k in P.outer_names if k in flat_grads])
     head_peak = mx.get_peak_memory() if return_stats else None
@@ -613,15 +342,19 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
         lo, hi = segs[s]
         h_in = bounds[s]
         h_primal = s > 0 or need_outer
-        if tsplits is not None and tsplits[lo] is not None:
-            dh = _tok_backward(model, P, lo, tsplits[lo], h_in, dh, ctx["masks"][lo],
-                               token_chunk, h_primal, flat_grads)
+        if tblocks[lo] is not None or (splits is not None and splits[lo] is not None):
+            names, arrays = P.layer[lo]
+            if tblocks[lo] is not None:
+                dh, g = tblocks[lo].backward(names, arrays, h_in, dh, h_primal, kv_cot)
+            else:
+                dh, g = half_backward(model.layers[lo], names, arrays, splits[lo], h_in, dh,
+                                      ctx["masks"][lo], mlp_chunk, h_primal)
+            for nm, gr in g.items():
+                flat_grads[P.full_name(lo, nm)] = gr
+            if lo in kv_bound:  # a donor: no earlier layer reads its K/V
+                kv_bound.pop(lo)
+                ctx["kv"][lo] = None
             del bounds[s], h_in
-            continue
-        if splits is not None and splits[lo] is not None:
-            dh = _split_backward(model, P, lo, splits[lo], h_in, dh, ctx["masks"][lo],
-                                 mlp_chunk, h_primal, flat_grads)
-            del bounds[s]
             continue
         if exact_kv_order:
             ext = [(j, d, (j,)) for j, d in ext_donors[s]]
@@ -665,7 +398,7 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
                 pos += 1
             for i in range(lo, hi):
                 nm = P.layer[i][0]
-                _bind(model.layers[i], nm, args[pos:pos + len(nm)])
+                bind(model.layers[i], nm, args[pos:pos + len(nm)])
                 pos += len(nm)
             set_key(keys[s])
             c = _local_ctx(ctx, n, {}, pli_ if pli_ is not None else ctx.get("pli"))
@@ -704,7 +437,7 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
         for i, nm, gr in zip(owners, names, g[pos:]):
             flat_grads[P.full_name(i, nm)] = gr
         for i in range(lo, hi):
-            _bind(model.layers[i], *P.layer[i])
+            bind(model.layers[i], *P.layer[i])
         to_eval = [flat_grads[P.full_name(i, nm)] for i, nm in zip(owners, names)]
         to_eval += [x for pair in kv_cot.values() for x in pair]
         if h_primal:
@@ -717,14 +450,14 @@ def segmented_value_and_grad(model, batch, lengths, segment_size: int,
     # ---- begin (only when something upstream of the blocks is trainable)
     if need_outer:
         def begin_fn(*outer):
-            _bind(model, P.outer_names, outer)
+            bind(model, P.outer_names, outer)
             set_key(begin_key)
             h0, c = model.begin(inputs)
             return [h0] + ([c["pli"]] if need_pli else [])
         cots = [dh] + ([pli_cot] if need_pli else [])
         _, g = mx.vjp(begin_fn, list(P.outer), cots)
         add_outer(g)
-        _bind(model, P.outer_names, P.outer)
+        bind(model, P.outer_names, P.outer)
         mx.eval([flat_grads[k] for k in P.outer_names])
 
     set_key(end_key)

@@ -46,6 +46,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from engine.lora import adapter_config, adapter_weights, apply_lora, save_adapter
 
 from .data import BatchIterator, Dataset, rng_state, set_rng_state
+from .distributed import DataParallel, data_parallel, silent
 from .loss import HEADS, head_loss, hidden_states, sft_loss, split_batch
 from .segmented import get_key, has_dropout, segmented_value_and_grad, set_key
 
@@ -76,6 +77,7 @@ class TrainConfig:
     segment_size: int = 0
     mlp_chunk: int = 0          # with segment_size 1: MLP half in token chunks
     token_chunk: int = 0        # with segment_size 1: every per-token part in token chunks
+    attn_block: int = 0         # with token_chunk: attention in query blocks (0 auto, -1 never)
     loss_head: str = "full"
     chunk_size: int = 1024
     val_batches: int = 25
@@ -130,7 +132,7 @@ def loss_and_grad_fn(model, cfg: TrainConfig) -> Callable:
     if cfg.segment_size:
         return lambda m, b, l: segmented_value_and_grad(
             m, b, l, cfg.segment_size, head=cfg.loss_head, chunk_size=cfg.chunk_size,
-            mlp_chunk=cfg.mlp_chunk, token_chunk=cfg.token_chunk)
+            mlp_chunk=cfg.mlp_chunk, token_chunk=cfg.token_chunk, attn_block=cfg.attn_block)
 
     def loss(m, b, l):
         if not cfg.grad_checkpoint:
@@ -143,11 +145,14 @@ def loss_and_grad_fn(model, cfg: TrainConfig) -> Callable:
 
 
 def evaluate(model, dataset: Dataset, batch_size: int, num_batches: int, max_seq_length: int,
-             rng, head: str = "full", chunk_size: int = 1024) -> float:
+             rng, head: str = "full", chunk_size: int = 1024,
+             dp: Optional[DataParallel] = None) -> float:
     """Token-weighted validation loss over `num_batches` batches (-1 = one epoch)."""
     model.eval()
     total, ntok = mx.array(0.0), mx.array(0)
     it = BatchIterator(dataset, batch_size, max_seq_length, rng, loop=False)
+    if dp is not None:  # DP: this rank's rows of each batch
+        dp.shard_batches(it)
     count = 0
     while num_batches == -1 or count < num_batches:
         try:
@@ -159,6 +164,8 @@ def evaluate(model, dataset: Dataset, batch_size: int, num_batches: int, max_seq
         ntok = ntok + toks
         mx.eval(total, ntok)
         count += 1
+    if dp is not None:  # DP: loss and tokens summed over the ranks
+        total, ntok = dp.sum(total), dp.sum(ntok)
     return (total / ntok).item()
 
 
@@ -173,7 +180,9 @@ class Trainer:
                  meta: Optional[dict] = None):
         cfg.validate()
         self.model, self.cfg, self.train_set, self.valid_set = model, cfg, train_set, valid_set
-        self.log = log
+        self.dp = data_parallel()  # DP: one rank unless launched with mlx.launch
+        self.dp.check_batch_size(cfg.batch_size)
+        self.log = log if self.dp.is_main else silent  # DP: rank 0 logs
         self.meta = meta or {}
         self.out = Path(cfg.adapter_path)
         self.history: list[dict] = []
@@ -190,13 +199,15 @@ class Trainer:
         self.optimizer = make_optimizer(cfg)
         self.train_it = BatchIterator(self.train_set, cfg.batch_size, cfg.max_seq_length,
                                       self.rng, loop=True)
+        self.dp.shard_batches(self.train_it)  # DP: this rank's rows of each batch
         self.start_it = 1
         self.grad_accum = None
         self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
             self._load_state()
         self.config_dict = self._adapter_config()
-        (self.out / "adapter_config.json").write_text(json.dumps(self.config_dict, indent=4))
+        if self.dp.is_main:  # DP: rank 0 writes
+            (self.out / "adapter_config.json").write_text(json.dumps(self.config_dict, indent=4))
         self._build_step()
 
     def _adapter_config(self):
@@ -218,6 +229,7 @@ class Trainer:
             if prev_grad is not None:
                 grad = tree_map(lambda g, p: g + p, grad, prev_grad)
             if do_update:
+                grad = self.dp.average(grad)  # DP: mean over ranks, before the /G
                 if G > 1:
                     grad = tree_map(lambda g: g / G, grad)
                 opt.update(model, grad)
@@ -236,6 +248,8 @@ class Trainer:
 
     # ---- checkpoints
     def save(self, it: int, final: bool = False):
+        if not self.dp.is_main:  # DP: rank 0 writes
+            return self.out
         w = adapter_weights(self.model)
         mx.save_safetensors(str(self.out / "adapters.safetensors"), w)
         if not final:
@@ -255,6 +269,10 @@ class Trainer:
         if not f.exists():
             raise FileNotFoundError(f"{f}: nothing to resume from")
         st = json.loads(f.read_text())
+        if st["has_grad_accum"] and self.dp.size > 1:  # DP: pending grads are per rank
+            raise ValueError(f"{f}: saved in the middle of a gradient accumulation; a "
+                             "data-parallel run resumes only from a save at an update "
+                             "(make --save-every a multiple of --grad-accumulation)")
         self.model.load_weights(str(self.out / "adapters.safetensors"), strict=False)
         tensors = mx.load(str(self.out / STATE_TENSORS))
         opt = self.optimizer
@@ -275,7 +293,8 @@ class Trainer:
     def validate_loss(self):
         cfg = self.cfg
         loss = evaluate(self.model, self.valid_set, cfg.batch_size, cfg.val_batches,
-                        cfg.max_seq_length, self.rng, head=cfg.loss_head, chunk_size=cfg.chunk_size)
+                        cfg.max_seq_length, self.rng, head=cfg.loss_head, chunk_size=cfg.chunk_size,
+                        dp=self.dp)
         self.model.train()
         return loss
 
@@ -311,8 +330,9 @@ class Trainer:
                 mx.clear_cache()
             train_time += time.perf_counter() - tic
             if it % cfg.steps_per_report == 0 or it == cfg.iters:
-                tl = float(losses.item()) / steps
-                nt = int(n_tokens.item())
+                # DP: mean loss / total tokens over the ranks
+                tl = float(self.dp.sum(losses).item()) / (steps * self.dp.size)
+                nt = int(self.dp.sum(n_tokens).item())
                 trained += nt
                 peak = mx.get_peak_memory() / 1e9
                 lr = float(self.optimizer.learning_rate.item())

@@ -10,6 +10,11 @@
     choice = parse_tool_choice({"type": "function", "function": {"name": "f"}}, tools)
     proc = tool_choice_processor(tokenizer, "json_tools", tools, choice)   # None for auto/none
 
+Through the engine (either lane; one fresh processor per request):
+
+    make = response_format_factory(tokenizer, fmt)             # checked now; None for text
+    params = engine.SamplingParams(max_tokens=200, processor_factories=(make,))
+
 The grammars are compiled by llguidance (see ``experiments/constrained_overhead.py``
 for why: the lowest per-token mask time of the libraries that install on this
 platform without torch, JSON Schema, Lark and special tokens in one engine);
@@ -30,6 +35,7 @@ from .processor import GrammarProcessor, compile_grammar, ll_tokenizer
 __all__ = [
     "ConstraintError", "ResponseFormat", "ToolChoice", "parse_response_format",
     "parse_tool_choice", "response_format_processor", "tool_choice_processor",
+    "response_format_factory", "tool_choice_factory",
     "GrammarProcessor", "compile_grammar", "ll_tokenizer", "json_grammar", "tool_call_grammar",
 ]
 
@@ -186,3 +192,23 @@ def tool_choice_processor(tokenizer, tool_format: Any, tools: Optional[Sequence[
         return GrammarProcessor(compile_grammar(lark, tokenizer), tokenizer)
     except ValueError as e:
         raise ConstraintError(f"tool_choice: {e}", "tool_choice") from None
+
+
+def _factory(proc: Optional[GrammarProcessor], tokenizer):
+    if proc is None:
+        return None
+    grammar = proc.grammar
+    return lambda: GrammarProcessor(grammar, tokenizer)
+
+
+def response_format_factory(tokenizer, fmt: Optional[ResponseFormat], **kw):
+    """``response_format_processor``'s arguments; a zero-argument factory for
+    ``SamplingParams.processor_factories`` (a fresh processor per request) or
+    None. The grammar is compiled and checked now (ConstraintError)."""
+    return _factory(response_format_processor(tokenizer, fmt, **kw), tokenizer)
+
+
+def tool_choice_factory(tokenizer, tool_format: Any, tools: Optional[Sequence[dict]],
+                        choice: ToolChoice, **kw):
+    """``tool_choice_processor``'s arguments; a factory as ``response_format_factory``."""
+    return _factory(tool_choice_processor(tokenizer, tool_format, tools, choice, **kw), tokenizer)

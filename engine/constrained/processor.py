@@ -54,6 +54,7 @@ class GrammarProcessor:
     """Constrain one generation to a compiled grammar (see module doc)."""
 
     def __init__(self, grammar: str, tokenizer):
+        self.grammar = grammar
         self._lt = ll_tokenizer(tokenizer)
         self.matcher = llguidance.LLMatcher(self._lt, grammar, log_level=0)
         if self.matcher.is_error():

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kv_dequant_attention
+from ..masks import causal_mask
 
 
 @dataclass
@@ -77,29 +78,6 @@ class ScalelessRMSNorm(nn.Module):
 # --- masks -------------------------------------------------------------------
 
 
-def causal_mask(
-    n: int,
-    offset: int = 0,
-    window: Optional[int] = None,
-    left_padding: Optional[mx.array] = None,
-    right_padding: Optional[mx.array] = None,
-) -> mx.array:
-    """Boolean [n, offset+n] mask: query i (at offset+i) sees key j when j <= offset+i,
-    and, with a window W, when j > offset+i-W. Padding masks broadcast to [B,1,n,k]."""
-    cols = mx.arange(offset + n)
-    rows = mx.arange(offset, offset + n) if offset else cols
-    rows = rows[:, None]
-    cols = cols[None]
-    mask = rows >= cols
-    if window is not None:
-        mask = mask & (rows < cols + window)
-    if right_padding is not None:
-        mask = mask & (cols < mx.expand_dims((offset + n) - right_padding, (1, 2, 3)))
-    if left_padding is not None:
-        mask = mask & (mx.expand_dims(left_padding, (1, 2, 3)) <= cols)
-    return mask
-
-
 def attention_mask(h: mx.array, cache=None, window: Optional[int] = None):
     """The mask for a forward of h [B, T, D] given the layer's cache (or none)."""
     n = h.shape[1]
@@ -141,6 +119,16 @@ def _quantized_attention(q, qk, qv, scale, mask, group_size, bits):
     if rep > 1:
         out = mx.reshape(out, (B, n_heads, L, D))
     return out
+
+
+def rope_and_cache(rope, q, k, v, cache):
+    """Rotate q and k at the cache's offset and append k, v to the cache (if any)."""
+    if cache is None:
+        return rope(q), rope(k), v
+    q = rope(q, offset=cache.offset)
+    k = rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    return q, k, v
 
 
 def attention(q, k, v, cache, scale: float, mask):
@@ -235,6 +223,6 @@ def inv_sqrt(x: float) -> float:
 
 __all__ = [
     "ArgsBase", "GatedMLP", "ScalelessRMSNorm", "attention", "attention_mask",
-    "causal_mask", "gelu_gate", "make_rope", "rope_settings", "silu_gate", "softcap",
+    "causal_mask", "gelu_gate", "make_rope", "rope_and_cache", "rope_settings", "silu_gate", "softcap",
     "inv_sqrt", "math", "Any",
 ]

@@ -1,12 +1,13 @@
 """Gemma 4 as released (`model_type: gemma4`): the text decoder inside a
 multimodal wrapper. Config nests the decoder under `text_config`; HF weights
-are named `model.language_model.*` (vision/audio towers are dropped)."""
+are named `model.language_model.*` (vision/audio towers are dropped).
+The encoder-free `gemma4_unified` checkpoints load through the same wrapper
+(their `vision_embedder.*` weights are dropped until vision exists)."""
 
 from __future__ import annotations
 
-import mlx.nn as nn
-
 from . import gemma4_text
+from .wrapper import TextWrapper
 
 _TOWERS = ("vision_tower", "multi_modal_projector", "audio_tower", "embed_audio",
            "embed_vision", "vision_embedder")
@@ -24,33 +25,13 @@ def text_args(config: dict) -> gemma4_text.Args:
     return gemma4_text.Args.from_dict(text)
 
 
-class Model(nn.Module):
+class Model(TextWrapper):
     def __init__(self, args: gemma4_text.Args):
-        super().__init__()
-        self.args = args
-        self.model_type = "gemma4"
-        self.language_model = gemma4_text.Model(args)
-
-    @property
-    def layers(self):
-        return self.language_model.layers
-
-    # The segment protocol (begin / layer_step / head) is the decoder's.
-    def begin(self, inputs, cache=None, input_embeddings=None):
-        return self.language_model.begin(inputs, cache, input_embeddings)
-
-    def layer_step(self, i, h, ctx):
-        return self.language_model.layer_step(i, h, ctx)
-
-    def head(self, h):
-        return self.language_model.head(h)
+        super().__init__(gemma4_text.Model(args), "gemma4")
 
     @property
     def donor(self):
         return self.language_model.donor
-
-    def __call__(self, inputs, cache=None, input_embeddings=None):
-        return self.language_model(inputs, cache=cache, input_embeddings=input_embeddings)
 
     def sanitize(self, weights: dict) -> dict:
         out = {}
@@ -67,5 +48,9 @@ class Model(nn.Module):
         inner = self.language_model.sanitize(inner)
         return {f"language_model.{k}": v for k, v in inner.items()}
 
-    def make_cache(self):
-        return self.language_model.make_cache()
+    def token_split(self, i):
+        return self.language_model.token_split(i)
+
+    def quant_predicate(self, path: str, module) -> object:
+        return self.language_model.quant_predicate(path, module)
+

@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from .base import ArgsBase, GatedMLP, ScalelessRMSNorm, attention, attention_mask, gelu_gate
 from .base import make_rope, softcap
+from . import gemma4_moe
 from ..cache import KVCache, RotatingKVCache
 
 DEFAULT_ROPE = {
@@ -60,13 +61,17 @@ class Args(ArgsBase):
     final_logit_softcapping: Optional[float] = 30.0
     use_double_wide_mlp: bool = True
     enable_moe_block: bool = False
+    num_experts: Optional[int] = None
+    top_k_experts: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None
     layer_types: Optional[List[str]] = None
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
-        if self.enable_moe_block:
-            raise NotImplementedError(
-                "gemma4 MoE checkpoints (enable_moe_block) are not supported by this engine yet")
+        if self.enable_moe_block and not (self.num_experts and self.top_k_experts
+                                          and self.moe_intermediate_size):
+            raise ValueError("enable_moe_block needs num_experts, top_k_experts and "
+                             "moe_intermediate_size")
         if self.rope_parameters is None:
             self.rope_parameters = DEFAULT_ROPE
         if self.layer_types is None:
@@ -142,6 +147,9 @@ class Layer(nn.Module):
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.post_feedforward_layernorm = norm()
+        self.moe = a.enable_moe_block
+        if self.moe:
+            gemma4_moe.add_moe(self, a)
         self.per_layer_input = bool(a.hidden_size_per_layer_input)
         if self.per_layer_input:
             self.per_layer_input_gate = nn.Linear(a.hidden_size, a.hidden_size_per_layer_input, bias=False)
@@ -152,7 +160,8 @@ class Layer(nn.Module):
     def __call__(self, x, mask, cache, per_layer_input, shared):
         a, shared = self.self_attn(self.input_layernorm(x), mask, cache, shared)
         h = x + self.post_attention_layernorm(a)
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        ff = gemma4_moe.feed_forward(self, h) if self.moe else self.mlp(self.pre_feedforward_layernorm(h))
+        h = h + self.post_feedforward_layernorm(ff)
         if self.per_layer_input and per_layer_input is not None:
             g = nn.gelu_approx(self.per_layer_input_gate(h))
             g = self.per_layer_projection(mx.multiply(g, per_layer_input))
@@ -262,10 +271,19 @@ class Model(nn.Module):
                         continue  # KV-shared layers' projections are unused
                 except (IndexError, ValueError):
                     pass
-            out[k] = v
+            experts = gemma4_moe.split_experts(k, v)
+            out.update(experts or {k: v})
         if self.args.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out
+
+    def token_split(self, i):
+        """Layer i's per-token parts for token-chunked training (engine/models/gemma4_split.py)."""
+        from .gemma4_split import token_split
+        return token_split(self.layers[i], self.args.sliding_window)
+
+    def quant_predicate(self, path: str, module) -> object:
+        return gemma4_moe.quant_predicate(path, module)
 
     def make_cache(self):
         a = self.args

@@ -12,7 +12,9 @@ from typing import Dict, List, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import ArgsBase, GatedMLP, attention, attention_mask, make_rope, rope_settings
+from .base import ArgsBase, GatedMLP, attention, attention_mask, make_rope, rope_and_cache
+from .base import rope_settings
+from .split import HalfSplit, TokenSplit
 from ..cache import KVCache, RotatingKVCache
 
 
@@ -70,20 +72,18 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if cache is not None:
-            q = self.rope(q, offset=cache.offset)
-            k = self.rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
+        q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         out = attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class Block(nn.Module):
+    branch_scale = None  # MiniCPM scales both residual branches
+
     def __init__(self, a: Args, sliding: bool):
         super().__init__()
         self.sliding = sliding
+        self.window = a.sliding_window if sliding else None
         self.self_attn = Attention(a)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
@@ -92,6 +92,37 @@ class Block(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _branch(self, y):
+        return y if self.branch_scale is None else y * self.branch_scale
+
+    def half_split(self) -> HalfSplit:
+        """The block as attention half + per-token MLP half (training, no cache)."""
+        return HalfSplit(
+            attn=lambda x, mask: x + self._branch(self.self_attn(self.input_layernorm(x), mask, None)),
+            mlp=lambda h: h + self._branch(self.mlp(self.post_attention_layernorm(h))))
+
+    def token_split(self) -> TokenSplit:
+        """Per-token parts around attention (see engine/models/split.py)."""
+        attn = self.self_attn
+        qk_norm = hasattr(attn, "q_norm")  # qwen3
+
+        def pre(x, offset):
+            B, L, _ = x.shape
+            n = self.input_layernorm(x)
+            q = attn.q_proj(n).reshape(B, L, attn.n_heads, -1)
+            k = attn.k_proj(n).reshape(B, L, attn.n_kv_heads, -1)
+            if qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+            v = attn.v_proj(n).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+        def post(x, o, extra=None):
+            h = x + self._branch(attn.o_proj(o))
+            return h + self._branch(self.mlp(self.post_attention_layernorm(h)))
+
+        return TokenSplit(pre=pre, post=post, scale=attn.scale, window=self.window)
 
 
 class Backbone(nn.Module):

@@ -8,7 +8,7 @@ from typing import Dict, Optional, Union
 import mlx.nn as nn
 
 from . import llama
-from .base import attention
+from .base import attention, rope_and_cache
 
 
 @dataclass
@@ -34,12 +34,7 @@ class Attention(llama.Attention):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if cache is not None:
-            q = self.rope(q, offset=cache.offset)
-            k = self.rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
+        q, k, v = rope_and_cache(self.rope, q, k, v, cache)
         out = attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

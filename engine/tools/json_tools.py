@@ -21,6 +21,7 @@ import json
 from typing import Any, Dict, List, Tuple
 
 from .base import MarkupError, ToolFormat, ToolIndex
+from .equals_xml import FUNC_OPEN, parse_functions
 from .schema import coerce_typed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -65,13 +66,11 @@ def parse_json_body(body: str, index: ToolIndex) -> List[Tuple[str, Dict[str, An
 
 
 def parse(markup: str, index: ToolIndex) -> List[Tuple[str, Dict[str, Any]]]:
-    from . import qwen3_coder
-
     if not (markup.startswith(OPEN) and markup.endswith(CLOSE)):
         raise MarkupError("not a <tool_call> block")
     body = markup[len(OPEN):len(markup) - len(CLOSE)]
-    if body.lstrip().startswith(qwen3_coder.FUNC_OPEN):
-        return qwen3_coder.parse_functions(body, index)
+    if body.lstrip().startswith(FUNC_OPEN):
+        return parse_functions(body, index)
     return parse_json_body(body, index)
 
 

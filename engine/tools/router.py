@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .base import (ContentDelta, Event, Markers, MarkupError, ToolCall, ToolFormat, ToolIndex,
                    dumps_arguments)
+from .formats import get_tool_format
 
 
 def new_call_id() -> str:
@@ -50,7 +51,6 @@ class ToolCallRouter:
     def __init__(self, format: Union[ToolFormat, str, None], tools: Optional[Sequence[dict]] = None,
                  *, id_factory: Optional[Callable[[], str]] = None):
         if isinstance(format, str):
-            from . import get_tool_format
             format = get_tool_format(format)
         self.format: Optional[ToolFormat] = format
         self.index = ToolIndex(tools)

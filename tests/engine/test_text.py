@@ -12,11 +12,12 @@ from functools import lru_cache
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.text import StopMatcher, cut_at_stop
-from engine.tokenizer import _incomplete_utf8_tail, load_tokenizer
+from engine.detokenizer import incomplete_utf8_tail as _incomplete_utf8_tail
+from engine.tokenizer import load_tokenizer
 from parity.fixtures.tokenizers import TOKENIZER_FAMILIES, ensure_tokenizer
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -35,13 +35,17 @@ from parity.fixtures.tokenizers import (
     load_fixture_ids,
 )
 
-MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "gemma4": "gemma4_text", "minicpm": "minicpm"}
-EXPECTED_PARSER = {"llama": None, "qwen3": "json_tools", "gemma4": "gemma4", "minicpm": "minicpm5"}
+MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "gemma4": "gemma4_text", "minicpm": "minicpm",
+               "qwen2": "qwen2", "gemma3": "gemma3_text"}
+EXPECTED_PARSER = {"llama": None, "qwen3": "json_tools", "gemma4": "gemma4", "minicpm": "minicpm5",
+                   "qwen2": "json_tools", "gemma3": None}
 EXPECTED_THINK = {
     "llama": None,
     "qwen3": ("<think>", "</think>"),
     "gemma4": ("<|channel>thought", "<channel|>"),
     "minicpm": ("<think>", "</think>"),
+    "qwen2": None,
+    "gemma3": None,
 }
 
 PROMPTS = [
@@ -254,14 +258,14 @@ def test_builder_ids_match_files(family):
     for key in ("bos_token", "eos_token", "pad_token"):
         if cfg.get(key) is not None:
             assert stm[key]["content"] == cfg[key]
-    if family == "qwen3":
+    if family in ("qwen3", "qwen2"):
         assert cfg["bos_token"] is None and info["bos_token_id"] == ids["<|endoftext|>"]
     else:
         assert info["bos_token_id"] == ids[cfg["bos_token"]]
     # Where the family keeps its special tokens.
-    if family in ("llama", "qwen3"):
+    if family in ("llama", "qwen3", "qwen2"):
         assert min(ids.values()) == n_model
-    elif family == "gemma4":
+    elif family in ("gemma4", "gemma3"):
         assert sorted(ids.values()) == list(range(len(ids)))
         assert (ids["<pad>"], ids["<eos>"], ids["<bos>"]) == (0, 1, 2)
     else:
@@ -370,7 +374,7 @@ def test_bos_handling(pair, family):
     ours, mlx = pair
     with_special = ours.encode("hi")
     without = ours.encode("hi", add_special_tokens=False)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen2"):
         assert with_special == without and ours.bos_token_id is None
     else:
         assert with_special == [ours.bos_token_id] + without == mlx.encode("hi")
@@ -398,7 +402,7 @@ def test_round_trip(pair, family):
 
     for p in PROMPTS:
         ids = ours.encode(p, add_special_tokens=False)
-        expected = unicodedata.normalize("NFC", p) if family == "qwen3" else p
+        expected = unicodedata.normalize("NFC", p) if family in ("qwen3", "qwen2") else p
         assert ours.decode(ids) == mlx.decode(ids) == expected, p
 
 
@@ -623,7 +627,7 @@ def test_chat_template_message_objects_and_extra_vars(pair):
 def test_rendered_tool_calls_parse_with_mlx_parser(pair, family):
     """The templates write tool calls that mlx-lm's detected parser reads back."""
     ours, mlx = pair
-    if family == "llama":
+    if family in ("llama", "gemma3"):   # no tool-call markup in these templates
         assert mlx.tool_parser is None and ours.tool_parser_type is None
         return
     text = ours.apply_chat_template(TOOL_TURN[1:3], tokenize=False, add_generation_prompt=False)

@@ -64,6 +64,7 @@ def one_call(text, fmt, tools=WEATHER):
 
 @pytest.mark.parametrize("name,want", [
     ("gemma4", "gemma4"), ("gemma4_text", "gemma4"), ("Gemma4-Text", "gemma4"),
+    ("gemma4_unified", "gemma4"),
     ("minicpm", "minicpm5"), ("minicpm5", "minicpm5"),
     ("qwen2", "json_tools"), ("qwen3", "json_tools"), ("qwen3_moe", "json_tools"),
     ("llama", "json_tools"), ("hermes", "json_tools"), ("json_tools", "json_tools"),

@@ -17,8 +17,9 @@ def llama_dir():
 
 @pytest.fixture(scope="session")
 def srv(qwen_dir):
-    """qwen3 fixture behind a real uvicorn server; its model can be scripted (`srv.forced`)."""
-    s = start_server(qwen_dir, forced=True, prompt_cache_bytes=256 << 20)
+    """qwen3 fixture behind a real uvicorn server; its model can be scripted (`srv.forced`).
+    One request at a time (`--batch 1`): a scripted model drives one row."""
+    s = start_server(qwen_dir, forced=True, prompt_cache_bytes=256 << 20, batch=1)
     yield s
     stop_server(s)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +26,14 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}},
         "required": ["city"]}}}]
+
+
+NO_EOS = {"998": -100, "1000": -100}   # the qwen3 fixture's EOS ids: run to max_tokens
+
+
+def uniq(prefix: str = "hi") -> str:
+    """A fresh prompt, so no prompt-cache hit changes the path under test."""
+    return f"{prefix} {uuid.uuid4().hex[:8]}"
 
 
 class ForcedModel:

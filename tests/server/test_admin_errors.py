@@ -21,7 +21,8 @@ def aux(llama_dir):
     model, _ = engine.load(llama_dir)
     budget = Admission.for_model(model).predicted_peak(CEILING_TARGET)
     s = start_server(llama_dir, api_key=KEY, memory_budget_bytes=budget,
-                     max_body_bytes=64 * 1024, temperature=0.0, prompt_cache_bytes=64 << 20)
+                     max_body_bytes=64 * 1024, temperature=0.0, prompt_cache_bytes=64 << 20,
+                     batch=1)
     s.budget = budget
     yield s
     stop_server(s)

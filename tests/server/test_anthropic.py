@@ -1,13 +1,12 @@
 """/v1/messages through the official anthropic SDK (and the raw event grammar)."""
 
 import json
-import uuid
 
 import anthropic
 import httpx
 import pytest
 
-from srv_helpers import sse_events
+from srv_helpers import sse_events, uniq
 
 TOOLS = [{"name": "get_weather", "description": "Weather for a city",
           "input_schema": {"type": "object", "properties": {
@@ -15,10 +14,6 @@ TOOLS = [{"name": "get_weather", "description": "Weather for a city",
          {"type": "web_search_20250305", "name": "web_search"}]   # server tool: dropped
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
 GREEDY = {"temperature": 0}
-
-
-def uniq(p="hi"):
-    return f"{p} {uuid.uuid4().hex[:8]}"
 
 
 def test_plain_equals_in_process(srv, claude):

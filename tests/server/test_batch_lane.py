@@ -1,4 +1,4 @@
-"""`--batch 4`: the batch lane under concurrent load (server/batch_lane.py).
+"""`--batch 4`: batched rows under concurrent load (engine.Engine behind the server).
 
 Requests sent together (batch lane) return the same text as the same requests
 on a server without batching (serial lane): greedy ones, and seeded sampling
@@ -39,7 +39,7 @@ def bsrv(llama_dir, adapter_a):
 @pytest.fixture(scope="module")
 def ssrv(llama_dir, adapter_a):
     """The same model without batching: every request on the serial lane."""
-    s = start_server(llama_dir, prompt_cache_bytes=64 << 20, max_tokens=64)
+    s = start_server(llama_dir, prompt_cache_bytes=64 << 20, max_tokens=64, batch=1)
     _mount(s, adapter_a)
     yield s
     stop_server(s)
@@ -149,16 +149,16 @@ def test_disconnect_mid_stream_frees_the_row(bsrv):
 
 
 def test_full_queue_gets_503_with_retry_after(bsrv):
-    lane = bsrv.state.batch_lane
-    old = lane.max_queue
-    lane.max_queue = 0
+    st = bsrv.state
+    old = st.max_queue
+    st.max_queue = 0
     try:
         r = httpx.post(bsrv.url + "/v1/chat/completions", timeout=30, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         a = httpx.post(bsrv.url + "/v1/messages", timeout=30, json={
             "model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     finally:
-        lane.max_queue = old
+        st.max_queue = old
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "overloaded_error"
     assert a.status_code == 503 and a.json()["error"]["type"] == "overloaded_error"
@@ -204,16 +204,16 @@ def test_aggregate_admission_holds_rows_that_do_not_fit_together(llama_dir):
     budget on its own is refused before any compute with the documented 400."""
     s = start_server(llama_dir, batch=4, prompt_cache_bytes=0, max_tokens=64)
     try:
-        lane, adm = s.state.batch_lane, s.state.admission
+        eng, adm = s.state.engine, s.state.admission
         first = _chat(s.url, "def add(a, b):")
         need = first["usage"]["prompt_tokens"] + 12
         lo, hi = adm.weights, adm.budget_bytes        # smallest budget that fits one row
         while hi - lo > 1:
             mid = (lo + hi) // 2
             adm.budget_bytes = mid
-            lo, hi = (lo, mid) if lane._fits([need]) else (mid, hi)
+            lo, hi = (lo, mid) if eng.batch_fits([need]) else (mid, hi)
         adm.budget_bytes = hi
-        assert lane._fits([need]) and not lane._fits([need, need])
+        assert eng.batch_fits([need]) and not eng.batch_fits([need, need])
         before = _stats(s.url)
         out = _concurrent(s.url, ["def add(a, b):"] * 3)
         after = _stats(s.url)

@@ -2,37 +2,29 @@
 server-side defaults (--max-tokens, --thinking), multi-byte streaming, the
 Responses `store: false`, and per-protocol error shapes for 404/405/413."""
 
-import json
-import uuid
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from srv_helpers import sse_events
-
-NO_EOS = {"998": -100, "1000": -100}   # the qwen3 fixture's EOS ids
-
-
-def uniq(p="hi"):
-    return f"{p} {uuid.uuid4().hex[:8]}"
-
+from srv_helpers import NO_EOS, sse_events, uniq
 
 @pytest.fixture
-def faulty(srv):
-    """The engine raises after its third segment (a server fault mid-generation)."""
-    from engine.generation import stream_generate
+def faulty(srv, monkeypatch):
+    """The engine's token loop raises after its third token (a server fault mid-generation)."""
+    import engine.core
+    real = engine.core.generate_step
 
     def failing(*a, **kw):
-        for i, seg in enumerate(stream_generate(*a, **kw)):
-            yield seg
+        for i, step in enumerate(real(*a, **kw)):
+            yield step
             if i == 2:
                 raise RuntimeError("injected fault")
     before = httpx.get(srv.url + "/stats").json()["queue"]["failed"]
-    srv.state.engine_fn = failing
+    monkeypatch.setattr(engine.core, "generate_step", failing)
     yield srv
-    srv.state.engine_fn = stream_generate
+    monkeypatch.undo()
     after = httpx.get(srv.url + "/stats").json()["queue"]["failed"]
     assert after > before
 

@@ -8,35 +8,76 @@ import uuid
 import httpx
 import pytest
 
-from server.gateway import Gateway, GenerationJob
+from engine.request import RequestOutput
+from server.gateway import Gateway, GenerationJob, client_error
 
-NO_EOS = {"998": -100, "1000": -100}   # the qwen3 fixture's EOS ids: run to max_tokens
+from srv_helpers import NO_EOS
+
+
+class FakeEngine:
+    """The Engine's interface, scripted: one request at a time, three outputs each."""
+
+    def __init__(self, log=None, gate=None, fail=None):
+        self.log, self.gate, self.fail = log if log is not None else [], gate, fail
+        self.queue, self.cur, self.done_now = [], None, []
+
+    def submit(self, prompt, params=None, *, request_id=None, adapter=()):
+        if self.fail:
+            raise ValueError(self.fail)
+        self.queue.append([request_id, prompt, 0])
+        return request_id
+
+    def has_unfinished(self):
+        return bool(self.queue or self.cur or self.done_now)
+
+    def abort(self, rid):
+        for r in self.queue:
+            if r[0] == rid:
+                self.queue.remove(r)
+                self.done_now.append(RequestOutput("", [], "cancelled", request_id=rid))
+                return True
+        return False
+
+    def stats(self):
+        return {"waiting": len(self.queue), "active_rows": 0, "solo_active": self.cur is not None}
+
+    def step(self):
+        outs, self.done_now = self.done_now, []
+        if self.cur is None and self.queue:
+            self.cur = self.queue.pop(0)
+            self.log.append(("start", self.cur[1]))
+        if self.cur is None:
+            return outs
+        if self.gate is not None:
+            self.gate.wait(5)
+        time.sleep(0.01)
+        rid, prompt, i = self.cur
+        self.cur[2] += 1
+        fin = "length" if i == 2 else None
+        outs.append(RequestOutput(str(i), [i], finish_reason=fin, request_id=rid))
+        if fin:
+            self.log.append(("end", prompt))
+            self.cur = None
+        return outs
+
+
+async def _drain(job):
+    items = []
+    while not items or not items[-1].finished:
+        items.extend(await job.get_batch())
+    return items
 
 
 def test_fifo_one_at_a_time_unit():
     gw = Gateway()
-    log, lock = [], threading.Lock()
-
-    def runner(job):
-        with lock:
-            log.append(("start", job.prompt))
-        for i in range(3):
-            time.sleep(0.01)
-            yield i
-        with lock:
-            log.append(("end", job.prompt))
-    gw.runner = runner
+    log = []
+    gw.engine = FakeEngine(log)
 
     async def main():
         loop = asyncio.get_running_loop()
-        jobs = [gw.submit(GenerationJob(loop, p, {})) for p in range(5)]
+        jobs = [gw.submit(GenerationJob(loop, p)) for p in range(5)]
         mount = asyncio.ensure_future(gw.call_async(lambda: log.append(("call", None))))
-        out = []
-        for j in jobs:
-            items = []
-            while not items or items[-1][0] != "end":
-                items.extend(await j.get_batch())
-            out.append([it[1] for it in items if it[0] == "seg"])
+        out = [[o.token_ids[0] for o in await _drain(j)] for j in jobs]
         await mount
         return out
     out = asyncio.run(main())
@@ -49,43 +90,33 @@ def test_fifo_one_at_a_time_unit():
 
 def test_cancelled_while_queued_never_runs():
     gw = Gateway()
-    started = []
+    log = []
     gate = threading.Event()
-
-    def runner(job):
-        started.append(job.prompt)
-        gate.wait(5)
-        yield "x"
-    gw.runner = runner
+    gw.engine = FakeEngine(log, gate)
 
     async def main():
         loop = asyncio.get_running_loop()
-        a = gw.submit(GenerationJob(loop, "a", {}))
-        b = gw.submit(GenerationJob(loop, "b", {}))
+        a = gw.submit(GenerationJob(loop, "a"))
+        b = gw.submit(GenerationJob(loop, "b"))
         b.cancel()
         gate.set()
-        assert (await b.get()) == ("end", "cancelled")
-        while (await a.get())[0] != "end":
-            pass
+        assert [o.finish_reason for o in await _drain(b)] == ["cancelled"]
+        await _drain(a)
     asyncio.run(main())
     gw.close()
-    assert started == ["a"] and gw.cancelled == 1
+    assert [p for k, p in log if k == "start"] == ["a"] and gw.cancelled == 1
 
 
 def test_client_errors_before_start_are_client_errors():
     gw = Gateway()
-
-    def runner(job):
-        raise ValueError("bad temperature")
-        yield  # pragma: no cover
-    gw.runner = runner
+    gw.engine = FakeEngine(fail="bad temperature")
 
     async def main():
-        job = gw.submit(GenerationJob(asyncio.get_running_loop(), "p", {}))
-        return await job.get()
-    kind, exc, client = asyncio.run(main())
+        job = gw.submit(GenerationJob(asyncio.get_running_loop(), "p"))
+        return (await _drain(job))[-1]
+    out = asyncio.run(main())
     gw.close()
-    assert kind == "error" and client is True and "bad temperature" in str(exc)
+    assert out.finish_reason == "error" and client_error(out) and "bad temperature" in str(out.error)
 
 
 def _stats(srv):
@@ -198,28 +229,27 @@ def test_coalescing_holds_batches_but_never_the_end():
 
     async def main():
         loop = asyncio.get_running_loop()
-        job = GenerationJob(loop, "p", {})
+        job = GenerationJob(loop, "p")
         job.interval = 0.2
-        seg = ("seg", NS(finish_reason=None))
+        seg = NS(finished=False)
 
         def worker():
             for _ in range(40):              # 40 tokens, 10 ms apart
                 job.put(seg)
                 time.sleep(0.01)
             time.sleep(0.05)
-            job.put(("seg", NS(finish_reason="length")))
-            job.put(("end", None))
+            job.put(NS(finished=True))
         t0 = time.monotonic()
         threading.Thread(target=worker).start()
         got = []
         while True:
             items = await job.get_batch()
             got.append((time.monotonic() - t0, len(items)))
-            if items[-1][0] == "end":
+            if items[-1].finished:
                 return got
     got = asyncio.run(main())
     times = [t for t, _ in got]
-    assert sum(n for _, n in got) == 42
+    assert sum(n for _, n in got) == 41
     assert times[0] < 0.1                                  # the first item at once
     assert all(b - a >= 0.19 for a, b in zip(times[:-2], times[1:-1]))
     assert len(got) <= 5                                   # not one batch per token

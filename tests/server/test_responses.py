@@ -1,22 +1,17 @@
 """/v1/responses through the official openai SDK (and the raw event chain)."""
 
 import json
-import uuid
 
 import httpx
 import openai
 import pytest
 
-from srv_helpers import sse_events
+from srv_helpers import sse_events, uniq
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
          {"type": "web_search"}]   # built-in: dropped
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-
-
-def uniq(p="hi"):
-    return f"{p} {uuid.uuid4().hex[:8]}"
 
 
 def test_plain_equals_in_process(srv, oai):

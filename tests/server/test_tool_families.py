@@ -1,8 +1,8 @@
 """Per-family tool markup reaches all three wire formats the same way.
 
 The scripted model emits each family's native markup (Gemma 4 sentinel
-tokens, MiniCPM XML with CDATA, Qwen's equals-XML and Llama's JSON inside
-`<tool_call>`); the call must come out as `tool_calls`, `tool_use` and
+tokens, MiniCPM XML with CDATA, Qwen's equals-XML and Llama's / Qwen2.5's JSON
+inside `<tool_call>`); the call must come out as `tool_calls`, `tool_use` and
 `function_call`, with the markup withheld and schema-typed arguments, and
 streaming must give the same content and calls as non-streaming on every
 protocol. (Format parsing itself is engine.tools' and is tested there,
@@ -28,6 +28,9 @@ MARKUP = {
              "<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>",
     "llama": '<tool_call>\n{"name": "lookup", "arguments": {"q": "a, b {c}", "n": 7}}\n'
              '</tool_call>',
+    # Qwen2.5: the same JSON-in-<tool_call> format, detected from the qwen2 fixture's template
+    "qwen2": '<tool_call>\n{"name": "lookup", "arguments": {"q": "a, b {c}", "n": 7}}\n'
+             '</tool_call>',
 }
 # a MiniCPM5 checkpoint is model_type llama: the parser comes from its chat template
 MARKUP["minicpm5_llama"] = MARKUP["minicpm"]
@@ -36,7 +39,7 @@ WANT = {"q": "a, b {c}", "n": 7}
 
 @pytest.fixture(scope="module", params=sorted(MARKUP))
 def fam(request):
-    s = start_server(ensure_fixture(request.param, "bfloat16"), forced=True)
+    s = start_server(ensure_fixture(request.param, "bfloat16"), forced=True, batch=1)
     s.family = request.param
     yield s
     stop_server(s)

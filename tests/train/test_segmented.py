@@ -174,11 +174,26 @@ def test_token_chunked_blocks_match_full_backward(family, dtype, opt):
         assert r["max_rel"] <= TARGET[dtype], (opt, head, r["max_rel"])
 
 
-def test_token_chunk_falls_back_on_other_blocks():
-    """Gemma 4 blocks have no token split: the plain segment vjp runs, bit-exact."""
-    m = lora_model("gemma4_text", "float32")
-    r = compare(m, 1, token_chunk=8)
-    assert r["loss_exact"] and r["n_exact"] == r["n"]
+# Gemma 4 blocks token-chunked (KV sharing, per-layer inputs, sliding + full layers),
+# measured max relative norm: gemma4_text 9.8e-7 / gemma4 1.08e-6 float32, <= 2.2e-7
+# bfloat16; the KV-sharing config (donors with 2-4 sharers) float32 3.2e-6. The float32
+# figures reach or pass the 1e-6 target of the Llama layout: every LoRA gradient is a
+# sum over token chunks and a donor's dk / dv add its sharers' cotangents in another
+# order than the full backward (a finding; bounded at 5e-6 here).
+GEMMA_BOUND = {"float32": 5e-6, "bfloat16": TARGET["bfloat16"]}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4", "kv_sharing"])
+def test_gemma_token_chunked_blocks(family, dtype):
+    if family == "kv_sharing":
+        m, vocab = lora_model(config=kv_sharing_config(), dtype=dtype), 256
+    else:
+        m, vocab = lora_model(family, dtype), 1000
+    r = compare(m, 1, token_chunk=8, vocab=vocab)
+    print(family, dtype, f"max rel {r['max_rel']:.2e}, exact {r['n_exact']}/{r['n']}")
+    assert r["loss_exact"]
+    assert r["max_rel"] <= GEMMA_BOUND[dtype], r["max_rel"]
 
 
 def test_token_chunk_rejects_unsupported_settings():
@@ -219,3 +234,13 @@ def test_token_chunk_peak_below_plain_segments():
     tok = peak(TrainConfig(segment_size=1, loss_head="chunked", chunk_size=128, token_chunk=128))
     print(f"peak over resting: S=1 {seg / 1e6:.1f} MB, token_chunk 128 {tok / 1e6:.1f} MB")
     assert tok < 0.6 * seg, (tok, seg)
+
+
+def test_gemma_layer_with_unknown_members_gets_no_split():
+    """A Gemma 4 layer with a member the split does not reproduce (e.g. an expert block)
+    trains through its own __call__ instead of a split that would skip it."""
+    import mlx.nn as nn
+    m = lora_model("gemma4_text", "float32")
+    assert m.token_split(0) is not None
+    m.layers[0].extra = nn.Linear(2, 2)
+    assert m.token_split(0) is None

@@ -1,11 +1,13 @@
-"""LoRA adapters mounted at runtime, selected per request.
+"""The adapter registry: LoRA adapters mounted at runtime, selected per request.
 
-`AdapterManager` is the server's only contact with `engine.lora`. Every
-method that touches the model runs on the gateway's worker thread (the
-caller goes through `gateway.call`), so a mount never races a forward pass.
+An `Engine` uses it to switch the adapters a request asked for on before it
+runs and to keep prompt-cache entries apart per adapter stack. Every method
+that touches the model must run on the thread that runs the engine (the
+server's worker), so a mount never races a forward pass. Bad input raises
+`AdapterRequestError` (a `ValueError` naming the request field in `.param`).
 
 - `mount(id, path)`: all-or-nothing (engine.lora validates every tensor
-  before touching the model; any mismatch is a 400).
+  before touching the model; any mismatch is an `AdapterRequestError`).
 - `activate(ids)`: before each generation, exactly the requested adapters
   are active, the rest are switched off (an inactive adapter leaves the base
   output bit for bit).
@@ -20,9 +22,22 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from .errors import APIError, bad_request
-
 BASE_NAMESPACE = "base"
+
+
+class AdapterRequestError(ValueError):
+    """A request named an adapter wrongly; `param` is the request field at fault."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownAdapter(AdapterRequestError, KeyError):
+    """No adapter with that id is mounted."""
+
+    def __str__(self):
+        return self.args[0]
 
 
 @dataclass
@@ -41,7 +56,7 @@ class Mounted:
                 "size_bytes": self.size_bytes, "mounted_layers": self.mounted_layers}
 
 
-class AdapterManager:
+class AdapterRegistry:
     def __init__(self, model, prompt_cache=None):
         self.model = model
         self.prompt_cache = prompt_cache
@@ -65,11 +80,12 @@ class AdapterManager:
         elif isinstance(spec, list) and all(isinstance(x, str) for x in spec):
             names = [x.strip() for x in spec if x.strip() and x.strip().lower() != "none"]
         else:
-            raise bad_request('adapter must be a string ("id", "a+b" or "none")', param="adapter")
+            raise AdapterRequestError('adapter must be a string ("id", "a+b" or "none")',
+                                      param="adapter")
         for n in names:
             if n not in self.mounted:
                 have = ", ".join(self.mounted) or "(none)"
-                raise bad_request(f'unknown adapter "{n}" - mounted: {have}', param="adapter")
+                raise UnknownAdapter(f'unknown adapter "{n}" - mounted: {have}', param="adapter")
         order = list(self.mounted)
         return tuple(sorted(set(names), key=order.index))
 
@@ -88,28 +104,23 @@ class AdapterManager:
     # --- worker side (touch the model) --------------------------------------
 
     def mount(self, adapter_id: str, path: str, scale: Optional[float] = None) -> Mounted:
-        from engine import lora
+        from . import lora
 
         if not isinstance(adapter_id, str) or not adapter_id.strip() or any(
                 c in adapter_id for c in "+, /") or adapter_id.lower() in ("none", "base"):
-            raise bad_request("adapter id must be a non-empty string without '+', ',', '/' or "
-                              "spaces, and not 'none'", param="id")
+            raise AdapterRequestError("adapter id must be a non-empty string without '+', ',', "
+                                      "'/' or spaces, and not 'none'", param="id")
         if adapter_id in self.mounted:
-            raise bad_request(f'an adapter with id "{adapter_id}" is already mounted', param="id")
+            raise AdapterRequestError(f'an adapter with id "{adapter_id}" is already mounted',
+                                      param="id")
         try:
             lora.mount_adapter(self.model, path, name=adapter_id, scale=scale)
         except (lora.AdapterError, OSError, ValueError, KeyError) as e:
-            raise bad_request(f"cannot mount adapter {adapter_id!r}: {e}", param="path") from None
+            raise AdapterRequestError(f"cannot mount adapter {adapter_id!r}: {e}",
+                                      param="path") from None
         info = lora.mounted_adapters(self.model)[adapter_id]
         cfg = info["config"]
-        size = 0
-        for p, kind in lora._registry(self.model)[adapter_id]["slots"]:
-            m = lora._get_module(self.model, p)
-            if kind == "primary":
-                size += m.lora_a.nbytes + m.lora_b.nbytes
-            else:
-                it = m._stack.find(adapter_id)
-                size += it["a"].nbytes + it["b"].nbytes
+        size = lora.adapter_nbytes(self.model, adapter_id)
         mounted = Mounted(id=adapter_id, path=str(path), rank=int(cfg["lora_parameters"]["rank"]),
                           scale=float(info["scale"]), size_bytes=int(size),
                           mounted_layers=int(info["layers"]), generation=next(self._gen))
@@ -120,11 +131,11 @@ class AdapterManager:
         return mounted
 
     def unmount(self, adapter_id: str) -> dict:
-        from engine import lora
+        from . import lora
 
         m = self.mounted.get(adapter_id)
         if m is None:
-            raise APIError(404, f'no adapter "{adapter_id}" is mounted', type="not_found_error")
+            raise UnknownAdapter(f'no adapter "{adapter_id}" is mounted', param="id")
         lora.unmount_adapter(self.model, adapter_id)
         del self.mounted[adapter_id]
         self._active = None
@@ -137,7 +148,7 @@ class AdapterManager:
         """Exactly `ids` active (called on the worker before each generation)."""
         if ids == self._active:
             return
-        from engine import lora
+        from . import lora
 
         for i in ids:
             if i not in self.mounted:

@@ -1,0 +1,426 @@
+"""The engine core: every request of every caller goes through one `Engine`.
+
+    eng = Engine.load(path, max_batch=8)
+    rid = eng.submit("def add(a, b):", SamplingParams(max_tokens=64))
+    while eng.has_unfinished():
+        for out in eng.step():
+            print(out.request_id, out.text, out.finish_reason)
+
+Each `step()` is one scheduler step (schedule -> execute -> update):
+
+1. **schedule** — waiting requests start in arrival order. A request runs either
+   as a row of the continuous batch (`engine.batch.BatchScheduler`) or solo
+   (`engine.stepper.generate_step`, the token loop of `mlx_lm.generate`). The
+   Engine decides: solo when `max_batch` is 1, when the KV cache is quantized,
+   or when the request selects adapters (the batch runs the base weights);
+   `stats()["solo_reasons"]` counts why. Rows join the batch while the
+   aggregate memory estimate fits (a lone row always runs: its own check
+   passed at submit); a solo request waits until the batch has drained, and
+   batched requests wait behind a solo one, so arrival order holds.
+2. **execute** — one token for the solo request, or one batch step for all rows.
+3. **update** — each token is detokenized, checked against EOS / stop strings /
+   `max_tokens`, and turned into a `RequestOutput` once it makes text final
+   (or ends the request). A finished request's KV goes to the prompt cache.
+
+The same code builds every request's sampler, processors and outputs in both
+lanes. `submit()` raises `ValueError` (bad prompt, `ContextOverBudget`) before
+anything runs; an exception while running ends the affected requests with
+`finish_reason "error"` and the exception in `RequestOutput.error`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from typing import Optional
+
+import mlx.core as mx
+
+from .batch import BatchRequest, BatchScheduler, RowEvent
+from .kv_quant import make_policy
+from .request import (PromptError, RequestOutput, SamplingParams, encode_prompt,
+                      token_logprob)
+from .stepper import generate_step
+from .text import TextStream
+
+__all__ = ["Engine"]
+
+BASE_NAMESPACE = "base"
+
+
+class _Request:
+    """One submitted request's state, whichever lane runs it."""
+
+    def __init__(self, rid, ids, params, adapters, ns, lane, tokenizer):
+        self.rid, self.ids, self.params, self.adapters, self.ns = rid, ids, params, adapters, ns
+        self.lane = lane                  # "batch" | "solo"
+        self.need = len(ids) + params.max_tokens
+        self.reused = 0
+        self.fed: list = []               # every token sampled (each one fed back)
+        self.n = 0                        # tokens returned (EOS excluded)
+        self.pending_ids: list = []
+        self.pending_lp: list = []
+        self.pending_arrays: list = []
+        self.tic = time.perf_counter()
+        self.prompt_tps = 0.0
+        self.top = params.top_logprobs or 0
+        self.uid: Optional[int] = None    # batch row id
+        self.steps = None                 # solo: the generate_step iterator
+        self.caches = None                # solo: its caches
+        self.text: Optional[TextStream] = None
+        if lane == "solo":
+            self.text = TextStream(tokenizer, params.stop)
+
+    def output(self, text: str, reason=None, **kw) -> RequestOutput:
+        now = time.perf_counter()
+        out = RequestOutput(text=text, token_ids=self.pending_ids, logprobs=self.pending_lp,
+                            finish_reason=reason, prompt_tokens=len(self.ids),
+                            cached_tokens=self.reused, generation_tokens=self.n,
+                            prompt_tps=self.prompt_tps,
+                            generation_tps=self.n / (now - self.tic) if now > self.tic else 0.0,
+                            peak_memory_gb=mx.get_peak_memory() / 1e9, request_id=self.rid,
+                            started=bool(self.fed), logprob_arrays=self.pending_arrays, **kw)
+        self.pending_ids, self.pending_lp, self.pending_arrays = [], [], []
+        return out
+
+
+class Engine:
+    """Model, tokenizer, prompt cache, admission, adapters and the scheduler.
+
+    max_batch: most requests decoding together (1: one at a time, each exactly
+    `mlx_lm.generate`'s token loop). prompt_cache: an `engine.PromptCache` (or
+    None). admission: an `engine.admission.Admission` (None: no memory check).
+    adapters: the adapter registry (`engine.adapters.AdapterRegistry`; its
+    `activate(ids)` and `namespace(ids)`), needed only for requests that select
+    adapters; `Engine.load` makes one. keep_logprob_arrays:
+    outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
+    """
+
+    def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
+                 admission=None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                 quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
+                 prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch = max_batch
+        self.prompt_cache = prompt_cache
+        self.admission = admission
+        self.adapters = adapters
+        self.keep_logprob_arrays = keep_logprob_arrays
+        self.prefill_step_size = prefill_step_size
+        self.policy = make_policy(model, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                  quantized_kv_start=quantized_kv_start, kv_config=kv_config)
+        self.eos = set(tokenizer.eos_token_ids)
+        self.prefill_batch_size = min(max_batch, prefill_batch_size)
+        self._sched = self._new_scheduler() if max_batch > 1 else None
+        self._ids = itertools.count()
+        self._waiting: deque = deque()
+        self._live: dict = {}            # rid -> _Request (waiting or running)
+        self._rows: dict = {}            # batch uid -> _Request
+        self._solo: Optional[_Request] = None
+        self._done_now: list = []        # outputs to hand out with the next step
+        self._samplers: dict = {}
+        self.steps = 0
+        self.peak_rows = 0
+        self.lanes = {"batch": 0, "solo": 0}
+        self.solo_reasons: dict = {}
+
+    def _new_scheduler(self) -> BatchScheduler:
+        return BatchScheduler(self.model, tokenizer=self.tokenizer,
+                              completion_batch_size=self.max_batch,
+                              prefill_batch_size=self.prefill_batch_size,
+                              prefill_step_size=self.prefill_step_size)
+
+    @classmethod
+    def load(cls, path, *, max_batch: int = 1, adapter_path=None,
+             memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: int = 0,
+             tensor_parallel: bool = False, **kw):
+        """Load a model directory; memory admission on (budget: 75% of RAM by default).
+        `tensor_parallel=True` shards it over `mx.distributed` ranks (see `engine.load`)."""
+        from .admission import Admission
+        from .loader import load
+        from .prompt_cache import PromptCache
+
+        from .adapters import AdapterRegistry
+
+        model, tokenizer = load(path, adapter_path=adapter_path, tensor_parallel=tensor_parallel)
+        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+        eng = cls(model, tokenizer, max_batch=max_batch, prompt_cache=cache,
+                  adapters=AdapterRegistry(model, cache), **kw)
+        eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
+                                            prefill_step=eng.prefill_step_size)
+        return eng
+
+    # --- requests -----------------------------------------------------------------
+
+    def submit(self, prompt, params: Optional[SamplingParams] = None, *, request_id=None,
+               adapter=(), tools=None, template_kwargs=None,
+               cache_namespace: Optional[str] = None) -> str:
+        """Queue a request (text, token ids or chat messages); returns its id.
+
+        adapter: adapter ids to run with (a tuple; needs `adapters`)."""
+        params = (params or SamplingParams()).resolved(self.tokenizer)
+        ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
+        if not ids:
+            raise PromptError("the prompt encodes to no tokens")
+        if self.admission is not None:
+            self.admission.check(len(ids), params.max_tokens)
+        adapter = tuple(adapter or ())
+        if adapter and self.adapters is None:
+            raise ValueError("this engine has no adapter registry")
+        if cache_namespace is None:
+            cache_namespace = (self.adapters.namespace(adapter) if self.adapters is not None
+                               else BASE_NAMESPACE)
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already in use")
+        reason = self._solo_reason(adapter)
+        req = _Request(rid, ids, params, adapter, cache_namespace,
+                       "batch" if reason is None else "solo", self.tokenizer)
+        # (copied on write: stats() may be read from another thread)
+        if reason is not None:
+            self.solo_reasons = {**self.solo_reasons, reason: self.solo_reasons.get(reason, 0) + 1}
+        self.lanes = {**self.lanes, req.lane: self.lanes[req.lane] + 1}
+        self._live[rid] = req
+        self._waiting.append(req)
+        return rid
+
+    def _solo_reason(self, adapter: tuple) -> Optional[str]:
+        if self._sched is None:
+            return "max_batch=1"
+        if self.policy.active:
+            return "kv_quant"
+        if adapter:
+            return "adapters"
+        return None
+
+    def abort(self, request_id) -> bool:
+        """End a request now; its last output (finish_reason "cancelled") comes with
+        the next `step()`. False if it is unknown or already finished."""
+        req = self._live.pop(str(request_id), None)
+        if req is None:
+            return False
+        if req in self._waiting:
+            self._waiting.remove(req)
+        elif req is self._solo:
+            self._end_solo(req)
+        elif req.uid is not None:
+            self._sched.cancel(req.uid)
+            self._rows.pop(req.uid, None)
+        self._done_now.append(req.output("", "cancelled"))
+        return True
+
+    @property
+    def batching(self) -> bool:
+        """Whether requests can run as batch rows (max_batch > 1 and unquantized KV)."""
+        return self._sched is not None and not self.policy.active
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live or self._done_now)
+
+    def stats(self) -> dict:
+        """Counters (safe to read from another thread than the one stepping)."""
+        return {"max_batch": self.max_batch, "active_rows": len(self._rows),
+                "solo_active": self._solo is not None, "waiting": len(self._waiting),
+                "steps": self.steps, "peak_rows": self.peak_rows, "lanes": dict(self.lanes),
+                "solo_reasons": dict(self.solo_reasons)}
+
+    # --- the loop ------------------------------------------------------------------
+
+    def step(self) -> list:
+        """One scheduler step; the outputs it produced (a request appears at most once)."""
+        outs, self._done_now = self._done_now, []
+        outs += self._schedule()
+        solo = self._solo
+        try:      # the forward runs right below here (one frame to the model in each lane)
+            if solo is not None:
+                outs += self._solo_token(solo, *next(solo.steps))
+            elif self._sched is not None and self._sched.has_work():
+                outs += self._batch_events(self._sched.step())
+        except Exception as e:   # a fault: the solo request, or every row of the batch, ends
+            if solo is not None:
+                self._end_solo(solo, store=False)
+                outs.append(self._fail(solo, e))
+            else:
+                rows = list(self._rows.values())
+                self._sched, self._rows = self._new_scheduler(), {}
+                outs += [self._fail(r, e) for r in rows]
+        self.steps += 1
+        return outs
+
+    def _schedule(self) -> list:
+        failed = []
+        while self._waiting:
+            req = self._waiting[0]
+            if self._solo is not None:
+                break
+            if req.lane == "solo":
+                if self._rows:
+                    break
+                self._waiting.popleft()
+                try:
+                    self._start_solo(req)
+                except Exception as e:     # (an adapter unmounted since submit, ...)
+                    failed.append(self._fail(req, e))
+                break
+            if self._rows and not self.batch_fits([r.need for r in self._rows.values()]
+                                                  + [req.need]):
+                break
+            self._waiting.popleft()
+            self._start_row(req)
+        self.peak_rows = max(self.peak_rows, len(self._rows))
+        return failed
+
+    def batch_fits(self, needs: list) -> bool:
+        """Aggregate admission: whether rows of these context lengths (prompt +
+        max_tokens) fit together; every row's KV is padded to the longest row."""
+        adm = self.admission
+        if adm is None:
+            return True
+        longest = max(needs)
+        per_row = (adm.transient_bytes(min(longest, adm.prefill_step))
+                   - adm.FIXED_SLACK[adm.backend])
+        peak = (adm.weights + len(needs) * adm.kv_bytes(longest) + adm.transient_bytes(longest)
+                + (min(len(needs), 8) - 1) * per_row)
+        return peak <= adm.budget_bytes
+
+    def _sampler(self, params: SamplingParams):
+        key = params.sampler_key()
+        if key not in self._samplers:     # one object per setting: batched sampler calls
+            special = []
+            if params.xtc_probability:
+                special = sorted(self.eos) + list(self.tokenizer.encode("\n",
+                                                                        add_special_tokens=False))
+            self._samplers[key] = params.make_sampler(special)
+        return self._samplers[key]
+
+    def _fetch(self, req: _Request):
+        if self.prompt_cache is None:
+            return None
+        hit = self.prompt_cache.fetch(req.ns, req.ids)
+        if hit is None:
+            return None
+        req.reused = hit.reused
+        return hit.caches
+
+    def _store(self, req: _Request, caches) -> None:
+        if self.prompt_cache is not None and caches:
+            tokens = req.ids + req.fed
+            # the request is over: the caches are handed to the store, not copied
+            self.prompt_cache.store(req.ns, tokens[:caches[0].offset], caches, copy_caches=False)
+
+    # --- solo lane -------------------------------------------------------------------
+
+    def _start_solo(self, req: _Request) -> None:
+        from .cache import RotatingKVCache   # (engine.cache imports the models)
+
+        if self.adapters is not None:
+            self.adapters.activate(req.adapters)
+        p = req.params
+        sampler = self._sampler(p)
+        processors = p.make_processors()
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        caches = self._fetch(req)
+        if caches is not None:
+            self.policy.apply(caches)
+        else:
+            caches = self.model.make_cache()
+        reused, ids = req.reused, req.ids
+        history = mx.array(ids[:reused]) if reused and processors else None
+        # A sliding-window ring that wraps while decoding can no longer be trimmed back to
+        # a shared prefix; keep a snapshot at the end of the prompt too (all tokens but
+        # the last), so a prompt that branches after it still hits.
+        def snapshot(cs):
+            self.prompt_cache.store(req.ns, ids[:len(ids) - 1], cs)
+        rings = any(isinstance(c, RotatingKVCache) for c in caches)
+        on_prefilled = snapshot if self.prompt_cache is not None and rings else None
+        req.caches = caches
+        req.tic = time.perf_counter()
+        req.steps = generate_step(mx.array(ids[reused:]), self.model, max_tokens=p.max_tokens,
+                                  sampler=sampler, logits_processors=processors or None,
+                                  caches=caches, policy=self.policy,
+                                  prefill_step_size=self.prefill_step_size, history=history,
+                                  on_prefilled=on_prefilled)
+        self._solo = req
+
+    def _solo_token(self, req: _Request, tok: int, lp) -> list:
+        ev = RowEvent(-1, tok, lp)
+        if len(req.fed) + 1 >= req.params.max_tokens:
+            ev.finish_reason = "length"
+        if tok in self.eos:
+            ev.finish_reason, ev.stop_token = "stop", True
+        text, hit = req.text.feed(None if ev.stop_token else tok, ev.finish_reason is not None)
+        if hit:
+            ev.finish_reason, ev.stop_string = "stop", req.text.stop_string
+        ev.text = text
+        out = self._update(req, ev)
+        if ev.finish_reason is not None:
+            self._live.pop(req.rid, None)
+            self._end_solo(req)
+        return [out] if out is not None else []
+
+    def _end_solo(self, req: _Request, store: bool = True) -> None:
+        if req.steps is not None:
+            req.steps.close()
+        if store:
+            self._store(req, req.caches)
+        req.steps = req.caches = None
+        self._solo = None
+
+    # --- batch lane ------------------------------------------------------------------
+
+    def _start_row(self, req: _Request) -> None:
+        if self.adapters is not None:
+            self.adapters.activate(())
+        p = req.params
+        caches = self._fetch(req)
+        req.tic = time.perf_counter()
+        req.uid = self._sched.submit(BatchRequest(
+            req.ids[req.reused:], max_tokens=p.max_tokens, sampler=self._sampler(p),
+            seed=p.seed, logits_processors=p.make_processors(), stop=list(p.stop),
+            caches=caches, history=req.ids[:req.reused],
+            return_cache=self.prompt_cache is not None))
+        self._rows[req.uid] = req
+
+    def _batch_events(self, events) -> list:
+        outs = []
+        for ev in events:
+            req = self._rows.get(ev.uid)
+            if req is None:           # aborted (its output was made then)
+                continue
+            out = self._update(req, ev)
+            if ev.finish_reason is not None:
+                del self._rows[ev.uid]
+                self._live.pop(req.rid, None)
+                if ev.caches is not None:
+                    self._store(req, ev.caches)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    # --- update (both lanes) ---------------------------------------------------------
+
+    def _update(self, req: _Request, ev: RowEvent) -> Optional[RequestOutput]:
+        if ev.token is not None:
+            req.fed.append(ev.token)
+            if len(req.fed) == 1:
+                now = time.perf_counter()
+                req.prompt_tps = (len(req.ids) - req.reused) / max(now - req.tic, 1e-9)
+                req.tic = now
+            if not ev.stop_token:
+                req.n += 1
+                req.pending_ids.append(ev.token)
+                if self.keep_logprob_arrays:
+                    req.pending_arrays.append(ev.logprobs)
+                if req.params.wants_logprobs:
+                    req.pending_lp.append(token_logprob(ev.token, ev.logprobs, req.top))
+        if ev.finish_reason is None and not ev.text:
+            return None
+        return req.output(ev.text, ev.finish_reason, stop_string=ev.stop_string)
+
+    def _fail(self, req: _Request, e: BaseException) -> RequestOutput:
+        self._live.pop(req.rid, None)
+        return req.output("", "error", error=e)

@@ -1,0 +1,207 @@
+"""What a request is and what comes back: `SamplingParams`, `RequestOutput`, prompts.
+
+`SamplingParams` holds every generation knob. Values left at None take the
+model's `generation_config.json` (sampling fields) or the engine's fallback;
+`SamplingParams.resolved(tokenizer)` fills them in. Every value is checked
+when the object is made (`ValueError` naming the field), so a request that
+reaches the engine's loop cannot fail on its options.
+
+`RequestOutput` is one piece of a request's output: the text made final since
+the previous piece, the tokens behind it (and their logprobs when asked), and
+on the last piece the finish reason and, when a stop string ended it, which one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import mlx.core as mx
+
+FALLBACK_SAMPLING = {"temperature": 0.0, "top_p": 0.0, "top_k": 0, "min_p": 0.0}
+
+
+class PromptError(ValueError):
+    """The prompt could not be turned into tokens (bad messages, template failure)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Generation options of one request (None: the model's default)."""
+
+    max_tokens: int = 256
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens_to_keep: int = 1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: Optional[int] = 20
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None
+    seed: Optional[int] = None
+    stop: Union[str, list, tuple, None] = ()
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    # Zero-argument callables, each returning a logits processor fn(tokens, logits) ->
+    # logits (e.g. engine.constrained's grammar processors, which are stateful). The
+    # engine calls every factory once per request it starts and runs the processors
+    # after the built-in ones, so one SamplingParams never shares a processor between
+    # requests.
+    processor_factories: tuple = ()
+
+    def __post_init__(self):
+        from .sampling import make_logits_processors, make_sampler
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError("max_tokens must be a positive integer")
+        if self.top_logprobs is not None and (
+                not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20):
+            raise ValueError("top_logprobs must be between 0 and 20")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        stop = self.stop
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if not all(isinstance(s, str) for s in stop):
+            raise ValueError("stop must be a string or a list of strings")
+        object.__setattr__(self, "stop", stop)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a dict of token id to bias")
+        if self.logit_bias:
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        factories = tuple(self.processor_factories or ())
+        if not all(callable(f) for f in factories):
+            raise ValueError("processor_factories must be callables that return a processor")
+        object.__setattr__(self, "processor_factories", factories)
+        s = self._sampler_settings(FALLBACK_SAMPLING)
+        try:
+            make_sampler(temp=s[0], top_p=s[1], min_p=s[2], top_k=s[3],
+                         min_tokens_to_keep=self.min_tokens_to_keep,
+                         xtc_probability=self.xtc_probability,
+                         xtc_threshold=self.xtc_threshold)
+        except ValueError as e:      # the sampler says "temp"; the field is "temperature"
+            msg = str(e)
+            raise ValueError("temperature" + msg[4:] if msg.startswith("temp ") else msg) from None
+        make_logits_processors(**self._processor_kwargs())
+
+    # --- resolution -------------------------------------------------------------
+
+    def resolved(self, tokenizer) -> "SamplingParams":
+        """A copy whose sampling fields left at None take the model's defaults."""
+        d = sampling_defaults(tokenizer)
+        return dataclasses.replace(self, **{k: d[k] for k in d if getattr(self, k) is None})
+
+    def _sampler_settings(self, defaults: dict) -> tuple:
+        return tuple(defaults[k] if getattr(self, k) is None else getattr(self, k)
+                     for k in ("temperature", "top_p", "min_p", "top_k"))
+
+    def _processor_kwargs(self) -> dict:
+        return dict(logit_bias=self.logit_bias, repetition_penalty=self.repetition_penalty,
+                    repetition_context_size=self.repetition_context_size,
+                    presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty)
+
+    def sampler_key(self) -> tuple:
+        """What makes two requests' samplers the same (resolved params)."""
+        return self._sampler_settings(FALLBACK_SAMPLING) + (
+            self.min_tokens_to_keep, self.xtc_probability, self.xtc_threshold)
+
+    def make_sampler(self, special_tokens=()):
+        from .sampling import make_sampler
+
+        t, p, m, k = self._sampler_settings(FALLBACK_SAMPLING)
+        return make_sampler(temp=t, top_p=p, min_p=m, top_k=k,
+                            min_tokens_to_keep=self.min_tokens_to_keep,
+                            xtc_probability=self.xtc_probability,
+                            xtc_threshold=self.xtc_threshold,
+                            xtc_special_tokens=list(special_tokens) if self.xtc_probability else None)
+
+    def make_processors(self) -> list:
+        """This request's processors: the built-in ones, then a fresh one from each
+        of `processor_factories` (call once per request)."""
+        from .sampling import make_logits_processors
+
+        procs = make_logits_processors(**self._processor_kwargs())
+        return procs + [f() for f in self.processor_factories]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs or self.top_logprobs)
+
+
+@dataclass
+class RequestOutput:
+    """New output of one request since its previous `RequestOutput`."""
+
+    text: str
+    token_ids: list
+    logprobs: list = field(default_factory=list)      # per token: {"token", "logprob", "top"}
+    finish_reason: Optional[str] = None               # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    peak_memory_gb: float = 0.0
+    request_id: Optional[str] = None
+    stop_string: Optional[str] = None                 # the stop string that ended it
+    error: Optional[BaseException] = None             # finish_reason "error": what was raised
+    started: bool = True                              # False: it failed before any token
+    logprob_arrays: list = field(default_factory=list)  # [V] per token (keep_logprob_arrays)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# --- prompts ------------------------------------------------------------------------
+
+
+def encode_prompt(tokenizer, prompt, tools=None, template_kwargs=None) -> list[int]:
+    """Text (encoded as-is, adding BOS unless the text already starts with it, like
+    `mlx_lm.generate`), a list of token ids, or chat messages (rendered with the
+    model's template)."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+    if isinstance(prompt, mx.array):
+        return [int(t) for t in prompt.tolist()]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+        if not prompt:
+            raise PromptError("messages is empty")
+        try:
+            return list(tokenizer.apply_chat_template(
+                list(prompt), tools=tools, add_generation_prompt=True, **(template_kwargs or {})))
+        except Exception as e:  # template errors are the caller's input problem
+            raise PromptError(f"chat template failed: {e}") from None
+    raise PromptError("prompt must be text, a list of token ids, or a list of chat messages")
+
+
+def sampling_defaults(tokenizer) -> dict:
+    """generation_config.json's sampling fields (temperature, top_p, top_k, min_p)."""
+    gc = getattr(tokenizer, "generation_config", None) or {}
+    out = dict(FALLBACK_SAMPLING)
+    if gc.get("do_sample") is False:
+        return out
+    for k in out:
+        if gc.get(k) is not None:
+            out[k] = gc[k]
+    return out
+
+
+def token_logprob(tok: int, lp: mx.array, top: int) -> dict:
+    """One token's logprob entry: {"token", "logprob"} (+ "top": [(id, logprob)] best first)."""
+    entry = {"token": tok, "logprob": float(lp[tok].item())}
+    if top:
+        idx = mx.argpartition(-lp, kth=top - 1)[:top]
+        vals = lp[idx]
+        order = mx.argsort(-vals)
+        entry["top"] = [(int(i), float(v)) for i, v in zip(idx[order].tolist(), vals[order].tolist())]
+    return entry

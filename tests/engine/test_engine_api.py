@@ -1,0 +1,110 @@
+"""The public `Engine` API on the qwen3 fixture: typed options validated once, text /
+messages / ids prompts, request ids, abort, lane decisions in stats(), and the
+batched lane giving the same text as generate() for greedy requests."""
+
+import pytest
+
+import engine
+from engine import Engine, RequestOutput, SamplingParams
+from parity.fixtures.models import ensure_fixture
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return engine.load(str(ensure_fixture("qwen3", "bfloat16")))
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=2), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(top_logprobs=21), "top_logprobs"), (dict(repetition_penalty=-1), "repetition_penalty"),
+    (dict(repetition_context_size=0), "repetition_context_size"), (dict(seed="x"), "seed"),
+    (dict(stop=[1]), "stop"), (dict(logit_bias=[1]), "logit_bias"),
+    (dict(xtc_probability=2), "xtc_probability")])
+def test_sampling_params_validated_once_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_resolve_generation_config(qwen):
+    _, tok = qwen
+    p = SamplingParams(top_k=3).resolved(tok)
+    assert p.top_k == 3 and p.temperature is not None
+    assert SamplingParams(stop="x").stop == ("x",)
+
+
+def _run(eng):
+    got = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert isinstance(out, RequestOutput)
+            r = got.setdefault(out.request_id, {"text": "", "ids": [], "finish": None})
+            r["text"] += out.text
+            r["ids"] += out.token_ids
+            if out.finished:
+                r["finish"] = out.finish_reason
+    return got
+
+
+def test_batched_engine_equals_generate_and_lanes_in_stats(qwen):
+    model, tok = qwen
+    prompts = ["hello there", [{"role": "user", "content": "hi"}], tok.encode("def f(x):")]
+    want = [engine.generate(model, tok, p, max_tokens=8, temperature=0.0) for p in prompts]
+    eng = Engine(model, tok, max_batch=4)
+    rids = [eng.submit(p, SamplingParams(max_tokens=8, temperature=0.0),
+                       request_id=f"r{i}") for i, p in enumerate(prompts)]
+    assert rids == ["r0", "r1", "r2"]
+    with pytest.raises(ValueError, match="in use"):
+        eng.submit("x", request_id="r0")
+    got = _run(eng)
+    for rid, w in zip(rids, want):
+        assert got[rid]["ids"] == w.token_ids and got[rid]["text"] == w.text
+        assert got[rid]["finish"] == w.finish_reason
+    st = eng.stats()
+    assert st["lanes"] == {"batch": 3, "solo": 0} and st["peak_rows"] == 3
+
+
+def test_abort_waiting_and_running(qwen):
+    model, tok = qwen
+    eng = Engine(model, tok, max_batch=1)
+    a = eng.submit("one", SamplingParams(max_tokens=50, logit_bias={998: -100, 1000: -100}))
+    b = eng.submit("two", SamplingParams(max_tokens=50))
+    eng.step()
+    eng.step()
+    assert eng.abort(b) and eng.abort(a) and not eng.abort(a)
+    got = _run(eng)
+    assert got[a]["finish"] == got[b]["finish"] == "cancelled"
+    assert not eng.has_unfinished()
+    assert eng.stats()["solo_reasons"] == {"max_batch=1": 2}
+
+
+def test_stop_string_reported(qwen):
+    model, tok = qwen
+    full = engine.generate(model, tok, "hello", max_tokens=12, temperature=0.0).text
+    stop = full[3:5]
+    r = engine.generate(model, tok, "hello", max_tokens=12, temperature=0.0, stop=[stop])
+    assert r.finish_reason == "stop" and r.stop_string == stop and stop not in r.text
+
+
+def test_submit_errors_are_value_errors(qwen):
+    model, tok = qwen
+    eng = Engine(model, tok)
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit(3.5)
+    with pytest.raises(ValueError, match="adapter"):
+        eng.submit("x", adapter=("a",))
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(model, tok, max_batch=0)
+    assert not eng.has_unfinished()
+
+
+def test_quantized_kv_runs_solo_and_equals_generate(qwen):
+    model, tok = qwen
+    want = [engine.generate(model, tok, p, max_tokens=6, temperature=0.0, kv_bits=8,
+                            kv_group_size=32).token_ids for p in ("one", "two")]
+    eng = Engine(model, tok, max_batch=4, kv_bits=8, kv_group_size=32)
+    assert not eng.batching
+    rids = [eng.submit(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in ("one", "two")]
+    got = _run(eng)
+    assert [got[r]["ids"] for r in rids] == want
+    assert eng.stats()["solo_reasons"] == {"kv_quant": 2} and eng.stats()["peak_rows"] == 0
