@@ -58,12 +58,19 @@ def stream_generate(
     prefill_step_size: int = 2048,
     should_stop=None,
     levers=None,
+    logits_processors: Optional[list] = None,
     **sampling,
 ) -> Iterator[RequestOutput]:
     """Yield `RequestOutput`s of new text; `sampling` are `SamplingParams` fields
     (max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, logit_bias,
     seed, stop, logprobs, top_logprobs, ...). `should_stop()` is polled after each
-    token; when true the request ends with finish_reason "cancelled"."""
+    token; when true the request ends with finish_reason "cancelled".
+    `logits_processors`: processor objects for this one request (e.g.
+    engine.constrained's), run after the built-in ones; to build them per request
+    instead, pass `processor_factories`."""
+    if logits_processors:
+        own = tuple((lambda p=p: p) for p in logits_processors)   # this request only
+        sampling["processor_factories"] = tuple(sampling.get("processor_factories") or ()) + own
     params = SamplingParams(**sampling)
     eng = Engine(model, tokenizer, max_batch=1, prompt_cache=prompt_cache, admission=admission,
                  kv_bits=kv_bits, kv_group_size=kv_group_size,

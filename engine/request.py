@@ -58,6 +58,12 @@ class SamplingParams:
     stop: Union[str, list, tuple, None] = ()
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    # Zero-argument callables, each returning a logits processor fn(tokens, logits) ->
+    # logits (e.g. engine.constrained's grammar processors, which are stateful). The
+    # engine calls every factory once per request it starts and runs the processors
+    # after the built-in ones, so one SamplingParams never shares a processor between
+    # requests.
+    processor_factories: tuple = ()
 
     def __post_init__(self):
         from .sampling import make_logits_processors, make_sampler
@@ -86,6 +92,10 @@ class SamplingParams:
             raise ValueError("logit_bias must be a dict of token id to bias")
         if self.logit_bias:
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        factories = tuple(self.processor_factories or ())
+        if not all(callable(f) for f in factories):
+            raise ValueError("processor_factories must be callables that return a processor")
+        object.__setattr__(self, "processor_factories", factories)
         s = self._sampler_settings(FALLBACK_SAMPLING)
         try:
             make_sampler(temp=s[0], top_p=s[1], min_p=s[2], top_k=s[3],
@@ -130,9 +140,12 @@ class SamplingParams:
                             xtc_special_tokens=list(special_tokens) if self.xtc_probability else None)
 
     def make_processors(self) -> list:
+        """This request's processors: the built-in ones, then a fresh one from each
+        of `processor_factories` (call once per request)."""
         from .sampling import make_logits_processors
 
-        return make_logits_processors(**self._processor_kwargs())
+        procs = make_logits_processors(**self._processor_kwargs())
+        return procs + [f() for f in self.processor_factories]
 
     @property
     def wants_logprobs(self) -> bool:

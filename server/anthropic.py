@@ -34,6 +34,7 @@ from . import sse
 from .chat import (Call, Done, Text, Tool, complete, encode, normalize_tools, parse_arguments,
                    sampling_from, start, template_kwargs_from)
 from .chat import stream as chat_stream
+from .constraints import apply_constraints
 from .errors import APIError, anthropic_body, bad_request
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -169,6 +170,8 @@ def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
     choice = body.get("tool_choice")
     if choice is not None and not isinstance(choice, dict):
         raise bad_request("tool_choice must be an object", param="tool_choice")
+    apply_constraints(call, None, choice, tools, parallel=not (
+        isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True))
     if isinstance(choice, dict) and choice.get("type") == "none":
         tools = None
     call.tools = tools

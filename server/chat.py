@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Optional
 
 from . import fields as F
 from . import sse
+from .constraints import processor_factories
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
 
@@ -79,6 +80,10 @@ class Call:
     tools: Optional[list] = None           # OpenAI function tools (None = no tools)
     template_kwargs: dict = field(default_factory=dict)
     adapter: Any = "__default__"           # request's adapter field ("__default__" = absent)
+    response_format: Any = None            # engine.constrained.ResponseFormat (constraints.py)
+    tool_choice: Any = None                # engine.constrained.ToolChoice
+    format_param: str = "response_format"  # the request field the format came from
+    parallel_tool_calls: bool = True
 
 
 # --- message normalization (shared by the protocols) ------------------------
@@ -128,6 +133,9 @@ def normalize_chat_messages(messages) -> list:
                               param="messages")
         if role == "developer":
             role = "system"
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise bad_request(f"{where}.content is required (only an assistant message with "
+                              "tool_calls may leave it out)", param="messages")
         msg = {"role": role, "content": F.text_content(m.get("content"), where)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = normalize_tool_calls(m["tool_calls"], where)
@@ -230,7 +238,8 @@ def sampling_params(state, call: Call):
             presence_penalty=call.presence_penalty, frequency_penalty=call.frequency_penalty,
             logit_bias=call.logit_bias, seed=call.seed, stop=list(call.stop),
             logprobs=bool(call.logprobs or call.top_logprobs),
-            top_logprobs=call.top_logprobs or None, **kw)
+            top_logprobs=call.top_logprobs or None,
+            processor_factories=processor_factories(state, call), **kw)
     except ValueError as e:          # the message starts with the field's name
         msg = str(e)
         param = msg.split(" ", 1)[0]
@@ -267,11 +276,12 @@ def make_router(state, tools):
     if not tools:
         return None
     try:
-        from engine.tools import ToolCallRouter, get_tool_format
-        fmt = get_tool_format(state.model_type or "")
-    except (ImportError, ValueError):
+        from engine.tools import ToolCallRouter, tool_format_for
+        # the chat template's format first (MiniCPM5 checkpoints are model_type llama)
+        fmt = tool_format_for(state.tokenizer, state.model_type)
+    except ImportError:
         return None
-    return ToolCallRouter(fmt, tools)
+    return ToolCallRouter(fmt, tools) if fmt is not None else None
 
 
 class Generation:

@@ -21,6 +21,7 @@ from . import sse
 from .chat import (Call, Done, Text, Tool, complete, finite, logprob_entries,
                    normalize_chat_messages, normalize_tools, sampling_from, start,
                    template_kwargs_from)
+from .constraints import apply_constraints
 from .chat import stream as chat_stream
 from .errors import APIError, bad_request, openai_body
 
@@ -72,6 +73,8 @@ def parse_chat(body: dict, state) -> Call:
     choice = body.get("tool_choice")
     if choice is not None and not isinstance(choice, (str, dict)):
         raise bad_request("tool_choice must be a string or an object", param="tool_choice")
+    apply_constraints(call, body.get("response_format"), choice, tools,
+                      parallel=F.boolean(body, "parallel_tool_calls", True))
     if choice == "none":
         tools = None
     call.tools = tools
@@ -187,6 +190,7 @@ def parse_completion(body: dict, state) -> Call:
     if F.boolean(body, "echo", False):
         raise bad_request("echo is not supported", param="echo")
     call = Call(prompt=prompt)
+    apply_constraints(call, body.get("response_format"), None, None)
     call.max_tokens = _max_tokens(body, "max_tokens")
     sampling_from(body, call, state)
     call.stop = F.stop_list(body, "stop")

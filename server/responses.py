@@ -34,6 +34,7 @@ from . import sse
 from .chat import (Call, Done, Text, Tool, complete, normalize_tools, parse_arguments,
                    sampling_from, start, template_kwargs_from)
 from .chat import stream as chat_stream
+from .constraints import apply_constraints
 from .errors import APIError, bad_request, not_found, openai_body
 
 
@@ -270,6 +271,10 @@ def parse_responses(body: dict, state):
     call.stop = F.stop_list(body, "stop")
     tools = normalize_tools(body.get("tools"))
     choice = body.get("tool_choice")
+    text = body.get("text")
+    apply_constraints(call, text.get("format") if isinstance(text, dict) else None, choice,
+                      tools, format_param="text.format",
+                      parallel=F.boolean(body, "parallel_tool_calls", True))
     if choice == "none":
         tools = None
     call.tools = tools

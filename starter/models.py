@@ -153,9 +153,18 @@ TOKENIZER_FAMILY = {"llama": "llama", "qwen3": "qwen3", "minicpm": "minicpm",
                     "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3",
                     "gemma4_moe": "gemma4", "gemma4_unified": "gemma4"}
 DTYPES = ("float32", "bfloat16", "q4", "q8")
-# Optional config variants of a family (fixture name gets "-<variant>").
-# "tp2": 4 query / 2 KV heads, so every head count splits over 2 tensor-parallel ranks.
-VARIANTS: dict[str, dict] = {"tp2": {"num_attention_heads": 4, "num_key_value_heads": 2}}
+# Fixture variants, two kinds in one table:
+# - config variants, `ensure_fixture(family, variant=...)` (fixture name gets "-<variant>"):
+#   config overrides. "tp2": 4 query / 2 KV heads, so every head count splits over 2
+#   tensor-parallel ranks.
+# - checkpoint variants, used as the family name (`ensure_fixture("minicpm5_llama")`): one
+#   family's architecture with another's tokenizer ({"family": ..., "tokenizer": ...}).
+#   Released MiniCPM5 checkpoints are `model_type: llama` with MiniCPM5's template (its
+#   thinking and tool-call format).
+VARIANTS: dict[str, dict] = {
+    "tp2": {"num_attention_heads": 4, "num_key_value_heads": 2},
+    "minicpm5_llama": {"family": "llama", "tokenizer": "minicpm"},
+}
 SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5, "qwen2": 6,
          "gemma3_text": 7, "gemma3": 8, "qwen3_moe": 9, "gemma4_moe": 10, "gemma4_unified": 11}
 # Families with expert layers: mlx's gather_mm has no bfloat16 kernel on the CPU, so
@@ -168,6 +177,22 @@ SLIDING = ("gemma4_text", "gemma4", "gemma3_text", "gemma3", "gemma4_moe", "gemm
 def cpu_dtypes(family: str) -> tuple:
     """The fixture dtypes both engines can run on the CPU for this family."""
     return tuple(d for d in DTYPES if not (family in MOE and d == "bfloat16"))
+
+
+def _checkpoint_variant(name: str) -> bool:
+    return "family" in VARIANTS.get(name, {})
+
+
+def _config_variant(name: str) -> bool:
+    return name in VARIANTS and not _checkpoint_variant(name)
+
+
+def _resolve(family: str) -> tuple:
+    """(architecture family, tokenizer family) of a fixture name."""
+    if _checkpoint_variant(family):
+        v = VARIANTS[family]
+        return v["family"], v["tokenizer"]
+    return family, TOKENIZER_FAMILY[family]
 
 
 def fixture_root() -> Path:
@@ -290,9 +315,10 @@ def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok_ids = build_tokenizer(out, TOKENIZER_FAMILY[family], vocab_size=VOCAB)
-    config = config_for(family, tok_ids, variant)
-    model, weights = _random_weights(family, config, SEEDS[family])
+    arch, tok_family = _resolve(family)
+    tok_ids = build_tokenizer(out, tok_family, vocab_size=VOCAB)
+    config = config_for(arch, tok_ids, variant)
+    model, weights = _random_weights(arch, config, SEEDS[arch])
     float_dtype = mx.float32 if dtype == "float32" else mx.bfloat16
     weights = {k: v.astype(float_dtype) for k, v in weights.items()}
     if dtype in ("q4", "q8"):
@@ -303,7 +329,7 @@ def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 
         config["quantization"] = {**q, **overrides}
         config["quantization_config"] = {**q, **overrides}
     config["torch_dtype"] = "float32" if dtype == "float32" else "bfloat16"
-    _save_weights(out, _hf_names(family, weights, quantized=dtype in ("q4", "q8")), shards)
+    _save_weights(out, _hf_names(arch, weights, quantized=dtype in ("q4", "q8")), shards)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
 
@@ -317,7 +343,10 @@ def _tokenizer_key() -> str:
 def fixture_name(family: str, dtype: str = "float32", shards: int = 1, variant: str = "") -> str:
     """Directory name: readable part + hash of everything that shapes the bytes."""
     name = f"{family}-{dtype}" + (f"-sharded{shards}" if shards > 1 else "")
-    parts = [BUILDER_VERSION, _tokenizer_key(), FAMILIES[family], dtype, shards]
+    arch, tok_family = _resolve(family)
+    parts = [BUILDER_VERSION, _tokenizer_key(), FAMILIES[arch], dtype, shards]
+    if _checkpoint_variant(family):
+        parts.append(tok_family)
     if variant:
         name += f"-{variant}"
         parts.append(VARIANTS[variant])
@@ -328,12 +357,14 @@ def fixture_name(family: str, dtype: str = "float32", shards: int = 1, variant: 
 def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1,
                    variant: str = "") -> Path:
     """Path of the cached fixture, building it first (atomically) if needed."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)}")
+    if family not in FAMILIES and not _checkpoint_variant(family):
+        raise ValueError(f"unknown fixture family {family!r}; have {sorted(FAMILIES)} and "
+                         f"{sorted(v for v in VARIANTS if _checkpoint_variant(v))}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown fixture dtype {dtype!r}; have {DTYPES}")
-    if variant and variant not in VARIANTS:
-        raise ValueError(f"unknown fixture variant {variant!r}; have {sorted(VARIANTS)}")
+    if variant and not _config_variant(variant):
+        raise ValueError(f"unknown fixture variant {variant!r}; have "
+                         f"{sorted(v for v in VARIANTS if _config_variant(v))}")
     root = fixture_root()
     final = root / fixture_name(family, dtype, shards, variant)
     if (final / "config.json").exists():

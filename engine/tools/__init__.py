@@ -18,12 +18,13 @@ CDATA), ``json_tools`` (``<tool_call>{json}</tool_call>``), ``qwen3_coder``
 from __future__ import annotations
 
 from .base import ContentDelta, Event, MarkupError, ToolCall, ToolFormat, ToolIndex
-from .formats import FORMATS, get_tool_format
+from .formats import FORMATS, get_tool_format, tool_format_for
 from .router import ToolCallRouter, new_call_id, parse_tool_calls
 from .schema import coerce_typed, decode_text, schema_types
 
 __all__ = [
     "ContentDelta", "ToolCall", "Event", "ToolFormat", "ToolIndex", "MarkupError",
-    "ToolCallRouter", "parse_tool_calls", "get_tool_format", "new_call_id", "FORMATS",
+    "ToolCallRouter", "parse_tool_calls", "get_tool_format", "tool_format_for", "new_call_id",
+    "FORMATS",
     "decode_text", "coerce_typed", "schema_types",
 ]

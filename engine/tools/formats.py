@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Any, Dict, Optional, Union
 
 from . import gemma4, json_tools, minicpm5, qwen3_coder
 from .base import ToolFormat
@@ -49,3 +49,20 @@ def get_tool_format(family_or_model_type: Union[str, ToolFormat]) -> ToolFormat:
     raise ValueError(
         f"no tool-call format for {family_or_model_type!r}; formats: {', '.join(FORMATS)}; "
         "families: gemma4*, minicpm*, qwen*, llama")
+
+
+def tool_format_for(tokenizer: Any = None, model_type: Optional[str] = None) -> Optional[ToolFormat]:
+    """The tool-call format of a loaded model: the one its chat template asks
+    for (``tokenizer.tool_parser_type``, inferred from the template as mlx-lm
+    does) when it is one of ours, else the ``model_type`` family's; None when
+    neither gives one. A MiniCPM5 checkpoint (``model_type: llama``) gets
+    ``minicpm5`` from its template, not ``json_tools`` from ``llama``."""
+    inferred = getattr(tokenizer, "tool_parser_type", None)
+    if isinstance(inferred, str) and inferred in FORMATS:
+        return FORMATS[inferred]
+    if model_type:
+        try:
+            return get_tool_format(model_type)
+        except ValueError:
+            return None
+    return None

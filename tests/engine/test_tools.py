@@ -613,3 +613,45 @@ def test_engine_tools_import_no_oracle():
         mods = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         mods += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in mods if m.split(".")[0] in ("mlx_lm", "optiq", "transformers")], path
+
+
+# ------------------------------------------- format chosen from the chat template
+
+@pytest.mark.parametrize("fixture,model_type,want", [
+    ("minicpm5_llama", "llama", "minicpm5"),   # MiniCPM5 checkpoints are model_type llama
+    ("minicpm", "minicpm", "minicpm5"),
+    ("qwen3", "qwen3", "json_tools"),
+    ("gemma4", "gemma4", "gemma4"),
+    ("llama", "llama", "json_tools"),         # no template format: from model_type
+])
+def test_tool_format_from_template_then_model_type(fixture, model_type, want):
+    from engine.loader import read_config
+    from engine.tokenizer import load_tokenizer
+    from engine.tools import tool_format_for
+    from starter.models import ensure_fixture
+    path = ensure_fixture(fixture)
+    assert read_config(path)["model_type"] == model_type
+    assert tool_format_for(load_tokenizer(path), model_type).name == want
+    assert tool_format_for(None, "mistral") is None and tool_format_for() is None
+
+
+def test_llama_typed_minicpm5_fixture_calls_and_thinks():
+    """The llama-typed MiniCPM5 fixture: its forced call is MiniCPM5 XML that the
+    chosen parser reads back, and its reasoning format is MiniCPM5's."""
+    import engine
+    from engine.constrained import ToolChoice, tool_choice_processor
+    from engine.reasoning import reasoning_format_for
+    from engine.tools import tool_format_for
+    from starter.models import ensure_fixture
+    model, tok = engine.load(ensure_fixture("minicpm5_llama"))
+    fmt = tool_format_for(tok, "llama")
+    assert reasoning_format_for(tok).name == "minicpm5"
+    proc = tool_choice_processor(tok, fmt, WEATHER[1:], ToolChoice("function", "get_time"),
+                                 parallel=False)
+    r = engine.generate(model, tok, [{"role": "user", "content": "time?"}], tools=WEATHER[1:],
+                        max_tokens=200, temperature=0.0, logits_processors=[proc])
+    assert r.finish_reason == "stop" and r.text.startswith('<function name="get_time">'), r.text
+    content, calls = parse_tool_calls(r.text, fmt, WEATHER[1:])
+    assert [c.name for c in calls] == ["get_time"] and content == ""
+    # the model_type alone would have picked the wrong parser
+    assert parse_tool_calls(r.text, get_tool_format("llama"), WEATHER[1:])[1] == []

@@ -32,6 +32,8 @@ MARKUP = {
     "qwen2": '<tool_call>\n{"name": "lookup", "arguments": {"q": "a, b {c}", "n": 7}}\n'
              '</tool_call>',
 }
+# a MiniCPM5 checkpoint is model_type llama: the parser comes from its chat template
+MARKUP["minicpm5_llama"] = MARKUP["minicpm"]
 WANT = {"q": "a, b {c}", "n": 7}
 
 
