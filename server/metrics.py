@@ -191,6 +191,10 @@ class ServerCollector:
     def __init__(self, state):
         self.state = state
 
+    def describe(self):
+        # Nothing to check at registration: the state is read at scrape time only.
+        return []
+
     def collect(self):
         st = self.state
         g = st.gateway.stats()
