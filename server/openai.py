@@ -2,7 +2,8 @@
 
 Chat streaming (SSE, `data: <chunk>` then `data: [DONE]`): a first chunk with
 `delta {role: "assistant", content: ""}`, then `{content}` increments (with
-`logprobs.content` when asked), a `{tool_calls: [{index, id, type, function}]}`
+`logprobs.content` when asked), `{reasoning_content, reasoning}` increments for
+the reasoning of a thinking model (split out of the content), a `{tool_calls: [{index, id, type, function}]}`
 delta per completed call, and a last chunk with `delta {}`, `finish_reason`
 and `usage` (always attached). A mid-stream server fault is a
 `data: {"error": {...}}` frame before `[DONE]`.
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, complete, finite, logprob_entries,
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
                    normalize_chat_messages, normalize_tools, sampling_from, start,
                    template_kwargs_from)
 from .constraints import apply_constraints
@@ -40,6 +41,12 @@ def tool_call_json(call, index=None) -> dict:
     if index is not None:
         d = {"index": index, **d}
     return d
+
+
+def reasoning_fields(text: str) -> dict:
+    """Reasoning under both names clients read: `reasoning_content` (DeepSeek, vLLM,
+    llama.cpp) and `reasoning` (mlx-lm's server)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def _max_tokens(body: dict, *keys):
@@ -125,6 +132,9 @@ class ChatRender:
             if isinstance(ev, Text):
                 text.append(ev.text)
                 lps.extend(ev.logprobs)
+            elif isinstance(ev, Reasoning):
+                flush()
+                out.append(self._chunk(reasoning_fields(ev.text)))
             elif isinstance(ev, Tool):
                 flush()
                 out.append(self._chunk({"tool_calls": [tool_call_json(ev.call, self.n_tools)]}))
@@ -138,6 +148,8 @@ class ChatRender:
 
     def result(self, done: Done, want_logprobs: bool) -> dict:
         msg = {"role": "assistant", "content": done.text}
+        if done.reasoning:
+            msg.update(reasoning_fields(done.reasoning))
         if done.tool_calls:
             msg["tool_calls"] = [tool_call_json(c) for c in done.tool_calls]
         choice = {"index": 0, "message": msg, "logprobs": None,
