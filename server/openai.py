@@ -5,7 +5,9 @@ Chat streaming (SSE, `data: <chunk>` then `data: [DONE]`): a first chunk with
 `logprobs.content` when asked), `{reasoning_content, reasoning}` increments for
 the reasoning of a thinking model (split out of the content), a `{tool_calls: [{index, id, type, function}]}`
 delta per completed call, and a last chunk with `delta {}`, `finish_reason`
-and `usage` (always attached). A mid-stream server fault is a
+and `usage`; with `stream_options: {"include_usage": true}` the usage comes
+instead in one more chunk with `choices: []`, as OpenAI sends it (completions
+likewise). A mid-stream server fault is a
 `data: {"error": {...}}` frame before `[DONE]`.
 """
 
@@ -89,9 +91,21 @@ def parse_chat(body: dict, state) -> Call:
     return call
 
 
+def include_usage(body: dict, stream: bool) -> bool:
+    """`stream_options: {"include_usage": true}` (only with `stream: true`, as OpenAI)."""
+    opts = F.obj(body, "stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
+    return F.boolean(opts, "include_usage", False)
+
+
 class ChatRender:
-    def __init__(self, state, model_id: str):
+    def __init__(self, state, model_id: str, usage_chunk: bool = False):
         self.state = state
+        self.usage_chunk = usage_chunk
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model_id
@@ -141,7 +155,14 @@ class ChatRender:
                 self.n_tools += 1
             elif isinstance(ev, Done):
                 flush()
-                out.append(self._chunk({}, FINISH[ev.finish_reason], usage=usage(ev)))
+                if self.usage_chunk:     # OpenAI's shape: usage alone, after the finish chunk
+                    out.append(self._chunk({}, FINISH[ev.finish_reason]))
+                    out.append(sse.data({"id": self.id, "object": "chat.completion.chunk",
+                                         "created": self.created, "model": self.model,
+                                         "system_fingerprint": None, "choices": [],
+                                         "usage": usage(ev)}))
+                else:
+                    out.append(self._chunk({}, FINISH[ev.finish_reason], usage=usage(ev)))
                 out.append(sse.DONE)
         flush()
         return b"".join(out)
@@ -170,8 +191,9 @@ async def chat_completions(request: Request):
     body = await F.read_json(request, state.config.max_body_bytes)
     call = parse_chat(body, state)
     stream = F.boolean(body, "stream", False)
+    usage_chunk = include_usage(body, stream)
     gen = await start(state, call, request)
-    render = ChatRender(state, state.model_id)
+    render = ChatRender(state, state.model_id, usage_chunk)
     if stream:
         return chat_stream(gen, render, render.head(), _openai_error_frame)
     done = await complete(gen)
@@ -232,8 +254,9 @@ def completion_logprobs(state, lps: list, offset: int = 0) -> dict:
 
 
 class CompletionRender:
-    def __init__(self, state, model_id: str, want_logprobs: bool):
+    def __init__(self, state, model_id: str, want_logprobs: bool, usage_chunk: bool = False):
         self.state = state
+        self.usage_chunk = usage_chunk
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model_id
@@ -258,7 +281,13 @@ class CompletionRender:
                 if text:
                     out.append(self._emit(text, lps))
                     text, lps = [], []
-                out.append(self._chunk("", FINISH[ev.finish_reason], usage=usage(ev)))
+                if self.usage_chunk:
+                    out.append(self._chunk("", FINISH[ev.finish_reason]))
+                    out.append(sse.data({"id": self.id, "object": "text_completion",
+                                         "created": self.created, "model": self.model,
+                                         "choices": [], "usage": usage(ev)}))
+                else:
+                    out.append(self._chunk("", FINISH[ev.finish_reason], usage=usage(ev)))
                 out.append(sse.DONE)
         if text:
             out.append(self._emit(text, lps))
@@ -290,8 +319,9 @@ async def completions(request: Request):
     body = await F.read_json(request, state.config.max_body_bytes)
     call = parse_completion(body, state)
     stream = F.boolean(body, "stream", False)
+    usage_chunk = include_usage(body, stream)
     gen = await start(state, call, request)
-    render = CompletionRender(state, state.model_id, call.logprobs)
+    render = CompletionRender(state, state.model_id, call.logprobs, usage_chunk)
     if stream:
         return chat_stream(gen, render, b"", _openai_error_frame)
     done = await complete(gen)

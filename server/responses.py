@@ -22,7 +22,8 @@ response.content_part.done -> response.output_item.done (a function_call item:
 output_item.added -> function_call_arguments.delta -> .done ->
 output_item.done; a reasoning item: output_item.added -> content_part.added ->
 reasoning_text.delta* -> reasoning_text.done -> content_part.done ->
-output_item.done) -> response.completed.
+output_item.done) -> response.completed (response.incomplete, status
+"incomplete", when the token limit stopped it).
 """
 
 from __future__ import annotations
@@ -254,8 +255,10 @@ class ResponseRender:
                 self.done = ev
                 self.final = self.result(ev)    # the non-streamed body and the stored object
                 self.on_done(ev)
-                out.append(self._ev("response.completed",
-                                    {"response": self.snapshot(self.status(ev), ev)}))
+                status = self.status(ev)      # a token-limit stop ends response.incomplete
+                out.append(self._ev("response.incomplete" if status == "incomplete"
+                                    else "response.completed",
+                                    {"response": self.snapshot(status, ev)}))
         return b"".join(out)
 
     def on_done(self, done: Done) -> None:  # replaced by the route (store)
