@@ -1,6 +1,7 @@
 """How streams end, through the official SDKs: `stream_options.include_usage`
 gives OpenAI's final `choices: []` usage chunk (chat and completions); a
-Responses stream stopped by the token limit ends with `response.incomplete`."""
+Responses stream stopped by the token limit ends with `response.incomplete`;
+`/v1/models` reports the model's context length."""
 
 from __future__ import annotations
 
@@ -69,3 +70,13 @@ def test_responses_stream_that_finishes_ends_completed(oai, forced):
         types = [ev.type for ev in s]
         final = s.get_final_response()
     assert types[-1] == "response.completed" and final.status == "completed"
+
+
+def test_models_report_the_context_length(srv, oai):
+    import json
+    want = json.loads((srv.model_dir / "config.json").read_text())["max_position_embeddings"]
+    (m,) = oai.models.list().data
+    extra = m.model_extra
+    assert extra["context_length"] == extra["max_model_len"] == want
+    assert extra["max_position_embeddings"] == want
+    assert oai.models.retrieve(m.id).model_extra["context_length"] == want
