@@ -80,3 +80,19 @@ def test_models_report_the_context_length(srv, oai):
     assert extra["context_length"] == extra["max_model_len"] == want
     assert extra["max_position_embeddings"] == want
     assert oai.models.retrieve(m.id).model_extra["context_length"] == want
+
+
+def test_chat_completions_parse_with_a_pydantic_model(oai):
+    """The openai SDK's `chat.completions.parse` (a pydantic model as response_format):
+    the output is held to the schema, so even the random-weight model parses."""
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=10)
+        days: int = Field(ge=1, le=7)
+
+    r = oai.chat.completions.parse(model="m", messages=[{"role": "user", "content": uniq()}],
+                                   response_format=Weather, max_tokens=120, temperature=1.0,
+                                   seed=3)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Weather) and 1 <= parsed.days <= 7 and len(parsed.city) <= 10
