@@ -140,7 +140,9 @@ def minicpm5():
 
     from parity.fixtures.models import ensure_fixture
     from srv_helpers import start_server, stop_server
-    s = start_server(ensure_fixture("minicpm5_llama"), forced=True, batch=1)
+    # one SSE write per token: the split is checked on the finest chunking
+    s = start_server(ensure_fixture("minicpm5_llama"), forced=True, batch=1,
+                     stream_interval_ms=0)
     yield s, OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=60)
     s.forced.disarm()
     stop_server(s)
@@ -173,3 +175,58 @@ def test_minicpm5_answers_without_thinking_unless_asked(minicpm5):
         parts["content"] += d.content or ""
         parts["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
     assert parts == {"reasoning_content": "mulling it over", "content": "the answer"}
+
+
+@pytest.mark.parametrize("proto", ["openai", "anthropic", "responses"])
+def test_gemma4_thinking_channel(proto, gemma4):
+    """Gemma 4's thinking channel (`<|channel>thought ... <channel|>`), per token."""
+    s, oai, claude = gemma4
+    script = "<|channel>thought\nchecking the sum<channel|>It is four."
+    msgs = [{"role": "user", "content": uniq()}]
+    for stream in (False, True):
+        s.forced.arm(script)
+        if proto == "openai":
+            if stream:
+                r, c = "", ""
+                for ch in oai.chat.completions.create(model="m", messages=msgs, max_tokens=40,
+                                                      stream=True):
+                    d = ch.choices[0].delta
+                    r += (d.model_extra or {}).get("reasoning_content") or ""
+                    c += d.content or ""
+            else:
+                m = oai.chat.completions.create(model="m", messages=msgs,
+                                                max_tokens=40).choices[0].message
+                r, c = m.model_extra["reasoning_content"], m.content
+        elif proto == "anthropic":
+            kw = dict(model="m", max_tokens=40, messages=msgs)
+            if stream:
+                with claude.messages.stream(**kw) as st:
+                    msg = st.get_final_message()
+            else:
+                msg = claude.messages.create(**kw)
+            assert [b.type for b in msg.content] == ["thinking", "text"]
+            r, c = msg.content[0].thinking, msg.content[1].text
+        else:
+            kw = dict(model="m", input=uniq(), max_output_tokens=40)
+            if stream:
+                with oai.responses.stream(**kw) as st:
+                    resp = st.get_final_response()
+            else:
+                resp = oai.responses.create(**kw)
+            assert [o.type for o in resp.output] == ["reasoning", "message"]
+            r, c = resp.output[0].content[0].text, resp.output_text
+        assert (r, c) == ("checking the sum", "It is four."), (proto, stream)
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    from anthropic import Anthropic
+    from openai import OpenAI
+
+    from parity.fixtures.models import ensure_fixture
+    from srv_helpers import start_server, stop_server
+    s = start_server(ensure_fixture("gemma4_text"), forced=True, batch=1, stream_interval_ms=0)
+    yield (s, OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=60),
+           Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60))
+    s.forced.disarm()
+    stop_server(s)
