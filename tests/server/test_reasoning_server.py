@@ -133,24 +133,35 @@ def test_responses_reasoning_item(oai, forced):
     assert r2.output_text == "ok"
 
 
-@pytest.fixture(scope="module")
-def minicpm5():
-    """A MiniCPM5 checkpoint (model_type llama, recognised by its chat template)."""
+def _serve(fixture: str):
+    """A scripted server on `fixture`, one SSE write per token (the split is checked on
+    the finest chunking), with its OpenAI and Anthropic clients."""
+    from anthropic import Anthropic
     from openai import OpenAI
 
     from parity.fixtures.models import ensure_fixture
     from srv_helpers import start_server, stop_server
-    # one SSE write per token: the split is checked on the finest chunking
-    s = start_server(ensure_fixture("minicpm5_llama"), forced=True, batch=1,
-                     stream_interval_ms=0)
-    yield s, OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=60)
+    s = start_server(ensure_fixture(fixture), forced=True, batch=1, stream_interval_ms=0)
+    yield (s, OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=60),
+           Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60))
     s.forced.disarm()
     stop_server(s)
 
 
+@pytest.fixture(scope="module")
+def minicpm5():
+    """A MiniCPM5 checkpoint (model_type llama, recognised by its chat template)."""
+    yield from _serve("minicpm5_llama")
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    yield from _serve("gemma4_text")
+
+
 def test_minicpm5_answers_without_thinking_unless_asked(minicpm5):
     from engine.request import encode_prompt
-    s, client = minicpm5
+    s, client, _ = minicpm5
     msgs = [{"role": "user", "content": uniq()}]
     off = encode_prompt(s.tokenizer, msgs, None, {"enable_thinking": False})
     on = encode_prompt(s.tokenizer, msgs, None, {"enable_thinking": True})
@@ -217,16 +228,3 @@ def test_gemma4_thinking_channel(proto, gemma4):
             r, c = resp.output[0].content[0].text, resp.output_text
         assert (r, c) == ("checking the sum", "It is four."), (proto, stream)
 
-
-@pytest.fixture(scope="module")
-def gemma4():
-    from anthropic import Anthropic
-    from openai import OpenAI
-
-    from parity.fixtures.models import ensure_fixture
-    from srv_helpers import start_server, stop_server
-    s = start_server(ensure_fixture("gemma4_text"), forced=True, batch=1, stream_interval_ms=0)
-    yield (s, OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=60),
-           Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60))
-    s.forced.disarm()
-    stop_server(s)
