@@ -19,7 +19,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["XTML_TOKENS", "infer_tool_parser_type", "render_chat_template"]
+__all__ = ["XTML_TOKENS", "check_chat_template", "infer_tool_parser_type", "render_chat_template"]
 
 XTML_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 
@@ -101,6 +101,14 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["dict"] = _DictFactory()
     env.globals["namespace"] = _Namespace
     return env.from_string(source)
+
+
+def check_chat_template(source: str) -> None:
+    """Compile a chat template in the rendering environment:
+    ``jinja2.TemplateSyntaxError`` (with its line) when it does not parse."""
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError("a chat template must be a non-empty string")
+    _compile_template(source)
 
 
 def _plain(value: Any) -> Any:

@@ -35,7 +35,8 @@ from typing import Any, Iterable
 
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from .chat_template import XTML_TOKENS, infer_tool_parser_type, render_chat_template
+from .chat_template import (XTML_TOKENS, check_chat_template, infer_tool_parser_type,
+                            render_chat_template)
 from .detokenizer import (ByteLevelDetokenizer, DecodeDetokenizer, StreamingDetokenizer,
                           token_bytes)
 
@@ -378,6 +379,17 @@ class Tokenizer:
         return self.make_detokenizer()
 
     # -- chat templates ---------------------------------------------------
+
+    def set_chat_template(self, source: str) -> None:
+        """Replace the model's chat template (``engine-serve --chat-template``), as
+        mlx-lm's ``tokenizer_config={"chat_template": ...}`` does. The tool-call
+        format is inferred again from the new template (unless tokenizer_config
+        names one). ``jinja2.TemplateSyntaxError`` / ValueError for a bad template."""
+        check_chat_template(source)
+        self._chat_templates = self.chat_template = source
+        self.has_chat_template = True
+        self.tool_parser_type = self.config.get("tool_parser_type") or infer_tool_parser_type(
+            source, self._vocab)
 
     def get_chat_template(self, chat_template: str | None = None, tools: list | None = None) -> str:
         if chat_template is not None and not (

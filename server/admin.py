@@ -17,8 +17,13 @@ async def health(request: Request):
 
 
 def _model_card(state) -> dict:
+    """The model entry. `context_length` (the name OpenRouter / LM Studio clients read)
+    and `max_model_len` (vLLM's) are the model's trained context, the config's
+    `max_position_embeddings`; `context_window` is the longest context this server's
+    memory admission accepts (it can be shorter)."""
     return {"id": state.model_id, "object": "model", "created": state.started_at,
-            "owned_by": "mlx-parity", "context_window": state.ceiling,
+            "owned_by": "mlx-parity", "context_length": state.max_position,
+            "max_model_len": state.max_position, "context_window": state.ceiling,
             "max_position_embeddings": state.max_position, "model_type": state.model_type,
             "path": state.model_dir}
 

@@ -9,15 +9,19 @@ required (as in the Anthropic API); `temperature`, `top_p`, `top_k` and the
 engine's extra sampling fields are read from the body (the SDK sends the
 latter through `extra_body`).
 
-Response: `{id: "msg_...", type: "message", role, model, content: [text |
-tool_use], stop_reason: end_turn | max_tokens | stop_sequence | tool_use,
+`thinking: {type: "enabled" | "disabled", budget_tokens}` switches the chat
+template's `enable_thinking` (the budget is not enforced as a separate cap;
+`max_tokens` bounds reasoning and answer together).
+
+Response: `{id: "msg_...", type: "message", role, model, content: [thinking |
+text | tool_use], stop_reason: end_turn | max_tokens | stop_sequence | tool_use,
 stop_sequence, usage: {input_tokens, output_tokens, cache_read_input_tokens,
 cache_creation_input_tokens}}`. As in the Anthropic API, `input_tokens` counts
 the prompt tokens *not* read from the prompt cache (total input =
 input_tokens + cache_read_input_tokens).
 
 Streaming: `message_start -> (content_block_start -> content_block_delta*
-(text_delta | input_json_delta) -> content_block_stop)* -> message_delta ->
+(thinking_delta | text_delta | input_json_delta) -> content_block_stop)* -> message_delta ->
 message_stop`; an empty text block when nothing was generated; a server
 fault mid-stream is an `event: error` frame.
 """
@@ -31,7 +35,7 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, complete, encode, normalize_tools, parse_arguments,
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, normalize_tools, parse_arguments,
                    sampling_from, start, template_kwargs_from)
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
@@ -176,9 +180,18 @@ def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
         tools = None
     call.tools = tools
     kw = template_kwargs_from(body, state)
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        kw["enable_thinking"] = thinking["type"] == "enabled"
+    thinking = F.obj(body, "thinking")
+    if thinking:
+        kind = thinking.get("type")
+        if kind not in ("enabled", "disabled"):
+            raise bad_request(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
+                              param="thinking.type")
+        budget = thinking.get("budget_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                                   or budget < 1):
+            raise bad_request("thinking.budget_tokens must be a positive integer",
+                              param="thinking.budget_tokens")
+        kw["enable_thinking"] = kind == "enabled"
     call.template_kwargs = kw
     return call
 
@@ -213,20 +226,32 @@ class MessageRender:
         i, self._open = self._open, None
         return self._ev("content_block_stop", {"index": i})
 
+    def _append(self, ev) -> bytes:
+        """Text into the open text block, reasoning into the open thinking block
+        (a block of the other kind is closed first)."""
+        kind, key, delta = (("thinking", "thinking", "thinking_delta") if isinstance(ev, Reasoning)
+                            else ("text", "text", "text_delta"))
+        out = []
+        if self._open is not None and self.blocks[self._open]["type"] != kind:
+            out.append(self._close())
+        if self._open is None:
+            self._open = len(self.blocks)
+            block = ({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                     else {"type": "text", "text": ""})
+            self.blocks.append(block)
+            out.append(self._ev("content_block_start", {
+                "index": self._open, "content_block": dict(block)}))
+        self.blocks[self._open][key] += ev.text
+        out.append(self._ev("content_block_delta", {
+            "index": self._open, "delta": {"type": delta, key: ev.text}}))
+        return b"".join(out)
+
     def feed(self, batch: list) -> bytes:
         out = []
         for ev in batch:
-            if isinstance(ev, Text):
-                if not ev.text:
-                    continue
-                if self._open is None:
-                    self._open = len(self.blocks)
-                    self.blocks.append({"type": "text", "text": ""})
-                    out.append(self._ev("content_block_start", {
-                        "index": self._open, "content_block": {"type": "text", "text": ""}}))
-                self.blocks[self._open]["text"] += ev.text
-                out.append(self._ev("content_block_delta", {
-                    "index": self._open, "delta": {"type": "text_delta", "text": ev.text}}))
+            if isinstance(ev, (Text, Reasoning)):
+                if ev.text:
+                    out.append(self._append(ev))
             elif isinstance(ev, Tool):
                 out.append(self._close())
                 c = ev.call

@@ -6,6 +6,7 @@ raw prompt; sampling; stop strings; tools; adapters) and renders the events
 `Generation.events()` yields:
 
     Text(text, logprobs)   content to show (tool markup already withheld)
+    Reasoning(text)        reasoning (thinking) text, split out of the content
     Tool(call)             one complete tool call (engine.tools.ToolCall)
     Done(...)              finish reason and usage
 
@@ -41,6 +42,11 @@ class Text:
 
 
 @dataclass
+class Reasoning:
+    text: str     # reasoning (thinking) text, split out of the content
+
+
+@dataclass
 class Tool:
     call: Any  # engine.tools.ToolCall
 
@@ -56,6 +62,7 @@ class Done:
     text: str = ""                # all content shown
     tool_calls: list = field(default_factory=list)
     token_ids: list = field(default_factory=list)
+    reasoning: str = ""           # all reasoning shown
 
 
 @dataclass
@@ -205,6 +212,11 @@ def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -
     kw = dict(state.config.template_kwargs)
     if state.config.thinking is not None:
         kw["enable_thinking"] = state.config.thinking
+    elif "enable_thinking" not in kw:
+        from engine.reasoning import default_enable_thinking
+        default = default_enable_thinking(state.tokenizer)   # MiniCPM5: off unless asked
+        if default is not None:
+            kw["enable_thinking"] = default
     effort = body.get("reasoning_effort")
     if isinstance(effort, str):
         kw["enable_thinking"] = effort.lower() != "none"
@@ -272,16 +284,28 @@ def encode(state, call: Call) -> list:
     return ids
 
 
-def make_router(state, tools):
-    if not tools:
+PROMPT_TAIL_TOKENS = 64    # enough of the prompt's end to see an open reasoning block
+
+
+def make_parser(state, call: Call, prompt_ids: list):
+    """The output parser of a chat call: reasoning split out (for a family that
+    thinks) and tool calls read from the content; None for plain text
+    (a raw-prompt completion, or no reasoning markers and no tools)."""
+    from engine.reasoning import ChatOutputParser, reasoning_format_for, starts_in_reasoning
+    from engine.tools import tool_format_for
+
+    if call.messages is None:
         return None
-    try:
-        from engine.tools import ToolCallRouter, tool_format_for
-        # the chat template's format first (MiniCPM5 checkpoints are model_type llama)
-        fmt = tool_format_for(state.tokenizer, state.model_type)
-    except ImportError:
+    fmt = reasoning_format_for(state.tokenizer)
+    # the chat template's format first (MiniCPM5 checkpoints are model_type llama)
+    tool_fmt = tool_format_for(state.tokenizer, state.model_type) if call.tools else None
+    if fmt is None and tool_fmt is None:
         return None
-    return ToolCallRouter(fmt, tools) if fmt is not None else None
+    opened = False
+    if fmt is not None:
+        tail = state.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
+        opened = starts_in_reasoning(tail, fmt)
+    return ChatOutputParser(fmt, tool_fmt, call.tools if tool_fmt else None, in_reasoning=opened)
 
 
 class Generation:
@@ -341,10 +365,15 @@ class Generation:
     def _emit(self, evs, out: list, pending_lp: list) -> list:
         """Router events (or plain Text) into `out`; returns the logprobs not yet
         attached to a Text event."""
+        from engine.reasoning import ReasoningDelta
+
         for ev in evs:
             if hasattr(ev, "arguments_json"):
                 self._calls.append(ev)
                 out.append(Tool(ev))
+            elif isinstance(ev, ReasoningDelta):
+                self._reasoning.append(ev.text)
+                out.append(Reasoning(ev.text))
             else:
                 self._text.append(ev.text)
                 out.append(Text(ev.text, pending_lp))
@@ -354,7 +383,7 @@ class Generation:
     async def events(self) -> AsyncIterator[list]:
         """Batches of events (Text / Tool / Done); the last batch ends with Done
         (or raises APIError(500) for a server fault mid-generation)."""
-        self._text, self._calls = [], []
+        self._text, self._calls, self._reasoning = [], [], []
         lps_all, ids_all, pending_lp = [], [], []
         items, self._first = self._first, []
         try:
@@ -397,7 +426,8 @@ class Generation:
             finish = "tool_calls"
         prompt_tokens = last.prompt_tokens or len(self.prompt_ids)
         return Done(finish, prompt_tokens, last.generation_tokens, last.cached_tokens,
-                    stop_string, lps, "".join(self._text), self._calls, ids)
+                    stop_string, lps, "".join(self._text), self._calls, ids,
+                    "".join(self._reasoning))
 
 
 INLINE_ENCODE_CHARS = 8192
@@ -431,7 +461,7 @@ async def start(state, call: Call, request=None) -> Generation:
     except ValueError as e:
         raise from_exception(e) from None
     state.check_capacity()                       # bounded queue: 503 + Retry-After beyond it
-    router = make_router(state, call.tools)
+    router = make_parser(state, call, ids)
     job = GenerationJob(asyncio.get_running_loop(), ids, params, adapters)
     job.interval = state.config.stream_interval_ms / 1000.0
     gen = Generation(state, call, job, ids, router)

@@ -9,7 +9,7 @@
 Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
 are accepted as aliases (--temp, --adapter-path, --decode-concurrency,
---prompt-cache-bytes, --kv-bits, --chat-template-args, ...), so it is a
+--prompt-cache-bytes, --kv-bits, --chat-template, --chat-template-args, ...), so it is a
 drop-in. When it listens it prints a ready line (URL, model id, admission ceiling, auth),
 then the SDK base URL, the chat page, /metrics and a copy-paste curl.
 The security flags and their defaults are described in docs/security.md.
@@ -84,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
            "per-request adapters run one at a time")
     a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
     a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
+    a("--chat-template", metavar="FILE|STRING",
+      help="chat template (Jinja) replacing the model's: a file, or the template itself")
     a("--chat-template-args", type=_json_dict, default={}, metavar="JSON",
       help='default chat-template kwargs, e.g. \'{"enable_thinking": false}\'')
     a("--cors-origins", "--allowed-origins", dest="cors_origins", nargs="*", default=[],
@@ -124,13 +126,39 @@ def parser() -> argparse.ArgumentParser:
     a("--draft-model", help=argparse.SUPPRESS)
     a("--num-draft-tokens", type=int, help=argparse.SUPPRESS)
     a("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
-    a("--chat-template", help=argparse.SUPPRESS)
     a("--use-default-chat-template", action="store_true", help=argparse.SUPPRESS)
     a("--pipeline", action="store_true", help=argparse.SUPPRESS)
     a("--quantized-kv-start", type=int, help=argparse.SUPPRESS)
     from engine.levers import add_lever_args   # L3 hook: --tier and the lever switches
     add_lever_args(p)
     return p
+
+
+def chat_template_from(value):
+    """--chat-template: a file's text, else the string itself; a template that does
+    not compile stops the server with its Jinja error."""
+    import os
+
+    import jinja2
+
+    from engine.chat_template import check_chat_template
+
+    if value is None:
+        return None
+    source = value
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"engine-serve: --chat-template: cannot read {value}: {e}") from None
+    try:
+        check_chat_template(source)
+    except (jinja2.TemplateError, ValueError) as e:
+        raise SystemExit(f"engine-serve: --chat-template: not a valid Jinja template: {e}"
+                         f"{' (no file of that name either)' if source is value else ''}") \
+            from None
+    return source
 
 
 def config_from_args(args):
@@ -181,6 +209,7 @@ def config_from_args(args):
         api_key=args.api_key, batch=args.batch,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         template_kwargs=dict(args.chat_template_args or {}),
+        chat_template=chat_template_from(args.chat_template),
         prefill_step_size=args.prefill_step_size,
         allowed_origins=list(args.cors_origins or []),
         stream_interval_ms=max(0.0, args.stream_interval_ms))
@@ -377,10 +406,6 @@ def main(argv=None) -> int:
     if args.draft_model:
         print("engine-serve: --draft-model (speculative decoding) is not supported",
               file=sys.stderr)
-        return 2
-    if args.chat_template:
-        print("engine-serve: --chat-template is not supported; the model's own template is "
-              "used", file=sys.stderr)
         return 2
     config = config_from_args(args)
     security = security_from_args(args, config)

@@ -2,9 +2,12 @@
 
 Chat streaming (SSE, `data: <chunk>` then `data: [DONE]`): a first chunk with
 `delta {role: "assistant", content: ""}`, then `{content}` increments (with
-`logprobs.content` when asked), a `{tool_calls: [{index, id, type, function}]}`
+`logprobs.content` when asked), `{reasoning_content, reasoning}` increments for
+the reasoning of a thinking model (split out of the content), a `{tool_calls: [{index, id, type, function}]}`
 delta per completed call, and a last chunk with `delta {}`, `finish_reason`
-and `usage` (always attached). A mid-stream server fault is a
+and `usage`; with `stream_options: {"include_usage": true}` the usage comes
+instead in one more chunk with `choices: []`, as OpenAI sends it (completions
+likewise). A mid-stream server fault is a
 `data: {"error": {...}}` frame before `[DONE]`.
 """
 
@@ -18,7 +21,7 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, complete, finite, logprob_entries,
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
                    normalize_chat_messages, normalize_tools, sampling_from, start,
                    template_kwargs_from)
 from .constraints import apply_constraints
@@ -40,6 +43,12 @@ def tool_call_json(call, index=None) -> dict:
     if index is not None:
         d = {"index": index, **d}
     return d
+
+
+def reasoning_fields(text: str) -> dict:
+    """Reasoning under both names clients read: `reasoning_content` (DeepSeek, vLLM,
+    llama.cpp) and `reasoning` (mlx-lm's server)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def _max_tokens(body: dict, *keys):
@@ -82,9 +91,21 @@ def parse_chat(body: dict, state) -> Call:
     return call
 
 
+def include_usage(body: dict, stream: bool) -> bool:
+    """`stream_options: {"include_usage": true}` (only with `stream: true`, as OpenAI)."""
+    opts = F.obj(body, "stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
+    return F.boolean(opts, "include_usage", False)
+
+
 class ChatRender:
-    def __init__(self, state, model_id: str):
+    def __init__(self, state, model_id: str, usage_chunk: bool = False):
         self.state = state
+        self.usage_chunk = usage_chunk
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model_id
@@ -125,19 +146,31 @@ class ChatRender:
             if isinstance(ev, Text):
                 text.append(ev.text)
                 lps.extend(ev.logprobs)
+            elif isinstance(ev, Reasoning):
+                flush()
+                out.append(self._chunk(reasoning_fields(ev.text)))
             elif isinstance(ev, Tool):
                 flush()
                 out.append(self._chunk({"tool_calls": [tool_call_json(ev.call, self.n_tools)]}))
                 self.n_tools += 1
             elif isinstance(ev, Done):
                 flush()
-                out.append(self._chunk({}, FINISH[ev.finish_reason], usage=usage(ev)))
+                if self.usage_chunk:     # OpenAI's shape: usage alone, after the finish chunk
+                    out.append(self._chunk({}, FINISH[ev.finish_reason]))
+                    out.append(sse.data({"id": self.id, "object": "chat.completion.chunk",
+                                         "created": self.created, "model": self.model,
+                                         "system_fingerprint": None, "choices": [],
+                                         "usage": usage(ev)}))
+                else:
+                    out.append(self._chunk({}, FINISH[ev.finish_reason], usage=usage(ev)))
                 out.append(sse.DONE)
         flush()
         return b"".join(out)
 
     def result(self, done: Done, want_logprobs: bool) -> dict:
         msg = {"role": "assistant", "content": done.text}
+        if done.reasoning:
+            msg.update(reasoning_fields(done.reasoning))
         if done.tool_calls:
             msg["tool_calls"] = [tool_call_json(c) for c in done.tool_calls]
         choice = {"index": 0, "message": msg, "logprobs": None,
@@ -158,8 +191,9 @@ async def chat_completions(request: Request):
     body = await F.read_json(request, state.config.max_body_bytes)
     call = parse_chat(body, state)
     stream = F.boolean(body, "stream", False)
+    usage_chunk = include_usage(body, stream)
     gen = await start(state, call, request)
-    render = ChatRender(state, state.model_id)
+    render = ChatRender(state, state.model_id, usage_chunk)
     if stream:
         return chat_stream(gen, render, render.head(), _openai_error_frame)
     done = await complete(gen)
@@ -220,8 +254,9 @@ def completion_logprobs(state, lps: list, offset: int = 0) -> dict:
 
 
 class CompletionRender:
-    def __init__(self, state, model_id: str, want_logprobs: bool):
+    def __init__(self, state, model_id: str, want_logprobs: bool, usage_chunk: bool = False):
         self.state = state
+        self.usage_chunk = usage_chunk
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model_id
@@ -246,7 +281,13 @@ class CompletionRender:
                 if text:
                     out.append(self._emit(text, lps))
                     text, lps = [], []
-                out.append(self._chunk("", FINISH[ev.finish_reason], usage=usage(ev)))
+                if self.usage_chunk:
+                    out.append(self._chunk("", FINISH[ev.finish_reason]))
+                    out.append(sse.data({"id": self.id, "object": "text_completion",
+                                         "created": self.created, "model": self.model,
+                                         "choices": [], "usage": usage(ev)}))
+                else:
+                    out.append(self._chunk("", FINISH[ev.finish_reason], usage=usage(ev)))
                 out.append(sse.DONE)
         if text:
             out.append(self._emit(text, lps))
@@ -278,8 +319,9 @@ async def completions(request: Request):
     body = await F.read_json(request, state.config.max_body_bytes)
     call = parse_completion(body, state)
     stream = F.boolean(body, "stream", False)
+    usage_chunk = include_usage(body, stream)
     gen = await start(state, call, request)
-    render = CompletionRender(state, state.model_id, call.logprobs)
+    render = CompletionRender(state, state.model_id, call.logprobs, usage_chunk)
     if stream:
         return chat_stream(gen, render, b"", _openai_error_frame)
     done = await complete(gen)

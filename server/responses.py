@@ -11,14 +11,19 @@ The store is per process (1 h TTL, 32 MiB byte-capped LRU, `/stats`
 `response_store`); an unknown or expired id is a 404.
 
 Response: `{id: "resp_<24 hex>", object: "response", status: "completed" |
-"incomplete", output: [message | function_call items], usage}`.
+"incomplete", output: [reasoning | message | function_call items], usage}`.
+A thinking model's reasoning is a `reasoning` item (`content: [{type:
+"reasoning_text", text}]`) before the message.
 
 Streaming: response.created -> response.in_progress ->
 response.output_item.added -> response.content_part.added ->
 response.output_text.delta* -> response.output_text.done ->
 response.content_part.done -> response.output_item.done (a function_call item:
 output_item.added -> function_call_arguments.delta -> .done ->
-output_item.done) -> response.completed.
+output_item.done; a reasoning item: output_item.added -> content_part.added ->
+reasoning_text.delta* -> reasoning_text.done -> content_part.done ->
+output_item.done) -> response.completed (response.incomplete, status
+"incomplete", when the token limit stopped it).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Text, Tool, complete, normalize_tools, parse_arguments,
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, normalize_tools, parse_arguments,
                    sampling_from, start, template_kwargs_from)
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
@@ -169,13 +174,19 @@ class ResponseRender:
         return self._ev("response.created", {"response": snap}) + self._ev(
             "response.in_progress", {"response": snap})
 
-    def _open_message(self) -> bytes:
+    def _open_item(self, kind: str) -> bytes:
+        """Open a `message` (output_text part) or `reasoning` (reasoning_text part) item."""
         i = len(self.items)
         self._open = i
-        item = {"id": "msg_" + _hex(24), "type": "message", "status": "in_progress",
-                "role": "assistant", "content": []}
+        if kind == "reasoning":
+            item = {"id": "rs_" + _hex(24), "type": "reasoning", "status": "in_progress",
+                    "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": "msg_" + _hex(24), "type": "message", "status": "in_progress",
+                    "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": []}
         self.items.append(item)
-        part = {"type": "output_text", "text": "", "annotations": []}
         item["content"].append(dict(part))
         return self._ev("response.output_item.added", {
             "output_index": i, "item": {**item, "content": []}}) + self._ev(
@@ -189,26 +200,35 @@ class ResponseRender:
         item = self.items[i]
         item["status"] = "completed"
         part = item["content"][0]
-        return (self._ev("response.output_text.done", {
-                    "item_id": item["id"], "output_index": i, "content_index": 0,
-                    "text": part["text"], "logprobs": []})
-                + self._ev("response.content_part.done", {
-                    "item_id": item["id"], "output_index": i, "content_index": 0, "part": part})
+        ref = {"item_id": item["id"], "output_index": i, "content_index": 0}
+        done = (self._ev("response.reasoning_text.done", {**ref, "text": part["text"]})
+                if item["type"] == "reasoning" else
+                self._ev("response.output_text.done", {**ref, "text": part["text"],
+                                                       "logprobs": []}))
+        return (done + self._ev("response.content_part.done", {**ref, "part": part})
                 + self._ev("response.output_item.done", {"output_index": i, "item": item}))
+
+    def _append(self, ev) -> bytes:
+        kind = "reasoning" if isinstance(ev, Reasoning) else "message"
+        out = b""
+        if self._open is not None and self.items[self._open]["type"] != kind:
+            out += self._close()
+        if self._open is None:
+            out += self._open_item(kind)
+        item = self.items[self._open]
+        item["content"][0]["text"] += ev.text
+        ref = {"item_id": item["id"], "output_index": self._open, "content_index": 0}
+        if kind == "reasoning":
+            return out + self._ev("response.reasoning_text.delta", {**ref, "delta": ev.text})
+        return out + self._ev("response.output_text.delta", {**ref, "delta": ev.text,
+                                                             "logprobs": []})
 
     def feed(self, batch: list) -> bytes:
         out = []
         for ev in batch:
-            if isinstance(ev, Text):
-                if not ev.text:
-                    continue
-                if self._open is None:
-                    out.append(self._open_message())
-                item = self.items[self._open]
-                item["content"][0]["text"] += ev.text
-                out.append(self._ev("response.output_text.delta", {
-                    "item_id": item["id"], "output_index": self._open, "content_index": 0,
-                    "delta": ev.text, "logprobs": []}))
+            if isinstance(ev, (Text, Reasoning)):
+                if ev.text:
+                    out.append(self._append(ev))
             elif isinstance(ev, Tool):
                 out.append(self._close())
                 c = ev.call
@@ -228,14 +248,17 @@ class ResponseRender:
                 out.append(self._ev("response.output_item.done", {"output_index": i,
                                                                   "item": item}))
             elif isinstance(ev, Done):
-                if not self.items:
-                    out.append(self._open_message())
+                if not any(it["type"] != "reasoning" for it in self.items):
+                    out.append(self._close())
+                    out.append(self._open_item("message"))
                 out.append(self._close())
                 self.done = ev
                 self.final = self.result(ev)    # the non-streamed body and the stored object
                 self.on_done(ev)
-                out.append(self._ev("response.completed",
-                                    {"response": self.snapshot(self.status(ev), ev)}))
+                status = self.status(ev)      # a token-limit stop ends response.incomplete
+                out.append(self._ev("response.incomplete" if status == "incomplete"
+                                    else "response.completed",
+                                    {"response": self.snapshot(status, ev)}))
         return b"".join(out)
 
     def on_done(self, done: Done) -> None:  # replaced by the route (store)

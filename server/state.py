@@ -47,6 +47,7 @@ class ServerConfig:
     batch: int = 8                      # rows decoding together (1: one request at a time)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     template_kwargs: dict = field(default_factory=dict)
+    chat_template: Optional[str] = None   # --chat-template: replaces the model's template
     prefill_step_size: int = 2048
     allowed_origins: list = field(default_factory=lambda: ["*"])
     owner: str = "serve"
@@ -261,6 +262,8 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             m, t = model, tokenizer
         else:
             m, t = engine.load(model_dir)
+        if config.chat_template is not None:
+            t.set_chat_template(config.chat_template)
         if wrap_model is not None:
             m = wrap_model(m, t)
         state = ServerState(config, gateway, m, t, model_dir)

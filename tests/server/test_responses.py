@@ -53,7 +53,10 @@ def test_stream_event_chain(srv, oai):
     body = {"input": q, "max_output_tokens": 6, "temperature": 0, "stream": True}
     evs = sse_events(httpx.post(srv.v1 + "/responses", json=body, timeout=30).text)
     names = [n for n, _ in evs]
-    assert names[:4] == CHAIN and names[-4:] == TAIL
+    # a stream stopped by the token limit ends response.incomplete (status incomplete)
+    last = "response.incomplete" if full.status == "incomplete" else "response.completed"
+    assert names[:4] == CHAIN and names[-4:] == TAIL[:-1] + [last]
+    assert evs[-1][1]["response"]["status"] == full.status
     assert set(names[4:-4]) == {"response.output_text.delta"}
     assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
     text = "".join(d["delta"] for n, d in evs if n == "response.output_text.delta")
@@ -61,10 +64,11 @@ def test_stream_event_chain(srv, oai):
     done = evs[-1][1]["response"]
     assert done["usage"]["output_tokens"] == full.usage.output_tokens
     assert done["usage"]["input_tokens_details"]["cached_tokens"] > 0
-    # the SDK's stream helper assembles the same text
+    # the SDK's stream helper assembles the same text (its get_final_response() needs
+    # response.completed, so it is read from the events: a length stop is incomplete)
     with oai.responses.stream(model="x", input=q, max_output_tokens=6, temperature=0) as s:
-        final = s.get_final_response()
-    assert final.output_text == full.output_text
+        text = "".join(ev.delta for ev in s if ev.type == "response.output_text.delta")
+    assert text == full.output_text
 
 
 def test_previous_response_id(srv, oai):
