@@ -23,7 +23,8 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    (or ends the request). A finished request's KV goes to the prompt cache.
 
 The same code builds every request's sampler, processors and outputs in both
-lanes. `submit()` raises `ValueError` (bad prompt, `ContextOverBudget`) before
+lanes. `submit()` raises `ValueError` (bad prompt, `ContextLengthExceeded`: longer than
+the model's context, `ContextOverBudget`: over the memory budget) before
 anything runs; an exception while running ends the affected requests with
 `finish_reason "error"` and the exception in `RequestOutput.error`.
 """
@@ -39,7 +40,7 @@ import mlx.core as mx
 
 from .batch import BatchRequest, BatchScheduler, RowEvent
 from .kv_quant import make_policy
-from .request import (PromptError, RequestOutput, SamplingParams, encode_prompt,
+from .request import (ContextLengthExceeded, PromptError, RequestOutput, SamplingParams, encode_prompt,
                       token_logprob)
 from .stepper import generate_step
 from .text import TextStream
@@ -47,6 +48,17 @@ from .text import TextStream
 __all__ = ["Engine"]
 
 BASE_NAMESPACE = "base"
+
+
+def model_context(model) -> Optional[int]:
+    """The model's context length (`max_position_embeddings`, or its text config's)."""
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        n = a.get("max_position_embeddings") if isinstance(a, dict) else getattr(
+            a, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
 
 
 class _Request:
@@ -103,7 +115,7 @@ class Engine:
                  admission=None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
-                 levers=None):
+                 levers=None, max_context: Optional[int] = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -117,6 +129,8 @@ class Engine:
             from .fast.apply import prepare   # (engine.fast imports the models)
             prepare(model, levers)
         self.prefill_step_size = prefill_step_size
+        # tokens a request may span (prompt + generated): the model's own context by default
+        self.max_context = max_context if max_context is not None else model_context(model)
         self.policy = make_policy(model, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   quantized_kv_start=quantized_kv_start, kv_config=kv_config)
         self.eos = set(tokenizer.eos_token_ids)
@@ -172,6 +186,7 @@ class Engine:
         ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
+        self.check_context(len(ids))
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)
         adapter = tuple(adapter or ())
@@ -193,6 +208,13 @@ class Engine:
         self._live[rid] = req
         self._waiting.append(req)
         return rid
+
+    def check_context(self, prompt_tokens: int) -> None:
+        """Raise `ContextLengthExceeded` when a prompt this long leaves no room for one
+        generated token in the model's context. Any thread."""
+        limit = self.max_context
+        if limit is not None and prompt_tokens + 1 > limit:
+            raise ContextLengthExceeded(prompt_tokens, limit)
 
     def _solo_reason(self, adapter: tuple) -> Optional[str]:
         if self._sched is None:

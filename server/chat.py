@@ -425,8 +425,9 @@ async def start(state, call: Call, request=None) -> Generation:
         ids = encode(state, call)
     else:
         ids = await asyncio.to_thread(encode, state, call)
-    # memory admission before queueing (the engine re-checks on the worker)
+    # context length, then memory admission, before queueing (the engine re-checks both)
     try:
+        state.engine.check_context(len(ids))
         state.admission.check(len(ids), params.max_tokens)
     except ValueError as e:
         raise from_exception(e) from None
