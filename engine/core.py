@@ -42,7 +42,7 @@ from .batch import BatchRequest, BatchScheduler, RowEvent
 from .kv_quant import make_policy
 from .request import (ContextLengthExceeded, PromptError, RequestOutput, SamplingParams, encode_prompt,
                       token_logprob)
-from .stepper import generate_step
+from .stepper import generate_step, prefill_chunk
 from .text import TextStream
 
 __all__ = ["Engine"]
@@ -78,8 +78,11 @@ class _Request:
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
         self.uid: Optional[int] = None    # batch row id
-        self.steps = None                 # solo: the generate_step iterator
+        self.steps = None                 # solo: the generate_step iterator (once prefilled)
         self.caches = None                # solo: its caches
+        self.prompt = None                # solo: the uncached prompt tokens, prefilling
+        self.done = 0                     # solo: how many of them are in the caches
+        self.start_decode = None          # solo: builds `steps` once prefilled
         self.text: Optional[TextStream] = None
         if lane == "solo":
             self.text = TextStream(tokenizer, params.stop)
@@ -233,8 +236,8 @@ class Engine:
             return False
         if req in self._waiting:
             self._waiting.remove(req)
-        elif req is self._solo:
-            self._end_solo(req)
+        elif req is self._solo:     # (a prompt not fully prefilled is not stored)
+            self._end_solo(req, store=req.steps is not None)
         elif req.uid is not None:
             self._sched.cancel(req.uid)
             self._rows.pop(req.uid, None)
@@ -264,7 +267,9 @@ class Engine:
         outs += self._schedule()
         solo = self._solo
         try:      # the forward runs right below here (one frame to the model in each lane)
-            if solo is not None:
+            if solo is not None and solo.steps is None:
+                self._solo_prefill(solo)   # one chunk per step: abort() lands between chunks
+            elif solo is not None:
                 outs += self._solo_token(solo, *next(solo.steps))
             elif self._sched is not None and self._sched.has_work():
                 outs += self._batch_events(self._sched.step())
@@ -343,8 +348,6 @@ class Engine:
     # --- solo lane -------------------------------------------------------------------
 
     def _start_solo(self, req: _Request) -> None:
-        from .cache import RotatingKVCache   # (engine.cache imports the models)
-
         if self.adapters is not None:
             self.adapters.activate(req.adapters)
         p = req.params
@@ -358,24 +361,39 @@ class Engine:
         else:
             caches = self.model.make_cache()
         reused, ids = req.reused, req.ids
-        history = mx.array(ids[:reused]) if reused and processors else None
+        # The prompt (all but its last token) is prefilled one chunk per step()
+        # (`_solo_prefill`, the chunks of `generate_step`'s own prefill); the token loop
+        # then starts from the last prompt token, its processors seeing the whole prompt.
+        history = mx.array(ids[:-1]) if processors and len(ids) > 1 else None
+        req.caches, req.prompt, req.done = caches, mx.array(ids[reused:]), 0
+        from .fast.apply import decoder_for   # L3: None unless a fast lever is on
+        decoder = decoder_for(self.model, self.levers, caches, self.policy)
+
+        def start_decode():
+            return generate_step(req.prompt[req.done:], self.model, max_tokens=p.max_tokens,
+                                 sampler=sampler, logits_processors=processors or None,
+                                 caches=caches, policy=self.policy,
+                                 prefill_step_size=self.prefill_step_size, history=history,
+                                 decoder=decoder)
+        req.start_decode = start_decode
+        req.tic = time.perf_counter()
+        self._solo = req
+
+    def _solo_prefill(self, req: _Request) -> None:
+        from .cache import RotatingKVCache   # (engine.cache imports the models)
+
+        if req.prompt.size - req.done > 1:
+            req.done = prefill_chunk(self.model, req.prompt, req.done, req.caches,
+                                     self.policy, self.prefill_step_size)
+        if req.prompt.size - req.done > 1:
+            return
         # A sliding-window ring that wraps while decoding can no longer be trimmed back to
         # a shared prefix; keep a snapshot at the end of the prompt too (all tokens but
         # the last), so a prompt that branches after it still hits.
-        def snapshot(cs):
-            self.prompt_cache.store(req.ns, ids[:len(ids) - 1], cs)
-        rings = any(isinstance(c, RotatingKVCache) for c in caches)
-        on_prefilled = snapshot if self.prompt_cache is not None and rings else None
-        req.caches = caches
-        from .fast.apply import decoder_for   # L3: None unless a fast lever is on
-        decoder = decoder_for(self.model, self.levers, caches, self.policy)
-        req.tic = time.perf_counter()
-        req.steps = generate_step(mx.array(ids[reused:]), self.model, max_tokens=p.max_tokens,
-                                  sampler=sampler, logits_processors=processors or None,
-                                  caches=caches, policy=self.policy,
-                                  prefill_step_size=self.prefill_step_size, history=history,
-                                  on_prefilled=on_prefilled, decoder=decoder)
-        self._solo = req
+        if (self.prompt_cache is not None and req.prompt.size > 1
+                and any(isinstance(c, RotatingKVCache) for c in req.caches)):
+            self.prompt_cache.store(req.ns, req.ids[:len(req.ids) - 1], req.caches)
+        req.steps, req.start_decode = req.start_decode(), None
 
     def _solo_token(self, req: _Request, tok: int, lp) -> list:
         ev = RowEvent(-1, tok, lp)
@@ -398,7 +416,7 @@ class Engine:
             req.steps.close()
         if store:
             self._store(req, req.caches)
-        req.steps = req.caches = None
+        req.steps = req.caches = req.prompt = req.start_decode = None
         self._solo = None
 
     # --- batch lane ------------------------------------------------------------------

@@ -82,3 +82,75 @@ def test_engine_submit_refuses_over_context(qwen_dir):
     assert isinstance(ei.value, ValueError) and ei.value.limit == 4096
     assert "4096" in str(ei.value) and not eng.has_unfinished()
     eng.submit(ids[:4095], SamplingParams(max_tokens=1))    # one token of room: accepted
+
+
+class Counting:
+    """A model wrapper counting forward calls (and sleeping `delay` s per prefill chunk)."""
+
+    def __init__(self, model, tokenizer=None, delay: float = 0.0):
+        self._inner, self.calls, self.delay = model, 0, delay
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __call__(self, inputs, cache=None, **kw):
+        self.calls += 1
+        if self.delay and inputs.shape[-1] > 1:
+            time.sleep(self.delay)
+        return self._inner(inputs, cache=cache, **kw)
+
+
+@pytest.mark.parametrize("max_batch", [1, 2], ids=["solo", "batch"])
+def test_engine_abort_lands_between_prefill_chunks(qwen_dir, max_batch):
+    import engine
+    from engine import Engine, SamplingParams
+
+    model, tok = engine.load(qwen_dir)
+    m = Counting(model)
+    eng = Engine(m, tok, max_batch=max_batch, prefill_step_size=64)
+    ids = tok.encode("a " * 2000)[:2000]            # 31 chunks of 64 tokens
+    rid = eng.submit(ids, SamplingParams(max_tokens=4))
+    assert eng.step() == []                          # one step: one chunk, no token yet
+    assert m.calls == 1
+    assert eng.abort(rid)
+    outs = eng.step()
+    assert [o.finish_reason for o in outs] == ["cancelled"] and m.calls <= 2
+    assert not eng.has_unfinished()
+    # and the engine serves the next request normally
+    rid = eng.submit(tok.encode("hello there"), SamplingParams(max_tokens=3))
+    got = []
+    while eng.has_unfinished():
+        got += eng.step()
+    assert got[-1].finish_reason == "length" and sum(o.generation_tokens > 0 for o in got)
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["solo", "batch"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_client_leaving_during_prefill_frees_the_worker(qwen_dir, batch, stream):
+    """A ~4,000-token prompt prefilled in 64-token chunks of 0.1 s each (~6 s); the
+    client leaves after 0.5 s; a normal request right after is served within 2 s."""
+    from server.app import create_app, security_for
+    from server.cli import BackgroundServer
+    from server.state import ServerConfig, build_state
+
+    cfg = ServerConfig(model=str(qwen_dir), max_tokens=8, temperature=0.0, batch=batch,
+                       prompt_cache_bytes=0, prefill_step_size=64)
+    state = build_state(cfg, wrap_model=lambda m, t: Counting(m, t, delay=0.1))
+    bg = BackgroundServer(create_app(state, security_for(cfg))).start()
+    s = type("S", (), {"url": bg.url, "state": state})()
+    try:
+        body = {"messages": [{"role": "user", "content": "a " * 3900}], "max_tokens": 4,
+                "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body,
+                              timeout=0.5) as r:
+                for _ in r.iter_lines():
+                    pass
+        t0 = time.monotonic()
+        normal(s)
+        assert time.monotonic() - t0 < 2.0
+        assert state.gateway.stats()["cancelled"] == 1
+    finally:
+        bg.stop()
+        state.gateway.close()
+
