@@ -15,7 +15,8 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    or when the request selects adapters (the batch runs the base weights);
    `stats()["solo_reasons"]` counts why. Rows join the batch while the
    aggregate memory estimate fits (a lone row always runs: its own check
-   passed at submit); a solo request waits until the batch has drained, and
+   passed at submit) and at most `max_batch` rows are in the batch (the rest
+   wait in the engine, counted by `stats()["waiting"]`); a solo request waits until the batch has drained, and
    batched requests wait behind a solo one, so arrival order holds.
 2. **execute** — one token for the solo request, or one batch step for all rows.
 3. **update** — each token is detokenized, checked against EOS / stop strings /
@@ -298,6 +299,8 @@ class Engine:
                     self._start_solo(req)
                 except Exception as e:     # (an adapter unmounted since submit, ...)
                     failed.append(self._fail(req, e))
+                break
+            if len(self._rows) >= self.max_batch:     # at most max_batch rows handed over
                 break
             if self._rows and not self.batch_fits([r.need for r in self._rows.values()]
                                                   + [req.need]):

@@ -154,3 +154,63 @@ def test_client_leaving_during_prefill_frees_the_worker(qwen_dir, batch, stream)
         bg.stop()
         state.gateway.close()
 
+
+def test_engine_hands_at_most_max_batch_rows_to_the_batch(qwen_dir):
+    import engine
+    from engine import Engine, SamplingParams
+
+    model, tok = engine.load(qwen_dir)
+    eng = Engine(model, tok, max_batch=2)
+    for i in range(5):
+        eng.submit(tok.encode(f"row {i} says"), SamplingParams(max_tokens=4))
+    eng.step()
+    st = eng.stats()
+    assert st["active_rows"] == 2 and st["waiting"] == 3     # the rest wait, and are counted
+    done = []
+    while eng.has_unfinished():
+        done += [o for o in eng.step() if o.finished]
+        assert eng.stats()["active_rows"] <= 2
+    assert len(done) == 5 and eng.stats()["peak_rows"] == 2
+    assert all(o.finish_reason == "length" for o in done)
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["solo", "batch"])
+def test_one_bounded_queue_for_both_lanes(qwen_dir, batch):
+    """The worker is held busy; of 7 concurrent requests, `--max-queue 3` are admitted
+    (and served once it is free), the other 4 get a quick 503 + Retry-After in their
+    protocol's shape; at most `--batch` rows ever decode; a normal request works after."""
+    import concurrent.futures as cf
+
+    s = start_server(qwen_dir, max_tokens=4, temperature=0.0, batch=batch,
+                     prompt_cache_bytes=0, max_queue=3)
+    try:
+        assert s.state.max_queue == 3
+        hold = s.state.gateway.call(time.sleep, 2.0)     # the worker is busy for 2 s
+        time.sleep(0.1)
+        paths = ["/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"]
+        bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
+                                           "max_tokens": 4},
+                  "/v1/messages": {"messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 4},
+                  "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+                  "/v1/responses": {"input": "hi", "max_output_tokens": 4}}
+        order = [paths[i % 4] for i in range(7)]
+        with cf.ThreadPoolExecutor(7) as ex:
+            futs = []
+            for p in order:                       # in order: the first three get in
+                futs.append(ex.submit(post, s, p, bodies[p]))
+                time.sleep(0.05)
+            rs = [f.result() for f in futs]
+        hold.result()
+        ok = [r for r in rs if r.status_code == 200]
+        busy = [(p, r) for p, r in zip(order, rs) if r.status_code == 503]
+        assert len(ok) == 3 and len(busy) == 4, [r.status_code for r in rs]
+        for p, r in busy:
+            assert r.headers["retry-after"] == "1" and r.elapsed_s < BOUND_S
+            err = error_of(r, p)
+            assert err["type"] == "overloaded_error" and "at capacity" in err["message"]
+        assert s.state.engine.stats()["peak_rows"] <= batch
+        assert s.state.stats()["batch"]["rejected"] == 4
+        normal(s)
+    finally:
+        stop_server(s)
