@@ -24,7 +24,9 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    (or ends the request). A finished request's KV goes to the prompt cache.
 
 The same code builds every request's sampler, processors and outputs in both
-lanes. `submit()` raises `ValueError` (bad prompt, `ContextLengthExceeded`: longer than
+lanes. A failure in one request's own code (building its processors or sampler,
+running them, detokenizing) ends that request only, in both lanes.
+`submit()` raises `ValueError` (bad prompt, `ContextLengthExceeded`: longer than
 the model's context, `ContextOverBudget`: over the memory budget) before
 anything runs; an exception while running ends the affected requests with
 `finish_reason "error"` and the exception in `RequestOutput.error`.
@@ -306,7 +308,10 @@ class Engine:
                                                   + [req.need]):
                 break
             self._waiting.popleft()
-            self._start_row(req)
+            try:
+                self._start_row(req)
+            except Exception as e:         # (its processors, sampler or seed): this row only
+                failed.append(self._fail(req, e))
         self.peak_rows = max(self.peak_rows, len(self._rows))
         return failed
 
@@ -442,6 +447,10 @@ class Engine:
         for ev in events:
             req = self._rows.get(ev.uid)
             if req is None:           # aborted (its output was made then)
+                continue
+            if ev.finish_reason == "error":   # this row's own code raised: it ends alone
+                del self._rows[ev.uid]
+                outs.append(self._fail(req, ev.error))
                 continue
             out = self._update(req, ev)
             if ev.finish_reason is not None:

@@ -214,3 +214,134 @@ def test_one_bounded_queue_for_both_lanes(qwen_dir, batch):
         normal(s)
     finally:
         stop_server(s)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raising_processor(after: int):
+    calls = []
+
+    def proc(tokens, logits):
+        calls.append(1)
+        if len(calls) > after:
+            raise Boom("a processor of this row failed")
+        return logits
+    return proc
+
+
+def _building_fails():
+    raise Boom("this row's processor cannot be built")
+
+
+@pytest.mark.parametrize("max_batch", [1, 3], ids=["solo", "batch"])
+def test_a_failing_row_fails_alone(qwen_dir, max_batch):
+    """Of four requests decoding together, one whose processor raises on its 3rd step and
+    one whose processor cannot be built end with finish_reason "error" (their exception
+    attached); the two innocent ones run to max_tokens."""
+    import engine
+    from engine import Engine, SamplingParams
+
+    model, tok = engine.load(qwen_dir)
+    eng = Engine(model, tok, max_batch=max_batch)
+    p = SamplingParams(max_tokens=12, logit_bias={i: -100 for i in tok.eos_token_ids})
+    a = eng.submit(tok.encode("innocent one"), p)
+    b = eng.submit(tok.encode("poison"), SamplingParams(
+        max_tokens=12, processor_factories=(lambda: _raising_processor(2),)))
+    c = eng.submit(tok.encode("innocent two"), p)
+    d = eng.submit(tok.encode("unbuildable"), SamplingParams(
+        max_tokens=12, processor_factories=(_building_fails,)))
+    last = {}
+    n = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            n[o.request_id] = n.get(o.request_id, 0) + len(o.token_ids)
+            if o.finished:
+                last[o.request_id] = o
+    assert last[a].finish_reason == last[c].finish_reason == "length"
+    assert n[a] == n[c] == 12
+    assert last[b].finish_reason == "error" and isinstance(last[b].error, Boom)
+    assert last[d].finish_reason == "error" and isinstance(last[d].error, Boom)
+    assert not last[d].started and n.get(d, 0) == 0
+    assert eng.stats()["active_rows"] == 0 and not eng.has_unfinished()
+
+
+def _idle(s, within: float) -> float:
+    t0 = time.monotonic()
+    while s.state.engine.has_unfinished() or s.state.gateway.queued:
+        assert time.monotonic() - t0 < within, "the generation is still running"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("fault", ["client", "server"])
+def test_error_after_queueing_cancels_the_job(rs, monkeypatch, fault):
+    """The route fails after its job was queued (here: rendering the Responses stream
+    head; a 400 for a client error, a 500 for a fault): a quick answer in the OpenAI
+    shape, the job is cancelled at once instead of running to max_output_tokens unread
+    (the client's connection stays open meanwhile), and a normal request works after."""
+    from server import responses
+    from server.errors import APIError
+
+    def broken(self):
+        if fault == "client":
+            raise APIError(400, "tool_choice cannot be rendered", param="tool_choice")
+        raise RuntimeError("renderer fault")
+    monkeypatch.setattr(responses.ResponseRender, "head", broken)
+    _idle(rs, 10)
+    before = rs.state.gateway.stats()
+    with httpx.Client(timeout=30) as client:
+        t0 = time.monotonic()
+        r = client.post(rs.url + "/v1/responses", json={
+            "input": "tell me a long story", "stream": True, "max_output_tokens": 3000,
+            "logit_bias": {str(i): -100 for i in rs.state.tokenizer.eos_token_ids}})
+        assert time.monotonic() - t0 < BOUND_S
+        err = error_of(r, "/v1/responses")
+        if fault == "client":
+            assert r.status_code == 400 and err["param"] == "tool_choice"
+        else:
+            assert r.status_code == 500 and err["type"] == "server_error"
+            assert "renderer" not in err["message"]
+        _idle(rs, 1.0)
+        after = rs.state.gateway.stats()
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["completed"] == before["completed"]
+    monkeypatch.undo()
+    normal(rs)
+
+
+def test_plain_responses_turn_not_stored_when_its_answer_failed(rs, monkeypatch):
+    """A non-streamed Responses turn whose body cannot be sent (a lone surrogate in it)
+    is a 500, and the turn is not stored; a normal stored turn still is."""
+    from server import responses
+
+    real = responses.ResponseRender.result
+
+    def with_surrogate(self, done):
+        return {**real(self, done), "metadata": {"x": "\ud800"}}
+    entries = rs.state.store.stats()["entries"]
+    monkeypatch.setattr(responses.ResponseRender, "result", with_surrogate)
+    r = post(rs, "/v1/responses", {"input": "hi", "max_output_tokens": 3})
+    assert r.status_code == 500 and r.elapsed_s < BOUND_S
+    assert rs.state.store.stats()["entries"] == entries
+    monkeypatch.undo()
+    r = post(rs, "/v1/responses", {"input": "hi", "max_output_tokens": 3})
+    assert r.status_code == 200 and rs.state.store.stats()["entries"] == entries + 1
+    normal(rs)
+
+
+def test_lone_surrogate_tool_choice_leaves_nothing_running(rs):
+    """The reproduction: a lone surrogate in Responses `tool_choice.name` on a stream of up
+    to 20,000 tokens: a quick 4xx/5xx in the OpenAI shape, nothing left running."""
+    body = ('{"input": "hi", "stream": true, "max_output_tokens": 3000, "tools": [{"type": '
+            '"function", "name": "f", "parameters": {"type": "object"}}], "tool_choice": '
+            '{"type": "function", "name": "\\ud800"}}')
+    t0 = time.monotonic()
+    r = httpx.post(rs.url + "/v1/responses", content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert time.monotonic() - t0 < BOUND_S
+    if r.status_code != 200:
+        error_of(r, "/v1/responses")
+    _idle(rs, 1.0)
+    normal(rs)
