@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 
-from srv_helpers import start_server, stop_server
+from srv_helpers import start_server, stop_server, stream_chat_text
 
 BOUND_S = 3.0
 LONG = "a " * 4200          # ~4,200 tokens: over the fixture's 4,096-token context
@@ -344,4 +344,39 @@ def test_lone_surrogate_tool_choice_leaves_nothing_running(rs):
     if r.status_code != 200:
         error_of(r, "/v1/responses")
     _idle(rs, 1.0)
+    normal(rs)
+
+
+def test_failing_row_leaves_innocent_streams_untouched(rs, monkeypatch):
+    """Two streams decode together on `--batch 2`; a request whose processor raises on
+    its 3rd step (an internal fault standing in for any per-row failure) joins them: it
+    gets an error, and both streams yield exactly the text they give alone."""
+    import threading
+
+    from server import chat
+
+    bias = {str(i): -100 for i in rs.state.tokenizer.eos_token_ids}
+    prompts = ["innocent one", "innocent two"]
+    alone = [stream_chat_text(rs.url, p, 24, logit_bias=bias) for p in prompts]
+    real = chat.processor_factories
+
+    def poisoned(state, call):
+        text = str(call.messages or call.prompt)
+        return (lambda: _raising_processor(2),) if "poison" in text else real(state, call)
+    monkeypatch.setattr(chat, "processor_factories", poisoned)
+    got = [None, None]
+
+    def run(i):
+        got[i] = stream_chat_text(rs.url, prompts[i], 24, logit_bias=bias)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    r = post(rs, "/v1/chat/completions", {"messages": [{"role": "user", "content": "poison"}],
+                                          "max_tokens": 24})
+    for t in threads:
+        t.join()
+    assert r.status_code in (400, 500) and r.elapsed_s < BOUND_S
+    assert error_of(r, "/v1/chat/completions")["message"]
+    assert got == alone
+    monkeypatch.undo()
     normal(rs)
