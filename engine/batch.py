@@ -59,17 +59,18 @@ class RowEvent:
     uid: int
     token: Optional[int]                 # None for a cancelled row's last event
     logprobs: Optional[mx.array]         # [V] log-softmax of the step that produced `token`
-    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
     text: str = ""                       # text made final by this token (tokenizer given)
     stop_token: bool = False             # `token` is an EOS/stop token (not part of the text)
     stop_string: Optional[str] = None    # the stop string that ended the row
     caches: Optional[list] = None        # finishing row's single-row caches (return_cache=True);
                                          # they hold the prompt and every emitted token
+    error: Optional[BaseException] = None  # finish_reason "error": what this row raised
 
 
 class _Row:
     __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
-                 "text", "cancelled")
+                 "text", "cancelled", "error")
 
     def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
         self.uid, self.req = uid, req
@@ -82,6 +83,7 @@ class _Row:
         self.stops = stops
         self.text = None
         self.cancelled = False
+        self.error: Optional[BaseException] = None   # raised by this row's own code
         if tokenizer is not None:
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
             self.text = TextStream(tokenizer, stop)
@@ -171,6 +173,24 @@ def _row_processors(rows):
     bias = None if not r_idx else (mx.array(r_idx, dtype=mx.int32),
                                    mx.array(c_idx, dtype=mx.int32), mx.concatenate(vals), top)
     return bias, rest
+
+
+def _apply(lg, procs, ctx):
+    for p in procs:
+        lg = p(ctx, lg)
+    return lg
+
+
+def _guarded(row: "_Row", fn, fallback, *args):
+    """fn(*args) for one row's own code (its processors, sampler, detokenizer): an
+    exception marks the row failed (it ends with finish_reason "error" at its next
+    event) and `fallback(*args)` stands in, so the other rows' step goes on."""
+    if row.error is None:
+        try:
+            return fn(*args)
+        except Exception as e:
+            row.error = e
+    return fallback(*args)
 
 
 def _clone(c):
@@ -283,7 +303,8 @@ class BatchScheduler:
         if all(r.key is None and r.sampler is s0 for r in rows):
             sampled = s0(logprobs)                     # one batched call (global PRNG)
         else:
-            sampled = mx.concatenate([r.sample(logprobs[e:e + 1]) for e, r in enumerate(rows)])
+            sampled = mx.concatenate([_guarded(r, r.sample, greedy, logprobs[e:e + 1])
+                                      for e, r in enumerate(rows)])
         return sampled, logprobs
 
     def _process(self, g: _Group, rows, inputs, logits):
@@ -312,8 +333,7 @@ class BatchScheduler:
             if procs:
                 ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32),
                                       inputs[e:e + 1].astype(mx.int32)])
-                for p in procs:
-                    lg = p(ctx, lg)
+                lg = _guarded(r, _apply, lambda lg, *_: lg, lg, procs, ctx)
             out.append(lg)
         return mx.concatenate(out, axis=0)
 
@@ -331,12 +351,20 @@ class BatchScheduler:
             row.tokens.append(tok)
             row.n += 1
             ev = RowEvent(row.uid, tok, cur_lp[i])
+            if row.error is not None:          # this row's own code raised: it ends alone
+                ev.token, ev.logprobs, ev.finish_reason, ev.error = None, None, "error", row.error
+                events.append(ev)
+                continue
             if row.n >= row.req.max_tokens:
                 ev.finish_reason = "length"
             if tok in row.stops:
                 ev.finish_reason, ev.stop_token = "stop", True
             if row.text is not None:
-                self._text(row, ev)
+                _guarded(row, self._text, lambda *_: None, row, ev)
+                if row.error is not None:
+                    ev.finish_reason, ev.error = "error", row.error
+                    events.append(ev)
+                    continue
             if ev.finish_reason is None:
                 keep.append(i)
             elif row.req.return_cache:

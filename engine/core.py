@@ -15,7 +15,8 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    or when the request selects adapters (the batch runs the base weights);
    `stats()["solo_reasons"]` counts why. Rows join the batch while the
    aggregate memory estimate fits (a lone row always runs: its own check
-   passed at submit); a solo request waits until the batch has drained, and
+   passed at submit) and at most `max_batch` rows are in the batch (the rest
+   wait in the engine, counted by `stats()["waiting"]`); a solo request waits until the batch has drained, and
    batched requests wait behind a solo one, so arrival order holds.
 2. **execute** — one token for the solo request, or one batch step for all rows.
 3. **update** — each token is detokenized, checked against EOS / stop strings /
@@ -23,7 +24,10 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    (or ends the request). A finished request's KV goes to the prompt cache.
 
 The same code builds every request's sampler, processors and outputs in both
-lanes. `submit()` raises `ValueError` (bad prompt, `ContextOverBudget`) before
+lanes. A failure in one request's own code (building its processors or sampler,
+running them, detokenizing) ends that request only, in both lanes.
+`submit()` raises `ValueError` (bad prompt, `ContextLengthExceeded`: longer than
+the model's context, `ContextOverBudget`: over the memory budget) before
 anything runs; an exception while running ends the affected requests with
 `finish_reason "error"` and the exception in `RequestOutput.error`.
 """
@@ -39,14 +43,25 @@ import mlx.core as mx
 
 from .batch import BatchRequest, BatchScheduler, RowEvent
 from .kv_quant import make_policy
-from .request import (PromptError, RequestOutput, SamplingParams, encode_prompt,
+from .request import (ContextLengthExceeded, PromptError, RequestOutput, SamplingParams, encode_prompt,
                       token_logprob)
-from .stepper import generate_step
+from .stepper import generate_step, prefill_chunk
 from .text import TextStream
 
 __all__ = ["Engine"]
 
 BASE_NAMESPACE = "base"
+
+
+def model_context(model) -> Optional[int]:
+    """The model's context length (`max_position_embeddings`, or its text config's)."""
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        n = a.get("max_position_embeddings") if isinstance(a, dict) else getattr(
+            a, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
 
 
 class _Request:
@@ -66,8 +81,11 @@ class _Request:
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
         self.uid: Optional[int] = None    # batch row id
-        self.steps = None                 # solo: the generate_step iterator
+        self.steps = None                 # solo: the generate_step iterator (once prefilled)
         self.caches = None                # solo: its caches
+        self.prompt = None                # solo: the uncached prompt tokens, prefilling
+        self.done = 0                     # solo: how many of them are in the caches
+        self.start_decode = None          # solo: builds `steps` once prefilled
         self.text: Optional[TextStream] = None
         if lane == "solo":
             self.text = TextStream(tokenizer, params.stop)
@@ -103,7 +121,7 @@ class Engine:
                  admission=None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
-                 levers=None):
+                 levers=None, max_context: Optional[int] = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -117,6 +135,8 @@ class Engine:
             from .fast.apply import prepare   # (engine.fast imports the models)
             prepare(model, levers)
         self.prefill_step_size = prefill_step_size
+        # tokens a request may span (prompt + generated): the model's own context by default
+        self.max_context = max_context if max_context is not None else model_context(model)
         self.policy = make_policy(model, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   quantized_kv_start=quantized_kv_start, kv_config=kv_config)
         self.eos = set(tokenizer.eos_token_ids)
@@ -172,6 +192,7 @@ class Engine:
         ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
+        self.check_context(len(ids))
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)
         adapter = tuple(adapter or ())
@@ -194,6 +215,13 @@ class Engine:
         self._waiting.append(req)
         return rid
 
+    def check_context(self, prompt_tokens: int) -> None:
+        """Raise `ContextLengthExceeded` when a prompt this long leaves no room for one
+        generated token in the model's context. Any thread."""
+        limit = self.max_context
+        if limit is not None and prompt_tokens + 1 > limit:
+            raise ContextLengthExceeded(prompt_tokens, limit)
+
     def _solo_reason(self, adapter: tuple) -> Optional[str]:
         if self._sched is None:
             return "max_batch=1"
@@ -211,8 +239,8 @@ class Engine:
             return False
         if req in self._waiting:
             self._waiting.remove(req)
-        elif req is self._solo:
-            self._end_solo(req)
+        elif req is self._solo:     # (a prompt not fully prefilled is not stored)
+            self._end_solo(req, store=req.steps is not None)
         elif req.uid is not None:
             self._sched.cancel(req.uid)
             self._rows.pop(req.uid, None)
@@ -242,7 +270,9 @@ class Engine:
         outs += self._schedule()
         solo = self._solo
         try:      # the forward runs right below here (one frame to the model in each lane)
-            if solo is not None:
+            if solo is not None and solo.steps is None:
+                self._solo_prefill(solo)   # one chunk per step: abort() lands between chunks
+            elif solo is not None:
                 outs += self._solo_token(solo, *next(solo.steps))
             elif self._sched is not None and self._sched.has_work():
                 outs += self._batch_events(self._sched.step())
@@ -272,11 +302,16 @@ class Engine:
                 except Exception as e:     # (an adapter unmounted since submit, ...)
                     failed.append(self._fail(req, e))
                 break
+            if len(self._rows) >= self.max_batch:     # at most max_batch rows handed over
+                break
             if self._rows and not self.batch_fits([r.need for r in self._rows.values()]
                                                   + [req.need]):
                 break
             self._waiting.popleft()
-            self._start_row(req)
+            try:
+                self._start_row(req)
+            except Exception as e:         # (its processors, sampler or seed): this row only
+                failed.append(self._fail(req, e))
         self.peak_rows = max(self.peak_rows, len(self._rows))
         return failed
 
@@ -321,8 +356,6 @@ class Engine:
     # --- solo lane -------------------------------------------------------------------
 
     def _start_solo(self, req: _Request) -> None:
-        from .cache import RotatingKVCache   # (engine.cache imports the models)
-
         if self.adapters is not None:
             self.adapters.activate(req.adapters)
         p = req.params
@@ -336,24 +369,39 @@ class Engine:
         else:
             caches = self.model.make_cache()
         reused, ids = req.reused, req.ids
-        history = mx.array(ids[:reused]) if reused and processors else None
+        # The prompt (all but its last token) is prefilled one chunk per step()
+        # (`_solo_prefill`, the chunks of `generate_step`'s own prefill); the token loop
+        # then starts from the last prompt token, its processors seeing the whole prompt.
+        history = mx.array(ids[:-1]) if processors and len(ids) > 1 else None
+        req.caches, req.prompt, req.done = caches, mx.array(ids[reused:]), 0
+        from .fast.apply import decoder_for   # L3: None unless a fast lever is on
+        decoder = decoder_for(self.model, self.levers, caches, self.policy)
+
+        def start_decode():
+            return generate_step(req.prompt[req.done:], self.model, max_tokens=p.max_tokens,
+                                 sampler=sampler, logits_processors=processors or None,
+                                 caches=caches, policy=self.policy,
+                                 prefill_step_size=self.prefill_step_size, history=history,
+                                 decoder=decoder)
+        req.start_decode = start_decode
+        req.tic = time.perf_counter()
+        self._solo = req
+
+    def _solo_prefill(self, req: _Request) -> None:
+        from .cache import RotatingKVCache   # (engine.cache imports the models)
+
+        if req.prompt.size - req.done > 1:
+            req.done = prefill_chunk(self.model, req.prompt, req.done, req.caches,
+                                     self.policy, self.prefill_step_size)
+        if req.prompt.size - req.done > 1:
+            return
         # A sliding-window ring that wraps while decoding can no longer be trimmed back to
         # a shared prefix; keep a snapshot at the end of the prompt too (all tokens but
         # the last), so a prompt that branches after it still hits.
-        def snapshot(cs):
-            self.prompt_cache.store(req.ns, ids[:len(ids) - 1], cs)
-        rings = any(isinstance(c, RotatingKVCache) for c in caches)
-        on_prefilled = snapshot if self.prompt_cache is not None and rings else None
-        req.caches = caches
-        from .fast.apply import decoder_for   # L3: None unless a fast lever is on
-        decoder = decoder_for(self.model, self.levers, caches, self.policy)
-        req.tic = time.perf_counter()
-        req.steps = generate_step(mx.array(ids[reused:]), self.model, max_tokens=p.max_tokens,
-                                  sampler=sampler, logits_processors=processors or None,
-                                  caches=caches, policy=self.policy,
-                                  prefill_step_size=self.prefill_step_size, history=history,
-                                  on_prefilled=on_prefilled, decoder=decoder)
-        self._solo = req
+        if (self.prompt_cache is not None and req.prompt.size > 1
+                and any(isinstance(c, RotatingKVCache) for c in req.caches)):
+            self.prompt_cache.store(req.ns, req.ids[:len(req.ids) - 1], req.caches)
+        req.steps, req.start_decode = req.start_decode(), None
 
     def _solo_token(self, req: _Request, tok: int, lp) -> list:
         ev = RowEvent(-1, tok, lp)
@@ -376,7 +424,7 @@ class Engine:
             req.steps.close()
         if store:
             self._store(req, req.caches)
-        req.steps = req.caches = None
+        req.steps = req.caches = req.prompt = req.start_decode = None
         self._solo = None
 
     # --- batch lane ------------------------------------------------------------------
@@ -399,6 +447,10 @@ class Engine:
         for ev in events:
             req = self._rows.get(ev.uid)
             if req is None:           # aborted (its output was made then)
+                continue
+            if ev.finish_reason == "error":   # this row's own code raised: it ends alone
+                del self._rows[ev.uid]
+                outs.append(self._fail(req, ev.error))
                 continue
             out = self._update(req, ev)
             if ev.finish_reason is not None:

@@ -37,6 +37,16 @@ class PromptError(ValueError):
     """The prompt could not be turned into tokens (bad messages, template failure)."""
 
 
+class ContextLengthExceeded(PromptError):
+    """The prompt leaves no room in the model's context (`max_position_embeddings`):
+    refused before anything runs. `prompt_tokens` and `limit` say by how much."""
+
+    def __init__(self, prompt_tokens: int, limit: int):
+        super().__init__(f"the prompt has {prompt_tokens} tokens; this model's context is "
+                         f"{limit} tokens (prompt plus at least one generated token)")
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Generation options of one request (None: the model's default)."""

@@ -27,17 +27,27 @@ def prefill(model, prompt: mx.array, caches: list, policy: Optional[KVPolicy] = 
             step_size: int = 2048, on_chunk: Optional[Callable[[int], None]] = None) -> mx.array:
     """Run all of `prompt` but its last token through the model; returns that last token."""
     policy = policy or KVPolicy()
-    done, total = 0, prompt.size
-    while total - done > 1:
-        n = min(step_size, total - done - 1)
-        model(prompt[done:done + n][None], cache=caches)
-        policy.apply(caches)
-        mx.eval([c.state for c in caches])
-        done += n
-        if on_chunk:
-            on_chunk(done)
-        mx.clear_cache()
+    done = 0
+    while prompt.size - done > 1:
+        done = prefill_chunk(model, prompt, done, caches, policy, step_size, on_chunk)
     return prompt[done:]
+
+
+def prefill_chunk(model, prompt: mx.array, done: int, caches: list, policy: KVPolicy,
+                  step_size: int, on_chunk: Optional[Callable[[int], None]] = None) -> int:
+    """One chunk of `prefill`: up to `step_size` of the prompt's tokens from `done` on
+    (never its last token) into the caches; returns the new `done`."""
+    n = min(step_size, prompt.size - done - 1)
+    if n <= 0:
+        return done
+    model(prompt[done:done + n][None], cache=caches)
+    policy.apply(caches)
+    mx.eval([c.state for c in caches])
+    done += n
+    if on_chunk:
+        on_chunk(done)
+    mx.clear_cache()
+    return done
 
 
 def generate_step(

@@ -26,6 +26,7 @@ from . import admin, anthropic, chat_page, metrics, openai, responses
 from .first_run import FirstRequestNotice
 from .errors import APIError, body_for, is_anthropic_path
 from .limits import BodyLimits, default_prompt_chars
+from .chat import cancel_generations
 from .security import SecurityConfig, add_security_middleware, default_allowed_hosts
 
 log = logging.getLogger("engine-serve")
@@ -33,6 +34,7 @@ PUBLIC_PATHS = ("/health", "/favicon.ico") + chat_page.PATHS   # the page holds 
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
+    cancel_generations(request)      # a request answered with an error leaves nothing running
     return JSONResponse(body_for(request.url.path, err), status_code=err.status,
                         headers=getattr(err, "headers", None))
 

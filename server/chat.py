@@ -455,8 +455,9 @@ async def start(state, call: Call, request=None) -> Generation:
         ids = encode(state, call)
     else:
         ids = await asyncio.to_thread(encode, state, call)
-    # memory admission before queueing (the engine re-checks on the worker)
+    # context length, then memory admission, before queueing (the engine re-checks both)
     try:
+        state.engine.check_context(len(ids))
         state.admission.check(len(ids), params.max_tokens)
     except ValueError as e:
         raise from_exception(e) from None
@@ -467,6 +468,8 @@ async def start(state, call: Call, request=None) -> Generation:
     gen = Generation(state, call, job, ids, router)
     if request is not None:
         gen.watch_disconnect(request)
+        # an error answered after this point (the route's own rendering) cancels the job
+        request.state.generations = [*getattr(request.state, "generations", ()), gen]
     state.gateway.submit(job)
     try:
         await gen.wait_first()
@@ -474,6 +477,13 @@ async def start(state, call: Call, request=None) -> Generation:
         gen.cancel()
         raise
     return gen
+
+
+def cancel_generations(request) -> None:
+    """Cancel the generations this request queued (its answer is an error: no one will
+    read them). A finished job ignores it."""
+    for gen in getattr(request.state, "generations", ()):
+        gen.cancel()
 
 
 def stream(gen: Generation, render, head: bytes, error_frame):

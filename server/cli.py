@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
            "decode runs one request at a time); 1 = one request at a time, "
            "each exactly mlx_lm.generate's token loop (docs/server.md); quantized KV and "
            "per-request adapters run one at a time")
+    a("--max-queue", type=int, default=None, metavar="N",
+      help="requests waiting to start, both lanes, before 503 + Retry-After (default 8 x "
+           "--batch, at least 16)")
     a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
     a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
     a("--chat-template", metavar="FILE|STRING",
@@ -185,6 +188,8 @@ def config_from_args(args):
         args.batch = 1 if levers.fast_decode else 8
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
+    if args.max_queue is not None and args.max_queue < 0:
+        raise SystemExit("engine-serve: --max-queue must be >= 0")
     if args.max_tokens < 1:
         raise SystemExit("engine-serve: --max-tokens must be >= 1")
     if args.api_key is not None and not args.api_key.strip():
@@ -206,7 +211,7 @@ def config_from_args(args):
         prompt_cache_bytes=cache_bytes, kv_quant=kv, kv_group_size=args.kv_group_size,
         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
-        api_key=args.api_key, batch=args.batch,
+        api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         template_kwargs=dict(args.chat_template_args or {}),
         chat_template=chat_template_from(args.chat_template),

@@ -7,6 +7,8 @@ OpenAI-style routes (chat, completions, responses, admin):
 Over-budget context (memory admission) keeps that shape with
 ``type: "memory_admission"`` and ``code: "context_over_budget"``.
 
+A prompt longer than the model's context: ``code: "context_length_exceeded"``.
+
 Anthropic routes (``/v1/messages``):
 
     {"type": "error", "error": {"type": "invalid_request_error", "message": ...}}
@@ -56,9 +58,12 @@ def not_found(message: str) -> APIError:
 def from_exception(exc: BaseException) -> APIError:
     """Map an engine exception raised by client input onto an APIError (400)."""
     from engine.admission import ContextOverBudget
+    from engine.request import ContextLengthExceeded
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ContextLengthExceeded):
+        return APIError(400, f"{exc}. Shorten the prompt.", code="context_length_exceeded")
     if isinstance(exc, ContextOverBudget):
         return APIError(400, f"{exc}. Lower max_tokens or shorten the prompt; the ceiling is "
                              f"visible at /stats.", type="memory_admission",

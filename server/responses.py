@@ -339,15 +339,17 @@ async def create_response(request: Request):
     gen = await start(state, call, request)
     render = ResponseRender(state, stream, meta)
 
-    def on_done(done: Done):
-        if meta["store"]:
+    def on_done(done: Done):        # (a turn whose client left is not kept)
+        if meta["store"] and done.finish_reason != "cancelled":
             state.store.put(render.id, conversation, [_as_input(i) for i in render.items],
                             instructions, response=render.final)
-    render.on_done = on_done
     if stream:
+        render.on_done = on_done
         return chat_stream(gen, render, render.head(), lambda e: _error_frame(render, e))
     await complete(gen, render.feed)
-    return JSONResponse(render.final)
+    answer = JSONResponse(render.final)     # stored only once the answer could be made
+    on_done(render.done)
+    return answer
 
 
 def _stored(state, rid: str) -> dict:

@@ -45,6 +45,7 @@ class ServerConfig:
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)
+    max_queue: Optional[int] = None     # requests waiting beyond the running ones (None: default)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     template_kwargs: dict = field(default_factory=dict)
     chat_template: Optional[str] = None   # --chat-template: replaces the model's template
@@ -53,6 +54,11 @@ class ServerConfig:
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
+
+
+def default_max_queue(batch: int) -> int:
+    """--max-queue's default: 8 waiting requests per row (at least 16)."""
+    return max(16, 8 * max(1, int(batch or 1)))
 
 
 def _dtype_name(dt) -> str:
@@ -110,8 +116,11 @@ class ServerState:
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
                              levers=config.levers, **self.kv_options)
         gateway.engine = self.engine
-        # jobs waiting (inbox + engine) before a new one is refused with 503 (batching only)
-        self.max_queue: Optional[int] = 8 * config.batch if config.batch > 1 else None
+        # requests waiting to start (inbox, behind a call, or in the engine; the rows
+        # running, at most --batch of them, are not counted) before a new one is refused
+        # with 503 + Retry-After; one bound for both lanes
+        self.max_queue: int = (default_max_queue(config.batch) if config.max_queue is None
+                               else int(config.max_queue))
         self.rejected = 0
 
     # --- KV quantization ----------------------------------------------------
@@ -172,7 +181,7 @@ class ServerState:
 
     def check_capacity(self) -> None:
         """Refuse a new request (503, Retry-After) when the wait queue is full. Any thread."""
-        if self.max_queue is not None and self.gateway.queued >= self.max_queue:
+        if self.gateway.queued >= self.max_queue:
             from .errors import APIError
             self.rejected += 1
             err = APIError(503, f"the server is at capacity ({self.max_queue} requests "
@@ -184,7 +193,9 @@ class ServerState:
         st = self.engine.stats()
         if not self.engine.batching:
             return {"configured": self.config.batch, "batched": False,
-                    "active_rows": st["active_rows"] + int(st["solo_active"]), "available": False}
+                    "active_rows": st["active_rows"] + int(st["solo_active"]), "available": False,
+                    "queued": self.gateway.queued, "max_queue": self.max_queue,
+                    "rejected": self.rejected}
         return {"configured": self.config.batch, "batched": self.engine.batching,
                 "available": self.engine.batching, "active_rows": st["active_rows"],
                 "queued": st["waiting"], "steps": st["steps"], "peak_rows": st["peak_rows"],
