@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 from . import fields as F
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
-                   normalize_chat_messages, normalize_tools, sampling_from, start,
-                   template_kwargs_from)
+                   sampling_from, start, template_kwargs_from)
+from .messages import normalize_chat_messages, normalize_tools
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
 from .errors import APIError, bad_request, openai_body

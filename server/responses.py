@@ -36,8 +36,9 @@ from starlette.responses import JSONResponse
 
 from . import fields as F
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, normalize_tools, parse_arguments,
-                   sampling_from, start, template_kwargs_from)
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, start,
+                   template_kwargs_from)
+from .messages import normalize_tools, parse_arguments
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, bad_request, not_found, openai_body
