@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 from .tools import ContentDelta, ToolCall, ToolCallRouter, ToolFormat
+from .tools.base import StreamSplitter
 
 __all__ = [
     "ReasoningFormat", "ReasoningDelta", "REASONING_FORMATS", "get_reasoning_format",
@@ -141,7 +142,7 @@ def _held_tail(buf: str, marker: str) -> int:
 Event = Union[ReasoningDelta, ContentDelta]
 
 
-class ReasoningSplitter:
+class ReasoningSplitter(StreamSplitter):
     """Split streamed text into ``ReasoningDelta`` / ``ContentDelta`` events.
 
     ``fmt``: a ``ReasoningFormat`` or family name; ``in_reasoning``: the
@@ -152,25 +153,11 @@ class ReasoningSplitter:
 
     def __init__(self, fmt: Union[str, ReasoningFormat], *, in_reasoning: bool = False,
                  strip: bool = True):
+        super().__init__()
         self.format = get_reasoning_format(fmt)
         self.in_reasoning = bool(in_reasoning)
         self.strip = strip
         self._lead = self.in_reasoning   # drop whitespace at the start of this segment
-        self._buf = ""
-        self._finished = False
-
-    def feed(self, text: str) -> List[Event]:
-        if self._finished:
-            raise RuntimeError("feed() after finish()")
-        self._buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> List[Event]:
-        if self._finished:
-            return []
-        out = self._drain(final=True)
-        self._finished = True
-        return out
 
     def _drain(self, final: bool) -> List[Event]:
         out: List[Event] = []

@@ -114,3 +114,29 @@ class ToolFormat:
 
 def dumps_arguments(arguments: Dict[str, Any]) -> str:
     return json.dumps(arguments, ensure_ascii=False)
+
+
+class StreamSplitter:
+    """Text fed in chunks, events out: `feed(text)` then `finish()` once. Subclasses
+    keep the unconsumed text in `_buf` and implement `_drain(final)`, which
+    returns the events that `_buf` allows so far (all of them when final)."""
+
+    def __init__(self):
+        self._buf = ""
+        self._finished = False
+
+    def feed(self, text: str) -> list:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> list:
+        if self._finished:
+            return []
+        out = self._drain(final=True)
+        self._finished = True
+        return out
+
+    def _drain(self, final: bool) -> list:
+        raise NotImplementedError

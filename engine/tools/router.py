@@ -28,8 +28,8 @@ from __future__ import annotations
 import uuid
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from .base import (ContentDelta, Event, Markers, MarkupError, ToolCall, ToolFormat, ToolIndex,
-                   dumps_arguments)
+from .base import (ContentDelta, Event, Markers, MarkupError, StreamSplitter, ToolCall, ToolFormat,
+                   ToolIndex, dumps_arguments)
 from .formats import get_tool_format
 
 
@@ -38,7 +38,7 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-class ToolCallRouter:
+class ToolCallRouter(StreamSplitter):
     """Route streamed text into content and tool calls for one ``format``.
 
     ``format``: a ``ToolFormat``, a format/family name (``get_tool_format``),
@@ -50,6 +50,7 @@ class ToolCallRouter:
 
     def __init__(self, format: Union[ToolFormat, str, None], tools: Optional[Sequence[dict]] = None,
                  *, id_factory: Optional[Callable[[], str]] = None):
+        super().__init__()
         if isinstance(format, str):
             format = get_tool_format(format)
         self.format: Optional[ToolFormat] = format
@@ -57,9 +58,7 @@ class ToolCallRouter:
         self._new_id = id_factory or new_call_id
         self._markers: Tuple[Markers, ...] = format.markers if format else ()
         self._longest_open = max((len(o) for o, _ in self._markers), default=0)
-        self._buf = ""
         self._inside: Optional[Markers] = None  # the markers of the markup being withheld
-        self._finished = False
         self.calls: List[ToolCall] = []  # every call emitted so far
 
     @property
@@ -71,19 +70,6 @@ class ToolCallRouter:
     def in_tool_call(self) -> bool:
         """True while an opening marker has been seen and its markup is withheld."""
         return self._inside is not None
-
-    def feed(self, text: str) -> List[Event]:
-        if self._finished:
-            raise RuntimeError("feed() after finish()")
-        self._buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> List[Event]:
-        if self._finished:
-            return []
-        out = self._drain(final=True)
-        self._finished = True
-        return out
 
     # -- internals ---------------------------------------------------------
 
