@@ -19,6 +19,19 @@ import sys
 # Help texts of `TrainConfig`'s fields; the flags, their types and defaults come from the
 # dataclass itself (one place). Flag = the field name with dashes (mlx-lm's names).
 HELP = {
+    "iters": "optimizer steps to run",
+    "batch_size": "sequences per micro-step",
+    "learning_rate": "optimizer learning rate",
+    "rank": "LoRA rank r",
+    "scale": "LoRA scale (the adapter's output is multiplied by it)",
+    "dropout": "LoRA dropout probability",
+    "max_seq_length": "longer sequences are cut to this many tokens",
+    "grad_accumulation": "micro-steps whose gradients are summed into one optimizer step",
+    "steps_per_report": "log the training loss every N steps",
+    "steps_per_eval": "validate every N steps (and at the first and last)",
+    "save_every": "write the adapter (and the training state for --resume) every N steps",
+    "seed": "seed of the LoRA initialisation and the batch order",
+    "clear_cache_threshold": "clear MLX's buffer cache when it exceeds N bytes (0 = never)",
     "model": "model directory (HF/MLX layout, may be quantized) or Hugging Face repo id",
     "data": "directory with train.jsonl [valid.jsonl]",
     "adapter_path": "output adapter directory",
@@ -34,6 +47,10 @@ HELP = {
     "token_chunk": "with --segment-size 1: run every per-token part of each block (norms, "
                    "q/k/v/o projections, RoPE, MLP) N tokens at a time; only attention sees "
                    "the whole sequence (lowest peak; LoRA grads re-associated)",
+    "attn_block": "with --token-chunk: attention's forward and backward in blocks of N query "
+                  "rows, each attending to its own key prefix and cut into head groups under "
+                  "the fused kernel's size limit; 0 = automatic (blocks of 8192 rows beyond "
+                  "32768 tokens), -1 = never (dk/dv re-associated, ~1e-6 relative)",
     "loss_head": "full [B,T,vocab] logits (default without --segment-size) or only the "
                  "counted positions, optionally in checkpointed chunks (default with it)",
     "chunk_size": "rows per chunk (chunked head)",

@@ -148,3 +148,18 @@ def test_blocked_bf16_is_as_close_to_float32_as_the_full_backward(family):
     print(family, f"mean rel error vs float32: full {e_full:.6f}, blocked {e_blocked:.6f}")
     assert max(rel_norm(blocked[k], full[k]) for k in full) > 0  # the paths do differ
     assert e_blocked <= 1.01 * e_full
+
+
+def test_every_train_flag_has_help_and_attn_block_reaches_the_config():
+    """`engine-train --help` documents every flag (the flags come from TrainConfig), and
+    --attn-block is parsed into the config the trainer reads."""
+    import argparse
+
+    from train.cli import build_parser
+    p = build_parser()
+    missing = [a.option_strings[0] for a in p._actions
+               if a.option_strings and a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    assert missing == [], f"flags without help: {missing}"
+    args = p.parse_args(["--model", "m", "--data", "d", "--token-chunk", "4096",
+                         "--attn-block", "2048"])
+    assert args.attn_block == 2048 and args.token_chunk == 4096
