@@ -18,7 +18,7 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 stage build-1b
 python3 -m experiments.presets "$PRESET" "$M"
 stage kernel-check
-timeout 30 python3 experiments/l3_kernel_check.py --reps 20 --out "$OUT/kernel_check.json"
+timeout 150 python3 experiments/l3_kernel_check.py --reps 10 --out "$OUT/kernel_check.json"
 FAILED=$(python3 -c "import json;print(','.join(json.load(open('$OUT/kernel_check.json'))['summary']['failed']))" 2>/dev/null || echo add_rms,rope_qkv,attention)
 export MLXP_DISABLE_KERNELS=${FAILED}
 echo "MLXP_DISABLE_KERNELS=$MLXP_DISABLE_KERNELS"
@@ -27,7 +27,7 @@ timeout $(lim 30) python3 experiments/bench_decode.py --model "$M" \
   --tier ${TIERS:-l1,l3,l3-compiled_decode,l3-perf_kernel-fused_sdpa,l1+merged_proj} \
   --lengths 128,2048 --gen ${GEN:-64} --trials 5 --tag h200-1b --out "$OUT/bench"
 stage gate
-timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --tag h200-1b --out "$OUT/gate"
+timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --tag h200-1b --out "$OUT/gate"
 stage exactness
 timeout $(lim 2) python3 experiments/l3_exactness.py --model "$M" --steps 8
 if [ "${FULL:-0}" = 1 ]; then
