@@ -134,6 +134,8 @@ def parser() -> argparse.ArgumentParser:
     a("--quantized-kv-start", type=int, help=argparse.SUPPRESS)
     from engine.levers import add_lever_args   # L3 hook: --tier and the lever switches
     add_lever_args(p)
+    from .tp import add_args as add_tp_args     # --tensor-parallel, --tp-timeout
+    add_tp_args(p)
     return p
 
 
@@ -217,7 +219,8 @@ def config_from_args(args):
         chat_template=chat_template_from(args.chat_template),
         prefill_step_size=args.prefill_step_size,
         allowed_origins=list(args.cors_origins or []),
-        stream_interval_ms=max(0.0, args.stream_interval_ms))
+        stream_interval_ms=max(0.0, args.stream_interval_ms),
+        tensor_parallel=bool(getattr(args, "tensor_parallel", False)))
 
 
 def security_from_args(args, config):
@@ -429,6 +432,15 @@ def main(argv=None) -> int:
         print(f"engine-serve: --tier {config.levers.tier} with --batch {config.batch}: batched "
               "requests decode on L1; the fast step runs only in the one-at-a-time lane "
               "(use --batch 1 for it on every request; /stats levers.lanes)", file=sys.stderr)
+    if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
+        from . import tp
+        why = tp.refusal(args, config)
+        if why:
+            print(f"engine-serve: {why}", file=sys.stderr)
+            return 2
+        import mlx.core as mx
+        if mx.distributed.init().rank() != 0:
+            return tp.follow(config, args.tp_timeout)
     sock = bind(config.host, config.port)
 
     from engine.kv_quant import KVConfigError
@@ -441,6 +453,8 @@ def main(argv=None) -> int:
         import mlx.core as mx
         mx.set_memory_limit(int(config.memory_budget_bytes))   # defense in depth
     try:
+        if config.tensor_parallel:
+            config = tp.agree_config(config)
         state = build_state(config)
     except (ModelLoadError, FileNotFoundError, KVConfigError, ValueError) as e:
         msg = getattr(e, "message", None) or str(e)
@@ -455,6 +469,7 @@ def main(argv=None) -> int:
                             header_timeout_s=args.header_timeout,
                             max_header_bytes=args.max_header_kb * 1024,
                             shutdown_timeout_s=args.shutdown_timeout)
+    leader = tp.lead(state, args.tp_timeout, app, server) if config.tensor_parallel else None
     url = url_of(sock)
 
     async def run():
@@ -470,11 +485,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        status = leader.close() if leader is not None else 0   # followers stop too
         state.gateway.close()
         # MLX tears down the worker thread's stream after Python's join returns;
         # exiting inside that window aborts the process ("terminate called ...")
         time.sleep(0.2)
-    return 0
+    return status
 
 
 if __name__ == "__main__":
