@@ -194,6 +194,9 @@ class Leader:
         self.group = group_or_world(group)
         self.server = None              # the uvicorn server (set by the CLI): stopped on a loss
         self.dead = threading.Event()
+        # after a loss: seconds until uvicorn is told to stop, then until the process ends
+        self.grace = (1.0, 5.0)
+        self.exit = os._exit            # (not sys.exit: the worker may be stuck in MLX)
         self.stopped = False
         self._ops: list = []
         self._check: list = []
@@ -296,11 +299,11 @@ class Leader:
         threading.Thread(target=self._exit_soon, name="tp-exit", daemon=True).start()
 
     def _exit_soon(self) -> None:
-        time.sleep(1.0)                 # the 503s go out (new requests get theirs too)
+        time.sleep(self.grace[0])       # the 503s go out (new requests get theirs too)
         if self.server is not None:
             self.server.should_exit = True
-        time.sleep(5.0)                 # a worker stuck in a collective never returns
-        os._exit(EXIT_RANK_LOST)
+        time.sleep(self.grace[1])       # a worker stuck in a collective never returns
+        self.exit(EXIT_RANK_LOST)
 
     def close(self) -> int:
         """At shutdown (main thread): followers get "stop". Returns the exit status."""
@@ -308,7 +311,7 @@ class Leader:
         self.dog.stop()
         if self.dead.is_set():
             sys.stderr.flush()
-            os._exit(EXIT_RANK_LOST)
+            self.exit(EXIT_RANK_LOST)
         return 0
 
 
@@ -336,6 +339,7 @@ def lead(state, timeout: float, app, server) -> Leader:
     gw.on_tick, gw.tick_s = leader.tick, timeout / 4
     state.adapters = _NoMount(state.adapters)
     app.add_middleware(DeadGuard, leader=leader)
+    gw.call(leader.tick)    # the first heartbeat; it also wakes the worker into ticking
     return leader
 
 

@@ -23,13 +23,13 @@ from parity.launch import REPO, free_port_block
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
 GREEDY = [{"prompt": p, "max_tokens": 16, "temperature": 0.0} for p in PROMPTS]
 SEEDED = {"prompt": "print(", "max_tokens": 16, "temperature": 0.8, "seed": 7}
-TIMEOUT_S = 4
+TIMEOUT_S = 6
 
 
 class Launch:
     """`mlx.launch -n 2 --backend ring` of serve_worker.py, killed as a group at the end."""
 
-    def __init__(self, tmp_path, model, serve_args):
+    def __init__(self, tmp_path, model, serve_args, spec=GREEDY + [SEEDED]):
         port, ring = free_port_block(1), free_port_block(2)
         self.url = f"http://127.0.0.1:{port}"
         self.out = tmp_path
@@ -38,7 +38,7 @@ class Launch:
         cmd = [shutil.which("mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port",
                str(ring), "--cwd", str(REPO), "--", sys.executable,
                str(REPO / "tests/distributed/serve_worker.py"), str(tmp_path), model,
-               json.dumps(GREEDY + [SEEDED]), "--port", str(port), *serve_args]
+               json.dumps(spec), "--port", str(port), *serve_args]
         self.log = open(tmp_path / "launch.log", "w+")
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -177,3 +177,28 @@ def test_refused_flags(capsys, flags, message):
     from server.cli import main
     assert main(["--tensor-parallel", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rank_that_stops_answering_times_out(tmp_path):
+    """SIGSTOP rank 1 (its sockets stay open: the ring blocks): after --tp-timeout rank 0
+    answers 503 and exits with status 3 on its own."""
+    model = ensure_fixture("llama", "float32", variant="tp2")
+    run = Launch(tmp_path, model, ["--batch", "2", "--tp-timeout", "2"], spec=[])
+    try:
+        _, r1 = run.wait_ready()
+        os.kill(r1["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        r = httpx.post(run.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 8},
+                       timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+        assert time.monotonic() - t0 < 2 + 3
+        for _ in range(100):
+            if "Node with rank 0 exited" in run.output():
+                break
+            time.sleep(0.1)
+        out = run.output()
+        assert "lost a rank: no answer within 2 s" in out
+        assert "Node with rank 0 exited with code 3" in out
+    finally:
+        run.close()
