@@ -5,6 +5,7 @@
                  [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
                  [--adapter DIR] [--api-key KEY] [--batch N] [--adapter-dir DIR ...]
                  [--cors-origins ORIGIN ...] [--max-body-mb MB] [--max-prompt-chars N]
+                 [--tensor-parallel [--tp-timeout S]]   (under mlx.launch: server/tp.py)
 
 Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags

@@ -426,8 +426,16 @@ def follow(config, timeout: float) -> int:
     """A rank > 0: load the shard, build the same engine, replay rank 0's steps."""
     from .state import build_state
 
+    from engine.kv_quant import KVConfigError
+    from engine.loader import ModelLoadError
+
     config = agree_config(config)
-    state = build_state(config)
+    try:
+        state = build_state(config)
+    except (ModelLoadError, FileNotFoundError, KVConfigError, ValueError) as e:
+        msg = getattr(e, "message", None) or str(e)
+        print(f"engine-serve: cannot start: {msg}", file=sys.stderr)
+        return 2
     try:
         return state.gateway.call_sync(lambda: Follower(state, timeout).run())
     finally:
