@@ -249,8 +249,9 @@ class Leader:
                 # a fault inside the forward ends requests with an error: a lost rank?
                 if any(o.finish_reason == "error" for o in outs):
                     self._send("ping")
-        except RuntimeError as e:       # the ring lost its connection to a peer
-            self.fail(str(e))
+        except Exception as e:          # the ring lost a peer (RuntimeError), or a bug:
+            # either way the ranks can no longer be kept in step
+            self.fail(_why(e))
             return []
         return outs
 
@@ -261,8 +262,8 @@ class Leader:
         try:
             with self.dog.busy(kind):
                 self._send(kind)
-        except RuntimeError as e:
-            self.fail(str(e))
+        except Exception as e:          # (see step)
+            self.fail(_why(e))
 
     def tick(self) -> None:
         """Idle heartbeat (the gateway calls it when nothing arrives for a while)."""
@@ -313,6 +314,10 @@ class Leader:
             sys.stderr.flush()
             self.exit(EXIT_RANK_LOST)
         return 0
+
+
+def _why(e: BaseException) -> str:
+    return str(e) if type(e) is RuntimeError else f"{type(e).__name__}: {e}"
 
 
 def lead(state, timeout: float, app, server) -> Leader:
