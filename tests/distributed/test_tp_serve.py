@@ -23,13 +23,15 @@ from parity.launch import REPO, free_port_block
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
 GREEDY = [{"prompt": p, "max_tokens": 16, "temperature": 0.0} for p in PROMPTS]
 SEEDED = {"prompt": "print(", "max_tokens": 16, "temperature": 0.8, "seed": 7}
+# its submit message is longer than one broadcast frame (engine.sharding.FRAME_BYTES)
+LONG = {"prompt": "x = 1\n" * 700, "max_tokens": 8, "temperature": 0.0}
 TIMEOUT_S = 6
 
 
 class Launch:
     """`mlx.launch -n 2 --backend ring` of serve_worker.py, killed as a group at the end."""
 
-    def __init__(self, tmp_path, model, serve_args, spec=GREEDY + [SEEDED]):
+    def __init__(self, tmp_path, model, serve_args, spec=GREEDY + [SEEDED, LONG]):
         port, ring = free_port_block(1), free_port_block(2)
         self.url = f"http://127.0.0.1:{port}"
         self.out = tmp_path
@@ -92,12 +94,13 @@ def test_served_tensor_parallel(tmp_path):
     try:
         r0, r1 = run.wait_ready()
         assert r0["texts"] == r1["texts"]          # the ranks agree on every token
-        *expected, seeded = r0["texts"]
+        *expected, seeded, long = r0["texts"]
         url = run.url
         # greedy and seeded, one at a time: the sharded model's own text
         solo = [_complete(url, g, stream=True) for g in GREEDY]
         assert solo == expected
         assert _complete(url, SEEDED) == seeded
+        assert _complete(url, LONG) == long
         # the unsharded model computes other logits (sums in another order) but, on this
         # fixture, the same greedy tokens
         m, tok = engine.load(model)
