@@ -100,7 +100,7 @@ def run_one(n: int, tp: bool, a, no_eos: dict) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     port = free_port_block(1)
-    cmd = [sys.executable, str(Path(__file__).resolve()), str(out), "--worker",
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out),
            "--model", a.model, "--gen", str(a.gen), "--trials", str(a.trials),
            "--port", str(port)] + (["--tp"] if tp else [])
     if n > 1:
@@ -168,20 +168,19 @@ def report(rows: list, d: Path, a) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", nargs="?", help="(worker) where this rank writes its results")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--tp", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--ranks", default="1,2")
-    p.add_argument("--backend", default="ring")
+    p.add_argument("--gen", type=int, default=64, help="tokens per request (64)")
+    p.add_argument("--trials", type=int, default=3, help="measured repeats (3)")
+    p.add_argument("--ranks", default="1,2", help="rank counts (1,2)")
     p.add_argument("--model", default=None, help="model directory (default: llama tp2 fixture)")
-    p.add_argument("--gen", type=int, default=64)
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--tag", default="cpu")
+    p.add_argument("--backend", default="ring")
+    p.add_argument("--timeout", type=float, default=300, help="server start limit, s")
+    p.add_argument("--tag", default="cpu", help="report subdirectory")
+    for hidden in ("--worker", "--port"):      # (the launched ranks)
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--tp", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        return worker(Path(a.out), a)
+        return worker(Path(a.worker), a)
     from parity.fixtures.models import ensure_fixture
     from engine.tokenizer import load_tokenizer
     a.model = a.model or str(ensure_fixture("llama", "float32", variant="tp2"))
