@@ -38,45 +38,54 @@ class Recorder:
 
 
 def _drive(leader, requests):
-    """What the gateway does: submit, step until done; the token ids per request."""
+    """What the gateway does: submit, step until done (cancelling the last request after
+    two steps); the token ids and finish reason per request."""
     rids = [leader.submit(ids, p) for ids, p in requests]
-    toks = {r: [] for r in rids}
+    toks, ends, steps = {r: [] for r in rids}, {}, 0
     while leader.has_unfinished():
         for o in leader.step():
             toks[o.request_id] += o.token_ids
-    return [toks[r] for r in rids]
+            ends[o.request_id] = o.finish_reason
+        steps += 1
+        if steps == 2:
+            leader.abort(rids[-1])
+    return [(toks[r], ends[r]) for r in rids]
 
 
 REQUESTS = [([1, 5, 9, 13], SamplingParams(max_tokens=6, temperature=0.0)),
             ([2, 4, 6], SamplingParams(max_tokens=5, temperature=0.9)),
             ([7, 3], SamplingParams(max_tokens=4, temperature=0.7, seed=11,
-                                    logit_bias={5: -3.0}, stop=["zz"]))]
+                                    logit_bias={5: -3.0}, stop=["zz"])),
+            ([8, 8, 8], SamplingParams(max_tokens=50, temperature=0.0))]   # cancelled
 
 
 def _state(model_dir, **kw):
-    return build_state(ServerConfig(model=model_dir, tensor_parallel=True, batch=2,
-                                    prompt_cache_bytes=0, **kw))
+    return build_state(ServerConfig(model=model_dir, **{
+        "tensor_parallel": True, "batch": 2, "prompt_cache_bytes": 0, **kw}))
 
 
-def test_follower_replays_rank_0_and_stops_out_of_step(model_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("lane", [{"batch": 2}, {"batch": 1, "prompt_cache_bytes": 1 << 24},
+                                  {"batch": 2, "kv_quant": "8"}], ids=["batch", "solo", "kv8"])
+def test_follower_replays_rank_0_and_stops_out_of_step(model_dir, monkeypatch, capsys, lane):
     import engine.sharding
-    lead_state = _state(model_dir)
+    lead_state = _state(model_dir, **lane)
     rec = Recorder()
     monkeypatch.setattr(engine.sharding, "broadcast_json", rec)
     leader = tp.Leader(lead_state, timeout=30)
     tokens = lead_state.gateway.call_sync(_drive, leader, REQUESTS)
     lead_state.gateway.call_sync(leader.send_stop)
     leader.dog.stop()
-    assert all(tokens) and rec.sent[-1]["kind"] == "stop"
+    assert all(t for t, _ in tokens[:3]) and rec.sent[-1]["kind"] == "stop"
+    assert [e for _, e in tokens] == ["length", "length", "length", "cancelled"]
     subs = [op for m in rec.sent for op in m["ops"] if op["kind"] == "submit"]
     # the unseeded sampling request went out with a seed rank 0 drew; greedy ones stay as sent
-    assert [s["params"]["seed"] is not None for s in subs] == [False, True, True]
+    assert [s["params"]["seed"] is not None for s in subs] == [False, True, True, False]
     assert subs[2]["params"]["seed"] == 11
     assert tp.params_from_json(subs[2]["params"]) == REQUESTS[2][1]
     lead_state.gateway.close()
 
     def follow(script):
-        st = _state(model_dir)
+        st = _state(model_dir, **lane)
         monkeypatch.setattr(engine.sharding, "broadcast_json", Recorder(script))
         try:
             return st.gateway.call_sync(lambda: tp.Follower(st, timeout=30).run())
