@@ -32,7 +32,6 @@ and the L3 levers (`--tier`: a start-up error).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import secrets
 import sys
@@ -42,8 +41,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import APIError, body_for
-
-log = logging.getLogger("engine-serve")
 
 EXIT_RANK_LOST = 3
 DEFAULT_TIMEOUT_S = 60.0
@@ -144,7 +141,8 @@ def agree_config(config, group=None):
 
 
 class Watchdog:
-    """Calls `on_stuck(seconds)` when a section entered with `busy()` lasts over `timeout`."""
+    """Calls `on_stuck(reason)` once, when a section entered with `busy()` lasts over
+    `timeout` seconds (checked twice a second, or ten times per timeout if shorter)."""
 
     def __init__(self, timeout: float, on_stuck, name: str):
         self.timeout = timeout
