@@ -343,6 +343,9 @@ def lead(state, timeout: float, app, server) -> Leader:
     state.adapters = _NoMount(state.adapters)
     app.add_middleware(DeadGuard, leader=leader)
     gw.call(leader.tick)    # the first heartbeat; it also wakes the worker into ticking
+    print(f"engine-serve: tensor parallel over {leader.group.size()} ranks: this rank (0) "
+          f"serves, the others follow its steps; --tp-timeout {timeout:g} s",
+          file=sys.stderr, flush=True)
     return leader
 
 
