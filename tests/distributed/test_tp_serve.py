@@ -1,6 +1,7 @@
 """`engine-serve --tensor-parallel` under `mlx.launch -n 2 --backend ring`: rank 0 serves,
 rank 1 follows its steps. Served text equals `engine.generate` on the sharded model in the
-same launch (greedy and seeded), 4 concurrent streams under `--batch 4` equal their solo
+same launch (greedy and seeded; greedy also equals a single-process engine-serve of the
+unsharded model on this fixture), 4 concurrent streams under `--batch 4` equal their solo
 results, adapters and structured outputs are refused with a 400, and killing rank 1 ends
 the in-flight requests with a 503 in each protocol's shape and stops the launch."""
 
@@ -16,9 +17,11 @@ import time
 import httpx
 import pytest
 
-import engine
 from parity.fixtures.models import ensure_fixture
 from parity.launch import REPO, free_port_block
+from server.app import create_app
+from server.cli import BackgroundServer
+from server.state import ServerConfig, build_state
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
 GREEDY = [{"prompt": p, "max_tokens": 16, "temperature": 0.0} for p in PROMPTS]
@@ -102,10 +105,13 @@ def test_served_tensor_parallel(tmp_path):
         assert _complete(url, SEEDED) == seeded
         assert _complete(url, LONG) == long
         # the unsharded model computes other logits (sums in another order) but, on this
-        # fixture, the same greedy tokens
-        m, tok = engine.load(model)
-        assert expected == [engine.generate(m, tok, g["prompt"], max_tokens=16,
-                                            temperature=0.0).text for g in GREEDY]
+        # fixture, the same greedy tokens: a single-process engine-serve gives the same text
+        state = build_state(ServerConfig(model=model, batch=4))
+        try:
+            with BackgroundServer(create_app(state)) as single:
+                assert [_complete(single.url, g) for g in GREEDY] == expected
+        finally:
+            state.gateway.close()
         # 4 concurrent streams batch together on both ranks and equal their solo text
         got = [None] * 4
 
