@@ -418,6 +418,15 @@ def main(argv=None) -> int:
         return 2
     config = config_from_args(args)
     security = security_from_args(args, config)
+    if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
+        from . import tp
+        why = tp.refusal(args, config)
+        if why:
+            print(f"engine-serve: {why}", file=sys.stderr)
+            return 2
+        import mlx.core as mx
+        if mx.distributed.init().rank() != 0:
+            return tp.follow(config, args.tp_timeout)
     if not config.api_key and not is_loopback(config.host):
         print(f"engine-serve: warning: listening on {config.host} without --api-key: anyone "
               "who can reach this address can use the server", file=sys.stderr)
@@ -433,15 +442,6 @@ def main(argv=None) -> int:
         print(f"engine-serve: --tier {config.levers.tier} with --batch {config.batch}: batched "
               "requests decode on L1; the fast step runs only in the one-at-a-time lane "
               "(use --batch 1 for it on every request; /stats levers.lanes)", file=sys.stderr)
-    if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
-        from . import tp
-        why = tp.refusal(args, config)
-        if why:
-            print(f"engine-serve: {why}", file=sys.stderr)
-            return 2
-        import mlx.core as mx
-        if mx.distributed.init().rank() != 0:
-            return tp.follow(config, args.tp_timeout)
     sock = bind(config.host, config.port)
 
     from engine.kv_quant import KVConfigError
