@@ -387,16 +387,19 @@ class OutOfStep(RuntimeError):
 
 
 class Follower:
+    """A rank > 0: replays rank 0's messages on its own Engine."""
+
     def __init__(self, state, timeout: float, group=None):
         from engine.sharding import group_or_world
         self.engine = state.engine
         self.group = group_or_world(group)
+        self.exit = os._exit            # (the thread waiting on rank 0 never returns)
         self.dog = Watchdog(timeout, self._stuck, "tp-watchdog")
 
     def _stuck(self, reason: str) -> None:
         print(f"engine-serve: tensor parallel rank {self.group.rank()}: rank 0 lost: {reason}; "
               f"exiting with status {EXIT_RANK_LOST}", file=sys.stderr, flush=True)
-        os._exit(EXIT_RANK_LOST)
+        self.exit(EXIT_RANK_LOST)
 
     def run(self) -> int:
         """Replay rank 0's calls until "stop" (0) or a failure (EXIT_RANK_LOST). Runs on

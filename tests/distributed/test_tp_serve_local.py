@@ -192,3 +192,38 @@ def test_params_cross_as_json():
     assert tp.params_from_json(d) == p
     assert set(d) == {f.name for f in dataclasses.fields(p)} - {"processor_factories"}
     mx.synchronize()
+
+
+def test_idle_heartbeat_and_silent_rank_0(model_dir, monkeypatch, capsys):
+    """Idle, rank 0 sends a heartbeat every --tp-timeout/4 s; a follower that hears
+    nothing for --tp-timeout s says so and exits with status 3."""
+    import engine.sharding
+    from server.app import create_app
+    from server.cli import uvicorn_server
+
+    rec = Recorder()
+    monkeypatch.setattr(engine.sharding, "broadcast_json", rec)
+    state = _state(model_dir)
+    app = create_app(state)
+    leader = tp.lead(state, 0.4, app, uvicorn_server(app))
+    try:
+        time.sleep(0.7)
+        assert sum(m["kind"] == "ping" for m in rec.sent) >= 3
+    finally:
+        leader.dog.stop()
+        state.gateway.close()
+
+    silent = threading.Event()
+    monkeypatch.setattr(engine.sharding, "broadcast_json", lambda *a, **k: silent.wait(10))
+    st = _state(model_dir)
+    exits = []
+    try:
+        follower = tp.Follower(st, timeout=0.5)
+        follower.exit = exits.append
+        threading.Thread(target=follower.run, daemon=True).start()
+        time.sleep(1.2)
+        assert exits == [tp.EXIT_RANK_LOST]
+        assert "rank 0 lost: no answer within 0.5 s (waiting for rank 0)" in capsys.readouterr().err
+    finally:
+        silent.set()
+        st.gateway.close()
