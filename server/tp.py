@@ -438,6 +438,9 @@ def follow(config, timeout: float) -> int:
     from engine.kv_quant import KVConfigError
     from engine.loader import ModelLoadError
 
+    if config.memory_budget_bytes is not None:     # (as on rank 0: --memory-budget caps
+        import mlx.core as mx                      # the allocator too)
+        mx.set_memory_limit(int(config.memory_budget_bytes))
     config = agree_config(config)
     try:
         state = build_state(config)
