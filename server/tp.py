@@ -343,7 +343,8 @@ def lead(state, timeout: float, app, server) -> Leader:
     state.adapters = _NoMount(state.adapters)
     app.add_middleware(DeadGuard, leader=leader)
     gw.call(leader.tick)    # the first heartbeat; it also wakes the worker into ticking
-    print(f"engine-serve: tensor parallel over {leader.group.size()} ranks: this rank (0) "
+    n = leader.group.size()
+    print(f"engine-serve: tensor parallel over {n} rank{'s' * (n != 1)}: this rank (0) "
           f"serves, the others follow its steps; --tp-timeout {timeout:g} s",
           file=sys.stderr, flush=True)
     return leader
