@@ -106,11 +106,16 @@ def agreed_seed(group: Optional[mx.distributed.Group] = None) -> int:
     return int(mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu).item())
 
 
+FRAME_BYTES = 4096   # broadcast_json's first all-reduce: the length and the first bytes
+
+
 def broadcast_json(obj=None, group: Optional[mx.distributed.Group] = None):
     """Rank 0's JSON-serialisable `obj`, delivered to every rank (others pass anything).
 
-    The building block for driving every rank through the same request: the length,
-    then the UTF-8 bytes, each as a sum where only rank 0 contributes."""
+    The building block for driving every rank through the same request: a sum where
+    only rank 0 contributes, of one fixed frame holding the UTF-8 length and the first
+    bytes; a message longer than the frame takes a second sum for the rest. (One
+    collective per message in the common case: each one is a network round trip.)"""
     import json
 
     import numpy as np
@@ -118,11 +123,19 @@ def broadcast_json(obj=None, group: Optional[mx.distributed.Group] = None):
     if group.size() == 1:
         return obj
     mx.synchronize()  # no collective still queued on the default stream may interleave
-    data = json.dumps(obj).encode() if group.rank() == 0 else b""
-    n = int(mx.distributed.all_sum(mx.array(len(data)), group=group, stream=mx.cpu).item())
-    if group.rank() == 0:
-        buf = mx.array(np.frombuffer(data, dtype=np.uint8))
-    else:
-        buf = mx.zeros((n,), dtype=mx.uint8)
-    out = mx.distributed.all_sum(buf, group=group, stream=mx.cpu)
-    return json.loads(bytes(np.array(out)).decode())
+    root = group.rank() == 0
+    data = json.dumps(obj).encode() if root else b""
+    room = FRAME_BYTES - 4
+    frame = np.zeros(FRAME_BYTES, dtype=np.uint8)
+    if root:
+        frame[:4] = np.frombuffer(np.array([len(data)], dtype="<u4").tobytes(), dtype=np.uint8)
+        frame[4:4 + min(len(data), room)] = np.frombuffer(data[:room], dtype=np.uint8)
+    got = np.array(mx.distributed.all_sum(mx.array(frame), group=group, stream=mx.cpu))
+    n = int(got[:4].view("<u4")[0])
+    body = got[4:4 + min(n, room)].tobytes()
+    if n > room:
+        rest = (np.frombuffer(data[room:], dtype=np.uint8) if root
+                else np.zeros(n - room, dtype=np.uint8))
+        body += np.array(mx.distributed.all_sum(mx.array(rest), group=group,
+                                                stream=mx.cpu)).tobytes()
+    return json.loads(body.decode())

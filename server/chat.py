@@ -256,7 +256,7 @@ class Generation:
         """Wait for the first output; raise APIError for a client error."""
         items = await self.job.get_batch()
         for out in items:
-            if client_error(out):
+            if client_error(out) or isinstance(out.error, APIError):
                 self.stop_watching()
                 raise from_exception(out.error)
         self._first = items
@@ -295,6 +295,8 @@ class Generation:
                 events: list = []
                 for o in items:
                     if o.finish_reason == "error":
+                        if isinstance(o.error, APIError):   # the server's own answer (a 503)
+                            raise o.error
                         client = client_error(o)
                         raise APIError(400 if client else 500,
                                        f"generation failed: {type(o.error).__name__}: {o.error}",

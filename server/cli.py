@@ -5,6 +5,7 @@
                  [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
                  [--adapter DIR] [--api-key KEY] [--batch N] [--adapter-dir DIR ...]
                  [--cors-origins ORIGIN ...] [--max-body-mb MB] [--max-prompt-chars N]
+                 [--tensor-parallel [--tp-timeout S]]   (under mlx.launch: server/tp.py)
 
 Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
@@ -134,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     a("--quantized-kv-start", type=int, help=argparse.SUPPRESS)
     from engine.levers import add_lever_args   # L3 hook: --tier and the lever switches
     add_lever_args(p)
+    from .tp import add_args as add_tp_args     # --tensor-parallel, --tp-timeout
+    add_tp_args(p)
     return p
 
 
@@ -217,7 +220,8 @@ def config_from_args(args):
         chat_template=chat_template_from(args.chat_template),
         prefill_step_size=args.prefill_step_size,
         allowed_origins=list(args.cors_origins or []),
-        stream_interval_ms=max(0.0, args.stream_interval_ms))
+        stream_interval_ms=max(0.0, args.stream_interval_ms),
+        tensor_parallel=bool(getattr(args, "tensor_parallel", False)))
 
 
 def security_from_args(args, config):
@@ -414,6 +418,15 @@ def main(argv=None) -> int:
         return 2
     config = config_from_args(args)
     security = security_from_args(args, config)
+    if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
+        from . import tp
+        why = tp.refusal(args, config)
+        if why:
+            print(f"engine-serve: {why}", file=sys.stderr)
+            return 2
+        import mlx.core as mx
+        if mx.distributed.init().rank() != 0:
+            return tp.follow(config, args.tp_timeout)
     if not config.api_key and not is_loopback(config.host):
         print(f"engine-serve: warning: listening on {config.host} without --api-key: anyone "
               "who can reach this address can use the server", file=sys.stderr)
@@ -441,6 +454,8 @@ def main(argv=None) -> int:
         import mlx.core as mx
         mx.set_memory_limit(int(config.memory_budget_bytes))   # defense in depth
     try:
+        if config.tensor_parallel:
+            config = tp.agree_config(config)
         state = build_state(config)
     except (ModelLoadError, FileNotFoundError, KVConfigError, ValueError) as e:
         msg = getattr(e, "message", None) or str(e)
@@ -455,6 +470,7 @@ def main(argv=None) -> int:
                             header_timeout_s=args.header_timeout,
                             max_header_bytes=args.max_header_kb * 1024,
                             shutdown_timeout_s=args.shutdown_timeout)
+    leader = tp.lead(state, args.tp_timeout, app, server) if config.tensor_parallel else None
     url = url_of(sock)
 
     async def run():
@@ -470,11 +486,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        status = leader.close() if leader is not None else 0   # followers stop too
         state.gateway.close()
         # MLX tears down the worker thread's stream after Python's join returns;
         # exiting inside that window aborts the process ("terminate called ...")
         time.sleep(0.2)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -177,6 +177,10 @@ class Gateway:
         self.cancelled = 0
         self.failed = 0
         self.last_generation: Optional[dict] = None
+        # while idle, `on_tick()` runs on the worker every `tick_s` seconds (server.tp's
+        # heartbeat to the other ranks)
+        self.tick_s: Optional[float] = None
+        self.on_tick: Optional[Callable] = None
         self._thread.start()
 
     # --- submitting (any thread) -------------------------------------------------
@@ -213,6 +217,28 @@ class Gateway:
         return {"queued": self.queued, "active": active, "completed": self.completed,
                 "cancelled": self.cancelled, "failed": self.failed,
                 "last_generation": self.last_generation}
+
+    def abandon(self, error: BaseException) -> None:
+        """End every job, running or queued, with `error` (any thread; for an engine
+        that cannot go on, e.g. a lost tensor-parallel rank, whose worker may be stuck)."""
+        jobs = list(self._jobs.values()) + [i[1] for i in list(self._deferred) if i[0] == "gen"]
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "gen":
+                jobs.append(item[1])
+            elif item[0] == "call" and item[4].set_running_or_notify_cancel():
+                item[4].set_exception(error)
+            else:
+                self._q.put(item)     # the stop signal stays
+                break
+        for job in jobs:
+            if not job.finished:
+                job.finished = True
+                job.put(RequestOutput("", [], finish_reason="error", request_id=str(job.id),
+                                      error=error, started=False))
 
     def close(self, timeout: float = 5.0) -> None:
         self._q.put(("stop",))
@@ -251,8 +277,10 @@ class Gateway:
                 self._handle(self._deferred.popleft())
                 continue
             try:
-                item = self._q.get(block=block)
+                item = self._q.get(block=block, timeout=self.tick_s if block else None)
             except queue.Empty:
+                if block and self.on_tick is not None:
+                    self.on_tick()
                 return
             if self._deferred or (item[0] != "gen" and self._busy()):
                 self._deferred.append(item)      # behind the running requests

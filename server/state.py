@@ -54,6 +54,7 @@ class ServerConfig:
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
+    tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py)
 
 
 def default_max_queue(batch: int) -> int:
@@ -272,7 +273,7 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
         if model is not None:
             m, t = model, tokenizer
         else:
-            m, t = engine.load(model_dir)
+            m, t = engine.load(model_dir, tensor_parallel=config.tensor_parallel)
         if config.chat_template is not None:
             t.set_chat_template(config.chat_template)
         if wrap_model is not None:
