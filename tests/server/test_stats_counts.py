@@ -26,7 +26,7 @@ from srv_helpers import start_server, stop_server
 
 EOS = {"1009": -100, "1016": -100, "1017": -100}     # the llama fixture's end tokens
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
-LONG = 3000          # tokens a dropped request asks for (it is cancelled long before)
+LONG = 4000          # tokens a dropped request asks for (it is cancelled long before)
 
 
 def _body(path: str, text: str, n: int, stream: bool) -> dict:
@@ -55,7 +55,7 @@ def _stream(url, path, text, n, drop_at, got, i):
 
 def _plain_timeout(url, path, got, i):
     try:
-        httpx.post(url + path, json=_body(path, f"plain {i}", LONG, False), timeout=1.0)
+        httpx.post(url + path, json=_body(path, f"plain {i}", LONG, False), timeout=2.0)
         got[i] = "answered"
     except httpx.TimeoutException:
         got[i] = "left"
