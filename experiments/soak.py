@@ -26,9 +26,9 @@ MLX active memory back to its idle level once the clients stop, and the server's
 counts (/stats `queue`, once it is idle) next to the clients': `counts` is "agree"
 when its cancelled generations equal the clients' disconnects, its completed ones the
 streams read to the end (plus the final check request), nothing failed, and /metrics
-reports the same counters. Writes samples.csv,
-requests.csv, summary.md, summary.json and soak.png to reports/soak/<version>/<tag>/
-(or --out).
+reports the same counters; `peak_rows` is the most rows that decoded together (at most
+--batch). Writes samples.csv, summary.md, summary.json and soak.png to
+reports/soak/<version>/<tag>/ (or --out).
 """
 
 from __future__ import annotations
@@ -215,7 +215,8 @@ def metric_values(text: str, names) -> dict:
 
 def count_check(url: str, client: Counter, after_ok: bool) -> dict:
     """The server's counters (/stats, and /metrics) next to the clients' own counts."""
-    q = httpx.get(url + "/stats", timeout=30).json()["queue"]
+    stats = httpx.get(url + "/stats", timeout=30).json()
+    q = stats["queue"]
     server = {k: q[k] for k in SERVER_COUNTS}
     names = {f"engine_generations_{k}_total": k for k in SERVER_COUNTS}
     scraped = metric_values(httpx.get(url + "/metrics", timeout=30).text, names)
@@ -226,7 +227,8 @@ def count_check(url: str, client: Counter, after_ok: bool) -> dict:
              and server["completed"] == clients["completed"] and server["failed"] == 0
              and metrics == server)
     return {"server_counts": server, "client_counts": clients, "metrics_counts": metrics,
-            "counts": "agree" if agree else "disagree"}
+            "counts": "agree" if agree else "disagree",
+            "peak_rows": stats["batch"]["peak_rows"]}   # most rows decoding together
 
 
 def plot(samples: list, out: Path, title: str):
