@@ -179,7 +179,9 @@ def test_gateway_counts_each_job_once():
         held.cancel()                # cancelled while queued in the engine: once
         held.cancel()
         assert (await _last(held)).finish_reason == "cancelled"
+        assert _counts(gw) == (0, 1, 0)      # counted before its last output was handed over
         assert (await _last(done)).finish_reason == "length"
+        assert _counts(gw) == (1, 1, 0)
         done.cancel()                # a finished stream's cleanup: not a cancellation
         done.cancel()
         assert not done.cancelled.is_set()
