@@ -15,9 +15,10 @@ hostile request from the catalogue (deep JSON, seed out of range, too many promp
 characters, a browser simple request, a foreign origin, malformed HTTP), which must
 be refused with a 4xx. A stream its client will drop asks for --drop-tokens tokens
 with the model's end tokens banned (`logit_bias`), so it is certainly still running
-when its client leaves: then every client-side disconnect is one cancellation. Responses turns are sent with `store: false` unless --store
-(the store is a bounded cache that would otherwise grow to its cap: a slope, no leak);
-its size is sampled as `store_mb`. The prompt cache is off unless --prompt-cache-mb.
+when its client leaves: then every client-side disconnect is one cancellation.
+Responses turns are sent with `store: false` unless --store (the store is a bounded
+cache that would otherwise grow to its cap: a slope, no leak); its size is sampled as
+`store_mb`. The prompt cache is off unless --prompt-cache-mb.
 
 Verdict: the slope of RSS and of MLX active memory over the second half of the run
 (after warm-up), by least squares, in MB/min; "flat" when both are under --flat-mb-min.
