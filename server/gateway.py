@@ -13,13 +13,14 @@ after it waits behind it, so arrival order holds.
 step; a job cancelled while still queued never starts.
 
 Counters (/stats `queue`, /metrics `engine_generations_*`): each job is counted
-once, by its last output, in `_end`: `cancelled` when the Engine aborted it (its
-client left, it was cancelled while queued, its request was answered with an error
-after queueing, the server stopped) before it finished; `completed` when it ran to a stop or its length; `failed` for a server
-fault. A job cancelled after its last output (the cleanup of a finished stream)
-is not in `_jobs` any more: nothing happens and nothing is counted. A request
-refused before its first token (a client error) is answered 4xx and counted in
-none of them.
+once, by its last output, in `_end`, before that output is handed over:
+`cancelled` when the Engine aborted it before it finished (its client left, it was
+cancelled while queued, its request was answered with an error after queueing, the
+server stopped); `completed` when it ran to a stop or its length; `failed` for a
+server fault. A job cancelled after its last output (the cleanup of a finished
+stream) is not in `_jobs` any more: nothing happens and nothing is counted. A
+request refused before its first token (a client error) is answered 4xx and
+counted in none of them.
 
 Errors: one raised before the request produced a token (prompt build,
 admission, an adapter unmounted meanwhile) is the client's; one raised after

@@ -6,9 +6,9 @@ decoding, never more than --batch.
 The server test runs streams on all four protocols at once (`--batch 4`, and one at a
 time), some dropped by their clients at known chunks (EOS banned, thousands of tokens
 asked: they are certainly still running when their client leaves), some run to their
-length, and non-streamed requests whose clients time out (running, or still queued). The gateway tests drive its counting
-paths one by one on a scripted engine: a finished job "cancelled" by cleanup code, a
-job cancelled while queued, a fault at submit."""
+length, and non-streamed requests whose clients time out (running, or still queued).
+The gateway tests drive its counting paths one by one on a scripted engine: a finished
+job "cancelled" by cleanup code, a job cancelled while queued, a fault at submit."""
 
 from __future__ import annotations
 
