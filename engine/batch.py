@@ -228,6 +228,7 @@ class BatchScheduler:
         self._uid = 0
         self._cancelled: List[RowEvent] = []
         self.steps = 0
+        self.decoded_rows = 0     # rows in the last step's decode forward (0: none ran)
 
     # -- requests -----------------------------------------------------------------
     def submit(self, req: BatchRequest) -> int:
@@ -264,6 +265,11 @@ class BatchScheduler:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def decoding(self) -> int:
+        """Rows in the decode group: those that run the next decode forward together."""
+        return len(self._decode)
+
     def has_work(self) -> bool:
         return bool(self._queue or self._prefill.rows or self._decode.rows or self._cancelled)
 
@@ -273,6 +279,7 @@ class BatchScheduler:
     # -- the loop -----------------------------------------------------------------
     def step(self) -> List[RowEvent]:
         events, self._cancelled = self._cancelled, []
+        self.decoded_rows = len(self._decode)
         if self._decode.rows:
             events += self._decode_step()
         self.steps += 1

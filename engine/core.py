@@ -150,7 +150,8 @@ class Engine:
         self._done_now: list = []        # outputs to hand out with the next step
         self._samplers: dict = {}
         self.steps = 0
-        self.peak_rows = 0
+        self.peak_rows = 0               # most rows that ran one decode forward together
+        self.rows_now = 0                # rows decoding now (they run the next decode step)
         self.lanes = {"batch": 0, "solo": 0}
         self.solo_reasons: dict = {}
 
@@ -256,11 +257,14 @@ class Engine:
         return bool(self._live or self._done_now)
 
     def stats(self) -> dict:
-        """Counters (safe to read from another thread than the one stepping)."""
+        """Counters (safe to read from another thread than the one stepping). active_rows:
+        requests handed to the batch (queued in it, prefilling or decoding); rows_now: rows
+        decoding now (a solo request decoding is one); peak_rows: most rows that ran one
+        decode forward together."""
         return {"max_batch": self.max_batch, "active_rows": len(self._rows),
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
-                "steps": self.steps, "peak_rows": self.peak_rows, "lanes": dict(self.lanes),
-                "solo_reasons": dict(self.solo_reasons)}
+                "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
+                "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons)}
 
     # --- the loop ------------------------------------------------------------------
 
@@ -269,13 +273,17 @@ class Engine:
         outs, self._done_now = self._done_now, []
         outs += self._schedule()
         solo = self._solo
+        decoded = 0                        # rows in this step's decode forward
         try:      # the forward runs right below here (one frame to the model in each lane)
             if solo is not None and solo.steps is None:
                 self._solo_prefill(solo)   # one chunk per step: abort() lands between chunks
             elif solo is not None:
+                decoded = 1
                 outs += self._solo_token(solo, *next(solo.steps))
             elif self._sched is not None and self._sched.has_work():
-                outs += self._batch_events(self._sched.step())
+                events = self._sched.step()
+                decoded = self._sched.decoded_rows
+                outs += self._batch_events(events)
         except Exception as e:   # a fault: the solo request, or every row of the batch, ends
             if solo is not None:
                 self._end_solo(solo, store=False)
@@ -285,6 +293,9 @@ class Engine:
                 self._sched, self._rows = self._new_scheduler(), {}
                 outs += [self._fail(r, e) for r in rows]
         self.steps += 1
+        self.peak_rows = max(self.peak_rows, decoded)
+        self.rows_now = (int(self._solo.steps is not None) if self._solo is not None
+                         else self._sched.decoding if self._sched is not None else 0)
         return outs
 
     def _schedule(self) -> list:
@@ -312,7 +323,6 @@ class Engine:
                 self._start_row(req)
             except Exception as e:         # (its processors, sampler or seed): this row only
                 failed.append(self._fail(req, e))
-        self.peak_rows = max(self.peak_rows, len(self._rows))
         return failed
 
     def batch_fits(self, needs: list) -> bool:

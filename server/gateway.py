@@ -12,6 +12,16 @@ after it waits behind it, so arrival order holds.
 `job.cancel()` (the HTTP client went away) aborts the request at the next
 step; a job cancelled while still queued never starts.
 
+Counters (/stats `queue`, /metrics `engine_generations_*`): each job is counted
+once, by its last output, in `_end`, before that output is handed over:
+`cancelled` when the Engine aborted it before it finished (its client left, it was
+cancelled while queued, its request was answered with an error after queueing, the
+server stopped); `completed` when it ran to a stop or its length; `failed` for a
+server fault. A job cancelled after its last output (the cleanup of a finished
+stream) is not in `_jobs` any more: nothing happens and nothing is counted. A
+request refused before its first token (a client error) is answered 4xx and
+counted in none of them.
+
 Errors: one raised before the request produced a token (prompt build,
 admission, an adapter unmounted meanwhile) is the client's; one raised after
 is a server fault (`client_error(out)` tells them apart).
@@ -89,7 +99,9 @@ class GenerationJob:
 
     # asyncio side
     def cancel(self) -> None:
-        self.cancelled.set()
+        """Abort at the next step (nothing to do once the job has finished)."""
+        if not self.finished:
+            self.cancelled.set()
 
     def _take(self) -> list:
         items = list(self._items)
@@ -306,18 +318,15 @@ class Gateway:
     def _start(self, job: GenerationJob) -> None:
         rid = str(job.id)
         if job.cancelled.is_set():
-            self.cancelled += 1
-            job.finished = True
-            job.put(RequestOutput("", [], finish_reason="cancelled", request_id=rid,
-                                  started=False))
+            self._end(job, RequestOutput("", [], finish_reason="cancelled", request_id=rid,
+                                         started=False))
             return
         job.started_at = time.perf_counter()
         try:
             self.engine.submit(job.prompt, job.params, request_id=rid, adapter=job.adapters)
         except Exception as e:
-            job.finished = True
-            job.put(RequestOutput("", [], finish_reason="error", request_id=rid, error=e,
-                                  started=False))
+            self._end(job, RequestOutput("", [], finish_reason="error", request_id=rid, error=e,
+                                         started=False))
             return
         self._jobs[rid] = job
 
@@ -335,20 +344,27 @@ class Gateway:
             if job is None:
                 continue
             job.clock.tick(out)
-            job.put(out)
             if not out.finished:
+                job.put(out)
                 continue
             del self._jobs[out.request_id]
-            job.finished = True
-            if out.finish_reason == "cancelled":
-                self.cancelled += 1
-            elif out.finish_reason == "error":
-                if not client_error(out):
-                    self.failed += 1
-                    log.error("generation %s failed: %s: %s", job.id,
-                              type(out.error).__name__, out.error,
-                              exc_info=(type(out.error), out.error, out.error.__traceback__))
-            else:
-                self.completed += 1
-            if out.finish_reason != "error":
-                self.last_generation = job.clock.summary()
+            self._end(job, out)
+
+    def _end(self, job: GenerationJob, out: RequestOutput) -> None:
+        """Hand a job its last output and count it (the one place the counters move)."""
+        if job.finished:                  # (never twice: a job has one last output)
+            return
+        job.finished = True
+        if out.finish_reason == "cancelled":
+            self.cancelled += 1
+        elif out.finish_reason == "error":
+            if not client_error(out):
+                self.failed += 1
+                log.error("generation %s failed: %s: %s", job.id, type(out.error).__name__,
+                          out.error,
+                          exc_info=(type(out.error), out.error, out.error.__traceback__))
+        else:
+            self.completed += 1
+        if out.finish_reason != "error" and job.started_at is not None:
+            self.last_generation = job.clock.summary()
+        job.put(out)

@@ -11,8 +11,10 @@ Two sources, neither inside the request handlers:
   coalesces tokens, so a gap can span several tokens). Prompt and generated
   token counts come from the `usage` every protocol reports in its response.
 - `ServerCollector` reads the live server state when scraped: queue depth,
-  running generations, batch rows, prompt-cache hits/misses/bytes/entries, and
-  MLX's active and peak memory.
+  running generations, batch rows (handed over, decoding now, peak), the
+  generations completed / cancelled / failed (the gateway's counters, as in
+  /stats), prompt-cache hits/misses/bytes/entries, and MLX's active and peak
+  memory.
 
 Each app has its own `CollectorRegistry`, so several servers in one process
 (tests) do not share counters.
@@ -208,6 +210,11 @@ class ServerCollector:
         yield GaugeMetricFamily("engine_batch_rows", "batch rows in use", value=rows)
         yield GaugeMetricFamily("engine_batch_rows_max", "batch rows configured (--batch)",
                                 value=size)
+        yield GaugeMetricFamily("engine_batch_rows_decoding", "rows decoding now",
+                                value=b["rows_now"])
+        yield GaugeMetricFamily("engine_batch_rows_peak",
+                                "most rows that ran one decode step together",
+                                value=b["peak_rows"])
         for name, help_, key in GATEWAY_COUNTERS:
             yield CounterMetricFamily(name, help_, value=g[key])
         if st.prompt_cache is not None:

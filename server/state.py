@@ -192,14 +192,16 @@ class ServerState:
 
     def batch_stats(self) -> dict:
         st = self.engine.stats()
+        # rows_now: rows decoding now; peak_rows: most rows in one decode forward
+        rows = {"rows_now": st["rows_now"], "peak_rows": st["peak_rows"]}
         if not self.engine.batching:
             return {"configured": self.config.batch, "batched": False,
                     "active_rows": st["active_rows"] + int(st["solo_active"]), "available": False,
                     "queued": self.gateway.queued, "max_queue": self.max_queue,
-                    "rejected": self.rejected}
+                    "rejected": self.rejected, **rows}
         return {"configured": self.config.batch, "batched": self.engine.batching,
                 "available": self.engine.batching, "active_rows": st["active_rows"],
-                "queued": st["waiting"], "steps": st["steps"], "peak_rows": st["peak_rows"],
+                "queued": st["waiting"], "steps": st["steps"], **rows,
                 "max_queue": self.max_queue, "rejected": self.rejected,
                 "lanes": {"batch": st["lanes"]["batch"], "serial": st["lanes"]["solo"]},
                 "serial_reasons": st["solo_reasons"]}

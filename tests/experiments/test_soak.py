@@ -1,5 +1,6 @@
 """experiments/soak.py in its short form (CI): streaming clients with random disconnects
-and hostile requests mixed in, against a live server, for half a minute."""
+and hostile requests mixed in, against a live server, for half a minute; the server's
+counts agree with the clients'."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def test_short_soak(tmp_path):
     assert n.get("error", 0) == 0, s["failures"]
     assert n["completed"] > 0 and n["disconnected"] > 0 and n["refused"] > 0, n
     assert s["served_after"] == 200
+    # the server's own counts (/stats and /metrics) equal the clients': every disconnect
+    # is one cancellation, every stream read to the end one completion
+    assert s["counts"] == "agree", (s["server_counts"], s["client_counts"], s["metrics_counts"])
+    assert s["server_counts"]["cancelled"] == n["disconnected"]
+    assert 1 <= s["peak_rows"] <= 4
     # every row's KV was freed: MLX's live memory is back at its idle level (weights)
     assert s["mlx_active_idle_after_mb"] <= s["mlx_active_idle_before_mb"] + 1.0, s
     for f in ("samples.csv", "summary.md", "soak.png"):

@@ -108,7 +108,8 @@ def test_stats_schema(aux):
     assert CEILING_TARGET <= adm["max_safe_context"] < CEILING_TARGET + 10
     assert adm["weights_bytes"] == aux.state.admission.weights > 0
     assert s["batch"] == {"configured": 1, "batched": False, "active_rows": 0,
-                          "available": False, "queued": 0, "max_queue": 16, "rejected": 0}
+                          "available": False, "queued": 0, "max_queue": 16, "rejected": 0,
+                          "rows_now": 0, "peak_rows": 1}
 
 
 def test_stats_last_generation_clock(aux):

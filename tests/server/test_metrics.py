@@ -142,9 +142,11 @@ def test_collector_reads_the_engine_counters_through_the_state(batched, configur
         gateway, prompt_cache = Gateway(), None
 
         def batch_stats(self):
-            return {"configured": configured, "batched": batched, "active_rows": 3}
+            return {"configured": configured, "batched": batched, "active_rows": 3,
+                    "rows_now": 2, "peak_rows": 4}
 
     got = {fam.name: fam.samples[0].value for fam in ServerCollector(State()).collect()}
     assert got["engine_queue_depth"] == 2 and got["engine_active_generations"] == 3
     assert got["engine_batch_rows"] == 3 and got["engine_batch_rows_max"] == rows_max
+    assert got["engine_batch_rows_decoding"] == 2 and got["engine_batch_rows_peak"] == 4
     assert got["engine_generations_completed"] == 5
