@@ -41,6 +41,7 @@ from .messages import normalize_tools, parse_arguments
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, anthropic_body, bad_request
+from .schemas.anthropic import CountTokensRequest, MessagesRequest
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
         "cancelled": "end_turn"}
@@ -297,9 +298,9 @@ def _error_frame(e: APIError) -> bytes:
     return sse.event("error", anthropic_body(e))
 
 
-async def messages(request: Request):
+async def messages(request: Request, validated: MessagesRequest):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     call = parse_messages(body, state)
     stream = F.boolean(body, "stream", False)
     gen = await start(state, call, request)
@@ -312,8 +313,8 @@ async def messages(request: Request):
     return JSONResponse(render.result(done))
 
 
-async def count_tokens(request: Request):
+async def count_tokens(request: Request, validated: CountTokensRequest):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     call = parse_messages(body, state, require_max_tokens=False)
     return JSONResponse({"input_tokens": len(encode(state, call))})
