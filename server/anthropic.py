@@ -75,6 +75,14 @@ def _blocks_text(content, where: str) -> str:
     return "".join(parts)
 
 
+def _opt(block: dict, key: str, kind: type, where: str):
+    """An optional block field: its value (None when absent or null) or a 400."""
+    v = block.get(key)
+    if v is not None and not isinstance(v, kind):
+        raise bad_request(f"{where}.{key} must be a {'string' if kind is str else 'boolean'}")
+    return v
+
+
 def convert_messages(system, messages) -> list:
     out = []
     if system is not None:
@@ -118,7 +126,7 @@ def convert_messages(system, messages) -> list:
                 inp = b.get("input", {})
                 if not isinstance(inp, (dict, str)):
                     raise bad_request(f"{w}: tool_use input must be an object")
-                calls.append({"id": str(b.get("id") or f"toolu_{i}_{j}"), "type": "function",
+                calls.append({"id": _opt(b, "id", str, w) or f"toolu_{i}_{j}", "type": "function",
                               "function": {"name": name, "arguments": parse_arguments(inp)}})
             elif t == "tool_result":
                 if role != "user":
@@ -127,9 +135,9 @@ def convert_messages(system, messages) -> list:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []
                 res = _blocks_text(b.get("content"), w)
-                if b.get("is_error"):
+                if _opt(b, "is_error", bool, w):
                     res = f"Error: {res}"
-                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                out.append({"role": "tool", "tool_call_id": _opt(b, "tool_use_id", str, w) or "",
                             "content": res})
             elif t in ("image", "document"):
                 raise bad_request(f"{w}: {t} blocks are not supported: this model has no "
@@ -155,10 +163,16 @@ def convert_tools(tools):
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise bad_request(f"tools[{i}] must be an object", param="tools")
-        if t.get("type") not in (None, "custom"):
+        kind = t.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise bad_request(f"tools[{i}].type must be a string", param="tools")
+        if kind not in (None, "custom"):
             continue  # server tools (web_search_*, bash_*, ...) are dropped
+        schema = t.get("input_schema")
+        if schema is None or schema == {}:
+            schema = {"type": "object", "properties": {}}
         keep.append({"name": t.get("name"), "description": t.get("description"),
-                     "parameters": t.get("input_schema") or {"type": "object", "properties": {}}})
+                     "parameters": schema})
     return normalize_tools(keep)
 
 

@@ -6,31 +6,42 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from .common import Body, Int, Out, SamplingFields, described, sse_events
+from .common import Body, Int, Out, SamplingFields, described, nullable, sse_events
 
 TEXT_BLOCK = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-BLOCK = {"type": "object", "required": ["type"], "properties": {
-    "type": {"type": "string", "enum": ["text", "tool_use", "tool_result", "thinking",
-                                        "redacted_thinking"]},
-    "text": {"type": "string"},
-    "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"},
-    "tool_use_id": {"type": "string"},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]},
-    "is_error": {"type": "boolean"}},
-    "description": "text; tool_use (assistant); tool_result (user); thinking blocks are "
-                   "dropped; image and document blocks are refused (400)."}
+BLOCK = {"anyOf": [
+    TEXT_BLOCK,
+    {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"type": "string", "enum": ["tool_use"]}, "id": nullable({"type": "string"}),
+        "name": {"type": "string", "minLength": 1},
+        "input": {"anyOf": [{"type": "object"}, {"type": "string", "description": "JSON"}]}},
+     "description": "Assistant messages only."},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["tool_result"]},
+        "tool_use_id": nullable({"type": "string"}),
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK},
+                              {"type": "null"}]},
+        "is_error": nullable({"type": "boolean"})},
+     "description": "User messages only."},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["thinking", "redacted_thinking"]}},
+     "description": "Dropped (earlier reasoning is not re-read)."}],
+    "description": "Image and document blocks are refused (400): the model reads text only."}
 MessageContent = described({"anyOf": [{"type": "string"}, {"type": "array", "items": BLOCK}],
                             "description": "A string or content blocks."})
 System = described({"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK},
                               {"type": "null"}],
                     "description": "The system prompt: a string or text blocks."})
 Tools = described({"anyOf": [{"type": "array", "items": {
-    "type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
-        "input_schema": {"type": "object"},
-        "type": {"type": "string", "description": "custom (default); server tool types "
-                                                  "(web_search_*, bash_*, ...) are dropped"}}}},
+    "type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1,
+                 "description": "Required for a custom tool."},
+        "description": nullable({"type": "string"}),
+        "input_schema": nullable({"type": "object"}),
+        "type": nullable({"type": "string", "description": "custom (default); server tool "
+                                                           "types (web_search_*, bash_*, ...) "
+                                                           "are dropped"})}}},
     {"type": "null"}]})
 
 

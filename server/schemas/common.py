@@ -84,6 +84,11 @@ def _json_object(v):
 JsonObject = flexible({"anyOf": [{"type": "object"}, {"type": "null"}]}, _json_object)
 
 
+def nullable(schema: dict) -> dict:
+    """`schema` or null (a field the handler reads as absent when it is null)."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
 def _any(v):
     return v
 

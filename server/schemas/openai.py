@@ -6,7 +6,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from .common import Body, Int, Out, SamplingFields, StringOrStrings, described, sse_events
+from .common import (Body, Int, Out, SamplingFields, StringOrStrings, described, nullable,
+                     sse_events)
 
 TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"type": "string", "enum": ["text", "input_text", "output_text"]},
@@ -50,7 +51,7 @@ class FunctionDef(Body):
 
 
 TOOL_SCHEMA = {"type": "object", "properties": {
-    "type": {"type": "string", "description": "\"function\" (other types are ignored)"},
+    "type": nullable({"type": "string", "description": "\"function\" (other types are ignored)"}),
     "function": FunctionDef.model_json_schema()}}
 TOOLS_SCHEMA = {"anyOf": [{"type": "array", "items": TOOL_SCHEMA}, {"type": "null"}],
                 "description": "Function tools ({type: \"function\", function: {name, "
@@ -67,10 +68,12 @@ TOOL_CHOICE_SCHEMA = {"anyOf": [
                    "enforced by a grammar), or a named function among `tools`."}
 RESPONSE_FORMAT_SCHEMA = {"anyOf": [
     {"type": "object", "required": ["type"], "properties": {
-        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "type": {"type": "string", "enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["json_schema"]},
         "json_schema": {"type": "object", "properties": {
-            "name": {"type": "string"}, "schema": {"type": "object"},
-            "strict": {"type": "boolean"}}}}},
+            "name": nullable({"type": "string"}), "schema": {"type": "object"},
+            "strict": nullable({"type": "boolean"})}}}},
     {"type": "null"}],
     "description": "Structured output, enforced by a grammar: json_object, or json_schema "
                    "with a JSON Schema."}

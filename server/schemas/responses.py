@@ -6,28 +6,38 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from .common import Body, Int, Out, SamplingFields, StringOrStrings, described, sse_events
+from .common import (Body, Int, Out, SamplingFields, StringOrStrings, described, nullable,
+                     sse_events)
 from .openai import TOOL_SCHEMA
 
 PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"type": "string", "enum": ["input_text", "output_text", "text", "refusal"]},
     "text": {"type": "string"}}}
-ITEM = {"type": "object", "properties": {
-    "type": {"type": "string", "enum": ["message", "function_call", "function_call_output",
-                                        "reasoning"]},
-    "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": PART}]},
-    "call_id": {"type": "string"}, "name": {"type": "string"},
-    "arguments": {"type": "string", "description": "A JSON string."},
-    "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": PART}]}},
-    "description": "message (role + content); function_call (call_id, name, arguments); "
-                   "function_call_output (call_id, output); reasoning items are dropped."}
+TEXT_OR_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": PART}, {"type": "null"}]}
+ITEM = {"anyOf": [
+    {"type": "object", "required": ["role"], "properties": {
+        "type": nullable({"type": "string", "enum": ["message"],
+                          "description": "May be left out on a message."}),
+        "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+        "content": TEXT_OR_PARTS}},
+    {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"type": "string", "enum": ["function_call"]},
+        "call_id": nullable({"type": "string"}), "id": nullable({"type": "string"}),
+        "name": {"type": "string", "minLength": 1},
+        "arguments": {"type": "string", "description": "A JSON string."}}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["function_call_output"]},
+        "call_id": nullable({"type": "string"}), "output": TEXT_OR_PARTS}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["reasoning"]}},
+     "description": "Dropped."}]}
 Input = described({"anyOf": [{"type": "string"}, {"type": "array", "items": ITEM}],
                    "description": "A user message, or input items."})
 FLAT_TOOL = {"type": "object", "properties": {
-    "type": {"type": "string", "description": "\"function\" (built-in tool types are dropped)"},
-    "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
-    "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}
+    "type": nullable({"type": "string",
+                      "description": "\"function\" (built-in tool types are dropped)"}),
+    "name": {"type": "string", "minLength": 1}, "description": nullable({"type": "string"}),
+    "parameters": nullable({"type": "object"}), "strict": nullable({"type": "boolean"})}}
 Tools = described({"anyOf": [{"type": "array", "items": {"anyOf": [FLAT_TOOL, TOOL_SCHEMA]}},
                              {"type": "null"}]})
 ToolChoice = described({"anyOf": [
@@ -35,9 +45,12 @@ ToolChoice = described({"anyOf": [
     {"type": "object", "required": ["type", "name"], "properties": {
         "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"}}},
     {"type": "null"}], "description": "A named function must be among `tools`."})
-TextFormat = described({"anyOf": [{"type": "object", "required": ["type"], "properties": {
-    "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
-    "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}},
+TextFormat = described({"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["json_schema"]}, "name": nullable({"type": "string"}),
+        "schema": {"type": "object"}, "strict": nullable({"type": "boolean"})}},
     {"type": "null"}], "description": "Structured output, enforced by a grammar."})
 
 

@@ -13,6 +13,7 @@
 
 import os
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -20,13 +21,14 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance,
+from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                 response_headers_conformance,
                                                 response_schema_conformance,
                                                 status_code_conformance)
 
-EXAMPLES = int(os.environ.get("MLXP_FUZZ_EXAMPLES", "12"))
-MODES = [GenerationMode(m) for m in os.environ.get("MLXP_FUZZ_MODES", "positive").split(",")]
+EXAMPLES = int(os.environ.get("MLXP_FUZZ_EXAMPLES", "15"))
+MODES = [GenerationMode(m)
+         for m in os.environ.get("MLXP_FUZZ_MODES", "positive,negative").split(",")]
 REQUEST_TIMEOUT_S = 20.0          # a hang is a failure, not a stuck test run
 MAX_NEW_TOKENS = 4                # keep fuzzed generations short on the CPU
 OPERATIONS = {("get", "/health"), ("get", "/v1"), ("get", "/v1/models"),
@@ -38,6 +40,9 @@ OPERATIONS = {("get", "/health"), ("get", "/v1"), ("get", "/v1/models"),
               ("delete", "/v1/responses/{response_id}"), ("get", "/metrics")}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
+if GenerationMode.NEGATIVE in MODES:         # a request the document calls invalid is a 4xx
+    CHECKS.append(negative_data_rejection)
+SEEN = Counter()                            # (mode, status) of every fuzzed call
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +59,9 @@ def api(llama_dir, tmp_path_factory):
     yield bg
     bg.stop()
     state.gateway.close()
+    if SEEN:
+        print("\nfuzzed calls by (mode, status):", dict(sorted(SEEN.items())),
+              "total", sum(SEEN.values()))
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +129,24 @@ def test_refused_bodies_keep_the_protocol_shape(api, path, body, param, needle):
     assert "detail" not in r.json()
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/adapters"])
+def test_guards_run_before_the_models(api, path):
+    """The raw-byte guards answer before FastAPI parses or validates anything: a
+    10,000-deep body is the depth guard's quick 400 (not a parser error), a text/plain
+    body the content-type guard's 415."""
+    deep = b'{"x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    t0 = time.monotonic()
+    r = httpx.post(api.url + path, content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and time.monotonic() - t0 < 3.0
+    body = r.json()
+    err = body["error"]
+    assert "nested 10001 levels" in err["message"] and "--max-json-depth" in err["message"]
+    assert (body.get("type") == "error") == path.startswith("/v1/messages")
+    r = httpx.post(api.url + path, content=b'{"messages": []}',
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+
+
 def _bounded(case) -> None:
     """Fuzzed generations stay short: a larger token limit is capped (absent: the
     server's default, also short)."""
@@ -142,5 +168,6 @@ schema = schemathesis.pytest.from_fixture("fuzz_schema")
 def test_schema_fuzzing_conforms(case, api):
     _bounded(case)
     t0 = time.monotonic()
-    case.call_and_validate(checks=CHECKS, timeout=REQUEST_TIMEOUT_S)
+    r = case.call_and_validate(checks=CHECKS, timeout=REQUEST_TIMEOUT_S)
+    SEEN[(case.meta.generation.mode.value if case.meta else "?", r.status_code)] += 1
     assert time.monotonic() - t0 < REQUEST_TIMEOUT_S
