@@ -6,9 +6,11 @@
 - A body the models refuse is a 400 in the protocol's shape naming the field.
 - Schema fuzzing (schemathesis) against the served document on a live server:
   no 5xx, no hang (a per-request timeout), every response's status, content type
-  and body conform to the document. `MLXP_FUZZ_EXAMPLES` (default 12 per operation)
-  sets the size of the run; `MLXP_FUZZ_MODES=positive,negative` adds schema-invalid
-  requests (which must then be refused with a documented 4xx).
+  and body conform to the document, and every request the document calls invalid is
+  refused with a documented 4xx. Hypothesis generates `MLXP_FUZZ_EXAMPLES` (default 20)
+  valid and as many invalid requests per operation (`MLXP_FUZZ_MODES`, default
+  `positive,negative`); `MLXP_FUZZ_COVERAGE=1` adds schemathesis' coverage phase
+  (boundary and type-violating values of every field, ~2,500 more calls).
 """
 
 import os
@@ -26,7 +28,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                 response_schema_conformance,
                                                 status_code_conformance)
 
-EXAMPLES = int(os.environ.get("MLXP_FUZZ_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("MLXP_FUZZ_EXAMPLES", "20"))
+COVERAGE = os.environ.get("MLXP_FUZZ_COVERAGE", "0") == "1"
 MODES = [GenerationMode(m)
          for m in os.environ.get("MLXP_FUZZ_MODES", "positive,negative").split(",")]
 REQUEST_TIMEOUT_S = 20.0          # a hang is a failure, not a stuck test run
@@ -68,6 +71,7 @@ def api(llama_dir, tmp_path_factory):
 def fuzz_schema(api):
     schema = schemathesis.openapi.from_url(api.url + "/openapi.json")
     schema.config.generation.update(modes=MODES)
+    schema.config.phases.coverage.enabled = COVERAGE
     return schema
 
 
