@@ -151,6 +151,19 @@ def test_guards_run_before_the_models(api, path):
     assert r.status_code == 415
 
 
+def test_lone_surrogates_are_400_pairs_are_text(api):
+    """`"\\ud800"` is valid JSON but not Unicode text (it cannot be encoded): refused with
+    a 400 before any handler; an escaped pair (an emoji, as `json.dumps` writes it) is text."""
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        raw = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+        r = httpx.post(api.url + path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "surrogate" in r.text, r.text
+    raw = b'{"max_tokens": 2, "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}'
+    r = httpx.post(api.url + "/v1/chat/completions", content=raw,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def _bounded(case) -> None:
     """Fuzzed generations stay short: a larger token limit is capped (absent: the
     server's default, also short)."""
