@@ -25,7 +25,10 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValida
                       WithJsonSchema)
 from pydantic_core import PydanticCustomError
 
-SEED_MAX = 2 ** 64 - 1          # what mx.random.key takes (engine.request.SEED_MAX)
+from engine.request import RANGES, SEED_MAX     # the engine's own ranges: one source
+
+_TEMP, _PRESENCE, _FREQUENCY = (RANGES[k] for k in ("temperature", "presence_penalty",
+                                                     "frequency_penalty"))
 
 
 class Body(BaseModel):
@@ -75,15 +78,6 @@ STRINGS_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"typ
 StringOrStrings = flexible(STRINGS_SCHEMA, _string_or_strings)
 
 
-def _json_object(v):
-    if v is None or isinstance(v, dict):
-        return v
-    raise invalid("flexible", "must be an object")
-
-
-JsonObject = flexible({"anyOf": [{"type": "object"}, {"type": "null"}]}, _json_object)
-
-
 def nullable(schema: dict) -> dict:
     """`schema` or null (a field the handler reads as absent when it is null)."""
     return {"anyOf": [schema, {"type": "null"}]}
@@ -103,7 +97,7 @@ class SamplingFields(Body):
     """The sampling fields every protocol reads (absent or null = the server's default,
     then the model's `generation_config.json`)."""
 
-    temperature: Optional[float] = Field(None, ge=0, le=2, description=(
+    temperature: Optional[float] = Field(None, ge=_TEMP[0], le=_TEMP[1], description=(
         "Sampling temperature; 0 is greedy."))
     top_p: Optional[float] = Field(None, ge=0, le=1, description="Nucleus sampling mass.")
     top_k: Optional[Int] = Field(None, ge=0, description="Keep the k most likely tokens (0: off).")
@@ -113,9 +107,10 @@ class SamplingFields(Body):
         "Divide the logits of recent tokens by this (1: off)."))
     repetition_context_size: Optional[Int] = Field(None, ge=1, description=(
         "How many recent tokens the repetition/presence/frequency penalties look at."))
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description=(
+    presence_penalty: Optional[float] = Field(None, ge=_PRESENCE[0], le=_PRESENCE[1], description=(
         "Subtracted once from the logit of every token already generated."))
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description=(
+    frequency_penalty: Optional[float] = Field(None, ge=_FREQUENCY[0], le=_FREQUENCY[1],
+                                               description=(
         "Subtracted from a token's logit per occurrence so far."))
     seed: Optional[Int] = Field(None, ge=0, le=SEED_MAX, description=(
         "Seed of this request's sampling (same seed, same prompt: same tokens)."))
