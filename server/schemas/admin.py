@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from .common import Body, Out
 
 
 class AdapterMount(Body):
-    """POST /v1/adapters."""
+    """POST /v1/adapters. (`path` is required; the handler's 400 for a missing or empty
+    one says what the directory must hold.)"""
 
-    path: str = Field(description=(
+    model_config = ConfigDict(json_schema_extra={"required": ["path"]})
+
+    path: Optional[str] = Field(None, description=(
         "The adapter directory (adapters.safetensors + adapter_config.json), under one of "
         "the --adapter-dir roots."), json_schema_extra={"minLength": 1})
     id: Optional[str] = Field(None, description=(
