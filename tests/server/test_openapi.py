@@ -171,8 +171,8 @@ def _bounded(case) -> None:
     if not isinstance(body, dict):
         return
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        v = body.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_NEW_TOKENS:
+        v = body.get(key)        # (an integral float is a valid count too: 1e9)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_NEW_TOKENS:
             body[key] = MAX_NEW_TOKENS
 
 
