@@ -202,4 +202,8 @@ def responses_for(ok: Optional[type], errors: tuple, anthropic: bool = False,
     shape = AnthropicError if anthropic else OpenAIError
     for code in errors:
         out[code] = {"model": shape, "description": WHY[code]}
+        if code == 503:
+            out[code]["headers"] = {"Retry-After": {
+                "description": "Seconds to wait before retrying.",
+                "schema": {"type": "integer", "minimum": 0}}}
     return out
