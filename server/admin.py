@@ -7,6 +7,7 @@ from starlette.responses import JSONResponse, Response
 
 from . import fields as F
 from .errors import APIError, bad_request, from_exception
+from .schemas.admin import AdapterMount
 from .security import confine_adapter_dir
 
 HEALTH = b'{"status": "ok"}'   # the exact bytes mlx_lm.server sends
@@ -52,9 +53,9 @@ async def list_adapters(request: Request):
                          "default": list(state.default_adapters)})
 
 
-async def mount_adapter(request: Request):
+async def mount_adapter(request: Request, validated: AdapterMount):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     aid = F.string(body, "id")
     path = F.string(body, "path")
     scale = F.number(body, "scale")
@@ -98,4 +99,4 @@ async def index(request: Request):
         "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
         "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/models",
         "GET /v1/adapters", "POST /v1/adapters", "DELETE /v1/adapters/{id}", "GET /stats",
-        "GET /metrics", "GET /health", "GET / (chat page)"]})
+        "GET /metrics", "GET /health", "GET /openapi.json", "GET / (chat page)"]})

@@ -41,6 +41,7 @@ from .messages import normalize_tools, parse_arguments
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, anthropic_body, bad_request
+from .schemas.anthropic import CountTokensRequest, MessagesRequest
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
         "cancelled": "end_turn"}
@@ -72,6 +73,14 @@ def _blocks_text(content, where: str) -> str:
         else:
             raise bad_request(f"{where}: unsupported block type {t!r} here")
     return "".join(parts)
+
+
+def _opt(block: dict, key: str, kind: type, where: str):
+    """An optional block field: its value (None when absent or null) or a 400."""
+    v = block.get(key)
+    if v is not None and not isinstance(v, kind):
+        raise bad_request(f"{where}.{key} must be a {'string' if kind is str else 'boolean'}")
+    return v
 
 
 def convert_messages(system, messages) -> list:
@@ -117,7 +126,7 @@ def convert_messages(system, messages) -> list:
                 inp = b.get("input", {})
                 if not isinstance(inp, (dict, str)):
                     raise bad_request(f"{w}: tool_use input must be an object")
-                calls.append({"id": str(b.get("id") or f"toolu_{i}_{j}"), "type": "function",
+                calls.append({"id": _opt(b, "id", str, w) or f"toolu_{i}_{j}", "type": "function",
                               "function": {"name": name, "arguments": parse_arguments(inp)}})
             elif t == "tool_result":
                 if role != "user":
@@ -126,9 +135,9 @@ def convert_messages(system, messages) -> list:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []
                 res = _blocks_text(b.get("content"), w)
-                if b.get("is_error"):
+                if _opt(b, "is_error", bool, w):
                     res = f"Error: {res}"
-                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                out.append({"role": "tool", "tool_call_id": _opt(b, "tool_use_id", str, w) or "",
                             "content": res})
             elif t in ("image", "document"):
                 raise bad_request(f"{w}: {t} blocks are not supported: this model has no "
@@ -154,10 +163,16 @@ def convert_tools(tools):
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise bad_request(f"tools[{i}] must be an object", param="tools")
-        if t.get("type") not in (None, "custom"):
+        kind = t.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise bad_request(f"tools[{i}].type must be a string", param="tools")
+        if kind not in (None, "custom"):
             continue  # server tools (web_search_*, bash_*, ...) are dropped
+        schema = t.get("input_schema")
+        if schema is None or schema == {}:
+            schema = {"type": "object", "properties": {}}
         keep.append({"name": t.get("name"), "description": t.get("description"),
-                     "parameters": t.get("input_schema") or {"type": "object", "properties": {}}})
+                     "parameters": schema})
     return normalize_tools(keep)
 
 
@@ -297,9 +312,9 @@ def _error_frame(e: APIError) -> bytes:
     return sse.event("error", anthropic_body(e))
 
 
-async def messages(request: Request):
+async def messages(request: Request, validated: MessagesRequest):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     call = parse_messages(body, state)
     stream = F.boolean(body, "stream", False)
     gen = await start(state, call, request)
@@ -312,8 +327,8 @@ async def messages(request: Request):
     return JSONResponse(render.result(done))
 
 
-async def count_tokens(request: Request):
+async def count_tokens(request: Request, validated: CountTokensRequest):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     call = parse_messages(body, state, require_max_tokens=False)
     return JSONResponse({"input_tokens": len(encode(state, call))})

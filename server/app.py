@@ -17,14 +17,15 @@ import uuid
 from typing import Optional
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Match
 
-from . import admin, anthropic, chat_page, metrics, openai, responses
+from . import chat_page, metrics, routes
 from .first_run import FirstRequestNotice
-from .errors import APIError, body_for, is_anthropic_path
+from .errors import APIError, body_for, from_validation, is_anthropic_path
 from .limits import BodyLimits, default_prompt_chars
 from .chat import cancel_generations
 from .security import SecurityConfig, add_security_middleware, default_allowed_hosts
@@ -41,6 +42,11 @@ def _error_response(request: Request, err: APIError) -> JSONResponse:
 
 async def _api_error(request: Request, exc: APIError):
     return _error_response(request, exc)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError):
+    """A body the request models refuse: a 400 naming the field, never FastAPI's 422."""
+    return _error_response(request, from_validation(exc.errors()))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -84,29 +90,14 @@ def security_for(config, **overrides) -> SecurityConfig:
 
 
 def create_app(state, security: Optional[SecurityConfig] = None) -> FastAPI:
-    app = FastAPI(title="engine-serve", docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="engine-serve", docs_url=None, redoc_url=None,
+                  openapi_url=routes.OPENAPI_PATH,
                   exception_handlers={APIError: _api_error,
+                                      RequestValidationError: _validation_error,
                                       StarletteHTTPException: _http_error,
                                       Exception: _server_error})
     app.state.server = state
-    r = app.router
-    r.add_api_route("/health", admin.health, methods=["GET"])
-    r.add_api_route("/v1", admin.index, methods=["GET"])
-    r.add_api_route("/v1/models", admin.models, methods=["GET"])
-    r.add_api_route("/v1/models/{model_id:path}", admin.model, methods=["GET"])
-    r.add_api_route("/stats", admin.stats, methods=["GET"])
-    r.add_api_route("/v1/adapters", admin.list_adapters, methods=["GET"])
-    r.add_api_route("/v1/adapters", admin.mount_adapter, methods=["POST"])
-    r.add_api_route("/v1/adapters/{adapter_id}", admin.unmount_adapter, methods=["DELETE"])
-    r.add_api_route("/v1/chat/completions", openai.chat_completions, methods=["POST"])
-    r.add_api_route("/chat/completions", openai.chat_completions, methods=["POST"])
-    r.add_api_route("/v1/completions", openai.completions, methods=["POST"])
-    r.add_api_route("/v1/messages", anthropic.messages, methods=["POST"])
-    r.add_api_route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"])
-    r.add_api_route("/v1/responses", responses.create_response, methods=["POST"])
-    r.add_api_route("/v1/responses/{response_id}", responses.get_response, methods=["GET"])
-    r.add_api_route("/v1/responses/{response_id}", responses.delete_response,
-                    methods=["DELETE"])
+    routes.install(app)           # every route, its request model and response bodies
     security = security or security_for(state.config)
     if security.limits.max_prompt_chars <= 0:     # 0 = derive from the model's context
         from dataclasses import replace

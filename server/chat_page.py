@@ -34,5 +34,6 @@ async def no_icon(request: Request):
 
 def install(app) -> None:
     for path in PATHS:
-        app.router.add_api_route(path, chat_page, methods=["GET"])
-    app.router.add_api_route("/favicon.ico", no_icon, methods=["GET"])   # browsers ask for it
+        app.router.add_api_route(path, chat_page, methods=["GET"], include_in_schema=False)
+    app.router.add_api_route("/favicon.ico", no_icon, methods=["GET"],   # browsers ask for it
+                             include_in_schema=False)

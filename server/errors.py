@@ -115,3 +115,74 @@ def is_anthropic_path(path: str) -> bool:
 
 def body_for(path: str, err: APIError) -> dict:
     return anthropic_body(err) if is_anthropic_path(path) else openai_body(err)
+
+
+# --- request validation errors (pydantic, via FastAPI) -------------------------------
+
+_TYPE_WORDS = {"int_type": "an integer", "int_from_float": "an integer",
+               "int_parsing": "an integer", "float_type": "a number",
+               "float_parsing": "a number", "finite_number": "a number",
+               "bool_type": "a boolean", "string_type": "a string", "dict_type": "an object",
+               "model_type": "an object", "model_attributes_type": "an object",
+               "list_type": "an array"}
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"),
+           "greater_than": (">", "gt"), "less_than": ("<", "lt")}
+
+
+def _where(path) -> tuple:
+    """('messages', 0, 'role') -> ("messages[0].role", "messages"): the field's full path
+    for the message, and `param` (its named fields up to the first array index, as
+    the handlers name them: messages, tools, response_format.type)."""
+    where, param, indexed = "", [], False
+    for p in path:
+        if isinstance(p, int):
+            where += f"[{p}]"
+            indexed = True
+        else:
+            where += ("." if where else "") + str(p)
+            if not indexed:
+                param.append(str(p))
+    return where, ".".join(param) or None
+
+
+def _shown(v) -> str:
+    import json
+    try:
+        s = json.dumps(v)
+    except (TypeError, ValueError):
+        s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def from_validation(errors: list) -> APIError:
+    """The first error of a FastAPI `RequestValidationError` as a 400 naming the field."""
+    e = errors[0]
+    loc = tuple(e.get("loc") or ())
+    path = loc[1:] if loc[:1] == ("body",) else loc
+    kind, ctx, value = e.get("type", ""), e.get("ctx") or {}, e.get("input")
+    if kind == "json_invalid":
+        at = f" (char {loc[1]})" if len(loc) > 1 and isinstance(loc[1], int) else ""
+        return bad_request(f"invalid JSON body: {ctx.get('error', 'not JSON')}{at}")
+    if not path or all(isinstance(p, int) for p in path):      # the body itself
+        if kind == "missing":
+            return bad_request("invalid JSON body: the body is empty")
+        return bad_request(f"invalid JSON body: expected an object, got {type(value).__name__}")
+    where, param = _where(path)
+    if kind == "missing":
+        msg = f"{where} required"
+    elif kind in _TYPE_WORDS:
+        msg = f"{where} must be {_TYPE_WORDS[kind]}, got {_shown(value)}"
+    elif kind in _BOUNDS:
+        op, key = _BOUNDS[kind]
+        msg = f"{where} must be {op} {ctx.get(key)}, got {_shown(value)}"
+    elif kind == "literal_error":
+        msg = f"{where} must be one of {ctx.get('expected')}, got {_shown(value)}"
+    elif kind == "too_short" and ctx.get("min_length") == 1:
+        msg = f"{where} required: the array is empty"
+    elif kind in ("too_short", "too_long", "string_too_short", "string_too_long"):
+        msg = f"{where}: {e.get('msg', 'wrong length')}"
+    elif kind.startswith("string_") or kind.startswith("dict_") or kind.endswith("_type"):
+        msg = f"{where}: {e.get('msg', 'invalid value')}"
+    else:                 # the schemas' own checks (server.schemas.common.invalid)
+        msg = f"{where} {e.get('msg', 'is invalid')}"
+    return bad_request(msg, param=param)

@@ -2,7 +2,10 @@
 
 Every reader takes the body dict and a key and returns the value or the
 default when the key is absent or null; a value of the wrong type raises
-`APIError(400)` naming the field (booleans are never numbers).
+`APIError(400)` naming the field (booleans are never numbers). The routes'
+request models (`server.schemas`) have checked the types already; these reads
+keep the protocol parsers correct on their own (tests and tools call them with
+plain dicts).
 """
 
 from __future__ import annotations
@@ -12,38 +15,9 @@ import math
 from numbers import Integral, Real
 from typing import Any, Optional
 
-from .errors import APIError, bad_request
+from .errors import bad_request
 
 _MISSING = object()
-
-
-async def read_json(request, max_bytes: int) -> dict:
-    """The request body as a JSON object: 413 past `max_bytes`, 400 if not JSON."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            if int(length) > max_bytes:
-                raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of "
-                                    f"{max_bytes} bytes", type="request_too_large")
-        except ValueError:
-            raise bad_request("invalid Content-Length header") from None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes",
-                           type="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("invalid JSON body: the body is empty")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"invalid JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"invalid JSON body: expected an object, got {type(body).__name__}")
-    return body
 
 
 def _get(body: dict, key: str):

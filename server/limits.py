@@ -15,7 +15,8 @@
    reaches the recursive parser (400).
 4. Characters of string content in the parsed body (every string value and
    key, all messages, tools and system prompts together): over the limit is a
-   413 before the prompt is rendered or tokenized.
+   413 before the prompt is rendered or tokenized. A string holding an unpaired
+   UTF-16 surrogate escape (`"\\ud800"`: valid JSON, not Unicode text) is a 400.
 
 The body is then replayed unchanged to the app. Errors use the protocol's
 shape (`server.errors.body_for`: the path tells the protocol).
@@ -40,6 +41,7 @@ CHARS_PER_CONTEXT_TOKEN = 16      # default prompt-character limit = 16 x the mo
 FALLBACK_MAX_PROMPT_CHARS = 2_000_000
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _JSON_TYPES = ("application/json",)
 
 
@@ -91,6 +93,28 @@ def string_chars(value) -> int:
         elif isinstance(v, list):
             stack.extend(v)
     return total
+
+
+def lone_surrogate(raw: bytes, value) -> Optional[str]:
+    """The first string (value or key) of a parsed body that holds a lone UTF-16 surrogate
+    (`"\\ud800"` unpaired: JSON allows the escape, but it is not Unicode text and cannot
+    be encoded), or None. Only bodies whose raw bytes contain a surrogate escape are walked."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return None
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
 
 
 def _media_type(headers: dict) -> Optional[str]:
@@ -187,6 +211,10 @@ class BodyGuard:
             parsed = json.loads(raw)
         except (ValueError, RecursionError):
             return raw        # the handler answers with the parser's message
+        if lone_surrogate(raw, parsed) is not None:
+            raise _Refused(APIError(400, "invalid JSON body: a string holds an unpaired UTF-16 "
+                                         "surrogate escape (such as \\ud800), which is not "
+                                         "Unicode text"))
         chars = string_chars(parsed)
         if chars > lim.max_prompt_chars:
             raise _Refused(too_large("text of", f"{chars} characters", lim.max_prompt_chars,

@@ -84,6 +84,8 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
         if not isinstance(t, dict):
             raise bad_request(f"{where}[{i}] must be an object", param=where)
         typ = t.get("type", "function")
+        if typ is not None and not isinstance(typ, str):
+            raise bad_request(f"{where}[{i}].type must be a string", param=where)
         if typ not in ("function", "custom", None):
             continue  # built-in / server tools (web_search, ...) are dropped
         fn = t.get("function") if isinstance(t.get("function"), dict) else t
@@ -99,8 +101,11 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
             out.append({"type": "function", "function": fn})   # as sent (key order kept)
             continue
         f = {"name": name}
-        if isinstance(fn.get("description"), str):
-            f["description"] = fn["description"]
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise bad_request(f"{where}[{i}].description must be a string", param=where)
+        if desc is not None:
+            f["description"] = desc
         f["parameters"] = params
         out.append({"type": "function", "function": f})
     return out or None

@@ -29,7 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
+
+from .schemas.common import READ_ERRORS, responses_for
 
 PROTOCOLS = (
     ("/v1/chat/completions", "openai_chat"), ("/chat/completions", "openai_chat"),
@@ -254,6 +256,9 @@ def install(app, state) -> Metrics:
     so it is the outermost one and also counts rejected requests)."""
     m = Metrics(state)
     app.state.metrics = m
-    app.router.add_api_route("/metrics", metrics_route, methods=["GET"])
+    app.router.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["admin"],
+                             response_class=PlainTextResponse,
+                             responses=responses_for(None, READ_ERRORS),
+                             summary="Prometheus metrics (text exposition format)")
     app.add_middleware(MetricsMiddleware, metrics=m)
     return m

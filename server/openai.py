@@ -27,6 +27,7 @@ from .messages import normalize_chat_messages, normalize_tools
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
 from .errors import APIError, bad_request, openai_body
+from .schemas.openai import ChatCompletionRequest, CompletionRequest
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
 
@@ -186,9 +187,9 @@ def _openai_error_frame(e: APIError) -> bytes:
     return sse.data(openai_body(e)) + sse.DONE
 
 
-async def chat_completions(request: Request):
+async def chat_completions(request: Request, validated: ChatCompletionRequest):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     call = parse_chat(body, state)
     stream = F.boolean(body, "stream", False)
     usage_chunk = include_usage(body, stream)
@@ -314,9 +315,9 @@ class CompletionRender:
                 "usage": usage(done)}
 
 
-async def completions(request: Request):
+async def completions(request: Request, validated: CompletionRequest):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     call = parse_completion(body, state)
     stream = F.boolean(body, "stream", False)
     usage_chunk = include_usage(body, stream)

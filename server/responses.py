@@ -42,6 +42,7 @@ from .messages import normalize_tools, parse_arguments
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, bad_request, not_found, openai_body
+from .schemas.responses import ResponsesRequest
 
 
 def _hex(n: int) -> str:
@@ -332,9 +333,9 @@ def _error_frame(render: ResponseRender, e: APIError) -> bytes:
         "error", {"message": e.message, "code": e.code, "param": None})
 
 
-async def create_response(request: Request):
+async def create_response(request: Request, validated: ResponsesRequest):
     state = request.app.state.server
-    body = await F.read_json(request, state.config.max_body_bytes)
+    body = await request.json()      # the dict FastAPI validated (`validated`), cached
     call, conversation, instructions, meta = parse_responses(body, state)
     stream = F.boolean(body, "stream", False)
     gen = await start(state, call, request)

@@ -34,7 +34,8 @@ OPERATIONS = [("GET", "/health"), ("GET", "/v1"), ("GET", "/v1/models"),
               ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"),
               ("POST", "/v1/completions"), ("POST", "/v1/messages"),
               ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
-              ("GET", "/v1/responses/x"), ("DELETE", "/v1/responses/x")]
+              ("GET", "/v1/responses/x"), ("DELETE", "/v1/responses/x"),
+              ("GET", "/openapi.json")]
 
 
 @pytest.fixture(scope="module")

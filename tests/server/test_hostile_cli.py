@@ -41,6 +41,15 @@ def _stream(url, out):
         out.append(repr(e))
 
 
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM), bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
 def test_defaults_and_bounded_shutdown(llama_dir, tmp_path):
     """No key: the ready line says auth=off; no origin is granted; the prompt-character
     limit is 16 x the model's context; SIGTERM with a long stream running exits within
@@ -58,6 +67,14 @@ def test_defaults_and_bounded_shutdown(llama_dir, tmp_path):
         r = httpx.post(url + "/v1/completions", json={"prompt": "a" * over, "max_tokens": 1},
                        timeout=30)
         assert r.status_code == 413 and "--max-prompt-chars" in r.json()["error"]["message"]
+        # 15M characters in a chat body (under --max-body-mb): refused by the guard before
+        # the request model, the chat template or the tokenizer see it (tokenizing first
+        # peaked at ~250 bytes of RSS per prompt byte: 3.7 GB here)
+        before = _peak_rss(p.pid)
+        big = {"messages": [{"role": "user", "content": "a" * 15_000_000}], "max_tokens": 1}
+        r = httpx.post(url + "/v1/chat/completions", json=big, timeout=60)
+        assert r.status_code == 413 and "--max-prompt-chars" in r.json()["error"]["message"]
+        assert _peak_rss(p.pid) - before < 256 << 20, (before, _peak_rss(p.pid))
         r = httpx.post(url + "/v1/adapters", json={"path": "/root"})
         assert r.status_code == 400 and "--adapter-dir" in r.json()["error"]["message"]
         got = []

@@ -341,8 +341,7 @@ def test_lone_surrogate_tool_choice_leaves_nothing_running(rs):
     r = httpx.post(rs.url + "/v1/responses", content=body,
                    headers={"content-type": "application/json"}, timeout=30)
     assert time.monotonic() - t0 < BOUND_S
-    if r.status_code != 200:
-        error_of(r, "/v1/responses")
+    assert r.status_code == 400 and "surrogate" in error_of(r, "/v1/responses")["message"]
     _idle(rs, 1.0)
     normal(rs)
 
