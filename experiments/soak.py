@@ -2,7 +2,7 @@
 disconnects and hostile requests mixed in, sampling the server's RSS and MLX memory.
 
     python3 experiments/soak.py [--minutes 10] [--clients 8] [--batch 4] [--tag cpu]
-                                [--model DIR] [--memory-budget-gb 2] [--prompt-cache-mb 0]
+                                [--model DIR] [--memory-budget-gb GB] [--prompt-cache-mb 0]
                                 [--out DIR]
 
 The server runs in this process (a real uvicorn server on a thread, as in the tests),
@@ -182,8 +182,12 @@ def start_server(a):
     from server.cli import BackgroundServer
     from server.state import ServerConfig, build_state
 
+    budget = a.memory_budget_gb
+    if budget is None:   # the weights plus 2 GB of KV room, so a large model is not refused
+        budget = 2.0 + (sum(f.stat().st_size for f in Path(a.model).glob("*.safetensors")) / 1e9
+                        if a.model else 0.0)
     cfg = ServerConfig(model=a.model, batch=a.batch, prompt_cache_bytes=a.prompt_cache_mb << 20,
-                       memory_budget_bytes=int(a.memory_budget_gb * 1e9), max_tokens=64)
+                       memory_budget_bytes=int(budget * 1e9), max_tokens=64)
     state = build_state(cfg)
     app = create_app(state, security_for(cfg))
     return state, app, BackgroundServer(app, log_level="error").start()
@@ -345,8 +349,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--model", default=None, help="model dir (default: the built-in model)")
-    p.add_argument("--memory-budget-gb", type=float, default=2.0,
-                   help="the server's --memory-budget (GB)")
+    p.add_argument("--memory-budget-gb", type=float, default=None,
+                   help="the server's --memory-budget (GB; default: the model's weights + 2)")
     p.add_argument("--prompt-cache-mb", type=int, default=0)
     p.add_argument("--store", action="store_true",
                    help="keep Responses turns (the store grows to its 32 MiB cap; off by "
