@@ -105,3 +105,24 @@ def test_negative_control_a_nudged_merged_weight_differs():
     lin = merged_of(eng.model.layers[0].self_attn, ("q_proj", "k_proj", "v_proj")).linear
     lin.weight = lin.weight * 1.01
     assert not _solo_matches(eng, ref_model, prompt)
+
+
+def test_engine_generate_merged_proj_flag(monkeypatch, capsys):
+    """`engine-generate --merged-proj` merges the projections (through the Engine) and
+    prints the same text as without the flag."""
+    import engine.cli as engine_cli
+    import engine.fast.apply as apply
+
+    merged = []
+    real = apply.merge_projections
+    monkeypatch.setattr(apply, "merge_projections", lambda m: merged.append(real(m)) or merged[-1])
+    monkeypatch.delenv("MLXP_MERGED_PROJ", raising=False)
+    monkeypatch.delenv("MLXP_TIER", raising=False)
+    path = str(ensure_fixture("qwen3", "bfloat16"))
+    argv = ["--model", path, "--prompt", "def f(x):", "-m", "10", "--temp", "0"]
+    texts = []
+    for extra in ([], ["--merged-proj"]):
+        assert engine_cli.main(argv + extra) == 0
+        texts.append(capsys.readouterr().out.split("=" * 10)[0])
+    assert texts[0] == texts[1] and texts[0].strip()
+    assert len(merged) == 1 and merged[0] > 0   # only the --merged-proj run merged
