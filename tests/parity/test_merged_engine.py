@@ -126,3 +126,14 @@ def test_engine_generate_merged_proj_flag(monkeypatch, capsys):
         texts.append(capsys.readouterr().out.split("=" * 10)[0])
     assert texts[0] == texts[1] and texts[0].strip()
     assert len(merged) == 1 and merged[0] > 0   # only the --merged-proj run merged
+
+
+def test_engine_serve_merged_proj_flag_keeps_batching(monkeypatch):
+    """`engine-serve --merged-proj`: the lever reaches the Engine (which merges at start)
+    and, being L1, does not turn batching off as the fast levers' default does."""
+    from server.cli import config_from_args, parser
+
+    monkeypatch.delenv("MLXP_MERGED_PROJ", raising=False)
+    monkeypatch.delenv("MLXP_TIER", raising=False)
+    cfg = config_from_args(parser().parse_args(["--merged-proj"]))
+    assert cfg.levers.merged_proj and not cfg.levers.fast_decode and cfg.batch == 8
