@@ -115,6 +115,8 @@ class Engine:
     outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
     levers: an `engine.levers.Levers` (None: L1). A fast-decode lever (tier l3)
     runs the solo lane's decode steps through `engine.fast`; batch rows stay L1.
+    `merged_proj` merges the model's q/k/v and gate/up projections here, once, for
+    both lanes (`engine.fast.apply.prepare`).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,

@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .fast.merge import bump_version, remerge, unmerge_paths
 from .lora_switch import SWITCH_TYPES, LoRASwitchLinear
 from .models.switch import SwitchGLU
 
@@ -358,22 +359,8 @@ def _registry(model) -> dict:
     return reg
 
 
-def mount_adapter(model, adapter_dir, name: Optional[str] = None,
-                  scale: Optional[float] = None) -> str:
-    """Apply an mlx-lm-format adapter to `model` (inference; nothing trainable).
-
-    The first adapter on a layer goes into its primary slot - the same module
-    tree and forward as `mlx_lm.load(path, adapter_path=...)`; later ones stack
-    on top (summed in mount order). Returns the adapter's name."""
-    cfg, weights = read_adapter(adapter_dir)
-    name = name or Path(adapter_dir).name or "default"
-    reg = _registry(model)
-    if name in reg:
-        raise AdapterError(f"an adapter named {name!r} is already mounted")
-    s = float(cfg["lora_parameters"]["scale"] if scale is None else scale)
-    rank = int(cfg["lora_parameters"]["rank"])
-    groups = _group_weights(weights, adapter_dir)
-    # validate everything before touching the model
+def _plan(model, groups: dict, adapter_dir) -> list:
+    """(path, module, A, B) per target, every shape checked (nothing touched yet)."""
     plan = []
     for path, g in groups.items():
         try:
@@ -390,6 +377,33 @@ def mount_adapter(model, adapter_dir, name: Optional[str] = None,
             raise AdapterError(f"{adapter_dir}: {path}: lora_a {tuple(a.shape)} / lora_b "
                                f"{tuple(b.shape)} do not fit a {want_a[0]}->{want_b[1]} linear")
         plan.append((path, m, a, b))
+    return plan
+
+
+def mount_adapter(model, adapter_dir, name: Optional[str] = None,
+                  scale: Optional[float] = None) -> str:
+    """Apply an mlx-lm-format adapter to `model` (inference; nothing trainable).
+
+    The first adapter on a layer goes into its primary slot - the same module
+    tree and forward as `mlx_lm.load(path, adapter_path=...)`; later ones stack
+    on top (summed in mount order). Returns the adapter's name."""
+    cfg, weights = read_adapter(adapter_dir)
+    name = name or Path(adapter_dir).name or "default"
+    reg = _registry(model)
+    if name in reg:
+        raise AdapterError(f"an adapter named {name!r} is already mounted")
+    s = float(cfg["lora_parameters"]["scale"] if scale is None else scale)
+    rank = int(cfg["lora_parameters"]["rank"])
+    groups = _group_weights(weights, adapter_dir)
+    # merged q/k/v or gate/up projections (the merged_proj lever) holding a target are
+    # split back into separate modules first: the same values, so the same output
+    split = unmerge_paths(model, groups)
+    try:
+        plan = _plan(model, groups, adapter_dir)
+    except AdapterError:
+        if split:
+            remerge(model)
+        raise
     slots = []
     for path, m, a, b in plan:
         if not isinstance(m, LoRALinear):
@@ -405,6 +419,7 @@ def mount_adapter(model, adapter_dir, name: Optional[str] = None,
             slots.append((path, "stack"))
     mx.eval([a for _, _, a, _ in plan] + [b for _, _, _, b in plan])
     reg[name] = {"path": str(adapter_dir), "scale": s, "slots": slots, "config": cfg}
+    bump_version(model)
     return name
 
 
@@ -433,6 +448,7 @@ def set_adapter(model, name: str, *, active: Optional[bool] = None,
                 it["scale"] = float(scale)
     if scale is not None:
         _registry(model)[name]["scale"] = float(scale)
+    bump_version(model)
 
 
 def unmount_adapter(model, name: str):
@@ -453,6 +469,8 @@ def unmount_adapter(model, name: str):
         if not m.has_primary and not m._stack.items:
             _set_module(model, path, m.linear)
     del reg[name]
+    bump_version(model)
+    remerge(model)          # merged_proj: groups left without an adapter merge again
 
 
 def adapter_nbytes(model, name: str) -> int:
@@ -482,6 +500,8 @@ def remove_lora(model):
                     if isinstance(m, (LoRALinear, LoRASwitchLinear))]:
         _set_module(model, path, m.linear)
     _registry(model).clear()
+    bump_version(model)
+    remerge(model)
     return model
 
 

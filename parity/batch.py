@@ -116,6 +116,35 @@ def run_mlx_lm(model, schedule: Sequence[Insert], max_steps: int = 10_000, **bat
     return [rows[ids[k]] for k in range(len(schedule))]
 
 
+def run_engine(eng, schedule: Sequence[Insert]):
+    """The same schedule through an `engine.Engine` (greedy; its outputs carry the
+    logprob vectors: `keep_logprob_arrays=True`): each Insert is submitted before the
+    `step`-th `eng.step()` and aborted before the `cancel_step`-th. Per Insert, a
+    RowResult (finish None: still running when the loop stopped)."""
+    from engine import SamplingParams
+
+    rids, rows = {}, {}
+    last = max([i.step for i in schedule] + [i.cancel_step or 0 for i in schedule])
+    step = 0
+    while step <= last or eng.has_unfinished():
+        for k, ins in enumerate(schedule):
+            if ins.step == step:
+                rids[k] = eng.submit(list(ins.prompt), SamplingParams(
+                    max_tokens=ins.max_tokens, temperature=ins.temp, seed=ins.seed))
+                rows[rids[k]] = RowResult([], [], None)
+            if ins.cancel_step == step and k in rids:
+                assert eng.abort(rids[k])
+        for out in eng.step():
+            assert out.error is None, out.error
+            r = rows[out.request_id]
+            r.tokens += out.token_ids
+            r.logprobs += out.logprob_arrays
+            if out.finished:
+                r.finish = out.finish_reason
+        step += 1
+    return [rows[rids[k]] for k in range(len(schedule))]
+
+
 def compare(ours, ref):
     """[(row, problem)] for every difference (empty list: bit-identical)."""
     problems = []

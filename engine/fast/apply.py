@@ -1,7 +1,8 @@
 """From a `Levers` value to what the token loop uses: the fast decoder, if any.
 
 `decoder_for` is called once per solo-lane request (engine.core.Engine._start_solo);
-`prepare` applies `force_wire` once per model (Engine construction, and decoder_for).
+`prepare` applies the model-wide levers, `merged_proj` and `force_wire`, once per model
+(Engine construction, and decoder_for).
 
 One `FastDecoder` per (model, levers) is kept on the model object, so its traced
 steps are reused from one request to the next.
@@ -16,6 +17,7 @@ import mlx.core as mx
 
 from ..levers import Levers
 from .decode import FastDecoder, why_not
+from .merge import is_merged, merge_projections
 
 log = logging.getLogger("engine.fast")
 _ATTR = "_mlxp_fast_decoders"
@@ -38,8 +40,14 @@ def apply_force_wire(model, levers: Levers) -> bool:
 
 
 def prepare(model, levers: Optional[Levers]) -> None:
-    """Model-wide levers, once per model (engine.core.Engine at construction): force_wire."""
-    if levers is not None and levers.force_wire and not getattr(model, _WIRED, False):
+    """Model-wide levers, once per model (engine.core.Engine at construction): merged_proj
+    (q/k/v and gate/up merged in place, so both lanes' prompt processing and decode use
+    them; groups carrying an adapter stay separate) and force_wire."""
+    if levers is None:
+        return
+    if levers.merged_proj and not is_merged(model):
+        merge_projections(model)
+    if levers.force_wire and not getattr(model, _WIRED, False):
         object.__setattr__(model, _WIRED, apply_force_wire(model, levers) or "n/a")
 
 

@@ -32,7 +32,7 @@ from .. import models as _models  # noqa: F401  (engine.cache needs the models p
 from ..cache import KVCache
 from ..levers import Levers
 from . import kernels as K
-from .merge import merge_projections, merged_of
+from .merge import merge_projections, merged_of, module_version
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
@@ -81,10 +81,11 @@ class FastDecoder:
         self.use_kernels = levers.perf_kernel and cuda
         self.use_attn_kernel = levers.fused_sdpa and cuda
         a0 = model.layers[0].self_attn
-        self._rope_kernel_ok = (self.use_kernels and not hasattr(a0, "q_norm")
-                                and merged_of(a0, ("q_proj", "k_proj", "v_proj")) is not None)
+        # (RoPE kernel on the merged q/k/v output: per layer, where its group is merged)
+        self._rope_kernel_ok = self.use_kernels and not hasattr(a0, "q_norm")
         self._inv_freq = K.rope_inv_freq(a0.rope, a0.head_dim) if self._rope_kernel_ok else None
         self._fns: dict = {}
+        self._version = module_version(model)
         self._pos: Optional[mx.array] = None
         self._pos_host = -1
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
@@ -94,8 +95,9 @@ class FastDecoder:
     def _attention(self, attn, x, pos, keys, values):
         B = x.shape[0]
         H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        if self._rope_kernel_ok:
-            qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear(x)
+        merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")) if self._rope_kernel_ok else None
+        if merged is not None:
+            qkv = merged.linear(x)
             q, k, v = K.rope_qkv(qkv, self._inv_freq, pos, H, Hkv, D, attn.rope, True)
         else:
             q = attn.q_proj(x).reshape(B, 1, H, D)
@@ -133,6 +135,11 @@ class FastDecoder:
         return (logits, pos + 1, *ks, *vs)
 
     def _fn(self, capacity: int):
+        # a trace holds the modules as they were: adapters mounted, switched or merged
+        # groups split since then need a new one (module_version changes)
+        version = module_version(self.model)
+        if version != self._version:         # (the old traces are dropped, not kept)
+            self._fns, self._version = {}, version
         fn = self._fns.get(capacity)
         if fn is None:
             fn = mx.compile(self._forward) if self.levers.compiled_decode else self._forward

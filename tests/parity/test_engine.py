@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step as ref_generate_step
 
-from engine import Engine, SamplingParams
-from parity.batch import Insert, RowResult, compare, run_mlx_lm
+from engine import Engine
+from parity.batch import Insert, RowResult, compare, run_engine, run_mlx_lm
 from parity.fixtures.models import ensure_fixture
 from parity.oracles import mlx_lm_oracle as oracle
 
@@ -32,25 +32,11 @@ def _engine(family, **kw):
 
 
 def _drive(eng, prompts, max_tokens, abort_at=None):
-    """Submit every prompt, then step; abort_at {index: step}. Per prompt: RowResult-like."""
-    rids = [eng.submit(p, SamplingParams(max_tokens=m, temperature=0.0))
-            for p, m in zip(prompts, max_tokens)]
-    toks = {r: [] for r in rids}
-    lps = {r: [] for r in rids}
-    fin = {}
-    step = 0
-    while eng.has_unfinished():
-        for i, s in (abort_at or {}).items():
-            if s == step:
-                assert eng.abort(rids[i])
-        for out in eng.step():
-            assert out.error is None, out.error
-            toks[out.request_id] += out.token_ids
-            lps[out.request_id] += out.logprob_arrays
-            if out.finished:
-                fin[out.request_id] = out.finish_reason
-        step += 1
-    return [(toks[r], lps[r], fin[r]) for r in rids]
+    """Submit every prompt, then step; abort_at {index: step}. Per prompt: (tokens,
+    logprobs, finish reason)."""
+    rows = run_engine(eng, [Insert(0, p, m, cancel_step=(abort_at or {}).get(i))
+                            for i, (p, m) in enumerate(zip(prompts, max_tokens))])
+    return [(r.tokens, r.logprobs, r.finish) for r in rows]
 
 
 def _eos_free(eng, ref_rows):

@@ -1,4 +1,7 @@
-"""LoRA adapters: mount / use / stack / switch / unmount over HTTP (llama fixture)."""
+"""LoRA adapters: mount / use / stack / switch / unmount over HTTP (llama fixture).
+
+Every server here runs twice: L1 as is, and with merged projections (`--merged-proj`,
+whose merged q/k/v and gate/up groups split when an adapter is mounted onto them)."""
 
 import threading
 import time
@@ -21,9 +24,15 @@ def adapters(llama_dir, qwen_dir, tmp_path_factory):
             "qwen": make_adapter(qwen_dir, d / "qwen", seed=3)}
 
 
+@pytest.fixture(scope="module", params=["l1", "l1+merged_proj"])
+def levers(request):
+    from engine.levers import parse_spec
+    return parse_spec(request.param)
+
+
 @pytest.fixture(scope="module")
-def lsrv(llama_dir, adapters):
-    s = start_server(llama_dir, prompt_cache_bytes=64 << 20)
+def lsrv(llama_dir, adapters, levers):
+    s = start_server(llama_dir, prompt_cache_bytes=64 << 20, levers=levers)
     for name in ("A", "B"):
         r = httpx.post(s.v1 + "/adapters", json={"id": name, "path": str(adapters[name])})
         assert r.status_code == 200, r.text
@@ -141,8 +150,15 @@ def test_mount_waits_for_the_running_generation(lsrv, adapters):
     assert httpx.delete(lsrv.v1 + "/adapters/C").status_code == 200
 
 
-def test_unmount(llama_dir, adapters):
-    s = start_server(llama_dir)
+def _merged_groups(s):
+    """(q/k/v merged, gate/up merged) in the served model's first layer."""
+    from engine.fast.merge import Part
+    layer = s.model.layers[0]
+    return isinstance(layer.self_attn.q_proj, Part), isinstance(layer.mlp.gate_proj, Part)
+
+
+def test_unmount(llama_dir, adapters, levers):
+    s = start_server(llama_dir, levers=levers)
     try:
         p = f"Unmount {uuid.uuid4().hex[:6]}"
         base = text(s, p)
@@ -155,9 +171,12 @@ def test_unmount(llama_dir, adapters):
         assert z["scale"] == 0.0
         assert text(s, p, "Z") == base and text(s, p, "A+Z") == text(s, p, "A")
         assert httpx.delete(s.v1 + "/adapters/Z").status_code == 200
+        assert _merged_groups(s) == ((False, True) if levers.merged_proj else (False, False))
         r = httpx.delete(s.v1 + "/adapters/A")
         assert r.status_code == 200 and r.json() == {"id": "A", "removed_layers": 6}
         assert text(s, p) == base
+        # no adapter left: with merged_proj the groups are merged again
+        assert _merged_groups(s) == ((True, True) if levers.merged_proj else (False, False))
         r = httpx.post(s.v1 + "/completions", json={"prompt": p, "adapter": "A"})
         assert r.status_code == 400
         r = httpx.delete(s.v1 + "/adapters/A")
@@ -169,8 +188,8 @@ def test_unmount(llama_dir, adapters):
         stop_server(s)
 
 
-def test_startup_adapter_is_the_default(llama_dir, adapters):
-    s = start_server(llama_dir, adapter=str(adapters["A"]))
+def test_startup_adapter_is_the_default(llama_dir, adapters, levers):
+    s = start_server(llama_dir, adapter=str(adapters["A"]), levers=levers)
     try:
         p = f"Default {uuid.uuid4().hex[:6]}"
         assert text(s, p) == ref(s, p, [adapters["A"]])
