@@ -104,7 +104,7 @@ class AdapterRegistry:
     # --- worker side (touch the model) --------------------------------------
 
     def mount(self, adapter_id: str, path: str, scale: Optional[float] = None) -> Mounted:
-        from . import lora
+        from . import lora, lora_mount
 
         if not isinstance(adapter_id, str) or not adapter_id.strip() or any(
                 c in adapter_id for c in "+, /") or adapter_id.lower() in ("none", "base"):
@@ -114,29 +114,29 @@ class AdapterRegistry:
             raise AdapterRequestError(f'an adapter with id "{adapter_id}" is already mounted',
                                       param="id")
         try:
-            lora.mount_adapter(self.model, path, name=adapter_id, scale=scale)
+            lora_mount.mount_adapter(self.model, path, name=adapter_id, scale=scale)
         except (lora.AdapterError, OSError, ValueError, KeyError) as e:
             raise AdapterRequestError(f"cannot mount adapter {adapter_id!r}: {e}",
                                       param="path") from None
-        info = lora.mounted_adapters(self.model)[adapter_id]
+        info = lora_mount.mounted_adapters(self.model)[adapter_id]
         cfg = info["config"]
-        size = lora.adapter_nbytes(self.model, adapter_id)
+        size = lora_mount.adapter_nbytes(self.model, adapter_id)
         mounted = Mounted(id=adapter_id, path=str(path), rank=int(cfg["lora_parameters"]["rank"]),
                           scale=float(info["scale"]), size_bytes=int(size),
                           mounted_layers=int(info["layers"]), generation=next(self._gen))
         self.mounted[adapter_id] = mounted
         self._active = None
         # a new adapter starts inactive until a request selects it
-        lora.set_adapter(self.model, adapter_id, active=False)
+        lora_mount.set_adapter(self.model, adapter_id, active=False)
         return mounted
 
     def unmount(self, adapter_id: str) -> dict:
-        from . import lora
+        from . import lora_mount
 
         m = self.mounted.get(adapter_id)
         if m is None:
             raise UnknownAdapter(f'no adapter "{adapter_id}" is mounted', param="id")
-        lora.unmount_adapter(self.model, adapter_id)
+        lora_mount.unmount_adapter(self.model, adapter_id)
         del self.mounted[adapter_id]
         self._active = None
         if self.prompt_cache is not None:
@@ -148,11 +148,11 @@ class AdapterRegistry:
         """Exactly `ids` active (called on the worker before each generation)."""
         if ids == self._active:
             return
-        from . import lora
+        from . import lora_mount
 
         for i in ids:
             if i not in self.mounted:
                 raise ValueError(f'adapter "{i}" was unmounted before the request ran')
         for name in self.mounted:
-            lora.set_adapter(self.model, name, active=name in ids)
+            lora_mount.set_adapter(self.model, name, active=name in ids)
         self._active = ids

@@ -184,6 +184,6 @@ def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = Fa
         return model, load_tokenizer(path)
     model, _config = load_model(path, lazy=lazy)
     if adapter_path is not None:
-        from .lora import mount_adapter
+        from .lora_mount import mount_adapter
         mount_adapter(model, adapter_path)
     return model, load_tokenizer(path)

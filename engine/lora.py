@@ -1,4 +1,5 @@
-"""LoRA / QLoRA layers, mlx-lm-compatible adapter files, runtime adapter mounting.
+"""LoRA / QLoRA layers and mlx-lm-compatible adapter files (mounting at run time:
+`engine.lora_mount`).
 
 A targeted projection becomes a :class:`LoRALinear` that *wraps* the base layer
 (``nn.Linear`` or ``nn.QuantizedLinear``, whose weight is never modified) and
@@ -11,7 +12,7 @@ The primary adapter (``lora_a`` [in, r], ``lora_b`` [r, out], float32) lives in
 the parameter tree under the names mlx-lm uses
 (``model.layers.0.self_attn.q_proj.lora_a``), so training, gradients and
 ``adapters.safetensors`` line up with mlx-lm name for name. Further adapters
-mounted at runtime (:func:`mount_adapter` with a second name) are kept *outside*
+mounted at runtime (`engine.lora_mount.mount_adapter` with a second name) are kept *outside*
 the parameter tree, frozen, and applied after the primary in mount order. An
 adapter that is inactive or has scale 0 is skipped entirely, so it leaves the
 base output bit for bit.
@@ -39,7 +40,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .fast.merge import bump_version, remerge, unmerge_paths
 from .lora_switch import SWITCH_TYPES, LoRASwitchLinear
 from .models.switch import SwitchGLU
 
@@ -47,7 +47,7 @@ ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
 DEFAULT_LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
 
-_TARGET_TYPES = (nn.Linear, nn.QuantizedLinear)
+TARGET_TYPES = (nn.Linear, nn.QuantizedLinear)
 _EMBED_TYPES = (nn.Embedding, nn.QuantizedEmbedding)
 
 # Attribute-definition order of the MLP projections in mlx-lm 0.32.2's model
@@ -80,7 +80,7 @@ class _Stack:
         return next((it for it in self.items if it["name"] == name), None)
 
 
-def _input_dims(linear) -> int:
+def input_dims(linear) -> int:
     out_dims, in_dims = linear.weight.shape
     if isinstance(linear, nn.QuantizedLinear):
         in_dims = in_dims * 32 // linear.bits
@@ -93,7 +93,7 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, rank: int = 8, scale: float = 20.0,
                  dropout: float = 0.0, with_primary: bool = True, primary_name: str = "default"):
         super().__init__()
-        if not isinstance(base, _TARGET_TYPES):
+        if not isinstance(base, TARGET_TYPES):
             raise TypeError(f"LoRA wraps nn.Linear / nn.QuantizedLinear, not {type(base).__name__}")
         self.linear = base
         self.dropout = nn.Dropout(p=dropout)
@@ -103,14 +103,14 @@ class LoRALinear(nn.Module):
         self.primary_name = primary_name
         self._stack = _Stack()
         if with_primary:
-            in_dims = _input_dims(base)
+            in_dims = input_dims(base)
             out_dims = base.weight.shape[0]
             self.lora_a = mx.zeros((in_dims, rank))
             self.lora_b = mx.zeros((rank, out_dims))
 
     @property
     def input_dims(self) -> int:
-        return _input_dims(self.linear)
+        return input_dims(self.linear)
 
     @property
     def output_dims(self) -> int:
@@ -192,7 +192,7 @@ def default_keys(model) -> set:
     for layer in model.layers:
         for p, m in layer.named_modules():
             base = m.linear if isinstance(m, (LoRALinear, LoRASwitchLinear)) else m
-            if isinstance(base, _TARGET_TYPES + _EMBED_TYPES + SWITCH_TYPES):
+            if isinstance(base, TARGET_TYPES + _EMBED_TYPES + SWITCH_TYPES):
                 keys.add(p)
     return keys
 
@@ -231,14 +231,14 @@ def lora_targets(model, num_layers: int, keys: Optional[Iterable[str]] = None) -
     return out
 
 
-def _get_module(model, path: str):
+def get_module(model, path: str):
     m = model
     for part in path.split("."):
         m = m[int(part)] if isinstance(m, list) else getattr(m, part)
     return m
 
 
-def _set_module(model, path: str, new):
+def set_module(model, path: str, new):
     model.update_modules(tree_unflatten([(path, new)]))
 
 
@@ -253,7 +253,7 @@ def apply_lora(model, rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
         model.freeze()
     done = []
     for path in targets:
-        m = _get_module(model, path)
+        m = get_module(model, path)
         if isinstance(m, LoRALinear):
             if m.has_primary:
                 raise AdapterError(f"{path} already has a trainable LoRA adapter")
@@ -265,16 +265,16 @@ def apply_lora(model, rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
         if isinstance(m, _EMBED_TYPES):
             raise NotImplementedError(f"LoRA on embeddings ({path}) is not supported")
         if isinstance(m, SWITCH_TYPES):   # MoE experts: one adapter pair per expert
-            _set_module(model, path, LoRASwitchLinear(m, rank=rank, scale=scale, dropout=dropout))
+            set_module(model, path, LoRASwitchLinear(m, rank=rank, scale=scale, dropout=dropout))
             done.append(path)
             continue
         if isinstance(m, LoRASwitchLinear):
             raise AdapterError(f"{path} already has a trainable LoRA adapter")
-        if not isinstance(m, _TARGET_TYPES):
+        if not isinstance(m, TARGET_TYPES):
             raise AdapterError(f"can't convert {path} ({type(m).__name__}) to LoRA")
         lora = LoRALinear(m, rank=rank, scale=scale, dropout=dropout, with_primary=False)
         lora.init_like_mlx_lm()
-        _set_module(model, path, lora)
+        set_module(model, path, lora)
         done.append(path)
     return done
 
@@ -338,176 +338,8 @@ def read_adapter(adapter_dir):
     return cfg, mx.load(str(w_f))
 
 
-def _group_weights(weights: dict, where) -> dict:
-    groups: dict[str, dict] = {}
-    for name, w in weights.items():
-        path, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-        if leaf not in ("lora_a", "lora_b"):
-            raise AdapterError(f"{where}: {name}: not a LoRA tensor (expected .lora_a/.lora_b)")
-        groups.setdefault(path, {})[leaf] = w
-    for path, g in groups.items():
-        if set(g) != {"lora_a", "lora_b"}:
-            raise AdapterError(f"{where}: {path} has only {sorted(g)}")
-    return groups
-
-
-def _registry(model) -> dict:
-    reg = model.__dict__.get("_lora_registry")
-    if reg is None:
-        reg = {}
-        object.__setattr__(model, "_lora_registry", reg)
-    return reg
-
-
-def _plan(model, groups: dict, adapter_dir) -> list:
-    """(path, module, A, B) per target, every shape checked (nothing touched yet)."""
-    plan = []
-    for path, g in groups.items():
-        try:
-            m = _get_module(model, path)
-        except (AttributeError, IndexError, ValueError, KeyError):
-            raise AdapterError(f"{adapter_dir}: {path}: no such module in the model") from None
-        base = m.linear if isinstance(m, LoRALinear) else m
-        if not isinstance(base, _TARGET_TYPES):
-            raise AdapterError(f"{adapter_dir}: {path} is a {type(base).__name__}, not a linear")
-        a, b = g["lora_a"], g["lora_b"]
-        want_a = (_input_dims(base), a.shape[-1])
-        want_b = (a.shape[-1], base.weight.shape[0])
-        if a.ndim != 2 or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise AdapterError(f"{adapter_dir}: {path}: lora_a {tuple(a.shape)} / lora_b "
-                               f"{tuple(b.shape)} do not fit a {want_a[0]}->{want_b[1]} linear")
-        plan.append((path, m, a, b))
-    return plan
-
-
-def mount_adapter(model, adapter_dir, name: Optional[str] = None,
-                  scale: Optional[float] = None) -> str:
-    """Apply an mlx-lm-format adapter to `model` (inference; nothing trainable).
-
-    The first adapter on a layer goes into its primary slot - the same module
-    tree and forward as `mlx_lm.load(path, adapter_path=...)`; later ones stack
-    on top (summed in mount order). Returns the adapter's name."""
-    cfg, weights = read_adapter(adapter_dir)
-    name = name or Path(adapter_dir).name or "default"
-    reg = _registry(model)
-    if name in reg:
-        raise AdapterError(f"an adapter named {name!r} is already mounted")
-    s = float(cfg["lora_parameters"]["scale"] if scale is None else scale)
-    rank = int(cfg["lora_parameters"]["rank"])
-    groups = _group_weights(weights, adapter_dir)
-    # merged q/k/v or gate/up projections (the merged_proj lever) holding a target are
-    # split back into separate modules first: the same values, so the same output
-    split = unmerge_paths(model, groups)
-    try:
-        plan = _plan(model, groups, adapter_dir)
-    except AdapterError:
-        if split:
-            remerge(model)
-        raise
-    slots = []
-    for path, m, a, b in plan:
-        if not isinstance(m, LoRALinear):
-            m = LoRALinear(m, rank=rank, scale=s, with_primary=False, primary_name=name)
-            _set_module(model, path, m)
-        if not m.has_primary:
-            m.lora_a, m.lora_b = a, b
-            m.scale, m.rank, m.enabled, m.primary_name = s, a.shape[1], True, name
-            m.freeze(keys=["lora_a", "lora_b"], strict=False)
-            slots.append((path, "primary"))
-        else:
-            m._stack.items.append({"name": name, "a": a, "b": b, "scale": s, "active": True})
-            slots.append((path, "stack"))
-    mx.eval([a for _, _, a, _ in plan] + [b for _, _, _, b in plan])
-    reg[name] = {"path": str(adapter_dir), "scale": s, "slots": slots, "config": cfg}
-    bump_version(model)
-    return name
-
-
-def _slot_modules(model, name):
-    reg = _registry(model)
-    if name not in reg:
-        raise AdapterError(f"no adapter named {name!r} is mounted (have {sorted(reg)})")
-    for path, kind in reg[name]["slots"]:
-        yield path, kind, _get_module(model, path)
-
-
-def set_adapter(model, name: str, *, active: Optional[bool] = None,
-                scale: Optional[float] = None):
-    """Switch a mounted adapter on/off or change its scale (0 = the base output)."""
-    for path, kind, m in _slot_modules(model, name):
-        if kind == "primary":
-            if active is not None:
-                m.enabled = bool(active)
-            if scale is not None:
-                m.scale = float(scale)
-        else:
-            it = m._stack.find(name)
-            if active is not None:
-                it["active"] = bool(active)
-            if scale is not None:
-                it["scale"] = float(scale)
-    if scale is not None:
-        _registry(model)[name]["scale"] = float(scale)
-    bump_version(model)
-
-
-def unmount_adapter(model, name: str):
-    """Remove a mounted adapter; layers left with no adapter get their base back."""
-    reg = _registry(model)
-    for path, kind, m in list(_slot_modules(model, name)):
-        if kind == "primary":
-            del m["lora_a"], m["lora_b"]
-            if m._stack.items:  # promote the next stacked adapter into the primary slot
-                it = m._stack.items.pop(0)
-                m.lora_a, m.lora_b, m.scale, m.enabled, m.primary_name = (
-                    it["a"], it["b"], it["scale"], it["active"], it["name"])
-                m.freeze(keys=["lora_a", "lora_b"], strict=False)
-                slots = reg[it["name"]]["slots"]
-                slots[slots.index((path, "stack"))] = (path, "primary")
-        else:
-            m._stack.items = [it for it in m._stack.items if it["name"] != name]
-        if not m.has_primary and not m._stack.items:
-            _set_module(model, path, m.linear)
-    del reg[name]
-    bump_version(model)
-    remerge(model)          # merged_proj: groups left without an adapter merge again
-
-
-def adapter_nbytes(model, name: str) -> int:
-    """Bytes of a mounted adapter's A and B matrices."""
-    size = 0
-    for _, kind, m in _slot_modules(model, name):
-        if kind == "primary":
-            size += m.lora_a.nbytes + m.lora_b.nbytes
-        else:
-            it = m._stack.find(name)
-            size += it["a"].nbytes + it["b"].nbytes
-    return size
-
-
-def mounted_adapters(model) -> dict:
-    """name -> {path, scale, active layers, config} of the adapters mounted at runtime."""
-    out = {}
-    for name, info in _registry(model).items():
-        out[name] = {"path": info["path"], "scale": info["scale"], "layers": len(info["slots"]),
-                     "config": info["config"]}
-    return out
-
-
-def remove_lora(model):
-    """Unwrap every LoRA layer (drops all adapters, primary and stacked)."""
-    for path, m in [(p, m) for p, m in model.named_modules()
-                    if isinstance(m, (LoRALinear, LoRASwitchLinear))]:
-        _set_module(model, path, m.linear)
-    _registry(model).clear()
-    bump_version(model)
-    remerge(model)
-    return model
-
-
 __all__ = [
-    "ADAPTER_FILE", "CONFIG_FILE", "DEFAULT_LORA", "AdapterError", "LoRALinear",
-    "adapter_config", "adapter_weights", "apply_lora", "default_keys", "lora_layers",
-    "lora_targets", "mount_adapter", "mounted_adapters", "read_adapter", "remove_lora",
-    "save_adapter", "set_adapter", "unmount_adapter",
+    "ADAPTER_FILE", "CONFIG_FILE", "DEFAULT_LORA", "AdapterError", "LoRALinear", "TARGET_TYPES",
+    "adapter_config", "adapter_weights", "apply_lora", "default_keys", "get_module",
+    "input_dims", "lora_layers", "lora_targets", "read_adapter", "save_adapter", "set_module",
 ]

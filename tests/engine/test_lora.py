@@ -13,8 +13,8 @@ from mlx_lm.utils import load_model as ref_load_model
 import engine
 from engine.loader import load_model
 from engine.lora import (AdapterError, LoRALinear, adapter_config, apply_lora, lora_layers,
-                         lora_targets, mount_adapter, mounted_adapters, save_adapter, set_adapter,
-                         unmount_adapter)
+                         lora_targets, save_adapter)
+from engine.lora_mount import mount_adapter, mounted_adapters, set_adapter, unmount_adapter
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import FAMILIES, LORA, flat, inject_b, not_equal
 

@@ -14,8 +14,8 @@ from engine.adapters import AdapterRegistry
 from engine.fast.merge import Part, merge_projections
 from engine.levers import parse_spec
 from engine.loader import load_model
-from engine.lora import (AdapterError, adapter_config, apply_lora, mount_adapter, set_adapter,
-                         unmount_adapter)
+from engine.lora import AdapterError, adapter_config, apply_lora
+from engine.lora_mount import mount_adapter, set_adapter, unmount_adapter
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import inject_b
 

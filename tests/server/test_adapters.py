@@ -43,12 +43,12 @@ def lsrv(llama_dir, adapters, levers):
 def ref(served, prompt, adapter_paths=(), max_tokens=8):
     """engine.generate on a fresh model with `adapter_paths` mounted (on the model thread)."""
     import engine
-    from engine import lora
+    from engine import lora_mount
 
     def run():
         m, t = engine.load(served.model_dir)
         for i, p in enumerate(adapter_paths):
-            lora.mount_adapter(m, p, name=f"ref{i}")
+            lora_mount.mount_adapter(m, p, name=f"ref{i}")
         return engine.generate(m, t, prompt, max_tokens=max_tokens, temperature=0.0).text
     return served.on_worker(run)
 
