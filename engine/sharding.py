@@ -115,7 +115,10 @@ def broadcast_json(obj=None, group: Optional[mx.distributed.Group] = None):
     The building block for driving every rank through the same request: a sum where
     only rank 0 contributes, of one fixed frame holding the UTF-8 length and the first
     bytes; a message longer than the frame takes a second sum for the rest. (One
-    collective per message in the common case: each one is a network round trip.)"""
+    collective per message in the common case: each one is a network round trip.)
+    Every rank also adds 1 to one byte of the frame, so a sum that did not reach every
+    rank (a ring that lost a peer may hand back a partial sum instead of an error) raises
+    RuntimeError rather than deliver a message that only some ranks saw."""
     import json
 
     import numpy as np
@@ -125,14 +128,18 @@ def broadcast_json(obj=None, group: Optional[mx.distributed.Group] = None):
     mx.synchronize()  # no collective still queued on the default stream may interleave
     root = group.rank() == 0
     data = json.dumps(obj).encode() if root else b""
-    room = FRAME_BYTES - 4
+    room = FRAME_BYTES - 5
     frame = np.zeros(FRAME_BYTES, dtype=np.uint8)
+    frame[4] = 1                      # every rank: the count of ranks that took part
     if root:
         frame[:4] = np.frombuffer(np.array([len(data)], dtype="<u4").tobytes(), dtype=np.uint8)
-        frame[4:4 + min(len(data), room)] = np.frombuffer(data[:room], dtype=np.uint8)
+        frame[5:5 + min(len(data), room)] = np.frombuffer(data[:room], dtype=np.uint8)
     got = np.array(mx.distributed.all_sum(mx.array(frame), group=group, stream=mx.cpu))
+    if int(got[4]) != group.size() % 256:
+        raise RuntimeError(f"broadcast reached {int(got[4])} of {group.size()} ranks "
+                           "(a rank was lost)")
     n = int(got[:4].view("<u4")[0])
-    body = got[4:4 + min(n, room)].tobytes()
+    body = got[5:5 + min(n, room)].tobytes()
     if n > room:
         rest = (np.frombuffer(data[room:], dtype=np.uint8) if root
                 else np.zeros(n - room, dtype=np.uint8))
