@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.fast import gemv as G  # noqa: E402
 from engine.fast import kernels as K  # noqa: E402
 
 SPECS = {
@@ -29,6 +30,12 @@ SPECS = {
     "attn_combine": (K.ATTN_COMBINE_SOURCE, [("partial", "float")], [("out", "T")],
                      dict(H=32, HKV=8, D=64, NS=9)),
 }
+_GEMV_IO = ([("W", "T"), ("x", "T"), ("norm_w", "T"), ("residual", "T")], [("out", "T")])
+for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, ROWS=4, NORM=1, EPI=0, EPS_NUM=10**7),
+                  "gemv_res": dict(K=8192, NOUT=2048, B=1, ROWS=4, NORM=0, EPI=1, EPS_NUM=0),
+                  "gemv_silu": dict(K=2048, NOUT=8192, B=1, ROWS=8, NORM=1, EPI=2, EPS_NUM=10**7),
+                  "gemv_b8": dict(K=4096, NOUT=14336, B=8, ROWS=2, NORM=1, EPI=2, EPS_NUM=10**7)}.items():
+    SPECS[_name] = (G.GEMV_SOURCE, *_GEMV_IO, _t)
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/limits>

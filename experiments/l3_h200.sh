@@ -1,6 +1,8 @@
 #!/bin/bash
 # The L3 device run in one go (kernel checks, exactness, gate, benchmarks), results under $OUT.
 #   bash experiments/l3_h200.sh        (from the repo root, MLX's CUDA build on PYTHONPATH)
+# Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, FULL=1 (4-bit and 8B too), AB_GEMV=1 (L3 once
+# more with the fused GEMV off), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
 # Each stage has its own time limit; a failing kernel check switches that kernel off
 # ($MLXP_DISABLE_KERNELS) for the later stages rather than stopping the run.
 set -u
@@ -18,7 +20,7 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 stage build-1b
 python3 -m experiments.presets "$PRESET" "$M"
 stage kernel-check
-timeout 150 python3 experiments/l3_kernel_check.py --reps 10 --out "$OUT/kernel_check.json"
+timeout ${KCHECK_S:-150} python3 experiments/l3_kernel_check.py --reps 10 ${KCHECK_ARGS:-} --out "$OUT/kernel_check.json"
 FAILED=$(python3 -c "import json;print(','.join(json.load(open('$OUT/kernel_check.json'))['summary']['failed']))" 2>/dev/null || echo add_rms,rope_qkv,attention)
 export MLXP_DISABLE_KERNELS=${FAILED}
 echo "MLXP_DISABLE_KERNELS=$MLXP_DISABLE_KERNELS"
@@ -26,6 +28,12 @@ stage bench-1b
 timeout $(lim 30) python3 experiments/bench_decode.py --model "$M" \
   --tier ${TIERS:-l1,l3,l3-compiled_decode,l3-perf_kernel-fused_sdpa,l1+merged_proj} \
   --lengths 128,2048 --gen ${GEN:-64} --trials 5 --tag h200-1b --out "$OUT/bench"
+if [ "${AB_GEMV:-0}" = 1 ]; then
+  stage bench-1b-without-gemv
+  MLXP_DISABLE_KERNELS=${MLXP_DISABLE_KERNELS:+$MLXP_DISABLE_KERNELS,}gemv timeout $(lim 30) \
+    python3 experiments/bench_decode.py --model "$M" --tier l3 --lengths 128,2048 \
+    --gen ${GEN:-64} --trials 5 --tag h200-1b-without-gemv --out "$OUT/bench-nogemv"
+fi
 stage gate
 timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --tag h200-1b --out "$OUT/gate"
 stage exactness

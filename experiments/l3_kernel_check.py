@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.fast import gemv as G  # noqa: E402
 from engine.fast import kernels as K  # noqa: E402
 
 TOL = 1e-2
@@ -45,6 +46,54 @@ def _time(fn, reps: int) -> float:
         mx.synchronize()
         ts.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(ts)
+
+
+def _time_stream(fn, n: int = 40, reps: int = 5) -> float:
+    """Microseconds per call when `n` calls run back to back in one graph (what a decode
+    step does), median of `reps`: launch gaps overlap, as they do inside the step."""
+    for _ in range(2):
+        mx.eval([fn() for _ in range(n)])
+    ts = []
+    for _ in range(reps):
+        outs = [fn() for _ in range(n)]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(ts) / n
+
+
+# (name, N, K, epilogue) of the 1B (hidden 2048, MLP 8192) and 8B (4096, 14336) shapes
+GEMV_SHAPES = [("1b qkv", 3072, 2048, "norm"), ("1b o", 2048, 2048, "residual"),
+               ("1b gate_up", 16384, 2048, "silu"), ("1b down", 2048, 8192, "residual"),
+               ("1b head", 128256, 2048, "norm"),
+               ("8b qkv", 6144, 4096, "norm"), ("8b o", 4096, 4096, "residual"),
+               ("8b gate_up", 28672, 4096, "silu"), ("8b down", 4096, 14336, "residual")]
+
+
+def gemv_cases(dt=mx.bfloat16, batches=(1, 4, 8), budgets=(None,)):
+    """GEMV checks: (case, fn(use_kernel), weight bytes)."""
+    out = []
+    for name, N, Kd, epi in GEMV_SHAPES:
+        lin = nn.Linear(Kd, N, bias=False)
+        lin.weight = (0.02 * mx.random.normal((N, Kd))).astype(dt)
+        nw = (1 + 0.1 * mx.random.normal((Kd,))).astype(dt)
+        for B in batches:
+            x = mx.random.normal((B, 1, Kd)).astype(dt)
+            res = mx.random.normal((B, 1, N)).astype(dt) if epi == "residual" else None
+            kw = dict(norm=(nw, 1e-5) if epi in ("norm", "silu") else None, residual=res,
+                      silu_split=N // 2 if epi == "silu" else None)
+            for vb in budgets:
+                def fn(u, lin=lin, x=x, kw=kw, vb=vb):
+                    old = G.VEC_BUDGET
+                    G.VEC_BUDGET = vb or old
+                    try:
+                        return (G.linear(lin, x, use_kernel=u, **kw),)
+                    finally:
+                        G.VEC_BUDGET = old
+                out.append((f"{name} B{B}" + (f" vecs{vb}" if vb else ""), fn, lin.weight.nbytes))
+    return out
 
 
 def cases(dt=mx.bfloat16):
@@ -78,6 +127,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gemv-budgets", default="",
+                    help="also time the GEMV at these per-thread vector budgets, e.g. 4,8,16")
     a = ap.parse_args(argv)
     mx.random.seed(0)
     rows, failed = [], set()
@@ -99,6 +150,25 @@ def main(argv=None) -> int:
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         if not row["ok"]:
             failed.add(kname)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    budgets = tuple(int(v) for v in a.gemv_budgets.split(",") if v) or (None,)
+    for case, fn, nbytes in gemv_cases(budgets=budgets):
+        row = {"kernel": "gemv", "case": case}
+        try:
+            got, ref = fn(True), fn(False)
+            mx.eval(got, ref)
+            row["rel_err"] = max(_rel(g, r) for g, r in zip(got, ref))
+            row["ok"] = row["rel_err"] < TOL
+            row["kernel_us"] = _time_stream(lambda: fn(True)[0])
+            row["reference_us"] = _time_stream(lambda: fn(False)[0])
+            row["kernel_tb_s"] = nbytes / row["kernel_us"] / 1e6
+            row["reference_tb_s"] = nbytes / row["reference_us"] / 1e6
+        except Exception as e:
+            row["ok"] = False
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        if not row["ok"]:
+            failed.add("gemv")
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = {"checks": len(rows), "failed": sorted(failed), "device": str(mx.default_device())}

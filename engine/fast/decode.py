@@ -31,6 +31,8 @@ import mlx.core as mx
 from .. import models as _models  # noqa: F401  (engine.cache needs the models package first)
 from ..cache import KVCache
 from ..levers import Levers
+from ..models.base import silu_gate
+from . import gemv as G
 from . import kernels as K
 from .merge import merge_projections, merged_of, module_version
 
@@ -64,6 +66,7 @@ class FastStats:
     steps: int = 0         # decode steps run through the fast path
     kernels: bool = False  # CUDA kernels in use (False: stock-MLX reference ops)
     attn_kernel: bool = False
+    gemv: bool = False     # projections through engine.fast.gemv (norm / residual / SiLU fused)
 
 
 class FastDecoder:
@@ -134,6 +137,65 @@ class FastDecoder:
         logits = m.head(h + resid)[:, -1, :]
         return (logits, pos + 1, *ks, *vs)
 
+    # --- the step with every projection through engine.fast.gemv ----------------------
+
+    def gemv_ok(self) -> bool:
+        """Whether every projection can go through the fused GEMV (perf_kernel on, q/k/v
+        and gate/up merged, plain float weights without bias, SiLU gating)."""
+        if not self.levers.perf_kernel or "gemv" in K.DISABLED:
+            return False
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj"))
+            gu = merged_of(mlp, ("gate_proj", "up_proj"))
+            if qkv is None or gu is None or getattr(mlp, "act", None) is not silu_gate:
+                return False
+            if not all(G.supports(m) for m in (qkv.linear, gu.linear, attn.o_proj, mlp.down_proj)):
+                return False
+        return G.supports(self.model.head_parts()[1])
+
+    def _attention_gemv(self, layer, h, pos, keys, values):
+        attn, ln, uk = layer.self_attn, layer.input_layernorm, self.use_kernels
+        B = h.shape[0]
+        H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        qkv = G.linear(merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear, h,
+                       norm=(ln.weight, ln.eps), use_kernel=uk)
+        if self._rope_kernel_ok:
+            q, k, v = K.rope_qkv(qkv, self._inv_freq, pos, H, Hkv, D, attn.rope, True)
+        else:
+            q, k, v = mx.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
+            q, k = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D)
+            v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
+            p = pos + shift if shift else pos
+            q = attn.rope(q.transpose(0, 2, 1, 3), offset=p)
+            k = attn.rope(k.transpose(0, 2, 1, 3), offset=p)
+        keys = mx.slice_update(keys, k, pos, axes=(2,))
+        values = mx.slice_update(values, v, pos, axes=(2,))
+        o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
+        o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1)
+        return G.linear(attn.o_proj, o, residual=h, use_kernel=uk), keys, values
+
+    def _forward_gemv(self, tokens, pos, *buffers):
+        """Per layer: GEMV(norm -> q/k/v), RoPE, KV write, attention, GEMV(o_proj + h),
+        GEMV(norm -> gate/up -> SiLU * up), GEMV(down_proj + h); then GEMV(norm -> head)."""
+        m, uk = self.model, self.use_kernels
+        n = len(m.layers)
+        ks, vs = list(buffers[:n]), list(buffers[n:])
+        h = m.embed(tokens[:, None])
+        for i, layer in enumerate(m.layers):
+            h, ks[i], vs[i] = self._attention_gemv(layer, h, pos, ks[i], vs[i])
+            ln, mlp = layer.post_attention_layernorm, layer.mlp
+            gu = merged_of(mlp, ("gate_proj", "up_proj"))
+            act = G.linear(gu.linear, h, norm=(ln.weight, ln.eps), silu_split=gu.sizes[0],
+                           gate_fn=mlp.act, use_kernel=uk)
+            h = G.linear(mlp.down_proj, act, residual=h, use_kernel=uk)
+        norm, out = m.head_parts()
+        logits = G.linear(out, h, norm=(norm.weight, norm.eps), use_kernel=uk)[:, -1, :]
+        return (logits, pos + 1, *ks, *vs)
+
     def _fn(self, capacity: int):
         # a trace holds the modules as they were: adapters mounted, switched or merged
         # groups split since then need a new one (module_version changes)
@@ -142,7 +204,9 @@ class FastDecoder:
             self._fns, self._version = {}, version
         fn = self._fns.get(capacity)
         if fn is None:
-            fn = mx.compile(self._forward) if self.levers.compiled_decode else self._forward
+            self.stats.gemv = self.gemv_ok()
+            fwd = self._forward_gemv if self.stats.gemv else self._forward
+            fn = mx.compile(fwd) if self.levers.compiled_decode else fwd
             self._fns[capacity] = fn
             self.stats.traces += 1
         return fn

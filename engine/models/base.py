@@ -64,6 +64,11 @@ class GatedMLP(nn.Module):
         self.gate_proj, self.down_proj, self.up_proj = gate, down, up
         self._act = act
 
+    @property
+    def act(self):
+        """The gating function, act(gate, up) (silu_gate or gelu_gate)."""
+        return self._act
+
     def __call__(self, x):
         return self.down_proj(self._act(self.gate_proj(x), self.up_proj(x)))
 

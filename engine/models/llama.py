@@ -168,6 +168,12 @@ class Model(nn.Module):
     def layer_step(self, i, h, ctx):
         return self.layers[i](h, ctx["masks"][i], ctx["caches"][i])
 
+    def head_parts(self):
+        """(final norm, output projection) that `head` applies: the projection is the
+        tied embedding (used as a linear layer) or lm_head."""
+        return self.model.norm, (self.model.embed_tokens if self.args.tie_word_embeddings
+                                 else self.lm_head)
+
     def head(self, h):
         h = self.model.norm(h)
         if self.args.tie_word_embeddings:

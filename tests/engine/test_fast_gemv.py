@@ -1,0 +1,138 @@
+"""The fused GEMV kernel (engine/fast/gemv.py), checked on the CPU.
+
+The CUDA kernel runs only on an NVIDIA GPU (experiments/l3_kernel_check.py runs it
+there against the stock-MLX path). Here its decomposition is mirrored in numpy, loop
+for loop: blocks of `ROWS` output rows (gate rows paired with up rows for the SiLU
+epilogue), 256 threads each reading 16-byte vectors at k = (it*256 + tid) * VEC, the
+RMS statistics of every input row reduced over the block, the per-thread partial
+sums reduced over the block, and the epilogue with the kernel's roundings. The mirror
+is compared with the stock-MLX path the CPU runs (`gemv.linear(..., use_kernel=False)`,
+the model's own operations): a wrong row pairing, k mapping, or epilogue shows up as a
+large error; bf16 rounding stays under the bound (relative error < 1e-2).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine.fast import gemv as G
+
+
+def _np(a):
+    return np.array(a.astype(mx.float32))
+
+
+def _round(a, dt):
+    return _np(mx.array(np.asarray(a, np.float32)).astype(dt))
+
+
+def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None):
+    """GEMV_SOURCE in numpy: returns [B, NOUT] float32 (values representable in dt)."""
+    N, K = W.shape
+    B = x.shape[0]
+    vec = 16 // mx.array(0, dt).itemsize
+    nout = silu_split or N
+    rows = G.rows_per_block(nout, K, B, mx.array(0, dt).itemsize, silu_split is not None)
+    ks = [[(it * 256 + t) * vec for t in range(256)] for it in range(-(-K // (256 * vec)))]
+    inv = np.ones(B, np.float32)
+    xs = x.copy()
+    if norm is not None:
+        nw, eps = norm
+        for b in range(B):
+            parts = [sum(float(np.sum(x[b, k:k + vec] ** 2)) for it in ks for k in [it[t]] if k < K)
+                     for t in range(256)]
+            inv[b] = 1.0 / np.sqrt(np.float32(sum(parts)) / K + np.float32(eps))
+            xs[b] = _round(nw * _round(x[b] * inv[b], dt), dt)
+    out = np.zeros((B, nout), np.float32)
+    for n0 in range(0, nout, rows):
+        for r in range(min(rows, nout - n0)):
+            n = n0 + r
+            for b in range(B):
+                def dot(row):
+                    part = np.zeros(256, np.float32)
+                    for it in ks:
+                        for t, k in enumerate(it):
+                            if k < K:
+                                part[t] += np.float32(W[row, k:k + vec] @ xs[b, k:k + vec])
+                    return np.float32(part.sum())
+                g = _round(dot(n), dt)
+                if silu_split is not None:
+                    u = _round(dot(silu_split + n), dt)
+                    s = _round(g / (1 + np.exp(-g)), dt)
+                    v = s * u
+                elif residual is not None:
+                    v = residual[b, n] + g
+                else:
+                    v = g
+                out[b, n] = _round(v, dt)
+    return out
+
+
+CASES = [  # (K, N, B, epilogue)
+    (512, 24, 1, "norm"),
+    (1024, 16, 2, "residual"),
+    (384, 40, 1, "silu"),        # K not a multiple of 256*VEC: the tail vectors
+    (256, 12, 3, "plain"),
+]
+
+
+@pytest.mark.parametrize("K,N,B,epi", CASES)
+@pytest.mark.parametrize("dt", [mx.bfloat16, mx.float32])
+def test_gemv_mirror_matches_standin(K, N, B, epi, dt):
+    mx.random.seed(K + N + B)
+    lin = nn.Linear(K, N, bias=False)
+    lin.weight = (mx.random.normal((N, K)) * 0.05).astype(dt)
+    x = mx.random.normal((B, 1, K)).astype(dt)
+    norm = (mx.random.uniform(0.5, 1.5, (K,)).astype(dt), 1e-5) if epi in ("norm", "silu") else None
+    res = mx.random.normal((B, 1, N // 2 if epi == "silu" else N)).astype(dt) if epi == "residual" else None
+    split = N // 2 if epi == "silu" else None
+    ref = _np(G.linear(lin, x, norm=norm, residual=res, silu_split=split, use_kernel=False))
+    assert ref.shape == (B, 1, split or N)
+    mir = gemv_mirror(_np(lin.weight), _np(x).reshape(B, K), dt,
+                      norm=(_np(norm[0]), norm[1]) if norm else None,
+                      residual=_np(res).reshape(B, -1) if res is not None else None, silu_split=split)
+    rel = float(np.linalg.norm(mir.reshape(ref.shape) - ref) / np.linalg.norm(ref))
+    assert rel < (1e-2 if dt == mx.bfloat16 else 1e-5), rel
+
+
+def test_gemv_mirror_catches_a_wrong_pairing():
+    """Negative control: pairing gate row n with up row n+1 must fail the bound above."""
+    K, N = 256, 16
+    mx.random.seed(3)
+    lin = nn.Linear(K, N, bias=False)
+    lin.weight = (mx.random.normal((N, K)) * 0.05).astype(mx.float32)
+    x = mx.random.normal((1, 1, K))
+    ref = _np(G.linear(lin, x, silu_split=N // 2, use_kernel=False)).reshape(1, -1)
+    W = _np(lin.weight)
+    shifted = np.concatenate([W[:N // 2], np.roll(W[N // 2:], 1, axis=0)])
+    mir = gemv_mirror(shifted, _np(x).reshape(1, K), mx.float32, silu_split=N // 2)
+    assert float(np.linalg.norm(mir - ref) / np.linalg.norm(ref)) > 0.1
+
+
+def test_rows_per_block_keeps_registers_and_blocks_bounded():
+    for n_out, k, b, silu in [(2048, 2048, 1, False), (8192, 2048, 1, True), (2048, 8192, 1, False),
+                              (128256, 2048, 1, False), (14336, 4096, 8, True), (1024, 14336, 4, False)]:
+        rows = G.rows_per_block(n_out, k, b, 2, silu, vecs=16, min_blocks=512)
+        it = -(-k // (256 * 8))
+        per = 2 if silu else 1
+        assert rows >= 1 and (rows == 1 or (rows * per * it <= 16 and rows * per * b <= 32))
+        assert rows == 1 or n_out // rows >= 512
+
+
+def test_supports_only_plain_float_linears():
+    assert G.supports(nn.Linear(64, 32, bias=False))
+    assert not G.supports(nn.Linear(64, 32, bias=True))
+    assert not G.supports(nn.QuantizedLinear(64, 32, bias=False))
+    assert G.supports(nn.Embedding(100, 64))
+
+
+def test_standin_off_gpu_and_errors():
+    lin = nn.Linear(64, 32, bias=False)
+    x = mx.random.normal((1, 1, 64))
+    # off the GPU (or with use_kernel=False) the stand-in is the module itself
+    assert mx.array_equal(G.linear(lin, x), lin(x))
+    h = mx.random.normal((1, 1, 32))
+    assert mx.array_equal(G.linear(lin, x, residual=h), h + lin(x))
+    w = mx.ones((64,))
+    assert mx.array_equal(G.linear(lin, x, norm=(w, 1e-6)), lin(mx.fast.rms_norm(x, w, 1e-6)))
