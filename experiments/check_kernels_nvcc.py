@@ -31,10 +31,10 @@ SPECS = {
                      dict(H=32, HKV=8, D=64, NS=9)),
 }
 _GEMV_IO = ([("W", "T"), ("x", "T"), ("norm_w", "T"), ("residual", "T")], [("out", "T")])
-for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, ROWS=4, NORM=1, EPI=0, EPS_NUM=10**7),
-                  "gemv_res": dict(K=8192, NOUT=2048, B=1, ROWS=4, NORM=0, EPI=1, EPS_NUM=0),
-                  "gemv_silu": dict(K=2048, NOUT=8192, B=1, ROWS=8, NORM=1, EPI=2, EPS_NUM=10**7),
-                  "gemv_b8": dict(K=4096, NOUT=14336, B=8, ROWS=2, NORM=1, EPI=2, EPS_NUM=10**7)}.items():
+for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, EPS_NUM=10**7),
+                  "gemv_res": dict(K=8192, NOUT=2048, B=1, R=1, NORM=0, EPI=1, EPS_NUM=0),
+                  "gemv_silu": dict(K=2048, NOUT=8192, B=1, R=1, NORM=1, EPI=2, EPS_NUM=10**7),
+                  "gemv_b8": dict(K=4096, NOUT=14336, B=8, R=2, NORM=1, EPI=2, EPS_NUM=10**7)}.items():
     SPECS[_name] = (G.GEMV_SOURCE, *_GEMV_IO, _t)
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,7 +46,7 @@ namespace cg = cooperative_groups;
 
 
 def source() -> str:
-    src = PRELUDE
+    src = PRELUDE + G.GEMV_HEADER
     for name, (body, ins, outs, tmpl) in SPECS.items():
         for T in ("__nv_bfloat16", "__half", "float"):
             ty = lambda t: T if t == "T" else t  # noqa: E731

@@ -72,7 +72,7 @@ GEMV_SHAPES = [("1b qkv", 3072, 2048, "norm"), ("1b o", 2048, 2048, "residual"),
                ("8b gate_up", 28672, 4096, "silu"), ("8b down", 4096, 14336, "residual")]
 
 
-def gemv_cases(dt=mx.bfloat16, batches=(1, 4, 8), budgets=(None,)):
+def gemv_cases(dt=mx.bfloat16, batches=(1, 4, 8)):
     """GEMV checks: (case, fn(use_kernel), weight bytes)."""
     out = []
     for name, N, Kd, epi in GEMV_SHAPES:
@@ -84,15 +84,8 @@ def gemv_cases(dt=mx.bfloat16, batches=(1, 4, 8), budgets=(None,)):
             res = mx.random.normal((B, 1, N)).astype(dt) if epi == "residual" else None
             kw = dict(norm=(nw, 1e-5) if epi in ("norm", "silu") else None, residual=res,
                       silu_split=N // 2 if epi == "silu" else None)
-            for vb in budgets:
-                def fn(u, lin=lin, x=x, kw=kw, vb=vb):
-                    old = G.VEC_BUDGET
-                    G.VEC_BUDGET = vb or old
-                    try:
-                        return (G.linear(lin, x, use_kernel=u, **kw),)
-                    finally:
-                        G.VEC_BUDGET = old
-                out.append((f"{name} B{B}" + (f" vecs{vb}" if vb else ""), fn, lin.weight.nbytes))
+            out.append((f"{name} B{B}", lambda u, lin=lin, x=x, kw=kw: (G.linear(lin, x, use_kernel=u, **kw),),
+                        lin.weight.nbytes))
     return out
 
 
@@ -127,8 +120,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--gemv-budgets", default="",
-                    help="also time the GEMV at these per-thread vector budgets, e.g. 4,8,16")
     a = ap.parse_args(argv)
     mx.random.seed(0)
     rows, failed = [], set()
@@ -152,8 +143,7 @@ def main(argv=None) -> int:
             failed.add(kname)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    budgets = tuple(int(v) for v in a.gemv_budgets.split(",") if v) or (None,)
-    for case, fn, nbytes in gemv_cases(budgets=budgets):
+    for case, fn, nbytes in gemv_cases():
         row = {"kernel": "gemv", "case": case}
         try:
             got, ref = fn(True), fn(False)

@@ -10,11 +10,15 @@ per row) and optionally folds in what surrounds a projection in a decoder layer:
   returns `silu(gate) * up`, shape [.., I].
 
 On an NVIDIA GPU (`use_kernel=True`) this is one CUDA kernel (`mx.fast.cuda_kernel`,
-compiled at run time): a block of 256 threads owns a few output rows, every thread
-reads 16-byte vectors of those rows spread over the whole K axis (all of its loads
-are issued before any arithmetic, so many bytes are in flight), the block reduces
-the partial dot products in shared memory and applies the epilogue. The input rows
-are read once per block and reused for all of its output rows and batch rows.
+compiled at run time): one warp per output row (a gate row and its up row together
+for the SiLU epilogue; a few rows per warp for a batch, so an input vector read serves
+several weight rows); its 32 lanes read 16-byte vectors of the row and issue up to 8 of
+those loads before any arithmetic, so many bytes are in flight; the warp reduces its
+sums with shuffles (no shared memory, no block barrier) and applies the epilogue. The
+RMSNorm is folded in as a scale: the lanes accumulate sum(W * (norm_w * h)) and sum(h^2)
+in the same pass and the row sum is multiplied by rsqrt(mean(h^2) + eps) at the end, so
+the normalised input is never rounded or stored (the L1 path rounds it to the model's
+dtype; this changes rounding, which is what the L3 gate measures).
 Otherwise the same computation runs with stock MLX operations, in the order the
 model's own modules use (so on the CPU the result is the L1 result bit for bit).
 
@@ -24,148 +28,134 @@ module can take the kernel.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
-THREADS = 256
-# weight vectors (16 bytes) each thread keeps in flight; $MLXP_GEMV_VECS to tune
-VEC_BUDGET = int(os.environ.get("MLXP_GEMV_VECS", "16"))
-MIN_BLOCKS = int(os.environ.get("MLXP_GEMV_BLOCKS", "512"))
+THREADS = 128       # 4 warps a block (the kernel's WARPS)
+
+# The weight vectors go through shared memory with cp.async (sm_80+): all of a chunk's
+# copies are in flight at once whatever the compiler's schedule (plain loads into
+# registers get interleaved with the arithmetic, leaving ~2 loads in flight), and the
+# next chunk is copied while the current one is multiplied.
+GEMV_HEADER = r"""
+__device__ __forceinline__ void mlxp_cp16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void mlxp_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void mlxp_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+"""
 
 GEMV_SOURCE = r"""
+  // one warp per R output rows (R gate rows and their R up rows for the SiLU epilogue);
+  // lane l owns the 16-byte vectors at k = (it * 32 + l) * VEC; a chunk is U such
+  // iterations for each of the RL rows, copied to shared memory in one go.
   constexpr int VEC = 16 / sizeof(T);
-  constexpr int STRIDE = 256 * VEC;
-  constexpr int IT = (K + STRIDE - 1) / STRIDE;
-  constexpr int RL = EPI == 2 ? 2 * ROWS : ROWS;
-  constexpr int NW = 8;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int n0 = blockIdx.x * ROWS;
-  __shared__ float red[NW][RL * B];
-
-  // 1. every weight vector this thread needs, loaded before any arithmetic
-  uint4 wv[RL][IT];
-#pragma unroll
-  for (int r = 0; r < RL; ++r) {
-    const int o = n0 + (r % ROWS);
-    const size_t row = (EPI == 2 && r >= ROWS) ? (size_t)(NOUT + o) : (size_t)o;
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      const int k = (it * 256 + tid) * VEC;
-      wv[r][it] = (o < NOUT && k < K) ? *reinterpret_cast<const uint4*>(W + row * K + k)
-                                      : make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-
-  // 2. RMS statistics of the input rows (only when the norm is folded in)
-  float inv[B];
-#pragma unroll
-  for (int b = 0; b < B; ++b) inv[b] = 1.f;
-  if (NORM) {
-    float ss[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      ss[b] = 0.f;
-#pragma unroll
-      for (int it = 0; it < IT; ++it) {
-        const int k = (it * 256 + tid) * VEC;
-        if (k < K) {
-          const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)b * K + k);
-          const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) { const float f = static_cast<float>(e[j]); ss[b] += f * f; }
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
-      if (lane == 0) red[warp][b] = ss[b];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      float t = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) t += red[w][b];
-      inv[b] = rsqrtf(t / K + EPS_NUM / 1e12f);
-    }
-    __syncthreads();
-  }
-
-  // 3. partial dot products
-  float acc[RL][B];
-#pragma unroll
-  for (int r = 0; r < RL; ++r)
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    const int k = (it * 256 + tid) * VEC;
-    if (k >= K) break;
-    float xf[B][VEC];
-    float nw[VEC];
-    if (NORM) {
-      const uint4 v = *reinterpret_cast<const uint4*>(norm_w + k);
-      const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) nw[j] = static_cast<float>(e[j]);
-    }
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)b * K + k);
-      const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float f = static_cast<float>(e[j]);
-        xf[b][j] = NORM ? static_cast<float>(T(nw[j] * static_cast<float>(T(f * inv[b])))) : f;
-      }
-    }
+  constexpr int IT = (K + 32 * VEC - 1) / (32 * VEC);
+  constexpr int RL = EPI == 2 ? 2 * R : R;
+  constexpr int U0 = 8 / RL > 0 ? 8 / RL : 1;
+  constexpr int U = U0 < IT ? U0 : IT;
+  constexpr int NCH = (IT + U - 1) / U;
+  constexpr int NB = NCH > 1 ? 2 : 1;
+  constexpr int WARPS = 4;
+  __shared__ uint4 sw[WARPS][NB][RL * U][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  if (n0 >= NOUT) return;
+  auto issue = [&](int c, int buf) {
 #pragma unroll
     for (int r = 0; r < RL; ++r) {
-      const T* e = reinterpret_cast<const T*>(&wv[r][it]);
-      float wf[VEC];
+      const int o = min(n0 + (r % R), NOUT - 1);   // (a row past the end: read, not written)
+      const size_t row = (EPI == 2 && r >= R) ? (size_t)(NOUT + o) : (size_t)o;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) wf[j] = static_cast<float>(e[j]);
+      for (int u = 0; u < U; ++u) {
+        int k = ((c + u) * 32 + lane) * VEC;
+        if (c + u >= IT || k >= K) k = 0;            // (past the end: read, not used)
+        mlxp_cp16(&sw[warp][buf][r * U + u][lane], W + row * K + k);
+      }
+    }
+    mlxp_cp_commit();
+  };
+  float acc[RL][B], ss[B];
 #pragma unroll
-      for (int b = 0; b < B; ++b)
+  for (int b = 0; b < B; ++b) {
+    ss[b] = 0.f;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[r][b] += wf[j] * xf[b][j];
+    for (int r = 0; r < RL; ++r) acc[r][b] = 0.f;
+  }
+  issue(0, 0);
+  for (int ci = 0; ci < NCH; ++ci) {
+    const int c = ci * U, buf = ci % NB;
+    if (ci + 1 < NCH) { issue(c + U, (ci + 1) % NB); mlxp_cp_wait<1>(); }
+    else { mlxp_cp_wait<0>(); }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = ((c + u) * 32 + lane) * VEC;
+      if (c + u >= IT || k >= K) break;
+      float nw[VEC];
+      if (NORM) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(norm_w + k));
+        const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) nw[j] = static_cast<float>(e[j]);
+      }
+      uint4 wv[RL];
+#pragma unroll
+      for (int r = 0; r < RL; ++r) wv[r] = sw[warp][buf][r * U + u][lane];
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)b * K + k));
+        const T* e = reinterpret_cast<const T*>(&v);
+        float xf[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xf[j] = static_cast<float>(e[j]);
+          if (NORM) { ss[b] += xf[j] * xf[j]; xf[j] *= nw[j]; }
+        }
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          const T* we = reinterpret_cast<const T*>(&wv[r]);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[r][b] += static_cast<float>(we[j]) * xf[j];
+        }
+      }
     }
   }
-
-  // 4. block reduction and the epilogue
+  // warp reduction: every lane ends with every sum; lane r * B + b writes that output
 #pragma unroll
-  for (int r = 0; r < RL; ++r)
+  for (int b = 0; b < B; ++b) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      if (NORM) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
+#pragma unroll
+      for (int r = 0; r < RL; ++r) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      float v = acc[r][b];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) red[warp][r * B + b] = v;
+      const int n = n0 + r;
+      if (lane != (r * B + b) % 32 || n >= NOUT) continue;
+      const float inv = NORM ? rsqrtf(ss[b] / K + EPS_NUM / 1e12f) : 1.f;
+      const float gt = static_cast<float>(T(acc[r][b] * inv));
+      float res;
+      if (EPI == 1) {
+        res = static_cast<float>(residual[(size_t)b * NOUT + n]) + gt;
+      } else if (EPI == 2) {
+        const float ut = static_cast<float>(T(acc[r + R][b] * inv));
+        const float s = static_cast<float>(T(gt / (1.f + __expf(-gt))));
+        res = s * ut;
+      } else {
+        res = gt;
+      }
+      out[(size_t)b * NOUT + n] = T(res);
     }
-  __syncthreads();
-  for (int i = tid; i < ROWS * B; i += 256) {
-    const int r = i / B, b = i % B, n = n0 + r;
-    if (n >= NOUT) continue;
-    float g = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) g += red[w][r * B + b];
-    const float gt = static_cast<float>(T(g));
-    float res;
-    if (EPI == 1) {
-      res = static_cast<float>(residual[(size_t)b * NOUT + n]) + gt;
-    } else if (EPI == 2) {
-      float u = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) u += red[w][(r + ROWS) * B + b];
-      const float s = static_cast<float>(T(gt / (1.f + __expf(-gt))));
-      res = s * static_cast<float>(T(u));
-    } else {
-      res = gt;
-    }
-    out[(size_t)b * NOUT + n] = T(res);
   }
 """
 
@@ -176,7 +166,8 @@ def _get_kernel():
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mlxp_gemv", input_names=["W", "x", "norm_w", "residual"],
-                                      output_names=["out"], source=GEMV_SOURCE)
+                                      output_names=["out"], source=GEMV_SOURCE,
+                                      header=GEMV_HEADER)
     return _kernel
 
 
@@ -188,19 +179,12 @@ def supports(module) -> bool:
     return w.dtype in (mx.bfloat16, mx.float16, mx.float32) and w.shape[1] % (16 // w.itemsize) == 0
 
 
-def rows_per_block(n_out: int, k: int, batch: int, itemsize: int, silu: bool,
-                   vecs: Optional[int] = None, min_blocks: Optional[int] = None) -> int:
-    """Output rows per block: as many as keep <= `vecs` (VEC_BUDGET) weight vectors and
-    <= 32 accumulators per thread, while leaving >= `min_blocks` (MIN_BLOCKS) blocks where
-    the matrix allows (to fill the GPU)."""
-    vecs = VEC_BUDGET if vecs is None else vecs
-    min_blocks = MIN_BLOCKS if min_blocks is None else min_blocks
-    it = -(-k // (THREADS * (16 // itemsize)))
+def rows_per_warp(batch: int, silu: bool) -> int:
+    """Output rows per warp: 1 for one input row; for a batch, up to 4 (2 with SiLU) so each
+    input vector read is shared by several weight rows (accumulators <= 32 per lane)."""
     per = 2 if silu else 1
-    rows = 8
-    while rows > 1 and (rows * per * it > vecs or rows * per * batch > 32 or n_out // rows < min_blocks):
-        rows //= 2
-    return rows
+    r = 1 if batch == 1 else max(1, min(4 // per, 32 // (per * batch)))
+    return r
 
 
 def _silu_gate(gate, up):
@@ -239,14 +223,15 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
         raise ValueError(f"input has {K} features, the weight {W.shape[1]}")
     dt = W.dtype
     epi = 2 if silu_split is not None else (1 if residual is not None else 0)
-    rpb = rows_per_block(n_out, K, rows, W.itemsize, silu_split is not None)
+    rpw = rows_per_warp(rows, silu_split is not None)
     dummy = mx.zeros((1,), dt)
     nw = norm[0].astype(dt) if norm is not None else dummy
     res = residual.astype(dt).reshape(rows, n_out) if residual is not None else dummy
-    blocks = -(-n_out // rpb)
+    warps = -(-n_out // rpw)
+    blocks = -(-warps // (THREADS // 32))
     (out,) = _get_kernel()(
         inputs=[W, x.astype(dt).reshape(rows, K), nw, res],
-        template=[("T", dt), ("K", K), ("NOUT", n_out), ("B", rows), ("ROWS", rpb),
+        template=[("T", dt), ("K", K), ("NOUT", n_out), ("B", rows), ("R", rpw),
                   ("NORM", int(norm is not None)), ("EPI", epi),
                   ("EPS_NUM", int(round((norm[1] if norm is not None else 0.0) * 1e12)))],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

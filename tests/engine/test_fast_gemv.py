@@ -2,10 +2,10 @@
 
 The CUDA kernel runs only on an NVIDIA GPU (experiments/l3_kernel_check.py runs it
 there against the stock-MLX path). Here its decomposition is mirrored in numpy, loop
-for loop: blocks of `ROWS` output rows (gate rows paired with up rows for the SiLU
-epilogue), 256 threads each reading 16-byte vectors at k = (it*256 + tid) * VEC, the
-RMS statistics of every input row reduced over the block, the per-thread partial
-sums reduced over the block, and the epilogue with the kernel's roundings. The mirror
+for loop: a warp per `R` output rows (gate rows paired with up rows for the SiLU epilogue),
+32 lanes each reading 16-byte vectors at k = (it*32 + lane) * VEC, the sum of squares
+of the input accumulated in the same pass (the norm applied as a scale at the end),
+the lanes' partial sums reduced, and the epilogue with the kernel's roundings. The mirror
 is compared with the stock-MLX path the CPU runs (`gemv.linear(..., use_kernel=False)`,
 the model's own operations): a wrong row pairing, k mapping, or epilogue shows up as a
 large error; bf16 rounding stays under the bound (relative error < 1e-2).
@@ -33,34 +33,30 @@ def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None):
     B = x.shape[0]
     vec = 16 // mx.array(0, dt).itemsize
     nout = silu_split or N
-    rows = G.rows_per_block(nout, K, B, mx.array(0, dt).itemsize, silu_split is not None)
-    ks = [[(it * 256 + t) * vec for t in range(256)] for it in range(-(-K // (256 * vec)))]
-    inv = np.ones(B, np.float32)
-    xs = x.copy()
-    if norm is not None:
-        nw, eps = norm
-        for b in range(B):
-            parts = [sum(float(np.sum(x[b, k:k + vec] ** 2)) for it in ks for k in [it[t]] if k < K)
-                     for t in range(256)]
-            inv[b] = 1.0 / np.sqrt(np.float32(sum(parts)) / K + np.float32(eps))
-            xs[b] = _round(nw * _round(x[b] * inv[b], dt), dt)
+    R = G.rows_per_warp(B, silu_split is not None)
+    its = -(-K // (32 * vec))
+    nw = norm[0] if norm is not None else np.ones(K, np.float32)
     out = np.zeros((B, nout), np.float32)
-    for n0 in range(0, nout, rows):
-        for r in range(min(rows, nout - n0)):
+    for n0 in range(0, nout, R):                       # one warp
+        for r in range(min(R, nout - n0)):
             n = n0 + r
             for b in range(B):
-                def dot(row):
-                    part = np.zeros(256, np.float32)
-                    for it in ks:
-                        for t, k in enumerate(it):
+                def lanes(row):
+                    acc, ss = np.zeros(32, np.float32), np.zeros(32, np.float32)
+                    for lane in range(32):
+                        for it in range(its):
+                            k = (it * 32 + lane) * vec
                             if k < K:
-                                part[t] += np.float32(W[row, k:k + vec] @ xs[b, k:k + vec])
-                    return np.float32(part.sum())
-                g = _round(dot(n), dt)
+                                xs = x[b, k:k + vec]
+                                ss[lane] += np.float32(xs @ xs)
+                                acc[lane] += np.float32(W[row, k:k + vec] @ (xs * nw[k:k + vec]))
+                    return np.float32(acc.sum()), np.float32(ss.sum())
+                g, ss = lanes(n)
+                inv = 1.0 / np.sqrt(ss / K + np.float32(norm[1])) if norm is not None else 1.0
+                g = _round(g * inv, dt)
                 if silu_split is not None:
-                    u = _round(dot(silu_split + n), dt)
-                    s = _round(g / (1 + np.exp(-g)), dt)
-                    v = s * u
+                    u = _round(lanes(silu_split + n)[0] * inv, dt)
+                    v = _round(g / (1 + np.exp(-g)), dt) * u
                 elif residual is not None:
                     v = residual[b, n] + g
                 else:
@@ -110,14 +106,12 @@ def test_gemv_mirror_catches_a_wrong_pairing():
     assert float(np.linalg.norm(mir - ref) / np.linalg.norm(ref)) > 0.1
 
 
-def test_rows_per_block_keeps_registers_and_blocks_bounded():
-    for n_out, k, b, silu in [(2048, 2048, 1, False), (8192, 2048, 1, True), (2048, 8192, 1, False),
-                              (128256, 2048, 1, False), (14336, 4096, 8, True), (1024, 14336, 4, False)]:
-        rows = G.rows_per_block(n_out, k, b, 2, silu, vecs=16, min_blocks=512)
-        it = -(-k // (256 * 8))
-        per = 2 if silu else 1
-        assert rows >= 1 and (rows == 1 or (rows * per * it <= 16 and rows * per * b <= 32))
-        assert rows == 1 or n_out // rows >= 512
+def test_rows_per_warp_keeps_accumulators_bounded():
+    assert G.rows_per_warp(1, False) == 1 and G.rows_per_warp(1, True) == 1
+    for b in range(1, G.MAX_ROWS + 1):
+        for silu in (False, True):
+            r = G.rows_per_warp(b, silu)
+            assert r >= 1 and r * (2 if silu else 1) * b <= 32 and r * b <= 32
 
 
 def test_supports_only_plain_float_linears():
