@@ -27,15 +27,23 @@ SPECS = {
                      [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t")],
                      [("partial", "float")],
                      dict(H=32, HKV=8, D=64, NS=9, CAP=2304, DROP=0, SCALE_NUM=125000000)),
+    "attn_single": (K.ATTN_SINGLE_SOURCE,
+                    [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t")], [("out", "T")],
+                    dict(H=32, HKV=8, D=64, NS=1, CAP=512, DROP=0, SCALE_NUM=125000000)),
     "attn_combine": (K.ATTN_COMBINE_SOURCE, [("partial", "float")], [("out", "T")],
                      dict(H=32, HKV=8, D=64, NS=9)),
 }
 _GEMV_IO = ([("W", "T"), ("x", "T"), ("norm_w", "T"), ("residual", "T")], [("out", "T")])
-for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, EPS_NUM=10**7),
-                  "gemv_res": dict(K=8192, NOUT=2048, B=1, R=1, NORM=0, EPI=1, EPS_NUM=0),
-                  "gemv_silu": dict(K=2048, NOUT=8192, B=1, R=1, NORM=1, EPI=2, EPS_NUM=10**7),
-                  "gemv_b8": dict(K=4096, NOUT=14336, B=8, R=2, NORM=1, EPI=2, EPS_NUM=10**7)}.items():
+for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, ROPE_D=0, EPS_NUM=10**7),
+                  "gemv_res": dict(K=8192, NOUT=2048, B=1, R=1, NORM=0, EPI=1, ROPE_D=0, EPS_NUM=0),
+                  "gemv_silu": dict(K=2048, NOUT=8192, B=1, R=1, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7),
+                  "gemv_b8": dict(K=4096, NOUT=14336, B=8, R=2, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7)}.items():
     SPECS[_name] = (G.GEMV_SOURCE, *_GEMV_IO, _t)
+SPECS["gemv_rope"] = (G.GEMV_ROPE_SOURCE,
+                      [("W", "T"), ("x", "T"), ("norm_w", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
+                      [("q", "T"), ("k", "T"), ("v", "T")],
+                      dict(K=2048, NOUT=3072, B=1, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV=8, SHIFT=0,
+                           EPS_NUM=10**7))
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/limits>

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The L3 device run in one go (kernel checks, exactness, gate, benchmarks), results under $OUT.
 #   bash experiments/l3_h200.sh        (from the repo root, MLX's CUDA build on PYTHONPATH)
-# Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, FULL=1 (4-bit and 8B too), AB_GEMV=1 (L3 once
+# Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, FULL=1 (4-bit and 8B too: FULL_MODELS, FULL_LENGTHS, FULL_GEN), AB_GEMV=1 (L3 once
 # more with the fused GEMV off), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
 # Each stage has its own time limit; a failing kernel check switches that kernel off
 # ($MLXP_DISABLE_KERNELS) for the later stages rather than stopping the run.
@@ -40,10 +40,14 @@ stage exactness
 timeout $(lim 2) python3 experiments/l3_exactness.py --model "$M" --steps 8
 if [ "${FULL:-0}" = 1 ]; then
   stage bench-q4-8b
-  python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4
-  python3 -m experiments.presets 8b /tmp/m/8b
-  timeout $(lim 5) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 128 --trials 5 --tag h200-q4-8b --out /tmp/bench2
+  FULL_MODELS=${FULL_MODELS:-1b-q4,8b}; MARGS=""
+  for m in ${FULL_MODELS//,/ }; do
+    case $m in 1b-q4) python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4;;
+               *) python3 -m experiments.presets "$m" "/tmp/m/$m";; esac
+    MARGS="$MARGS --model /tmp/m/$m"
+  done
+  timeout $(lim 5) python3 experiments/bench_decode.py $MARGS \
+    --tier l1,l3 --lengths ${FULL_LENGTHS:-128,2048} --gen ${FULL_GEN:-128} --trials 5 --tag h200-q4-8b --out /tmp/bench2
   cp /tmp/bench2/bench_decode.csv "$OUT/bench2.csv" 2>/dev/null
 fi
 stage done

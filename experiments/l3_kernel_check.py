@@ -72,7 +72,7 @@ GEMV_SHAPES = [("1b qkv", 3072, 2048, "norm"), ("1b o", 2048, 2048, "residual"),
                ("8b gate_up", 28672, 4096, "silu"), ("8b down", 4096, 14336, "residual")]
 
 
-def gemv_cases(dt=mx.bfloat16, batches=(1, 4, 8)):
+def gemv_cases(dt=mx.bfloat16, batches=(1, 8)):
     """GEMV checks: (case, fn(use_kernel), weight bytes)."""
     out = []
     for name, N, Kd, epi in GEMV_SHAPES:
@@ -105,7 +105,19 @@ def cases(dt=mx.bfloat16):
             out.append(("rope_qkv", f"H{H}/{Hkv} d{hd} pos{p}",
                         lambda u, qkv=qkv, pos=pos, H=H, Hkv=Hkv, hd=hd, rope=rope, inv=inv:
                         K.rope_qkv(qkv, inv, pos, H, Hkv, hd, rope, u)))
-        for cap, n in ((256, 1), (256, 129), (2560, 2049), (2560, 2560)):
+            # the q/k/v GEMV with RoPE in its epilogue (engine.fast.gemv.qkv_rope)
+            Kd = 2048
+            lin = nn.Linear(Kd, (H + 2 * Hkv) * hd, bias=False)
+            lin.weight = (0.02 * mx.random.normal(lin.weight.shape)).astype(dt)
+            nw = (1 + 0.1 * mx.random.normal((Kd,))).astype(dt)
+            xh = mx.random.normal((1, 1, Kd)).astype(dt)
+
+            def fused(u, lin=lin, xh=xh, nw=nw, pos=pos, H=H, Hkv=Hkv, hd=hd, rope=rope, inv=inv):
+                if u:
+                    return G.qkv_rope(lin, xh, (nw, 1e-5), inv, pos, H, Hkv, hd)
+                return K.rope_qkv(G.linear(lin, xh, norm=(nw, 1e-5)), inv, pos, H, Hkv, hd, rope, False)
+            out.append(("rope_qkv", f"gemv+rope H{H}/{Hkv} d{hd} pos{p}", fused))
+        for cap, n in ((256, 1), (256, 129), (512, 400), (2560, 2049), (2560, 2560)):
             q = mx.random.normal((1, H, 1, hd)).astype(dt)
             k = mx.random.normal((1, Hkv, cap, hd)).astype(dt)
             v = mx.random.normal((1, Hkv, cap, hd)).astype(dt)

@@ -154,15 +154,16 @@ class FastDecoder:
                 return False
         return G.supports(self.model.head_parts()[1])
 
-    def _attention_gemv(self, layer, h, pos, keys, values):
+    def _attention_gemv(self, layer, h, pos, length, keys, values):
         attn, ln, uk = layer.self_attn, layer.input_layernorm, self.use_kernels
         B = h.shape[0]
         H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        qkv = G.linear(merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear, h,
-                       norm=(ln.weight, ln.eps), use_kernel=uk)
-        if self._rope_kernel_ok:
-            q, k, v = K.rope_qkv(qkv, self._inv_freq, pos, H, Hkv, D, attn.rope, True)
+        merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
+        if self._rope_kernel_ok and "rope_qkv" not in K.DISABLED:   # one kernel: GEMV + RoPE
+            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
+            q, k, v = G.qkv_rope(merged, h, (ln.weight, ln.eps), self._inv_freq, pos, H, Hkv, D, shift)
         else:
+            qkv = G.linear(merged, h, norm=(ln.weight, ln.eps), use_kernel=uk)
             q, k, v = mx.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
             q, k = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D)
             v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
@@ -174,7 +175,7 @@ class FastDecoder:
             k = attn.rope(k.transpose(0, 2, 1, 3), offset=p)
         keys = mx.slice_update(keys, k, pos, axes=(2,))
         values = mx.slice_update(values, v, pos, axes=(2,))
-        o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
+        o = K.decode_attention(q, keys, values, length, attn.scale, self.use_attn_kernel)
         o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1)
         return G.linear(attn.o_proj, o, residual=h, use_kernel=uk), keys, values
 
@@ -185,8 +186,9 @@ class FastDecoder:
         n = len(m.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
         h = m.embed(tokens[:, None])
+        length = pos + 1
         for i, layer in enumerate(m.layers):
-            h, ks[i], vs[i] = self._attention_gemv(layer, h, pos, ks[i], vs[i])
+            h, ks[i], vs[i] = self._attention_gemv(layer, h, pos, length, ks[i], vs[i])
             ln, mlp = layer.post_attention_layernorm, layer.mlp
             gu = merged_of(mlp, ("gate_proj", "up_proj"))
             act = G.linear(gu.linear, h, norm=(ln.weight, ln.eps), silu_split=gu.sizes[0],
@@ -194,7 +196,7 @@ class FastDecoder:
             h = G.linear(mlp.down_proj, act, residual=h, use_kernel=uk)
         norm, out = m.head_parts()
         logits = G.linear(out, h, norm=(norm.weight, norm.eps), use_kernel=uk)[:, -1, :]
-        return (logits, pos + 1, *ks, *vs)
+        return (logits, length, *ks, *vs)
 
     def _fn(self, capacity: int):
         # a trace holds the modules as they were: adapters mounted, switched or merged

@@ -51,7 +51,7 @@ template <int N> __device__ __forceinline__ void mlxp_cp_wait() {
 }
 """
 
-GEMV_SOURCE = r"""
+GEMV_MAIN = r"""
   // one warp per R output rows (R gate rows and their R up rows for the SiLU epilogue);
   // lane l owns the 16-byte vectors at k = (it * 32 + l) * VEC; a chunk is U such
   // iterations for each of the RL rows, copied to shared memory in one go.
@@ -65,12 +65,16 @@ GEMV_SOURCE = r"""
   constexpr int WARPS = 4;
   __shared__ uint4 sw[WARPS][NB][RL * U][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (n0 >= NOUT) return;
+  // ROPE_D (the RoPE epilogue, R = 2): warp w owns the pair of rows (i, i + D/2) of
+  // head w / (D/2), i = w % (D/2); otherwise rows n0 .. n0 + R - 1
+  const int gw = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int n0 = ROPE_D ? gw : gw * R;
+  if (n0 >= (ROPE_D ? NOUT / 2 : NOUT)) return;
   auto issue = [&](int c, int buf) {
 #pragma unroll
     for (int r = 0; r < RL; ++r) {
-      const int o = min(n0 + (r % R), NOUT - 1);   // (a row past the end: read, not written)
+      const int o = ROPE_D ? (n0 / (ROPE_D / 2)) * ROPE_D + n0 % (ROPE_D / 2) + r * (ROPE_D / 2)
+                           : min(n0 + (r % R), NOUT - 1);   // (a row past the end: read, not written)
       const size_t row = (EPI == 2 && r >= R) ? (size_t)(NOUT + o) : (size_t)o;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -136,6 +140,9 @@ GEMV_SOURCE = r"""
       for (int r = 0; r < RL; ++r) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
     }
   }
+"""
+
+GEMV_SOURCE = GEMV_MAIN + r"""
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -159,16 +166,50 @@ GEMV_SOURCE = r"""
   }
 """
 
-_kernel = None
+# q/k/v with RoPE: the two rows of a rotation pair come out of one warp, rotated at
+# position pos[0] (+ SHIFT, the negative control's fault) and written straight into
+# q [B, NQ, 1, D], k and v [B, NKV, 1, D]; v rows are copied unrotated.
+GEMV_ROPE_SOURCE = GEMV_MAIN + r"""
+  {
+    constexpr int HALF = ROPE_D / 2;
+    const int head = n0 / HALF, i = n0 % HALF;
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (lane != b) continue;
+      const float inv = NORM ? rsqrtf(ss[b] / K + EPS_NUM / 1e12f) : 1.f;
+      const float x1 = static_cast<float>(T(acc[0][b] * inv));
+      const float x2 = static_cast<float>(T(acc[1][b] * inv));
+      if (head >= NQ + NKV) {
+        T* dst = v + ((size_t)b * NKV + (head - NQ - NKV)) * ROPE_D;
+        dst[i] = T(x1);
+        dst[i + HALF] = T(x2);
+      } else {
+        const float theta = static_cast<float>(pos[0] + SHIFT) * inv_freq[i];
+        float sn, cs;
+        sincosf(theta, &sn, &cs);
+        T* dst = head < NQ ? q + ((size_t)b * NQ + head) * ROPE_D
+                           : k + ((size_t)b * NKV + (head - NQ)) * ROPE_D;
+        dst[i] = T(x1 * cs - x2 * sn);
+        dst[i + HALF] = T(x1 * sn + x2 * cs);
+      }
+    }
+  }
+"""
+
+_kernels: dict = {}
 
 
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mlxp_gemv", input_names=["W", "x", "norm_w", "residual"],
-                                      output_names=["out"], source=GEMV_SOURCE,
-                                      header=GEMV_HEADER)
-    return _kernel
+def _get_kernel(rope: bool = False):
+    if rope not in _kernels:
+        if rope:
+            _kernels[rope] = mx.fast.cuda_kernel(
+                name="mlxp_gemv_rope", input_names=["W", "x", "norm_w", "inv_freq", "pos"],
+                output_names=["q", "k", "v"], source=GEMV_ROPE_SOURCE, header=GEMV_HEADER)
+        else:
+            _kernels[rope] = mx.fast.cuda_kernel(
+                name="mlxp_gemv", input_names=["W", "x", "norm_w", "residual"],
+                output_names=["out"], source=GEMV_SOURCE, header=GEMV_HEADER)
+    return _kernels[rope]
 
 
 def supports(module) -> bool:
@@ -232,8 +273,32 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
     (out,) = _get_kernel()(
         inputs=[W, x.astype(dt).reshape(rows, K), nw, res],
         template=[("T", dt), ("K", K), ("NOUT", n_out), ("B", rows), ("R", rpw),
-                  ("NORM", int(norm is not None)), ("EPI", epi),
+                  ("NORM", int(norm is not None)), ("EPI", epi), ("ROPE_D", 0),
                   ("EPS_NUM", int(round((norm[1] if norm is not None else 0.0) * 1e12)))],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, n_out)], output_dtypes=[dt])
     return out.reshape(*x.shape[:-1], n_out)
+
+
+def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.array, pos: mx.array,
+             n_heads: int, n_kv: int, head_dim: int, shift: int = 0):
+    """The merged q/k/v projection of the RMS-normalised x, with RoPE at position pos[0]
+    (+ shift) applied to q and k, as one kernel (CUDA only; the caller keeps the stock
+    path elsewhere): returns q [B, H, 1, D], k and v [B, Hkv, 1, D]."""
+    K = x.shape[-1]
+    rows = x.size // K
+    W = module.weight
+    N = (n_heads + 2 * n_kv) * head_dim
+    if W.shape != (N, K) or head_dim % 2 or rows > MAX_ROWS:
+        raise ValueError("qkv_rope needs a merged q/k/v weight, an even head_dim and <= 8 rows")
+    dt = W.dtype
+    warps = N // 2
+    q, k, v = _get_kernel(rope=True)(
+        inputs=[W, x.astype(dt).reshape(rows, K), norm[0].astype(dt), inv_freq, pos],
+        template=[("T", dt), ("K", K), ("NOUT", N), ("B", rows), ("R", 2), ("NORM", 1), ("EPI", 0),
+                  ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv), ("SHIFT", shift),
+                  ("EPS_NUM", int(round(norm[1] * 1e12)))],
+        grid=(-(-warps // (THREADS // 32)) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, n_heads, 1, head_dim), (rows, n_kv, 1, head_dim), (rows, n_kv, 1, head_dim)],
+        output_dtypes=[dt] * 3)
+    return q, k, v

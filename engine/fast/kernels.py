@@ -245,6 +245,18 @@ ATTN_PARTIAL_SOURCE = r"""
   }
 """
 
+_PARTIAL_TAIL = ATTN_PARTIAL_SOURCE[ATTN_PARTIAL_SOURCE.index("  float* out = partial"):]
+# NS == 1: the block holds every key of its head, so it normalises and writes the output
+ATTN_SINGLE_SOURCE = ATTN_PARTIAL_SOURCE.replace(_PARTIAL_TAIL, r"""
+  float L = 0.f;
+  for (int w = 0; w < 8; ++w) L += sl[w] * __expf(sm[w] - M);
+  for (int d = threadIdx.x; d < D; d += 256) {
+    float a = 0.f;
+    for (int w = 0; w < 8; ++w) a += sacc[w][d] * __expf(sm[w] - M);
+    out[(size_t)blockIdx.x * D + d] = T(a / L);
+  }
+""")
+
 ATTN_COMBINE_SOURCE = r"""
   // block = (row b, head h); thread d combines the NS chunk partials of element d.
   const int bh = blockIdx.x;
@@ -263,8 +275,17 @@ ATTN_COMBINE_SOURCE = r"""
 """
 
 
+# one kernel, no combine pass, up to this many cached positions: one block per head,
+# each of its 8 warps takes every 8th key (each kernel launch costs more than the
+# parallelism a second pass buys at short contexts)
+SINGLE_PASS_MAX = 512
+
+
 def n_splits(capacity: int) -> int:
-    """Key chunks per head: enough blocks to fill the GPU at long contexts."""
+    """Key chunks per head: enough blocks to fill the GPU at long contexts; 1 (a single
+    pass, no combine) up to SINGLE_PASS_MAX."""
+    if capacity <= SINGLE_PASS_MAX:
+        return 1
     return max(1, min(32, (capacity + 255) // 256))
 
 
@@ -284,11 +305,18 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
         raise ValueError("decode_attention kernel needs head_dim a multiple of 32, at most 256")
     ns = n_splits(cap)
     common = [("T", q.dtype), ("H", H), ("HKV", Hkv), ("D", D), ("NS", ns)]
+    extra = [("CAP", cap), ("DROP", drop), ("SCALE_NUM", int(round(scale * 1e9)))]
+    if ns == 1:
+        single = _kernel("mlxp_attn_single", ["q", "keys", "values", "length"], ["out"],
+                         ATTN_SINGLE_SOURCE)
+        (out,) = single(inputs=[q, keys, values, length], template=common + extra,
+                        grid=(B * H * 256, 1, 1), threadgroup=(256, 1, 1),
+                        output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype])
+        return out
     part = _kernel("mlxp_attn_partial", ["q", "keys", "values", "length"], ["partial"],
                    ATTN_PARTIAL_SOURCE)
     (partial,) = part(inputs=[q, keys, values, length],
-                      template=common + [("CAP", cap), ("DROP", drop),
-                                         ("SCALE_NUM", int(round(scale * 1e9)))],
+                      template=common + extra,
                       grid=(B * H * ns * 256, 1, 1), threadgroup=(256, 1, 1),
                       output_shapes=[(B * H * ns, D + 2)], output_dtypes=[mx.float32])
     comb = _kernel("mlxp_attn_combine", ["partial"], ["out"], ATTN_COMBINE_SOURCE)
@@ -300,4 +328,5 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
 
 
 SOURCES = {"add_rms": ADD_RMS_SOURCE, "rope_qkv": ROPE_QKV_SOURCE,
-           "attn_partial": ATTN_PARTIAL_SOURCE, "attn_combine": ATTN_COMBINE_SOURCE}
+           "attn_partial": ATTN_PARTIAL_SOURCE, "attn_single": ATTN_SINGLE_SOURCE,
+           "attn_combine": ATTN_COMBINE_SOURCE}

@@ -130,3 +130,52 @@ def test_standin_off_gpu_and_errors():
     assert mx.array_equal(G.linear(lin, x, residual=h), h + lin(x))
     w = mx.ones((64,))
     assert mx.array_equal(G.linear(lin, x, norm=(w, 1e-6)), lin(mx.fast.rms_norm(x, w, 1e-6)))
+
+
+def qkv_rope_mirror(W, x, nw, eps, inv_freq, pos, H, Hkv, D, dt):
+    """GEMV_ROPE_SOURCE in numpy: warp w -> rows (head*D + i, head*D + i + D/2) of head
+    w // (D/2), i = w % (D/2); normalised dot products, rounded, then rotated."""
+    K = W.shape[1]
+    half = D // 2
+    nh = H + 2 * Hkv
+    inv = 1.0 / np.sqrt(np.float32(x @ x) / K + np.float32(eps))
+    xs = x * nw
+    q, k, v = (np.zeros((n, D), np.float32) for n in (H, Hkv, Hkv))
+    for w in range(nh * half):
+        head, i = w // half, w % half
+        r1, r2 = head * D + i, head * D + i + half
+        x1, x2 = _round(np.float32(W[r1] @ xs) * inv, dt), _round(np.float32(W[r2] @ xs) * inv, dt)
+        if head >= H + Hkv:
+            v[head - H - Hkv, [i, i + half]] = _round(np.array([x1, x2]), dt)
+            continue
+        th = np.float32(pos) * inv_freq[i]
+        c, s = np.cos(th), np.sin(th)
+        dst = q[head] if head < H else k[head - H]
+        dst[i], dst[i + half] = _round(x1 * c - x2 * s, dt), _round(x1 * s + x2 * c, dt)
+    return q, k, v
+
+
+@pytest.mark.parametrize("pos", [0, 37])
+def test_qkv_rope_mirror_matches_standin(pos):
+    from engine.fast import kernels as K
+    H, Hkv, D, Kd = 4, 2, 16, 256
+    mx.random.seed(pos + 1)
+    lin = nn.Linear(Kd, (H + 2 * Hkv) * D, bias=False)
+    lin.weight = (mx.random.normal(lin.weight.shape) * 0.05).astype(mx.bfloat16)
+    x = mx.random.normal((1, 1, Kd)).astype(mx.bfloat16)
+    nw = mx.random.uniform(0.5, 1.5, (Kd,)).astype(mx.bfloat16)
+    rope = nn.RoPE(D, base=10000.0)
+    inv_freq = K.rope_inv_freq(rope, D)
+    p = mx.array([pos], dtype=mx.int32)
+    qkv = G.linear(lin, x, norm=(nw, 1e-5))
+    ref = K.rope_qkv(qkv, inv_freq, p, H, Hkv, D, rope, use_kernel=False)
+    mir = qkv_rope_mirror(_np(lin.weight), _np(x).reshape(-1), _np(nw), 1e-5, _np(inv_freq), pos,
+                          H, Hkv, D, mx.bfloat16)
+    for got, want in zip(mir, ref):
+        want = _np(want).reshape(got.shape)
+        assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2
+    # the wrong position (the negative control's fault) is visible
+    bad = qkv_rope_mirror(_np(lin.weight), _np(x).reshape(-1), _np(nw), 1e-5, _np(inv_freq), pos + 1,
+                          H, Hkv, D, mx.bfloat16)
+    want = _np(ref[0]).reshape(bad[0].shape)
+    assert float(np.linalg.norm(bad[0] - want) / np.linalg.norm(want)) > 1e-2

@@ -61,7 +61,7 @@ def attention_mirror(q, k, v, length, scale, ns, drop=0):
     return out
 
 
-@pytest.mark.parametrize("cap,length", [(256, 1), (256, 100), (1024, 1024), (2560, 777)])
+@pytest.mark.parametrize("cap,length", [(256, 1), (256, 100), (512, 400), (1024, 1024), (2560, 777)])
 def test_attention_split_k_scheme(cap, length):
     mx.random.seed(cap + length)
     H, Hkv, D = 4, 2, 32
