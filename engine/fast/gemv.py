@@ -10,11 +10,13 @@ per row) and optionally folds in what surrounds a projection in a decoder layer:
   returns `silu(gate) * up`, shape [.., I].
 
 On an NVIDIA GPU (`use_kernel=True`) this is one CUDA kernel (`mx.fast.cuda_kernel`,
-compiled at run time): one warp per output row (a gate row and its up row together
-for the SiLU epilogue; a few rows per warp for a batch, so an input vector read serves
-several weight rows); its 32 lanes read 16-byte vectors of the row and issue up to 8 of
-those loads before any arithmetic, so many bytes are in flight; the warp reduces its
-sums with shuffles (no shared memory, no block barrier) and applies the epilogue. The
+compiled at run time): a block of 4 warps per output row (a gate row and its up row
+together for the SiLU epilogue; a few rows per block for a batch, so an input vector
+read serves several weight rows, and for the large output head); the warps split the
+K axis, their lanes copy 16-byte vectors of the rows into shared memory with cp.async
+(a chunk of up to 8 per lane in flight at once, the next chunk copied while the current
+one is multiplied), reduce their sums with shuffles and then across the 4 warps in
+shared memory, and the first warp applies the epilogue. The
 RMSNorm is folded in as a scale: the lanes accumulate sum(W * (norm_w * h)) and sum(h^2)
 in the same pass and the row sum is multiplied by rsqrt(mean(h^2) + eps) at the end, so
 the normalised input is never rounded or stored (the L1 path rounds it to the model's
@@ -28,12 +30,19 @@ module can take the kernel.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
+# per projection shape, the faster of the kernel and the stock ops is measured once on the
+# device (`tune_linear`, `tune_qkv_rope`) and used from then on; MLXP_GEMV_TUNE=0: always
+# the kernel
+TUNE = os.environ.get("MLXP_GEMV_TUNE", "1") != "0"
+_CHOICE: dict = {}
 THREADS = 128       # 4 warps a block (the kernel's WARPS)
 
 # The weight vectors go through shared memory with cp.async (sm_80+): all of a chunk's
@@ -52,23 +61,26 @@ template <int N> __device__ __forceinline__ void mlxp_cp_wait() {
 """
 
 GEMV_MAIN = r"""
-  // one warp per R output rows (R gate rows and their R up rows for the SiLU epilogue);
-  // lane l owns the 16-byte vectors at k = (it * 32 + l) * VEC; a chunk is U such
-  // iterations for each of the RL rows, copied to shared memory in one go.
+  // a block of WARPS warps per R output rows (R gate rows and their R up rows for the
+  // SiLU epilogue); the warps split K: warp w takes the 32*VEC-element slices
+  // it = w, w + WARPS, ...; lane l owns the 16-byte vector at k = (it * 32 + l) * VEC.
+  // A chunk (U slices of every row) is copied to shared memory in one go, the next
+  // chunk while the current one is multiplied; the warps' sums meet in shared memory.
+  constexpr int WARPS = 4;
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = (K + 32 * VEC - 1) / (32 * VEC);
+  constexpr int ITW = (IT + WARPS - 1) / WARPS;
   constexpr int RL = EPI == 2 ? 2 * R : R;
   constexpr int U0 = 8 / RL > 0 ? 8 / RL : 1;
-  constexpr int U = U0 < IT ? U0 : IT;
-  constexpr int NCH = (IT + U - 1) / U;
+  constexpr int U = U0 < ITW ? U0 : ITW;
+  constexpr int NCH = (ITW + U - 1) / U;
   constexpr int NB = NCH > 1 ? 2 : 1;
-  constexpr int WARPS = 4;
   __shared__ uint4 sw[WARPS][NB][RL * U][32];
+  __shared__ float red[WARPS][RL * B + B];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // ROPE_D (the RoPE epilogue, R = 2): warp w owns the pair of rows (i, i + D/2) of
-  // head w / (D/2), i = w % (D/2); otherwise rows n0 .. n0 + R - 1
-  const int gw = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int n0 = ROPE_D ? gw : gw * R;
+  // ROPE_D (the RoPE epilogue, R = 2): block j owns the pair of rows (i, i + D/2) of
+  // head j / (D/2), i = j % (D/2); otherwise rows n0 .. n0 + R - 1
+  const int n0 = ROPE_D ? (int)blockIdx.x : (int)blockIdx.x * R;
   if (n0 >= (ROPE_D ? NOUT / 2 : NOUT)) return;
   auto issue = [&](int c, int buf) {
 #pragma unroll
@@ -78,8 +90,9 @@ GEMV_MAIN = r"""
       const size_t row = (EPI == 2 && r >= R) ? (size_t)(NOUT + o) : (size_t)o;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        int k = ((c + u) * 32 + lane) * VEC;
-        if (c + u >= IT || k >= K) k = 0;            // (past the end: read, not used)
+        const int it = warp + WARPS * (c + u);
+        int k = (it * 32 + lane) * VEC;
+        if (it >= IT || k >= K) k = 0;               // (past the end: read, not used)
         mlxp_cp16(&sw[warp][buf][r * U + u][lane], W + row * K + k);
       }
     }
@@ -99,8 +112,9 @@ GEMV_MAIN = r"""
     else { mlxp_cp_wait<0>(); }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = ((c + u) * 32 + lane) * VEC;
-      if (c + u >= IT || k >= K) break;
+      const int it = warp + WARPS * (c + u);
+      const int k = (it * 32 + lane) * VEC;
+      if (it >= IT || k >= K) break;
       float nw[VEC];
       if (NORM) {
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(norm_w + k));
@@ -130,7 +144,8 @@ GEMV_MAIN = r"""
       }
     }
   }
-  // warp reduction: every lane ends with every sum; lane r * B + b writes that output
+  // reduction: over the lanes (shuffles), then over the warps (shared memory); warp 0
+  // ends with every sum in every lane, and lane r * B + b writes that output
 #pragma unroll
   for (int b = 0; b < B; ++b) {
 #pragma unroll
@@ -138,6 +153,28 @@ GEMV_MAIN = r"""
       if (NORM) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
 #pragma unroll
       for (int r = 0; r < RL; ++r) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      red[warp][RL * B + b] = ss[b];
+#pragma unroll
+      for (int r = 0; r < RL; ++r) red[warp][r * B + b] = acc[r][b];
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    ss[b] = 0.f;
+#pragma unroll
+    for (int r = 0; r < RL; ++r) acc[r][b] = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      ss[b] += red[w][RL * B + b];
+#pragma unroll
+      for (int r = 0; r < RL; ++r) acc[r][b] += red[w][r * B + b];
     }
   }
 """
@@ -220,12 +257,15 @@ def supports(module) -> bool:
     return w.dtype in (mx.bfloat16, mx.float16, mx.float32) and w.shape[1] % (16 // w.itemsize) == 0
 
 
-def rows_per_warp(batch: int, silu: bool) -> int:
-    """Output rows per warp: 1 for one input row; for a batch, up to 4 (2 with SiLU) so each
-    input vector read is shared by several weight rows (accumulators <= 32 per lane)."""
+def rows_per_block(n_out: int, batch: int, silu: bool) -> int:
+    """Output rows per block (4 warps splitting K): one row (or gate/up pair) for a single
+    input row, 4 rows for the large output head (fewer, longer blocks); for a batch, up to
+    4 (2 with SiLU) so each input vector read serves several weight rows (accumulators
+    <= 32 per lane)."""
     per = 2 if silu else 1
-    r = 1 if batch == 1 else max(1, min(4 // per, 32 // (per * batch)))
-    return r
+    if batch == 1:
+        return 4 if (not silu and n_out > 16384) else 1
+    return max(1, min(4 // per, 32 // (per * batch)))
 
 
 def _silu_gate(gate, up):
@@ -253,7 +293,8 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
     computes exactly what the model computes (the kernel always applies SiLU)."""
     K = x.shape[-1]
     rows = x.size // K
-    if not use_kernel or rows > MAX_ROWS or not supports(module):
+    if (not use_kernel or rows > MAX_ROWS or not supports(module)
+            or not _CHOICE.get(_key(module, rows, norm, residual, silu_split), True)):
         return _standin(module, x, norm, residual, silu_split, gate_fn)
     W = module.weight
     N = W.shape[0]
@@ -264,15 +305,14 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
         raise ValueError(f"input has {K} features, the weight {W.shape[1]}")
     dt = W.dtype
     epi = 2 if silu_split is not None else (1 if residual is not None else 0)
-    rpw = rows_per_warp(rows, silu_split is not None)
+    rpb = rows_per_block(n_out, rows, silu_split is not None)
     dummy = mx.zeros((1,), dt)
     nw = norm[0].astype(dt) if norm is not None else dummy
     res = residual.astype(dt).reshape(rows, n_out) if residual is not None else dummy
-    warps = -(-n_out // rpw)
-    blocks = -(-warps // (THREADS // 32))
+    blocks = -(-n_out // rpb)
     (out,) = _get_kernel()(
         inputs=[W, x.astype(dt).reshape(rows, K), nw, res],
-        template=[("T", dt), ("K", K), ("NOUT", n_out), ("B", rows), ("R", rpw),
+        template=[("T", dt), ("K", K), ("NOUT", n_out), ("B", rows), ("R", rpb),
                   ("NORM", int(norm is not None)), ("EPI", epi), ("ROPE_D", 0),
                   ("EPS_NUM", int(round((norm[1] if norm is not None else 0.0) * 1e12)))],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
@@ -292,13 +332,83 @@ def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.arr
     if W.shape != (N, K) or head_dim % 2 or rows > MAX_ROWS:
         raise ValueError("qkv_rope needs a merged q/k/v weight, an even head_dim and <= 8 rows")
     dt = W.dtype
-    warps = N // 2
     q, k, v = _get_kernel(rope=True)(
         inputs=[W, x.astype(dt).reshape(rows, K), norm[0].astype(dt), inv_freq, pos],
         template=[("T", dt), ("K", K), ("NOUT", N), ("B", rows), ("R", 2), ("NORM", 1), ("EPI", 0),
                   ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv), ("SHIFT", shift),
                   ("EPS_NUM", int(round(norm[1] * 1e12)))],
-        grid=(-(-warps // (THREADS // 32)) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        grid=(N // 2 * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, n_heads, 1, head_dim), (rows, n_kv, 1, head_dim), (rows, n_kv, 1, head_dim)],
         output_dtypes=[dt] * 3)
     return q, k, v
+
+
+# --- choosing between the kernel and the stock ops, by measurement -------------------
+
+def _key(module, rows, norm, residual, silu_split, kind="linear"):
+    w = module.weight
+    return (kind, tuple(w.shape), str(w.dtype), rows, norm is not None, residual is not None, silu_split)
+
+
+def stream_us(fn, n: int = 20, reps: int = 3) -> float:
+    """Microseconds per call of fn() with n calls evaluated back to back (as in a decode
+    step, where the launches overlap), median of reps."""
+    mx.eval([fn() for _ in range(2)])
+    ts = []
+    for _ in range(reps):
+        outs = [fn() for _ in range(n)]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * sorted(ts)[reps // 2] / n
+
+
+def uses_kernel(module, rows: int, *, norm: bool = False, residual: bool = False,
+                silu_split: Optional[int] = None) -> bool:
+    """Whether `linear` takes the kernel for this projection (True until tuned otherwise)."""
+    return supports(module) and rows <= MAX_ROWS and _CHOICE.get(
+        _key(module, rows, norm or None, residual or None, silu_split), True)
+
+
+def tune_linear(module, rows: int, *, norm: bool = False, residual: bool = False,
+                silu_split: Optional[int] = None, gate_fn: Optional[Callable] = None) -> dict:
+    """Time the kernel and the stock ops for this projection on random inputs (the real
+    weights) and remember the faster; returns {"kernel_us", "stock_us", "use"}."""
+    if not supports(module) or rows > MAX_ROWS:
+        return {"use": "stock"}
+    dt = module.weight.dtype
+    K = module.weight.shape[1]
+    n_out = silu_split or module.weight.shape[0]
+    x = mx.random.normal((rows, 1, K)).astype(dt)
+    nrm = (mx.ones((K,), dt), 1e-5) if norm else None
+    res = mx.random.normal((rows, 1, n_out)).astype(dt) if residual else None
+    key = _key(module, rows, nrm, res, silu_split)
+    _CHOICE.pop(key, None)
+    tk = stream_us(lambda: linear(module, x, norm=nrm, residual=res, silu_split=silu_split,
+                                  gate_fn=gate_fn, use_kernel=True))
+    ts = stream_us(lambda: _standin(module, x, nrm, res, silu_split, gate_fn))
+    _CHOICE[key] = tk <= ts
+    return {"kernel_us": round(tk, 2), "stock_us": round(ts, 2), "use": "kernel" if tk <= ts else "stock"}
+
+
+def qkv_rope_preferred(module, rows: int) -> bool:
+    return _CHOICE.get(_key(module, rows, None, None, None, kind="qkv_rope"), True)
+
+
+def tune_qkv_rope(module, rows: int, inv_freq, n_heads: int, n_kv: int, head_dim: int, rope) -> dict:
+    """qkv_rope (one kernel) against the q/k/v projection (as `linear` would run it)
+    followed by the RoPE kernel; remembers the faster."""
+    from . import kernels as K
+    dt = module.weight.dtype
+    Kd = module.weight.shape[1]
+    x = mx.random.normal((rows, 1, Kd)).astype(dt)
+    nrm = (mx.ones((Kd,), dt), 1e-5)
+    pos = mx.array([7], dtype=mx.int32)
+    key = _key(module, rows, None, None, None, kind="qkv_rope")
+    tk = stream_us(lambda: qkv_rope(module, x, nrm, inv_freq, pos, n_heads, n_kv, head_dim)[0])
+    ts = stream_us(lambda: K.rope_qkv(linear(module, x, norm=nrm, use_kernel=True), inv_freq, pos,
+                                      n_heads, n_kv, head_dim, rope, True)[0])
+    _CHOICE[key] = tk <= ts
+    return {"kernel_us": round(tk, 2), "stock_us": round(ts, 2), "use": "kernel" if tk <= ts else "stock"}

@@ -2,8 +2,9 @@
 
 The CUDA kernel runs only on an NVIDIA GPU (experiments/l3_kernel_check.py runs it
 there against the stock-MLX path). Here its decomposition is mirrored in numpy, loop
-for loop: a warp per `R` output rows (gate rows paired with up rows for the SiLU epilogue),
-32 lanes each reading 16-byte vectors at k = (it*32 + lane) * VEC, the sum of squares
+for loop: a block of 4 warps per `R` output rows (gate rows paired with up rows for the SiLU
+epilogue), warp w's 32 lanes reading 16-byte vectors at k = (it*32 + lane) * VEC for
+it = w, w + 4, ..., the sum of squares
 of the input accumulated in the same pass (the norm applied as a scale at the end),
 the lanes' partial sums reduced, and the epilogue with the kernel's roundings. The mirror
 is compared with the stock-MLX path the CPU runs (`gemv.linear(..., use_kernel=False)`,
@@ -33,23 +34,24 @@ def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None):
     B = x.shape[0]
     vec = 16 // mx.array(0, dt).itemsize
     nout = silu_split or N
-    R = G.rows_per_warp(B, silu_split is not None)
+    R = G.rows_per_block(nout, B, silu_split is not None)
     its = -(-K // (32 * vec))
     nw = norm[0] if norm is not None else np.ones(K, np.float32)
     out = np.zeros((B, nout), np.float32)
-    for n0 in range(0, nout, R):                       # one warp
+    for n0 in range(0, nout, R):                       # one block of 4 warps
         for r in range(min(R, nout - n0)):
             n = n0 + r
             for b in range(B):
                 def lanes(row):
-                    acc, ss = np.zeros(32, np.float32), np.zeros(32, np.float32)
-                    for lane in range(32):
-                        for it in range(its):
-                            k = (it * 32 + lane) * vec
-                            if k < K:
-                                xs = x[b, k:k + vec]
-                                ss[lane] += np.float32(xs @ xs)
-                                acc[lane] += np.float32(W[row, k:k + vec] @ (xs * nw[k:k + vec]))
+                    acc, ss = np.zeros((4, 32), np.float32), np.zeros((4, 32), np.float32)
+                    for warp in range(4):
+                        for lane in range(32):
+                            for it in range(warp, its, 4):
+                                k = (it * 32 + lane) * vec
+                                if k < K:
+                                    xs = x[b, k:k + vec]
+                                    ss[warp, lane] += np.float32(xs @ xs)
+                                    acc[warp, lane] += np.float32(W[row, k:k + vec] @ (xs * nw[k:k + vec]))
                     return np.float32(acc.sum()), np.float32(ss.sum())
                 g, ss = lanes(n)
                 inv = 1.0 / np.sqrt(ss / K + np.float32(norm[1])) if norm is not None else 1.0
@@ -106,11 +108,12 @@ def test_gemv_mirror_catches_a_wrong_pairing():
     assert float(np.linalg.norm(mir - ref) / np.linalg.norm(ref)) > 0.1
 
 
-def test_rows_per_warp_keeps_accumulators_bounded():
-    assert G.rows_per_warp(1, False) == 1 and G.rows_per_warp(1, True) == 1
+def test_rows_per_block_keeps_accumulators_bounded():
+    assert G.rows_per_block(2048, 1, False) == 1 and G.rows_per_block(8192, 1, True) == 1
+    assert G.rows_per_block(128256, 1, False) == 4          # the output head: longer blocks
     for b in range(1, G.MAX_ROWS + 1):
         for silu in (False, True):
-            r = G.rows_per_warp(b, silu)
+            r = G.rows_per_block(4096, b, silu)
             assert r >= 1 and r * (2 if silu else 1) * b <= 32 and r * b <= 32
 
 
