@@ -438,15 +438,16 @@ def main(argv=None) -> int:
         print(f"engine-serve: --batch {config.batch}: {NOT_YET} with quantized KV "
               "(--kv-quant); serving one request at a time (/stats batch.batched = false)",
               file=sys.stderr)
-    if config.levers is not None and config.levers.fast_batch and not config.levers.fast_decode:
-        print("engine-serve: --fast-batch has no effect without a fast lever (--tier l3, "
-              "--compiled-decode, --perf-kernel or --fused-sdpa): batched rows decode on L1",
-              file=sys.stderr)
-    if (config.batch > 1 and config.levers is not None and config.levers.fast_decode
-            and not config.levers.fast_batch):
-        print(f"engine-serve: --tier {config.levers.tier} with --batch {config.batch}: batched "
-              "requests decode on L1; the fast step runs only in the one-at-a-time lane "
-              "(use --batch 1 for it on every request; /stats levers.lanes)", file=sys.stderr)
+    lv = config.levers
+    if lv is not None and (lv.fast_batch != lv.fast_decode or lv.fast_decode and config.batch > 1):
+        print("engine-serve: " + (
+            "--fast-batch has no effect without a fast lever (--tier l3, --compiled-decode, "
+            "--perf-kernel or --fused-sdpa): batched rows decode on L1" if not lv.fast_decode
+            else "--fast-batch: batched rows decode through the fast step too (/stats "
+            "levers.lanes)" if lv.fast_batch else
+            f"--tier {lv.tier} with --batch {config.batch}: batched requests decode on L1; the "
+            "fast step runs only in the one-at-a-time lane (use --batch 1 for it on every "
+            "request, or --fast-batch; /stats levers.lanes)"), file=sys.stderr)
     sock = bind(config.host, config.port)
 
     from engine.kv_quant import KVConfigError
