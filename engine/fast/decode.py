@@ -32,7 +32,8 @@ from .. import models as _models  # noqa: F401  (engine.cache needs the models p
 from ..cache import KVCache
 from ..levers import Levers
 from . import kernels as K
-from .merge import merge_projections, merged_of, module_version
+from .merge import merge_projections, module_version
+from .step import layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
@@ -93,45 +94,20 @@ class FastDecoder:
     # --- the step, as a pure function of (tokens, position, buffers) ----------------
 
     def _attention(self, attn, x, pos, keys, values):
-        B = x.shape[0]
-        H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")) if self._rope_kernel_ok else None
-        if merged is not None:
-            qkv = merged.linear(x)
-            q, k, v = K.rope_qkv(qkv, self._inv_freq, pos, H, Hkv, D, attn.rope, True)
-        else:
-            q = attn.q_proj(x).reshape(B, 1, H, D)
-            k = attn.k_proj(x).reshape(B, 1, Hkv, D)
-            v = attn.v_proj(x).reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
-            p = pos + shift if shift else pos
-            q = attn.rope(q.transpose(0, 2, 1, 3), offset=p)
-            k = attn.rope(k.transpose(0, 2, 1, 3), offset=p)
+        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq)
         keys = mx.slice_update(keys, k, pos, axes=(2,))
         values = mx.slice_update(values, v, pos, axes=(2,))
         o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
-        return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, 1, -1)), keys, values
+        return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1)), keys, values
 
     def _forward(self, tokens, pos, *buffers):
-        m = self.model
-        n = len(m.layers)
+        n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
-        uk = self.use_kernels
-        h = m.embed(tokens[:, None])
-        resid = None
-        for i, layer in enumerate(m.layers):
-            ln = layer.input_layernorm
-            if resid is None:
-                x = ln(h)
-            else:
-                h, x = K.add_rms_norm(h, resid, ln.weight, ln.eps, uk)
-            a, ks[i], vs[i] = self._attention(layer.self_attn, x, pos, ks[i], vs[i])
-            ln = layer.post_attention_layernorm
-            h, x = K.add_rms_norm(h, a, ln.weight, ln.eps, uk)
-            resid = layer.mlp(x)
-        logits = m.head(h + resid)[:, -1, :]
+
+        def attend(i, attn, x):
+            a, ks[i], vs[i] = self._attention(attn, x, pos, ks[i], vs[i])
+            return a
+        logits = layer_stack(self.model, tokens, attend, self.use_kernels)
         return (logits, pos + 1, *ks, *vs)
 
     def _fn(self, capacity: int):
