@@ -37,8 +37,8 @@ from ..batch_cache import BatchKVCache
 from ..levers import Levers
 from . import kernels as K
 from .decode import CAPACITY_STEP, why_not
-from .merge import merge_projections, module_version
-from .step import layer_stack, rotated_qkv
+from .merge import module_version
+from .step import KernelChoice, layer_stack, rotated_qkv
 
 MAX_TRACES = 16
 
@@ -84,14 +84,9 @@ class FastBatchDecoder:
         self.model = model
         self.levers = levers
         self.max_traces = max_traces
-        cuda = K.cuda_available()
-        if levers.merged_proj:
-            merge_projections(model)
-        self.use_kernels = levers.perf_kernel and cuda
-        self.use_attn_kernel = levers.fused_sdpa and cuda
-        a0 = model.layers[0].self_attn
-        self._rope_kernel_ok = self.use_kernels and not hasattr(a0, "q_norm")
-        self._inv_freq = K.rope_inv_freq(a0.rope, a0.head_dim) if self._rope_kernel_ok else None
+        kc = KernelChoice.for_model(model, levers)
+        self.use_kernels, self.use_attn_kernel, self._inv_freq = (
+            kc.use_kernels, kc.use_attn_kernel, kc.inv_freq)
         self._fns: OrderedDict = OrderedDict()
         self._version = module_version(model)
         self._col: Optional[mx.array] = None

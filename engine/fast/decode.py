@@ -32,8 +32,8 @@ from .. import models as _models  # noqa: F401  (engine.cache needs the models p
 from ..cache import KVCache
 from ..levers import Levers
 from . import kernels as K
-from .merge import merge_projections, module_version
-from .step import layer_stack, rotated_qkv
+from .merge import module_version
+from .step import KernelChoice, layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
@@ -76,15 +76,9 @@ class FastDecoder:
             raise ValueError(reason)
         self.model = model
         self.levers = levers
-        cuda = K.cuda_available()
-        if levers.merged_proj:
-            merge_projections(model)
-        self.use_kernels = levers.perf_kernel and cuda
-        self.use_attn_kernel = levers.fused_sdpa and cuda
-        a0 = model.layers[0].self_attn
-        # (RoPE kernel on the merged q/k/v output: per layer, where its group is merged)
-        self._rope_kernel_ok = self.use_kernels and not hasattr(a0, "q_norm")
-        self._inv_freq = K.rope_inv_freq(a0.rope, a0.head_dim) if self._rope_kernel_ok else None
+        kc = KernelChoice.for_model(model, levers)
+        self.use_kernels, self.use_attn_kernel, self._inv_freq = (
+            kc.use_kernels, kc.use_attn_kernel, kc.inv_freq)
         self._fns: dict = {}
         self._version = module_version(model)
         self._pos: Optional[mx.array] = None

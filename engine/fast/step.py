@@ -1,6 +1,8 @@
 """Pieces shared by the solo and the batch fast decode steps (engine.fast.decode,
 engine.fast.batch_decode).
 
+- `KernelChoice.for_model`: which kernels a step uses for this model and levers (merging
+  the projections where `merged_proj` is on);
 - `rotated_qkv`: one token's q, k, v per row out of a layer's projections, q and k rotated
   at the given positions (one for every row, or one per row);
 - `layer_stack`: embedding, the decoder layers with each residual add folded into the
@@ -10,12 +12,35 @@ engine.fast.batch_decode).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
 
+from ..levers import Levers
 from . import kernels as K
-from .merge import merged_of
+from .merge import merge_projections, merged_of
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    use_kernels: bool                 # add_rms / rope_qkv CUDA kernels (else stand-ins)
+    use_attn_kernel: bool             # the decode-attention CUDA kernel
+    inv_freq: Optional[mx.array]      # the RoPE kernel's inverse frequencies (None: not used)
+
+    @classmethod
+    def for_model(cls, model, levers: Levers) -> "KernelChoice":
+        """The kernels run only on an NVIDIA GPU; the RoPE kernel works on the merged q/k/v
+        output, so not for models with q/k norms (qwen3). Merges the projections first
+        where `merged_proj` is on."""
+        cuda = K.cuda_available()
+        if levers.merged_proj:
+            merge_projections(model)
+        uk = levers.perf_kernel and cuda
+        a0 = model.layers[0].self_attn
+        rope_ok = uk and not hasattr(a0, "q_norm")
+        return cls(uk, levers.fused_sdpa and cuda,
+                   K.rope_inv_freq(a0.rope, a0.head_dim) if rope_ok else None)
 
 
 def rotated_qkv(attn, x: mx.array, pos: mx.array, inv_freq: Optional[mx.array]):
