@@ -208,13 +208,18 @@ class BatchScheduler:
 
     completion_batch_size: most rows decoding at once; prefill_batch_size: most
     rows prefilling at once; prefill_step_size: prompt tokens per row per step.
-    eos_token_ids: default stop tokens (the tokenizer's if given).
+    eos_token_ids: default stop tokens (the tokenizer's if given). decoder: an
+    optional `(tokens [B], caches) -> logits [B, V]` for the decode step (the L3 batch
+    step, `engine.fast.batch_decode.FastBatchDecoder`); its `covers(caches)` says
+    whether it runs this step (else the model's own forward does). Prefill and a
+    row's first step always run the model.
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, decoder=None):
         self.model = model
+        self.decoder = decoder
         self.tokenizer = tokenizer
         if eos_token_ids is None and tokenizer is not None:
             eos_token_ids = tokenizer.eos_token_ids
@@ -347,7 +352,11 @@ class BatchScheduler:
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
         inputs, cur_lp = g.next_tokens, g.next_logprobs
-        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+        dec = self.decoder
+        if dec is not None and dec.covers(g.caches):
+            logits = dec(inputs, g.caches)
+        else:
+            logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
         sampled, logprobs = self._sample(g, inputs, logits)
         g.next_tokens, g.next_logprobs = sampled, list(logprobs)
         mx.async_eval(g.next_tokens, g.next_logprobs)

@@ -114,7 +114,8 @@ class Engine:
     adapters; `Engine.load` makes one. keep_logprob_arrays:
     outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
     levers: an `engine.levers.Levers` (None: L1). A fast-decode lever (tier l3)
-    runs the solo lane's decode steps through `engine.fast`; batch rows stay L1.
+    runs the solo lane's decode steps through `engine.fast`; batch rows stay L1
+    unless `fast_batch` is on too (`engine.fast.batch_decode`).
     `merged_proj` merges the model's q/k/v and gate/up projections here, once, for
     both lanes (`engine.fast.apply.prepare`).
     """
@@ -158,10 +159,16 @@ class Engine:
         self.solo_reasons: dict = {}
 
     def _new_scheduler(self) -> BatchScheduler:
+        from .fast.apply import batch_decoder_for   # L3 batch step: None unless fast_batch
         return BatchScheduler(self.model, tokenizer=self.tokenizer,
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
-                              prefill_step_size=self.prefill_step_size)
+                              prefill_step_size=self.prefill_step_size,
+                              decoder=batch_decoder_for(self.model, self.levers, self.policy))
+
+    @property
+    def batch_decoder(self):   # the batch rows' fast step in force (None: L1)
+        return None if self._sched is None else self._sched.decoder
 
     @classmethod
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,

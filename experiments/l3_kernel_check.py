@@ -125,6 +125,28 @@ def cases(dt=mx.bfloat16):
             out.append(("attention", f"H{H}/{Hkv} d{hd} cap{cap} len{n}",
                         lambda u, q=q, k=k, v=v, ln=ln, hd=hd:
                         (K.decode_attention(q, k, v, ln, hd ** -0.5, u),)))
+        out += batch_cases(H, Hkv, hd, rope, inv, dt)
+    return out
+
+
+def batch_cases(H, Hkv, hd, rope, inv, dt):
+    """Rows of the batch (--fast-batch): one RoPE position per row, and attention from a
+    start column per row (its left padding) to the shared length."""
+    out = []
+    pos = mx.array([0, 5, 130, 2047, 77, 1, 999, 64], dtype=mx.int32)
+    qkv = mx.random.normal((8, 1, (H + 2 * Hkv) * hd)).astype(dt)
+    out.append(("rope_qkv", f"H{H}/{Hkv} d{hd} B8 per-row pos",
+                lambda u, qkv=qkv: K.rope_qkv(qkv, inv, pos, H, Hkv, hd, rope, u)))
+    for cap, n, starts in ((512, 130, [0, 3, 129, 64, 100, 7, 0, 1]),
+                           (2560, 2049, [0, 2000, 1024, 5, 2048, 900, 17, 1500])):
+        B = len(starts)
+        q = mx.random.normal((B, H, 1, hd)).astype(dt)
+        k = mx.random.normal((B, Hkv, cap, hd)).astype(dt)
+        v = mx.random.normal((B, Hkv, cap, hd)).astype(dt)
+        ln, st = mx.array([n], dtype=mx.int32), mx.array(starts, dtype=mx.int32)
+        out.append(("attention", f"H{H}/{Hkv} d{hd} B{B} cap{cap} len{n} per-row start",
+                    lambda u, q=q, k=k, v=v, ln=ln, st=st:
+                    (K.decode_attention(q, k, v, ln, hd ** -0.5, u, start=st),)))
     return out
 
 

@@ -80,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
       "/health")
     a("--batch", "--decode-concurrency", dest="batch", type=int, default=None, metavar="N",
       help="continuous batching of up to N rows (default 8; 1 with --tier l3, whose fast "
-           "decode runs one request at a time); 1 = one request at a time, "
+           "decode runs one request at a time, unless --fast-batch); 1 = one request at a time, "
            "each exactly mlx_lm.generate's token loop (docs/server.md); quantized KV and "
            "per-request adapters run one at a time")
     a("--max-queue", type=int, default=None, metavar="N",
@@ -188,7 +188,7 @@ def config_from_args(args):
     except LeverError as e:
         raise SystemExit(f"engine-serve: {e}") from None
     if args.batch is None:   # the fast decode step is the solo lane's: l3 serves one at a time
-        args.batch = 1 if levers.fast_decode else 8
+        args.batch = 1 if levers.fast_decode and not levers.fast_batch else 8   # (unless asked)
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
     if args.max_queue is not None and args.max_queue < 0:
@@ -438,10 +438,16 @@ def main(argv=None) -> int:
         print(f"engine-serve: --batch {config.batch}: {NOT_YET} with quantized KV "
               "(--kv-quant); serving one request at a time (/stats batch.batched = false)",
               file=sys.stderr)
-    if config.batch > 1 and config.levers is not None and config.levers.fast_decode:
-        print(f"engine-serve: --tier {config.levers.tier} with --batch {config.batch}: batched "
-              "requests decode on L1; the fast step runs only in the one-at-a-time lane "
-              "(use --batch 1 for it on every request; /stats levers.lanes)", file=sys.stderr)
+    lv = config.levers
+    if lv is not None and (lv.fast_batch != lv.fast_decode or lv.fast_decode and config.batch > 1):
+        print("engine-serve: " + (
+            "--fast-batch has no effect without a fast lever (--tier l3, --compiled-decode, "
+            "--perf-kernel or --fused-sdpa): batched rows decode on L1" if not lv.fast_decode
+            else "--fast-batch: batched rows decode through the fast step too (/stats "
+            "levers.lanes)" if lv.fast_batch else
+            f"--tier {lv.tier} with --batch {config.batch}: batched requests decode on L1; the "
+            "fast step runs only in the one-at-a-time lane (use --batch 1 for it on every "
+            "request, or --fast-batch; /stats levers.lanes)"), file=sys.stderr)
     sock = bind(config.host, config.port)
 
     from engine.kv_quant import KVConfigError

@@ -238,10 +238,12 @@ class ServerState:
     def _levers_stats(self) -> dict:
         from engine.fast.apply import describe
         out = describe(self.config.levers, self.model)
-        # which lane decodes through the fast step: only the solo one; batch rows stay L1
+        # which lane decodes through the fast step: the solo one; batch rows only with
+        # fast_batch (the Engine's scheduler then holds the batch step)
         fast = bool(out.get("fast_decode")) and not self.engine.policy.active  # (quantized KV: L1)
-        out["lanes"] = {"solo": "fast" if fast else "l1",
-                        "batch": "l1" if self.engine.batching else "off"}
+        batch = "off" if not self.engine.batching else (
+            "fast" if self.engine.batch_decoder is not None else "l1")
+        out["lanes"] = {"solo": "fast" if fast else "l1", "batch": batch}
         return out
 
 

@@ -1,11 +1,12 @@
 """From a `Levers` value to what the token loop uses: the fast decoder, if any.
 
 `decoder_for` is called once per solo-lane request (engine.core.Engine._start_solo);
+`batch_decoder_for` once per batch scheduler (engine.core.Engine, with `fast_batch`);
 `prepare` applies the model-wide levers, `merged_proj` and `force_wire`, once per model
 (Engine construction, and decoder_for).
 
-One `FastDecoder` per (model, levers) is kept on the model object, so its traced
-steps are reused from one request to the next.
+One `FastDecoder` (and one `FastBatchDecoder`) per (model, levers) is kept on the model
+object, so its traced steps are reused from one request to the next.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Optional
 import mlx.core as mx
 
 from ..levers import Levers
+from .batch_decode import FastBatchDecoder
 from .decode import FastDecoder, why_not
 from .merge import is_merged, merge_projections
 
 log = logging.getLogger("engine.fast")
 _ATTR = "_mlxp_fast_decoders"
+_BATCH_ATTR = "_mlxp_fast_batch_decoders"
 _WIRED = "_mlxp_wired"
 
 
@@ -63,13 +66,30 @@ def decoder_for(model, levers: Optional[Levers], caches=None, policy=None) -> Op
     if reason:
         log.info("fast decode not used: %s", reason)
         return None
-    store = getattr(model, _ATTR, None)
+    return _kept(model, _ATTR, levers, FastDecoder)
+
+
+def batch_decoder_for(model, levers: Optional[Levers], policy=None) -> Optional[FastBatchDecoder]:
+    """The batch rows' fast decoder (`fast_batch` with a fast lever on), or None where the
+    rows stay on L1 (lever off, or a model the fast step does not cover: logged once)."""
+    if levers is None or not levers.fast_batch_decode:
+        return None
+    prepare(model, levers)
+    reason = why_not(model, None, policy)
+    if reason:
+        log.info("fast batch decode not used: %s", reason)
+        return None
+    return _kept(model, _BATCH_ATTR, levers, FastBatchDecoder)
+
+
+def _kept(model, attr: str, levers: Levers, make):
+    store = getattr(model, attr, None)
     if store is None:
         store = {}
-        object.__setattr__(model, _ATTR, store)
+        object.__setattr__(model, attr, store)
     dec = store.get(levers)
     if dec is None:
-        dec = store[levers] = FastDecoder(model, levers)
+        dec = store[levers] = make(model, levers)
     return dec
 
 
@@ -85,4 +105,7 @@ def describe(levers: Optional[Levers], model=None) -> dict:
         dec = store.get(levers)
         if dec is not None:
             out["fast_stats"] = dict(vars(dec.stats))
+        bdec = (getattr(model, _BATCH_ATTR, {}) or {}).get(levers)
+        if bdec is not None:
+            out["fast_batch_stats"] = dict(vars(bdec.stats))
     return out

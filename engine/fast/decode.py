@@ -23,7 +23,7 @@ Supported: the llama and qwen3 families with full attention and float KV.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
@@ -34,7 +34,8 @@ from ..levers import Levers
 from ..models.base import silu_gate
 from . import gemv as G
 from . import kernels as K
-from .merge import merge_projections, merged_of, module_version
+from .merge import merged_of, module_version
+from .step import KernelChoice, layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
@@ -67,6 +68,8 @@ class FastStats:
     kernels: bool = False  # CUDA kernels in use (False: stock-MLX reference ops)
     attn_kernel: bool = False
     gemv: bool = False     # projections through engine.fast.gemv (norm / residual / SiLU fused)
+    # per projection, kernel or stock ops as measured on this device (engine.fast.gemv.tune_*)
+    gemv_choice: dict = field(default_factory=dict)
 
 
 class FastDecoder:
@@ -78,16 +81,11 @@ class FastDecoder:
             raise ValueError(reason)
         self.model = model
         self.levers = levers
-        cuda = K.cuda_available()
-        if levers.merged_proj:
-            merge_projections(model)
-        self.use_kernels = levers.perf_kernel and cuda
-        self.use_attn_kernel = levers.fused_sdpa and cuda
-        a0 = model.layers[0].self_attn
-        # (RoPE kernel on the merged q/k/v output: per layer, where its group is merged)
-        self._rope_kernel_ok = self.use_kernels and not hasattr(a0, "q_norm")
-        self._inv_freq = K.rope_inv_freq(a0.rope, a0.head_dim) if self._rope_kernel_ok else None
+        kc = KernelChoice.for_model(model, levers)
+        self.use_kernels, self.use_attn_kernel, self._inv_freq = (
+            kc.use_kernels, kc.use_attn_kernel, kc.inv_freq)
         self._fns: dict = {}
+        self._tuned: set = set()
         self._version = module_version(model)
         self._pos: Optional[mx.array] = None
         self._pos_host = -1
@@ -96,45 +94,20 @@ class FastDecoder:
     # --- the step, as a pure function of (tokens, position, buffers) ----------------
 
     def _attention(self, attn, x, pos, keys, values):
-        B = x.shape[0]
-        H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")) if self._rope_kernel_ok else None
-        if merged is not None:
-            qkv = merged.linear(x)
-            q, k, v = K.rope_qkv(qkv, self._inv_freq, pos, H, Hkv, D, attn.rope, True)
-        else:
-            q = attn.q_proj(x).reshape(B, 1, H, D)
-            k = attn.k_proj(x).reshape(B, 1, Hkv, D)
-            v = attn.v_proj(x).reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
-            p = pos + shift if shift else pos
-            q = attn.rope(q.transpose(0, 2, 1, 3), offset=p)
-            k = attn.rope(k.transpose(0, 2, 1, 3), offset=p)
+        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq)
         keys = mx.slice_update(keys, k, pos, axes=(2,))
         values = mx.slice_update(values, v, pos, axes=(2,))
         o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
-        return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, 1, -1)), keys, values
+        return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1)), keys, values
 
     def _forward(self, tokens, pos, *buffers):
-        m = self.model
-        n = len(m.layers)
+        n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
-        uk = self.use_kernels
-        h = m.embed(tokens[:, None])
-        resid = None
-        for i, layer in enumerate(m.layers):
-            ln = layer.input_layernorm
-            if resid is None:
-                x = ln(h)
-            else:
-                h, x = K.add_rms_norm(h, resid, ln.weight, ln.eps, uk)
-            a, ks[i], vs[i] = self._attention(layer.self_attn, x, pos, ks[i], vs[i])
-            ln = layer.post_attention_layernorm
-            h, x = K.add_rms_norm(h, a, ln.weight, ln.eps, uk)
-            resid = layer.mlp(x)
-        logits = m.head(h + resid)[:, -1, :]
+
+        def attend(i, attn, x):
+            a, ks[i], vs[i] = self._attention(attn, x, pos, ks[i], vs[i])
+            return a
+        logits = layer_stack(self.model, tokens, attend, self.use_kernels)
         return (logits, pos + 1, *ks, *vs)
 
     # --- the step with every projection through engine.fast.gemv ----------------------
@@ -159,7 +132,8 @@ class FastDecoder:
         B = h.shape[0]
         H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
         merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
-        if self._rope_kernel_ok and "rope_qkv" not in K.DISABLED:   # one kernel: GEMV + RoPE
+        if (self._inv_freq is not None and "rope_qkv" not in K.DISABLED
+                and G.qkv_rope_preferred(merged, B)):                # one kernel: GEMV + RoPE
             shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
             q, k, v = G.qkv_rope(merged, h, (ln.weight, ln.eps), self._inv_freq, pos, H, Hkv, D, shift)
         else:
@@ -198,15 +172,41 @@ class FastDecoder:
         logits = G.linear(out, h, norm=(norm.weight, norm.eps), use_kernel=uk)[:, -1, :]
         return (logits, length, *ks, *vs)
 
-    def _fn(self, capacity: int):
+    def tune(self, rows: int) -> dict:
+        """Measure, for each projection shape of this model at `rows` rows, whether the
+        fused GEMV kernel or the stock ops run faster on this device, and use the faster
+        from then on (CUDA only; the layers share shapes, so layer 0 stands for all)."""
+        if not (self.use_kernels and G.TUNE and self.gemv_ok()):
+            return {}
+        m = self.model
+        layer = m.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
+        gu = merged_of(mlp, ("gate_proj", "up_proj"))
+        out = {"qkv": G.tune_linear(qkv, rows, norm=True),
+               "o_proj": G.tune_linear(attn.o_proj, rows, residual=True),
+               "gate_up": G.tune_linear(gu.linear, rows, norm=True, silu_split=gu.sizes[0],
+                                        gate_fn=mlp.act),
+               "down_proj": G.tune_linear(mlp.down_proj, rows, residual=True),
+               "head": G.tune_linear(m.head_parts()[1], rows, norm=True)}
+        if self._inv_freq is not None and "rope_qkv" not in K.DISABLED:
+            out["qkv+rope"] = G.tune_qkv_rope(qkv, rows, self._inv_freq, attn.n_heads,
+                                              attn.n_kv_heads, attn.head_dim, attn.rope)
+        self.stats.gemv_choice = {k: v["use"] for k, v in out.items()}
+        return out
+
+    def _fn(self, capacity: int, rows: int = 1):
         # a trace holds the modules as they were: adapters mounted, switched or merged
         # groups split since then need a new one (module_version changes)
         version = module_version(self.model)
         if version != self._version:         # (the old traces are dropped, not kept)
-            self._fns, self._version = {}, version
+            self._fns, self._version, self._tuned = {}, version, set()
         fn = self._fns.get(capacity)
         if fn is None:
             self.stats.gemv = self.gemv_ok()
+            if self.stats.gemv and rows not in self._tuned:
+                self.tune(rows)
+                self._tuned.add(rows)
             fwd = self._forward_gemv if self.stats.gemv else self._forward
             fn = mx.compile(fwd) if self.levers.compiled_decode else fwd
             self._fns[capacity] = fn
@@ -247,7 +247,7 @@ class FastDecoder:
         if self._pos is None or self._pos_host != off:
             self._pos = mx.array([off], dtype=mx.int32)
         n = len(caches)
-        out = self._fn(caches[0].keys.shape[2])(
+        out = self._fn(caches[0].keys.shape[2], caches[0].keys.shape[0])(
             tokens.astype(mx.int32).reshape(-1), self._pos,
             *[c.keys for c in caches], *[c.values for c in caches])
         logits, self._pos = out[0], out[1]

@@ -386,11 +386,22 @@ def tune_linear(module, rows: int, *, norm: bool = False, residual: bool = False
     res = mx.random.normal((rows, 1, n_out)).astype(dt) if residual else None
     key = _key(module, rows, nrm, res, silu_split)
     _CHOICE.pop(key, None)
-    tk = stream_us(lambda: linear(module, x, norm=nrm, residual=res, silu_split=silu_split,
-                                  gate_fn=gate_fn, use_kernel=True))
-    ts = stream_us(lambda: _standin(module, x, nrm, res, silu_split, gate_fn))
+    return _decide(key, lambda: linear(module, x, norm=nrm, residual=res, silu_split=silu_split,
+                                       gate_fn=gate_fn, use_kernel=True),
+                   lambda: _standin(module, x, nrm, res, silu_split, gate_fn))
+
+
+def _decide(key, kernel_fn, stock_fn) -> dict:
+    """Time both; a kernel that cannot run here (no CUDA device, a compile error) loses."""
+    out = {}
+    try:
+        tk = stream_us(kernel_fn)
+    except Exception as e:                      # noqa: BLE001  (any failure: use the stock ops)
+        tk, out["kernel_error"] = float("inf"), f"{type(e).__name__}: {e}"[:200]
+    ts = stream_us(stock_fn)
     _CHOICE[key] = tk <= ts
-    return {"kernel_us": round(tk, 2), "stock_us": round(ts, 2), "use": "kernel" if tk <= ts else "stock"}
+    out.update(kernel_us=round(tk, 2), stock_us=round(ts, 2), use="kernel" if tk <= ts else "stock")
+    return out
 
 
 def qkv_rope_preferred(module, rows: int) -> bool:
@@ -407,8 +418,6 @@ def tune_qkv_rope(module, rows: int, inv_freq, n_heads: int, n_kv: int, head_dim
     nrm = (mx.ones((Kd,), dt), 1e-5)
     pos = mx.array([7], dtype=mx.int32)
     key = _key(module, rows, None, None, None, kind="qkv_rope")
-    tk = stream_us(lambda: qkv_rope(module, x, nrm, inv_freq, pos, n_heads, n_kv, head_dim)[0])
-    ts = stream_us(lambda: K.rope_qkv(linear(module, x, norm=nrm, use_kernel=True), inv_freq, pos,
+    return _decide(key, lambda: qkv_rope(module, x, nrm, inv_freq, pos, n_heads, n_kv, head_dim)[0],
+                   lambda: K.rope_qkv(linear(module, x, norm=nrm, use_kernel=True), inv_freq, pos,
                                       n_heads, n_kv, head_dim, rope, True)[0])
-    _CHOICE[key] = tk <= ts
-    return {"kernel_us": round(tk, 2), "stock_us": round(ts, 2), "use": "kernel" if tk <= ts else "stock"}

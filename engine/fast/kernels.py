@@ -8,10 +8,12 @@ first call with a given shape; nothing is built at install time.
 - `add_rms_norm(x, r, w, eps)`: h = x + r and RMSNorm(h) * w in one pass (the
   residual add folded into the next layer norm).
 - `rope_qkv(qkv, inv_freq, pos, ...)`: split a merged q/k/v projection row into
-  heads, rotate q and k at position `pos` (a device scalar), copy v.
-- `decode_attention(q, K, V, length, scale)`: one query token against the first
-  `length` keys of a preallocated cache (`length` is a device scalar), split over
-  key chunks in one kernel and combined in a second (flash-decoding).
+  heads, rotate q and k at position `pos` (a device array: one position [1] for
+  every row, or one per row [B]), copy v.
+- `decode_attention(q, K, V, length, scale, start=)`: one query token against the
+  keys of a preallocated cache from column `start[b]` (per row, default 0: the
+  batch's left padding) up to `length` (a device scalar), split over key chunks in
+  one kernel and combined in a second (flash-decoding).
 
 `fault` (see `inject_fault`) deliberately breaks one of these for the negative
 control of the L3 gate: a gate that passes a broken kernel would prove nothing.
@@ -135,7 +137,8 @@ ROPE_QKV_SOURCE = r"""
     dst[i + HALF] = src[i + HALF];
     return;
   }
-  const float theta = static_cast<float>(pos[0] + SHIFT) * inv_freq[i];
+  // PER_ROW: pos holds one position per row (rows of the batch), else one for all
+  const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + SHIFT) * inv_freq[i];
   float s, c;
   sincosf(theta, &s, &c);
   T* dst = head < H ? q + ((size_t)b * H + head) * D : k + ((size_t)b * HKV + (head - H)) * D;
@@ -146,12 +149,15 @@ ROPE_QKV_SOURCE = r"""
 
 def rope_qkv(qkv: mx.array, inv_freq: mx.array, pos: mx.array, n_heads: int, n_kv: int,
              head_dim: int, rope, use_kernel: bool):
-    """q [B,H,1,D], k [B,Hkv,1,D] rotated at position pos[0]; v [B,Hkv,1,D].
+    """q [B,H,1,D], k [B,Hkv,1,D] rotated at position pos[0] (pos [1]) or row b at
+    pos[b] (pos [B]); v [B,Hkv,1,D].
 
     `qkv` is the merged projection's output [B, 1, (H + 2 Hkv) * D]; `rope` is the
     model's own RoPE module (the reference path calls it), `inv_freq` its inverse
     frequencies (the kernel path reads them)."""
     B = qkv.shape[0]
+    if pos.size not in (1, B):
+        raise ValueError(f"pos must hold 1 or {B} positions, got {pos.size}")
     shift = 1 if _fault == "rope_pos_plus_one" else 0
     if not use_kernel or "rope_qkv" in DISABLED:
         q, k, v = mx.split(qkv, [n_heads * head_dim, (n_heads + n_kv) * head_dim], axis=-1)
@@ -164,7 +170,7 @@ def rope_qkv(qkv: mx.array, inv_freq: mx.array, pos: mx.array, n_heads: int, n_k
     n = B * (n_heads + 2 * n_kv) * (head_dim // 2)
     q, k, v = kern(inputs=[qkv, inv_freq, pos],
                    template=[("T", qkv.dtype), ("B", B), ("H", n_heads), ("HKV", n_kv),
-                             ("D", head_dim), ("SHIFT", shift)],
+                             ("D", head_dim), ("SHIFT", shift), ("PER_ROW", int(pos.size > 1))],
                    grid=((n + 127) // 128 * 128, 1, 1), threadgroup=(128, 1, 1),
                    output_shapes=[(B, n_heads, 1, head_dim), (B, n_kv, 1, head_dim),
                                   (B, n_kv, 1, head_dim)],
@@ -196,8 +202,9 @@ ATTN_PARTIAL_SOURCE = r"""
   const int kvh = h / (H / HKV);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int len = length[0] - DROP;
-  const int chunk = (len + NS - 1) / NS;
-  const int j0 = s * chunk;
+  const int lo = USE_START ? start[b] : 0;   // the row's first key (its left padding)
+  const int chunk = (len - lo + NS - 1) / NS;
+  const int j0 = lo + s * chunk;
   const int j1 = min(len, j0 + chunk);
   const T* qp = q + ((size_t)b * H + h) * D;
   const T* kp = keys + ((size_t)b * HKV + kvh) * (size_t)CAP * D;
@@ -290,33 +297,42 @@ def n_splits(capacity: int) -> int:
 
 
 def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.array,
-                     scale: float, use_kernel: bool) -> mx.array:
-    """softmax(q K[:length]^T * scale) V[:length] for one query token per row.
+                     scale: float, use_kernel: bool, start: Optional[mx.array] = None) -> mx.array:
+    """softmax(q K[start:length]^T * scale) V[start:length] for one query token per row.
 
-    q [B,H,1,D]; keys/values [B,Hkv,CAP,D] preallocated; length: int32 [1] on the device."""
+    q [B,H,1,D]; keys/values [B,Hkv,CAP,D] preallocated; length: int32 [1] on the device;
+    start: int32 [B], row b's first key column (rows of the batch are left-padded), or
+    None (every row from column 0)."""
     drop = 1 if _fault == "attn_drop_last_key" else 0
     B, H, _, D = q.shape
     Hkv, cap = keys.shape[1], keys.shape[2]
     if not use_kernel or "attention" in DISABLED:
-        valid = mx.arange(cap) < (length - drop)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                    mask=valid.reshape(1, 1, 1, cap))
+        cols = mx.arange(cap)
+        valid = cols < (length - drop)
+        if start is None:
+            valid = valid.reshape(1, 1, 1, cap)
+        else:
+            valid = (valid & (cols >= start.reshape(B, 1))).reshape(B, 1, 1, cap)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=valid)
     if D % 32 or D > 256:
         raise ValueError("decode_attention kernel needs head_dim a multiple of 32, at most 256")
     ns = n_splits(cap)
     common = [("T", q.dtype), ("H", H), ("HKV", Hkv), ("D", D), ("NS", ns)]
-    extra = [("CAP", cap), ("DROP", drop), ("SCALE_NUM", int(round(scale * 1e9)))]
+    # (the solo step passes no start column: the kernel then reads none, and no zeros
+    # array is made every layer of every step)
+    extra = [("CAP", cap), ("DROP", drop), ("SCALE_NUM", int(round(scale * 1e9))),
+             ("USE_START", int(start is not None))]
+    ins = [q, keys, values, length, start.astype(mx.int32) if start is not None else length]
     if ns == 1:
-        single = _kernel("mlxp_attn_single", ["q", "keys", "values", "length"], ["out"],
+        single = _kernel("mlxp_attn_single", ["q", "keys", "values", "length", "start"], ["out"],
                          ATTN_SINGLE_SOURCE)
-        (out,) = single(inputs=[q, keys, values, length], template=common + extra,
+        (out,) = single(inputs=ins, template=common + extra,
                         grid=(B * H * 256, 1, 1), threadgroup=(256, 1, 1),
                         output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype])
         return out
-    part = _kernel("mlxp_attn_partial", ["q", "keys", "values", "length"], ["partial"],
+    part = _kernel("mlxp_attn_partial", ["q", "keys", "values", "length", "start"], ["partial"],
                    ATTN_PARTIAL_SOURCE)
-    (partial,) = part(inputs=[q, keys, values, length],
-                      template=common + extra,
+    (partial,) = part(inputs=ins, template=common + extra,
                       grid=(B * H * ns * 256, 1, 1), threadgroup=(256, 1, 1),
                       output_shapes=[(B * H * ns, D + 2)], output_dtypes=[mx.float32])
     comb = _kernel("mlxp_attn_combine", ["partial"], ["out"], ATTN_COMBINE_SOURCE)

@@ -48,3 +48,14 @@ def test_train_flags_and_defaults_come_from_train_config():
         False, False, 3, "a,b", "sgd")
     with pytest.raises(SystemExit):
         train_parser().parse_args(["--model", "M", "--data", "D", "--optimizer", "lion"])
+
+
+@pytest.mark.parametrize("make", [generate_parser, serve_parser], ids=["generate", "serve"])
+def test_every_lever_flag_in_generate_and_serve(make):
+    from engine.levers import LEVER_NAMES
+
+    for name in LEVER_NAMES:
+        flag = name.replace("_", "-")
+        assert getattr(make().parse_args(["--" + flag]), name) is True
+        assert getattr(make().parse_args(["--no-" + flag]), name) is False
+    assert make().parse_args(["--fast-batch"]).fast_batch is True

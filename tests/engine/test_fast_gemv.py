@@ -182,3 +182,18 @@ def test_qkv_rope_mirror_matches_standin(pos):
                           H, Hkv, D, mx.bfloat16)
     want = _np(ref[0]).reshape(bad[0].shape)
     assert float(np.linalg.norm(bad[0] - want) / np.linalg.norm(want)) > 1e-2
+
+
+def test_tuning_picks_the_stock_ops_where_the_kernel_cannot_run():
+    """tune_linear measures kernel and stock ops; a kernel that cannot run (here: no CUDA
+    device) loses, and `linear` then takes the stock ops even when asked for the kernel."""
+    if mx.default_device() == mx.gpu:
+        pytest.skip("this checks the fallback on a machine without the CUDA kernel")
+    lin = nn.Linear(64, 48, bias=False)
+    assert G.uses_kernel(lin, 1, residual=True)
+    res = G.tune_linear(lin, 1, residual=True)
+    assert res["use"] == "stock" and "kernel_error" in res and res["stock_us"] > 0
+    assert not G.uses_kernel(lin, 1, residual=True)
+    x, h = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 48))
+    assert mx.array_equal(G.linear(lin, x, residual=h, use_kernel=True), h + lin(x))
+    assert G.uses_kernel(lin, 1)          # (another epilogue of the same weight: not tuned yet)

@@ -28,36 +28,40 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def attention_mirror(q, k, v, length, scale, ns, drop=0):
-    """ATTN_PARTIAL_SOURCE + ATTN_COMBINE_SOURCE for B=1, in numpy float32."""
-    H, D = q.shape[1], q.shape[3]
+def attention_mirror(q, k, v, length, scale, ns, drop=0, start=None):
+    """ATTN_PARTIAL_SOURCE + ATTN_COMBINE_SOURCE, in numpy float32: per block (row b,
+    head h, chunk s), keys from the row's start column (its left padding) to length."""
+    B, H, D = q.shape[0], q.shape[1], q.shape[3]
     Hkv = k.shape[1]
     n = length - drop
-    chunk = (n + ns - 1) // ns
-    out = np.zeros((1, H, 1, D), np.float32)
-    for h in range(H):
-        kvh = h // (H // Hkv)
-        qf = q[0, h, 0] * np.float32(scale)
-        parts = []
-        for s in range(ns):
-            j0, j1 = s * chunk, min(n, s * chunk + chunk)
-            warps = []
-            for w in range(8):
-                m, l, acc = np.float32(-1e30), np.float32(0), np.zeros(D, np.float32)
-                for j in range(j0 + w, j1, 8):
-                    dot = np.float32(qf @ k[0, kvh, j])
-                    mn = max(m, dot)
-                    corr, p = np.exp(m - mn), np.exp(dot - mn)
-                    l = l * corr + p
-                    acc = acc * corr + p * v[0, kvh, j]
-                    m = mn
-                warps.append((m, l, acc))
-            M = max(w[0] for w in warps)
-            parts.append((M, sum(w[1] * np.exp(w[0] - M) for w in warps),
-                          sum(w[2] * np.exp(w[0] - M) for w in warps)))
-        M = max(p[0] for p in parts)
-        L = sum(p[1] * np.exp(p[0] - M) for p in parts)
-        out[0, h, 0] = sum(p[2] * np.exp(p[0] - M) for p in parts) / L
+    out = np.zeros((B, H, 1, D), np.float32)
+    for b in range(B):
+        lo = 0 if start is None else int(start[b])
+        chunk = (n - lo + ns - 1) // ns
+        for h in range(H):
+            kvh = h // (H // Hkv)
+            qf = q[b, h, 0] * np.float32(scale)
+            parts = []
+            for s in range(ns):
+                j0 = lo + s * chunk
+                j1 = min(n, j0 + chunk)
+                warps = []
+                for w in range(8):
+                    m, l, acc = np.float32(-1e30), np.float32(0), np.zeros(D, np.float32)
+                    for j in range(j0 + w, j1, 8):
+                        dot = np.float32(qf @ k[b, kvh, j])
+                        mn = max(m, dot)
+                        corr, p = np.exp(m - mn), np.exp(dot - mn)
+                        l = l * corr + p
+                        acc = acc * corr + p * v[b, kvh, j]
+                        m = mn
+                    warps.append((m, l, acc))
+                M = max(w[0] for w in warps)
+                parts.append((M, sum(w[1] * np.exp(w[0] - M) for w in warps),
+                              sum(w[2] * np.exp(w[0] - M) for w in warps)))
+            M = max(p[0] for p in parts)
+            L = sum(p[1] * np.exp(p[0] - M) for p in parts)
+            out[b, h, 0] = sum(p[2] * np.exp(p[0] - M) for p in parts) / L
     return out
 
 
@@ -77,22 +81,48 @@ def test_attention_split_k_scheme(cap, length):
         assert _rel(bad, ref) > 1e-2
 
 
+@pytest.mark.parametrize("cap,length,starts", [(512, 40, [0, 13, 39]), (1024, 700, [5, 650, 0]),
+                                               (2560, 2049, [2000, 0, 1])])
+def test_attention_per_row_start_columns(cap, length, starts):
+    """Rows of the batch: row b attends over columns [start[b], length) (left padding)."""
+    mx.random.seed(cap + length)
+    B, H, Hkv, D = len(starts), 4, 2, 32
+    q, k, v = (mx.random.normal(s).astype(mx.bfloat16)
+               for s in ((B, H, 1, D), (B, Hkv, cap, D), (B, Hkv, cap, D)))
+    ln, st = mx.array([length], dtype=mx.int32), mx.array(starts, dtype=mx.int32)
+    ref = _np(K.decode_attention(q, k, v, ln, D ** -0.5, use_kernel=False, start=st))
+    got = attention_mirror(_np(q), _np(k), _np(v), length, D ** -0.5, K.n_splits(cap), start=starts)
+    assert _rel(got, ref) < 1e-2
+    # each row equals attention over its own columns alone (no mask, no padding)
+    for b, lo in enumerate(starts):
+        one = mx.fast.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, lo:length],
+                                                   v[b:b + 1, :, lo:length], scale=D ** -0.5)
+        assert _rel(_np(one)[0], ref[b]) < 1e-2
+    # a start ignored (every row from column 0) is visible
+    assert _rel(attention_mirror(_np(q), _np(k), _np(v), length, D ** -0.5, K.n_splits(cap)),
+                ref) > 1e-2
+
+
 def rope_mirror(qkv, inv_freq, pos, H, Hkv, D):
-    """ROPE_QKV_SOURCE: one thread per (row, head, pair), non-traditional pairs (i, i+D/2)."""
+    """ROPE_QKV_SOURCE: one thread per (row, head, pair), non-traditional pairs (i, i+D/2);
+    `pos` one position for every row, or one per row (PER_ROW)."""
     half, nh = D // 2, H + 2 * Hkv
-    q = np.zeros((1, H, 1, D), np.float32)
-    k = np.zeros((1, Hkv, 1, D), np.float32)
-    v = np.zeros((1, Hkv, 1, D), np.float32)
+    B = qkv.shape[0]
+    pos = np.atleast_1d(pos)
+    q = np.zeros((B, H, 1, D), np.float32)
+    k = np.zeros((B, Hkv, 1, D), np.float32)
+    v = np.zeros((B, Hkv, 1, D), np.float32)
     src = qkv.reshape(-1)
-    for gid in range(nh * half):
-        i, head = gid % half, (gid // half) % nh
-        x1, x2 = src[head * D + i], src[head * D + i + half]
+    for gid in range(B * nh * half):
+        i, head, b = gid % half, (gid // half) % nh, gid // (half * nh)
+        base = b * nh * D + head * D
+        x1, x2 = src[base + i], src[base + i + half]
         if head >= H + Hkv:
-            v[0, head - H - Hkv, 0, [i, i + half]] = x1, x2
+            v[b, head - H - Hkv, 0, [i, i + half]] = x1, x2
             continue
-        th = np.float32(pos) * inv_freq[i]
+        th = np.float32(pos[b if pos.size > 1 else 0]) * inv_freq[i]
         c, s = math.cos(th), math.sin(th)
-        dst = q[0, head, 0] if head < H else k[0, head - H, 0]
+        dst = q[b, head, 0] if head < H else k[b, head - H, 0]
         dst[i], dst[i + half] = x1 * c - x2 * s, x1 * s + x2 * c
     return q, k, v
 
@@ -115,6 +145,24 @@ def test_rope_thread_map_and_frequencies(kind, pos):
     got = rope_mirror(_np(qkv), _np(K.rope_inv_freq(rope, D)), pos, H, Hkv, D)
     for g, r in zip(got, ref):
         assert _rel(g, _np(r)) < 1e-3
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_rope_per_row_positions(kind):
+    """Rows of the batch: row b rotated at its own position pos[b]."""
+    H, Hkv, D = 4, 2, 64
+    rope = ROPES[kind](D)
+    pos = [0, 7, 2047]
+    qkv = mx.random.normal((len(pos), 1, (H + 2 * Hkv) * D)).astype(mx.float32)
+    ref = K.rope_qkv(qkv, None, mx.array(pos, dtype=mx.int32), H, Hkv, D, rope, use_kernel=False)
+    got = rope_mirror(_np(qkv), _np(K.rope_inv_freq(rope, D)), np.array(pos), H, Hkv, D)
+    for g, r in zip(got, ref):
+        assert _rel(g, _np(r)) < 1e-3
+    # one position for all rows is the solo step's call, and differs here
+    one = rope_mirror(_np(qkv), _np(K.rope_inv_freq(rope, D)), pos[1], H, Hkv, D)
+    assert _rel(one[0], _np(ref[0])) > 1e-3
+    with pytest.raises(ValueError, match="positions"):
+        K.rope_qkv(qkv, None, mx.array([1, 2], dtype=mx.int32), H, Hkv, D, rope, use_kernel=False)
 
 
 def test_rope_kernel_refuses_what_it_cannot_do():

@@ -66,3 +66,18 @@ def test_engine_generate_bad_env_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("MLXP_FUSED_SDPA", "sometimes")
     assert engine_cli.main(["--prompt", "hi", "-m", "2"]) == 2
     assert "MLXP_FUSED_SDPA" in capsys.readouterr().err
+
+
+def test_fast_batch_is_opt_in_and_needs_a_fast_lever():
+    for tier in ("l1", "l2", "l3"):
+        assert resolve(tier, env={}).fast_batch is False
+    assert not resolve("l3", env={}).fast_batch_decode
+    lv = _parse(["--l3", "--fast-batch"])
+    assert lv.fast_batch and lv.fast_batch_decode
+    assert resolve("l3", env={"MLXP_FAST_BATCH": "on"}).fast_batch_decode
+    # alone it does nothing: the batch step is the fast step's
+    lv = _parse(["--fast-batch"])
+    assert lv.fast_batch and not lv.fast_batch_decode and not lv.fast_decode
+    assert _parse(["--fast-batch", "--compiled-decode"]).fast_batch_decode
+    with pytest.raises(LeverError, match="MLXP_FAST_BATCH"):
+        resolve("l3", env={"MLXP_FAST_BATCH": "sometimes"})

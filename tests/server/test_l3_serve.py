@@ -1,10 +1,12 @@
 """engine-serve --tier l3: the solo lane decodes through the fast step (--tier l3 defaults to
---batch 1), /stats says so; with --batch N the batched rows stay L1."""
+--batch 1), /stats says so; with --batch N the batched rows stay L1, unless --fast-batch."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from engine.levers import resolve
+from engine.levers import parse_spec, resolve
 from server.cli import config_from_args, parser
 from srv_helpers import start_server, stop_server
 
@@ -79,3 +81,37 @@ def test_cli_tier_flags(monkeypatch):
     monkeypatch.setenv("MLXP_COMPILED_DECODE", "perhaps")
     with pytest.raises(SystemExit, match="MLXP_COMPILED_DECODE"):
         config_from_args(parser().parse_args([]))
+
+
+def test_fast_batch_server_answers_concurrent_requests_on_the_fast_step(llama_dir):
+    """`engine-serve --tier l3 --fast-batch --batch 4`: concurrent requests run as rows of
+    the batch, decoded by the batch fast step; on the CPU that step is exact, so each
+    answer is the one the same request gets alone."""
+    s = start_server(llama_dir, levers=parse_spec("l3+fast_batch"), temperature=0.0,
+                     prompt_cache_bytes=0, batch=4)
+    try:
+        prompts = ["count to ten", "say hello", "name three colours", "write a haiku"]
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: _chat(s, p).json()["choices"][0]["message"]["content"],
+                                  prompts))
+        st = httpx.get(s.url + "/stats").json()
+        lv = st["levers"]
+        assert lv["lanes"] == {"solo": "fast", "batch": "fast"}
+        assert st["batch"]["lanes"]["batch"] == 4
+        fb = lv["fast_batch_stats"]
+        assert fb["row_steps"] >= 4 * 11 and fb["fallbacks"] == 0 and fb["traces"] >= 1
+        for p, text in zip(prompts, texts):
+            ref = s.generate([{"role": "user", "content": p}], max_tokens=12, temperature=0.0)
+            assert ref.text == text
+    finally:
+        stop_server(s)
+
+
+def test_cli_fast_batch_keeps_batching(monkeypatch):
+    monkeypatch.delenv("MLXP_TIER", raising=False)
+    monkeypatch.delenv("MLXP_FAST_BATCH", raising=False)
+    cfg = config_from_args(parser().parse_args(["--l3", "--fast-batch"]))
+    assert cfg.levers.fast_batch_decode and cfg.batch == 8
+    cfg = config_from_args(parser().parse_args(["--l3", "--fast-batch", "--batch", "8"]))
+    assert cfg.batch == 8 and cfg.levers.fast_batch
+    assert not config_from_args(parser().parse_args(["--l3"])).levers.fast_batch

@@ -1,0 +1,82 @@
+"""Pieces shared by the solo and the batch fast decode steps (engine.fast.decode,
+engine.fast.batch_decode).
+
+- `KernelChoice.for_model`: which kernels a step uses for this model and levers (merging
+  the projections where `merged_proj` is on);
+- `rotated_qkv`: one token's q, k, v per row out of a layer's projections, q and k rotated
+  at the given positions (one for every row, or one per row);
+- `layer_stack`: embedding, the decoder layers with each residual add folded into the
+  next RMSNorm (`kernels.add_rms_norm`), and the head; attention is the caller's (each step
+  has its own cache layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..levers import Levers
+from . import kernels as K
+from .merge import merge_projections, merged_of
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    use_kernels: bool                 # add_rms / rope_qkv CUDA kernels (else stand-ins)
+    use_attn_kernel: bool             # the decode-attention CUDA kernel
+    inv_freq: Optional[mx.array]      # the RoPE kernel's inverse frequencies (None: not used)
+
+    @classmethod
+    def for_model(cls, model, levers: Levers) -> "KernelChoice":
+        """The kernels run only on an NVIDIA GPU; the RoPE kernel works on the merged q/k/v
+        output, so not for models with q/k norms (qwen3). Merges the projections first
+        where `merged_proj` is on."""
+        cuda = K.cuda_available()
+        if levers.merged_proj:
+            merge_projections(model)
+        uk = levers.perf_kernel and cuda
+        a0 = model.layers[0].self_attn
+        rope_ok = uk and not hasattr(a0, "q_norm")
+        return cls(uk, levers.fused_sdpa and cuda,
+                   K.rope_inv_freq(a0.rope, a0.head_dim) if rope_ok else None)
+
+
+def rotated_qkv(attn, x: mx.array, pos: mx.array, inv_freq: Optional[mx.array]):
+    """q [B,H,1,D], k and v [B,Hkv,1,D] for x [B,1,hidden], rotated at pos ([1] or [B]).
+
+    With `inv_freq` (the RoPE kernel in use) and the layer's q/k/v merged, the merged
+    projection's output goes through `kernels.rope_qkv`; otherwise the layer's own
+    projections, q/k norms (qwen3) and RoPE module run."""
+    B = x.shape[0]
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")) if inv_freq is not None else None
+    if merged is not None:
+        return K.rope_qkv(merged.linear(x), inv_freq, pos, H, Hkv, D, attn.rope, True)
+    q = attn.q_proj(x).reshape(B, 1, H, D)
+    k = attn.k_proj(x).reshape(B, 1, Hkv, D)
+    v = attn.v_proj(x).reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    p = pos + 1 if K.active_fault() == "rope_pos_plus_one" else pos
+    q = attn.rope(q.transpose(0, 2, 1, 3), offset=p)
+    return q, attn.rope(k.transpose(0, 2, 1, 3), offset=p), v
+
+
+def layer_stack(model, tokens: mx.array, attend: Callable, use_kernels: bool) -> mx.array:
+    """Logits [B, V] for one token per row (tokens [B]); `attend(i, attn, x)` returns
+    layer i's attention output [B, 1, hidden] for its normed input x."""
+    h = model.embed(tokens[:, None])
+    resid = None
+    for i, layer in enumerate(model.layers):
+        ln = layer.input_layernorm
+        if resid is None:
+            x = ln(h)
+        else:
+            h, x = K.add_rms_norm(h, resid, ln.weight, ln.eps, use_kernels)
+        a = attend(i, layer.self_attn, x)
+        ln = layer.post_attention_layernorm
+        h, x = K.add_rms_norm(h, a, ln.weight, ln.eps, use_kernels)
+        resid = layer.mlp(x)
+    return model.head(h + resid)[:, -1, :]
