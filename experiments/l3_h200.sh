@@ -2,7 +2,8 @@
 # The L3 device run in one go (kernel checks, exactness, gate, benchmarks), results under $OUT.
 #   bash experiments/l3_h200.sh        (from the repo root, MLX's CUDA build on PYTHONPATH)
 # Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, FULL=1 (4-bit and 8B too: FULL_MODELS, FULL_LENGTHS, FULL_GEN), AB_GEMV=1 (L3 once
-# more with the fused GEMV off), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
+# more with the fused GEMV off), BATCH=1 (the batch lane at 8 and 32 rows vs BatchGenerator),
+# EXACT=0 (skip the exactness stage), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
 # Each stage has its own time limit; a failing kernel check switches that kernel off
 # ($MLXP_DISABLE_KERNELS) for the later stages rather than stopping the run.
 set -u
@@ -34,10 +35,12 @@ if [ "${AB_GEMV:-0}" = 1 ]; then
     python3 experiments/bench_decode.py --model "$M" --tier l3 --lengths 128,2048 \
     --gen ${GEN:-64} --trials 5 --tag h200-1b-without-gemv --out "$OUT/bench-nogemv"
 fi
-stage gate
-timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --tag h200-1b --out "$OUT/gate"
-stage exactness
-timeout $(lim 2) python3 experiments/l3_exactness.py --model "$M" --steps 8
+if [ "${BATCH:-0}" = 1 ]; then
+  stage batch
+  timeout $(lim 3) python3 experiments/merged_exactness.py --model "$M" \
+    --specs ${BATCH_SPECS:-l1+merged_proj,l3+fast_batch} --batches 8,32 --trials ${BATCH_TRIALS:-3} \
+    --out "$OUT/batch.jsonl"
+fi
 if [ "${FULL:-0}" = 1 ]; then
   stage bench-q4-8b
   FULL_MODELS=${FULL_MODELS:-1b-q4,8b}; MARGS=""
@@ -49,6 +52,12 @@ if [ "${FULL:-0}" = 1 ]; then
   timeout $(lim 5) python3 experiments/bench_decode.py $MARGS \
     --tier l1,l3 --lengths ${FULL_LENGTHS:-128,2048} --gen ${FULL_GEN:-128} --trials 5 --tag h200-q4-8b --out /tmp/bench2
   cp /tmp/bench2/bench_decode.csv "$OUT/bench2.csv" 2>/dev/null
+fi
+stage gate
+timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --tag h200-1b --out "$OUT/gate"
+if [ "${EXACT:-1}" = 1 ]; then
+stage exactness
+timeout $(lim 2) python3 experiments/l3_exactness.py --model "$M" --steps 8
 fi
 stage done
 } 2>&1 | tee "$OUT/l3_h200.log"

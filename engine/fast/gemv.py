@@ -30,7 +30,9 @@ module can take the kernel.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from typing import Callable, Optional, Tuple
 
@@ -401,6 +403,8 @@ def _decide(key, kernel_fn, stock_fn) -> dict:
     ts = stream_us(stock_fn)
     _CHOICE[key] = tk <= ts
     out.update(kernel_us=round(tk, 2), stock_us=round(ts, 2), use="kernel" if tk <= ts else "stock")
+    if os.environ.get("MLXP_GEMV_TUNE_LOG"):
+        print(json.dumps({"gemv_tune": [str(k) for k in key], **out}), file=sys.stderr, flush=True)
     return out
 
 
