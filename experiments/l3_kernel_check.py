@@ -150,6 +150,16 @@ def batch_cases(H, Hkv, hd, rope, inv, dt):
     return out
 
 
+def _save(out, rows, failed, done: bool) -> None:
+    """The results so far (rewritten after every check, so a run cut short by a time limit
+    still says which kernels passed; `done` is false until every check ran)."""
+    if out:
+        checked = sorted({r["kernel"] for r in rows})
+        summary = {"checks": len(rows), "failed": sorted(failed), "checked": checked, "done": done,
+                   "device": str(mx.default_device())}
+        Path(out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
@@ -177,6 +187,7 @@ def main(argv=None) -> int:
             failed.add(kname)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        _save(a.out, rows, failed, done=False)
     for case, fn, nbytes in gemv_cases():
         row = {"kernel": "gemv", "case": case}
         try:
@@ -195,10 +206,10 @@ def main(argv=None) -> int:
             failed.add("gemv")
         rows.append(row)
         print(json.dumps(row), flush=True)
-    summary = {"checks": len(rows), "failed": sorted(failed), "device": str(mx.default_device())}
-    if a.out:
-        Path(a.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
-    print(json.dumps(summary))
+        _save(a.out, rows, failed, done=False)
+    _save(a.out, rows, failed, done=True)
+    print(json.dumps({"checks": len(rows), "failed": sorted(failed), "done": True,
+                      "device": str(mx.default_device())}))
     return 0 if not failed else 1
 
 

@@ -40,10 +40,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
-# per projection shape, the faster of the kernel and the stock ops is measured once on the
-# device (`tune_linear`, `tune_qkv_rope`) and used from then on; MLXP_GEMV_TUNE=0: always
-# the kernel
-TUNE = os.environ.get("MLXP_GEMV_TUNE", "1") != "0"
+# MLXP_GEMV_TUNE=1: per projection shape, measure once on the device whether the kernel or
+# the stock ops run faster (`tune_linear`, `tune_qkv_rope`) and use the faster. Off by
+# default: timed alone, back to back, the stock ops of the small projections measure
+# faster, but inside the step each of them is one more launch (on the H200 the tuned step
+# did not come out faster), so by default every projection takes the kernel.
+TUNE = os.environ.get("MLXP_GEMV_TUNE", "0") == "1"
 _CHOICE: dict = {}
 THREADS = 128       # 4 warps a block (the kernel's WARPS)
 
