@@ -206,6 +206,45 @@ def speed(specs, models, tok, ref_model, prompts, batches, gen, trials, sink):
                    "vs_l1": round(med[spec] / med["l1"], 4) if "l1" in med else None}, sink)
 
 
+def report(jsonl: str, out: Path, note: str = "") -> None:
+    """Tables (pandas) and a plot (matplotlib) from a run's JSON lines, into `out`."""
+    import matplotlib
+    import pandas as pd
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(jsonl) if line.startswith("{")]
+    df = pd.DataFrame(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "merged_exactness.csv", index=False)
+
+    def table(d, cols):
+        d = d[[c for c in cols if c in d.columns]]
+        lines = ["| " + " | ".join(d.columns) + " |", "|" + "---|" * len(d.columns)]
+        def cell(v):
+            if isinstance(v, float) and v == v and v.is_integer():
+                return str(int(v))
+            return f"{v:.3f}" if isinstance(v, float) else str(v)
+        lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in d.itertuples(index=False)]
+        return lines
+    lines = [f"# Merged projections and the batch fast step — mlx-parity {engine.__version__}", "", note, "",
+             "## Exactness against mlx-lm", ""]
+    lines += table(df[df["case"].isin(["solo", "batch"])],
+                   ["case", "spec", "B", "steps", "equal_steps", "same_tokens", "max_abs_logprob_diff"])
+    sp = df[df["case"] == "speed"]
+    if len(sp):
+        lines += ["", "## Decode speed (tokens/s over all rows)", ""]
+        lines += table(sp, ["spec", "B", "ours_decode_tok_s", "mlx_lm_decode_tok_s", "ratio", "vs_l1"])
+        piv = sp.pivot(index="B", columns="spec", values="ratio")
+        ax = piv.plot.bar(rot=0, figsize=(6, 4))
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_ylabel("decode tok/s, ours / mlx-lm BatchGenerator")
+        ax.figure.tight_layout()
+        ax.figure.savefig(out / "merged_exactness.png", dpi=110)
+        plt.close(ax.figure)
+    (out / "merged_exactness.md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (e.g. experiments/presets.py 1b)")
@@ -218,7 +257,15 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--out", help="also write the JSON lines to this file")
+    ap.add_argument("--report", help="with --from-jsonl (or --out): write tables and a plot here")
+    ap.add_argument("--from-jsonl", help="build the report from this file of an earlier run, run nothing")
+    ap.add_argument("--note", default="", help="a paragraph for the report (the command, the machine)")
     a = ap.parse_args(argv)
+    if a.from_jsonl:
+        if not a.report:
+            raise SystemExit("merged_exactness: --from-jsonl needs --report DIR")
+        report(a.from_jsonl, Path(a.report), a.note)
+        return 0
     try:
         specs = a.specs.split(",")
         for s in specs:
@@ -247,6 +294,10 @@ def main(argv=None) -> int:
     if not a.no_speed:
         speed(specs, models, tok, ref_model, prompts, batches, a.gen, a.trials, sink)
     print(f"# done in {time.perf_counter() - t0:.0f}s", flush=True)
+    if sink is not None:
+        sink.close()
+        if a.report:
+            report(a.out, Path(a.report), a.note)
     return 0
 
 
