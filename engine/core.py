@@ -43,64 +43,13 @@ import mlx.core as mx
 
 from .batch import BatchRequest, BatchScheduler, RowEvent
 from .kv_quant import make_policy
-from .request import (ContextLengthExceeded, PromptError, RequestOutput, SamplingParams, encode_prompt,
-                      token_logprob)
+from .request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
+                      encode_prompt, model_context, token_logprob)
 from .stepper import generate_step, prefill_chunk
-from .text import TextStream
 
 __all__ = ["Engine"]
 
 BASE_NAMESPACE = "base"
-
-
-def model_context(model) -> Optional[int]:
-    """The model's context length (`max_position_embeddings`, or its text config's)."""
-    args = getattr(model, "args", None)
-    for a in (args, getattr(args, "text_config", None)):
-        n = a.get("max_position_embeddings") if isinstance(a, dict) else getattr(
-            a, "max_position_embeddings", None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
-
-
-class _Request:
-    """One submitted request's state, whichever lane runs it."""
-
-    def __init__(self, rid, ids, params, adapters, ns, lane, tokenizer):
-        self.rid, self.ids, self.params, self.adapters, self.ns = rid, ids, params, adapters, ns
-        self.lane = lane                  # "batch" | "solo"
-        self.need = len(ids) + params.max_tokens
-        self.reused = 0
-        self.fed: list = []               # every token sampled (each one fed back)
-        self.n = 0                        # tokens returned (EOS excluded)
-        self.pending_ids: list = []
-        self.pending_lp: list = []
-        self.pending_arrays: list = []
-        self.tic = time.perf_counter()
-        self.prompt_tps = 0.0
-        self.top = params.top_logprobs or 0
-        self.uid: Optional[int] = None    # batch row id
-        self.steps = None                 # solo: the generate_step iterator (once prefilled)
-        self.caches = None                # solo: its caches
-        self.prompt = None                # solo: the uncached prompt tokens, prefilling
-        self.done = 0                     # solo: how many of them are in the caches
-        self.start_decode = None          # solo: builds `steps` once prefilled
-        self.text: Optional[TextStream] = None
-        if lane == "solo":
-            self.text = TextStream(tokenizer, params.stop)
-
-    def output(self, text: str, reason=None, **kw) -> RequestOutput:
-        now = time.perf_counter()
-        out = RequestOutput(text=text, token_ids=self.pending_ids, logprobs=self.pending_lp,
-                            finish_reason=reason, prompt_tokens=len(self.ids),
-                            cached_tokens=self.reused, generation_tokens=self.n,
-                            prompt_tps=self.prompt_tps,
-                            generation_tps=self.n / (now - self.tic) if now > self.tic else 0.0,
-                            peak_memory_gb=mx.get_peak_memory() / 1e9, request_id=self.rid,
-                            started=bool(self.fed), logprob_arrays=self.pending_arrays, **kw)
-        self.pending_ids, self.pending_lp, self.pending_arrays = [], [], []
-        return out
 
 
 class Engine:
@@ -147,9 +96,9 @@ class Engine:
         self._sched = self._new_scheduler() if max_batch > 1 else None
         self._ids = itertools.count()
         self._waiting: deque = deque()
-        self._live: dict = {}            # rid -> _Request (waiting or running)
-        self._rows: dict = {}            # batch uid -> _Request
-        self._solo: Optional[_Request] = None
+        self._live: dict = {}            # rid -> RequestState (waiting or running)
+        self._rows: dict = {}            # batch uid -> RequestState
+        self._solo: Optional[RequestState] = None
         self._done_now: list = []        # outputs to hand out with the next step
         self._samplers: dict = {}
         self.steps = 0
@@ -215,7 +164,7 @@ class Engine:
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use")
         reason = self._solo_reason(adapter)
-        req = _Request(rid, ids, params, adapter, cache_namespace,
+        req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
         # (copied on write: stats() may be read from another thread)
         if reason is not None:
@@ -357,7 +306,7 @@ class Engine:
             self._samplers[key] = params.make_sampler(special)
         return self._samplers[key]
 
-    def _fetch(self, req: _Request):
+    def _fetch(self, req: RequestState):
         if self.prompt_cache is None:
             return None
         hit = self.prompt_cache.fetch(req.ns, req.ids)
@@ -366,7 +315,7 @@ class Engine:
         req.reused = hit.reused
         return hit.caches
 
-    def _store(self, req: _Request, caches) -> None:
+    def _store(self, req: RequestState, caches) -> None:
         if self.prompt_cache is not None and caches:
             tokens = req.ids + req.fed
             # the request is over: the caches are handed to the store, not copied
@@ -374,7 +323,7 @@ class Engine:
 
     # --- solo lane -------------------------------------------------------------------
 
-    def _start_solo(self, req: _Request) -> None:
+    def _start_solo(self, req: RequestState) -> None:
         if self.adapters is not None:
             self.adapters.activate(req.adapters)
         p = req.params
@@ -406,7 +355,7 @@ class Engine:
         req.tic = time.perf_counter()
         self._solo = req
 
-    def _solo_prefill(self, req: _Request) -> None:
+    def _solo_prefill(self, req: RequestState) -> None:
         from .cache import RotatingKVCache   # (engine.cache imports the models)
 
         if req.prompt.size - req.done > 1:
@@ -422,7 +371,7 @@ class Engine:
             self.prompt_cache.store(req.ns, req.ids[:len(req.ids) - 1], req.caches)
         req.steps, req.start_decode = req.start_decode(), None
 
-    def _solo_token(self, req: _Request, tok: int, lp) -> list:
+    def _solo_token(self, req: RequestState, tok: int, lp) -> list:
         ev = RowEvent(-1, tok, lp)
         if len(req.fed) + 1 >= req.params.max_tokens:
             ev.finish_reason = "length"
@@ -438,7 +387,7 @@ class Engine:
             self._end_solo(req)
         return [out] if out is not None else []
 
-    def _end_solo(self, req: _Request, store: bool = True) -> None:
+    def _end_solo(self, req: RequestState, store: bool = True) -> None:
         if req.steps is not None:
             req.steps.close()
         if store:
@@ -448,7 +397,7 @@ class Engine:
 
     # --- batch lane ------------------------------------------------------------------
 
-    def _start_row(self, req: _Request) -> None:
+    def _start_row(self, req: RequestState) -> None:
         if self.adapters is not None:
             self.adapters.activate(())
         p = req.params
@@ -483,7 +432,7 @@ class Engine:
 
     # --- update (both lanes) ---------------------------------------------------------
 
-    def _update(self, req: _Request, ev: RowEvent) -> Optional[RequestOutput]:
+    def _update(self, req: RequestState, ev: RowEvent) -> Optional[RequestOutput]:
         if ev.token is not None:
             req.fed.append(ev.token)
             if len(req.fed) == 1:
@@ -501,6 +450,6 @@ class Engine:
             return None
         return req.output(ev.text, ev.finish_reason, stop_string=ev.stop_string)
 
-    def _fail(self, req: _Request, e: BaseException) -> RequestOutput:
+    def _fail(self, req: RequestState, e: BaseException) -> RequestOutput:
         self._live.pop(req.rid, None)
         return req.output("", "error", error=e)

@@ -16,10 +16,13 @@ on the last piece the finish reason and, when a stop string ended it, which one.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import mlx.core as mx
+
+from .text import TextStream
 
 FALLBACK_SAMPLING = {"temperature": 0.0, "top_p": 0.0, "top_k": 0, "min_p": 0.0}
 SEED_MAX = 2 ** 64 - 1            # mx.random.key takes a uint64
@@ -233,3 +236,53 @@ def token_logprob(tok: int, lp: mx.array, top: int) -> dict:
         order = mx.argsort(-vals)
         entry["top"] = [(int(i), float(v)) for i, v in zip(idx[order].tolist(), vals[order].tolist())]
     return entry
+
+
+def model_context(model) -> Optional[int]:
+    """The model's context length (`max_position_embeddings`, or its text config's)."""
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        n = a.get("max_position_embeddings") if isinstance(a, dict) else getattr(
+            a, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+class RequestState:
+    """One submitted request's state inside `engine.core.Engine`, whichever lane runs it."""
+
+    def __init__(self, rid, ids, params, adapters, ns, lane, tokenizer):
+        self.rid, self.ids, self.params, self.adapters, self.ns = rid, ids, params, adapters, ns
+        self.lane = lane                  # "batch" | "solo"
+        self.need = len(ids) + params.max_tokens
+        self.reused = 0
+        self.fed: list = []               # every token sampled (each one fed back)
+        self.n = 0                        # tokens returned (EOS excluded)
+        self.pending_ids: list = []
+        self.pending_lp: list = []
+        self.pending_arrays: list = []
+        self.tic = time.perf_counter()
+        self.prompt_tps = 0.0
+        self.top = params.top_logprobs or 0
+        self.uid: Optional[int] = None    # batch row id
+        self.steps = None                 # solo: the generate_step iterator (once prefilled)
+        self.caches = None                # solo: its caches
+        self.prompt = None                # solo: the uncached prompt tokens, prefilling
+        self.done = 0                     # solo: how many of them are in the caches
+        self.start_decode = None          # solo: builds `steps` once prefilled
+        self.text: Optional[TextStream] = None
+        if lane == "solo":
+            self.text = TextStream(tokenizer, params.stop)
+
+    def output(self, text: str, reason=None, **kw) -> RequestOutput:
+        now = time.perf_counter()
+        out = RequestOutput(text=text, token_ids=self.pending_ids, logprobs=self.pending_lp,
+                            finish_reason=reason, prompt_tokens=len(self.ids),
+                            cached_tokens=self.reused, generation_tokens=self.n,
+                            prompt_tps=self.prompt_tps,
+                            generation_tps=self.n / (now - self.tic) if now > self.tic else 0.0,
+                            peak_memory_gb=mx.get_peak_memory() / 1e9, request_id=self.rid,
+                            started=bool(self.fed), logprob_arrays=self.pending_arrays, **kw)
+        self.pending_ids, self.pending_lp, self.pending_arrays = [], [], []
+        return out
