@@ -1,7 +1,7 @@
 #!/bin/bash
 # The L3 device run in one go (kernel checks, exactness, gate, benchmarks), results under $OUT.
 #   bash experiments/l3_h200.sh        (from the repo root, MLX's CUDA build on PYTHONPATH)
-# Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, FULL=1 (4-bit and 8B too: FULL_MODELS, FULL_LENGTHS, FULL_GEN), AB_GEMV=1 (L3 once
+# Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, GATE_BATCH (rows of the batch gate, 0: none), FULL=1 (4-bit and 8B too: FULL_MODELS, FULL_LENGTHS, FULL_GEN), AB_GEMV=1 (L3 once
 # more with the fused GEMV off), BATCH=1 (the batch lane at 8 and 32 rows vs BatchGenerator),
 # EXACT=0 (skip the exactness stage), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
 # Each stage has its own time limit; a failing kernel check switches that kernel off
@@ -58,7 +58,8 @@ if [ "${FULL:-0}" = 1 ]; then
   cp /tmp/bench2/bench_decode.csv "$OUT/bench2.csv" 2>/dev/null
 fi
 stage gate
-timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --tag h200-1b --out "$OUT/gate"
+timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --batch ${GATE_BATCH:-8} \
+  --tag h200-1b --out "$OUT/gate"
 if [ "${EXACT:-1}" = 1 ]; then
 stage exactness
 timeout $(lim 2) python3 experiments/l3_exactness.py --model "$M" --steps 8

@@ -41,3 +41,23 @@ def test_fault_names_are_checked():
     with pytest.raises(ValueError):
         with kernels.inject_fault("nope"):
             pass
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def batch_results(request):
+    from parity.l3_gate import run_batch_gate
+    return {r.variant: r for r in run_batch_gate(ensure_fixture(request.param, "bfloat16"), 4, steps=16)}
+
+
+def test_batch_fast_step_passes_the_gate_bit_exact_on_the_cpu(batch_results):
+    """Four rows of different prompt lengths (left-padded) decoding together: the batch fast
+    step against the L1 batch forward, teacher-forced, every row and step."""
+    r = batch_results["batch4:l3"]
+    assert r.passes and r.bit_exact and r.kl_max == 0.0
+    assert r.tokens == 4 * 17
+
+
+@pytest.mark.parametrize("fault", kernels.FAULTS)
+def test_batch_negative_control_fails_the_gate(batch_results, fault):
+    r = batch_results[f"batch4:fault:{fault}"]
+    assert not r.passes and not r.bit_exact, r
