@@ -3,7 +3,7 @@
 #   bash experiments/l3_h200.sh        (from the repo root, MLX's CUDA build on PYTHONPATH)
 # Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, GATE_BATCH (rows of the batch gate, 0: none), FULL=1 (4-bit and 8B too: FULL_MODELS, FULL_LENGTHS, FULL_GEN), AB_GEMV=1 (L3 once
 # more with the fused GEMV off), BATCH=1 (the batch lane at 8 and 32 rows vs BatchGenerator),
-# EXACT=0 (skip the exactness stage), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
+# EXACT=0 (skip the exactness stage), OVERHEAD=0 (skip experiments/l3_overhead.py), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
 # Each stage has its own time limit; a failing kernel check switches that kernel off
 # ($MLXP_DISABLE_KERNELS) for the later stages rather than stopping the run.
 set -u
@@ -29,6 +29,10 @@ print(','.join(sorted(set(s['failed']) | ({'add_rms', 'rope_qkv', 'attention', '
 " 2>/dev/null || echo add_rms,rope_qkv,attention,gemv)
 export MLXP_DISABLE_KERNELS=${FAILED}
 echo "MLXP_DISABLE_KERNELS=$MLXP_DISABLE_KERNELS"
+if [ "${OVERHEAD:-1}" = 1 ]; then
+  stage overhead
+  timeout $(lim 30) python3 experiments/l3_overhead.py --model "$M" --out "$OUT/overhead.jsonl"
+fi
 stage bench-1b
 timeout $(lim 30) python3 experiments/bench_decode.py --model "$M" \
   --tier ${TIERS:-l1,l3,l3-compiled_decode,l3-perf_kernel-fused_sdpa,l1+merged_proj} \

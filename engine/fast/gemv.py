@@ -237,20 +237,12 @@ GEMV_ROPE_SOURCE = GEMV_MAIN + r"""
   }
 """
 
-_kernels: dict = {}
-
-
 def _get_kernel(rope: bool = False):
-    if rope not in _kernels:
-        if rope:
-            _kernels[rope] = mx.fast.cuda_kernel(
-                name="mlxp_gemv_rope", input_names=["W", "x", "norm_w", "inv_freq", "pos"],
-                output_names=["q", "k", "v"], source=GEMV_ROPE_SOURCE, header=GEMV_HEADER)
-        else:
-            _kernels[rope] = mx.fast.cuda_kernel(
-                name="mlxp_gemv", input_names=["W", "x", "norm_w", "residual"],
-                output_names=["out"], source=GEMV_SOURCE, header=GEMV_HEADER)
-    return _kernels[rope]
+    from . import kernels as K            # (built there, so that K.empty_kernels covers it)
+    if rope:
+        return K.cuda_kernel("mlxp_gemv_rope", ["W", "x", "norm_w", "inv_freq", "pos"], ["q", "k", "v"],
+                             GEMV_ROPE_SOURCE, GEMV_HEADER)
+    return K.cuda_kernel("mlxp_gemv", ["W", "x", "norm_w", "residual"], ["out"], GEMV_SOURCE, GEMV_HEADER)
 
 
 def supports(module) -> bool:

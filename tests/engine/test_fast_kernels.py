@@ -195,3 +195,13 @@ def test_off_gpu_the_decoder_runs_the_references():
     assert not K.cuda_available()
     dec = FastDecoder(load_model(ensure_fixture("llama", "bfloat16"))[0], resolve("l3", env={}))
     assert dec.stats.kernels is False and dec.stats.attn_kernel is False
+
+
+def test_empty_kernels_are_separate_kernels():
+    """experiments/l3_overhead.py's emptied kernels never replace the real ones."""
+    src = "  b[0] = a[0];\n"
+    real = K.cuda_kernel("mlxp_test_copy", ["a"], ["b"], src)
+    with K.empty_kernels():
+        empty = K.cuda_kernel("mlxp_test_copy", ["a"], ["b"], src)
+        assert empty is not real
+    assert K.cuda_kernel("mlxp_test_copy", ["a"], ["b"], src) is real
