@@ -79,10 +79,17 @@ def empty_kernels():
         _empty = old
 
 
+def kernel_variant(name: str, source: str) -> tuple:
+    """(name, source) of the kernel to build: inside `empty_kernels`, a separately named
+    kernel whose body returns at once."""
+    if _empty:
+        return name + "_empty", "  if (threadIdx.x < 100000) return;\n" + source
+    return name, source
+
+
 def cuda_kernel(name: str, inputs, outputs, source: str, header: str = ""):
     """mx.fast.cuda_kernel, built once per name (an empty body inside `empty_kernels`)."""
-    if _empty:
-        name, source = name + "_empty", "  if (threadIdx.x < 100000) return;\n" + source
+    name, source = kernel_variant(name, source)
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
                                              source=source, header=header)

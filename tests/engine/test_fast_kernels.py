@@ -198,10 +198,11 @@ def test_off_gpu_the_decoder_runs_the_references():
 
 
 def test_empty_kernels_are_separate_kernels():
-    """experiments/l3_overhead.py's emptied kernels never replace the real ones."""
+    """experiments/l3_overhead.py's emptied kernels are built under another name (they never
+    replace the real ones) and return before doing anything."""
     src = "  b[0] = a[0];\n"
-    real = K.cuda_kernel("mlxp_test_copy", ["a"], ["b"], src)
+    assert K.kernel_variant("mlxp_x", src) == ("mlxp_x", src)
     with K.empty_kernels():
-        empty = K.cuda_kernel("mlxp_test_copy", ["a"], ["b"], src)
-        assert empty is not real
-    assert K.cuda_kernel("mlxp_test_copy", ["a"], ["b"], src) is real
+        name, body = K.kernel_variant("mlxp_x", src)
+    assert name == "mlxp_x_empty" and body.strip().startswith("if (threadIdx.x < 100000) return;")
+    assert body.endswith(src) and K.kernel_variant("mlxp_x", src) == ("mlxp_x", src)
