@@ -3,7 +3,8 @@
 #   bash experiments/l3_h200.sh        (from the repo root, MLX's CUDA build on PYTHONPATH)
 # Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, GATE_BATCH (rows of the batch gate, 0: none), FULL=1 (4-bit and 8B too: FULL_MODELS, FULL_LENGTHS, FULL_GEN), AB_GEMV=1 (L3 once
 # more with the fused GEMV off), BATCH=1 (the batch lane at 8 and 32 rows vs BatchGenerator),
-# EXACT=0 (skip the exactness stage), OVERHEAD=0 (skip experiments/l3_overhead.py), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
+# EXACT=0 (skip the exactness stage), OVERHEAD=0 (skip experiments/l3_overhead.py),
+# TRAINED=1 (the gate on a 1b model trained on a synthetic language: TRAINED_PRESET, TRAINED_STEPS), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
 # Each stage has its own time limit; a failing kernel check switches that kernel off
 # ($MLXP_DISABLE_KERNELS) for the later stages rather than stopping the run.
 set -u
@@ -64,6 +65,12 @@ fi
 stage gate
 timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --batch ${GATE_BATCH:-8} \
   --tag h200-1b --out "$OUT/gate"
+if [ "${TRAINED:-0}" = 1 ]; then
+  stage trained-gate
+  timeout $(lim 2) python3 experiments/trained_gate.py --preset ${TRAINED_PRESET:-1b} \
+    --steps ${TRAINED_STEPS:-300} --gate-batch ${GATE_BATCH:-8} --out /tmp/trained
+  mkdir -p "$OUT/trained" && cp -r /tmp/trained/gate /tmp/trained/train.json "$OUT/trained/" 2>/dev/null
+fi
 if [ "${EXACT:-1}" = 1 ]; then
 stage exactness
 timeout $(lim 2) python3 experiments/l3_exactness.py --model "$M" --steps 8
