@@ -44,8 +44,8 @@ for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, 
 SPECS["gemv_rope"] = (G.GEMV_ROPE_SOURCE,
                       [("W", "T"), ("x", "T"), ("norm_w", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
                       [("q", "T"), ("k", "T"), ("v", "T")],
-                      dict(K=2048, NOUT=3072, B=1, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV=8, SHIFT=0,
-                           EPS_NUM=10**7))
+                      dict(K=2048, NOUT=3072, B=4, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV=8, SHIFT=0,
+                           PER_ROW=1, EPS_NUM=10**7))
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/limits>

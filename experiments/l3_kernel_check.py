@@ -117,6 +117,15 @@ def cases(dt=mx.bfloat16):
                     return G.qkv_rope(lin, xh, (nw, 1e-5), inv, pos, H, Hkv, hd)
                 return K.rope_qkv(G.linear(lin, xh, norm=(nw, 1e-5)), inv, pos, H, Hkv, hd, rope, False)
             out.append(("rope_qkv", f"gemv+rope H{H}/{Hkv} d{hd} pos{p}", fused))
+            if p == 77:                  # rows of the batch at their own positions
+                x4 = mx.random.normal((4, 1, Kd)).astype(dt)
+                p4 = mx.array([0, 5, 77, 2047], dtype=mx.int32)
+
+                def fused4(u, lin=lin, x4=x4, nw=nw, p4=p4, H=H, Hkv=Hkv, hd=hd, rope=rope, inv=inv):
+                    if u:
+                        return G.qkv_rope(lin, x4, (nw, 1e-5), inv, p4, H, Hkv, hd)
+                    return K.rope_qkv(G.linear(lin, x4, norm=(nw, 1e-5)), inv, p4, H, Hkv, hd, rope, False)
+                out.append(("rope_qkv", f"gemv+rope B4 per-row H{H}/{Hkv} d{hd}", fused4))
         for cap, n in ((256, 1), (256, 129), (512, 400), (2560, 2049), (2560, 2560)):
             q = mx.random.normal((1, H, 1, hd)).astype(dt)
             k = mx.random.normal((1, Hkv, cap, hd)).astype(dt)

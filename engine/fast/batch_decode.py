@@ -38,7 +38,7 @@ from ..levers import Levers
 from . import kernels as K
 from .decode import CAPACITY_STEP, why_not
 from .merge import module_version
-from .step import KernelChoice, layer_stack, rotated_qkv
+from .step import KernelChoice, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
 MAX_TRACES = 16
 
@@ -53,6 +53,7 @@ class FastBatchStats:
     fallback_reason: Optional[str] = None   # why, the last time
     kernels: bool = False    # CUDA kernels in use (False: stock-MLX reference ops)
     attn_kernel: bool = False
+    gemv: bool = False       # projections through engine.fast.gemv (kernels at <= 8 rows)
 
 
 def capacity_for(need: int) -> int:
@@ -113,6 +114,21 @@ class FastBatchDecoder:
         logits = layer_stack(self.model, tokens, attend, self.use_kernels)
         return (logits, pos + 1, col + 1, *ks, *vs)
 
+    def _forward_gemv(self, tokens, pos, col, start, *buffers):
+        """The step with every projection through engine.fast.gemv (step.gemv_stack)."""
+        n = len(self.model.layers)
+        ks, vs = list(buffers[:n]), list(buffers[n:])
+        length = col + 1
+
+        def attend(i, attn, q, k, v):
+            ks[i] = mx.slice_update(ks[i], k, col, axes=(2,))
+            vs[i] = mx.slice_update(vs[i], v, col, axes=(2,))
+            o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, self.use_attn_kernel,
+                                   start=start)
+            return o.transpose(0, 2, 1, 3).reshape(q.shape[0], 1, -1)
+        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
+        return (logits, pos + 1, length, *ks, *vs)
+
     def _fn(self, rows: int, capacity: int):
         # a trace holds the modules as they were (adapters, merged groups) and the fault
         # active when it was built (the negative control): either changing needs a new one
@@ -123,7 +139,9 @@ class FastBatchDecoder:
         key = (rows, capacity, K.active_fault())
         fn = self._fns.get(key)
         if fn is None:
-            fn = mx.compile(self._forward) if self.levers.compiled_decode else self._forward
+            self.stats.gemv = gemv_ok(self.model, self.levers)
+            fwd = self._forward_gemv if self.stats.gemv else self._forward
+            fn = mx.compile(fwd) if self.levers.compiled_decode else fwd
             self._fns[key] = fn
             self.stats.traces += 1
             while len(self._fns) > self.max_traces:

@@ -31,11 +31,10 @@ import mlx.core as mx
 from .. import models as _models  # noqa: F401  (engine.cache needs the models package first)
 from ..cache import KVCache
 from ..levers import Levers
-from ..models.base import silu_gate
 from . import gemv as G
 from . import kernels as K
 from .merge import merged_of, module_version
-from .step import KernelChoice, layer_stack, rotated_qkv
+from .step import KernelChoice, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
@@ -113,63 +112,21 @@ class FastDecoder:
     # --- the step with every projection through engine.fast.gemv ----------------------
 
     def gemv_ok(self) -> bool:
-        """Whether every projection can go through the fused GEMV (perf_kernel on, q/k/v
-        and gate/up merged, plain float weights without bias, SiLU gating)."""
-        if not self.levers.perf_kernel or "gemv" in K.DISABLED:
-            return False
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj"))
-            gu = merged_of(mlp, ("gate_proj", "up_proj"))
-            if qkv is None or gu is None or getattr(mlp, "act", None) is not silu_gate:
-                return False
-            if not all(G.supports(m) for m in (qkv.linear, gu.linear, attn.o_proj, mlp.down_proj)):
-                return False
-        return G.supports(self.model.head_parts()[1])
-
-    def _attention_gemv(self, layer, h, pos, length, keys, values):
-        attn, ln, uk = layer.self_attn, layer.input_layernorm, self.use_kernels
-        B = h.shape[0]
-        H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
-        if (self._inv_freq is not None and "rope_qkv" not in K.DISABLED
-                and G.qkv_rope_preferred(merged, B)):                # one kernel: GEMV + RoPE
-            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
-            q, k, v = G.qkv_rope(merged, h, (ln.weight, ln.eps), self._inv_freq, pos, H, Hkv, D, shift)
-        else:
-            qkv = G.linear(merged, h, norm=(ln.weight, ln.eps), use_kernel=uk)
-            q, k, v = mx.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
-            q, k = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D)
-            v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
-            p = pos + shift if shift else pos
-            q = attn.rope(q.transpose(0, 2, 1, 3), offset=p)
-            k = attn.rope(k.transpose(0, 2, 1, 3), offset=p)
-        keys = mx.slice_update(keys, k, pos, axes=(2,))
-        values = mx.slice_update(values, v, pos, axes=(2,))
-        o = K.decode_attention(q, keys, values, length, attn.scale, self.use_attn_kernel)
-        o = o.transpose(0, 2, 1, 3).reshape(B, 1, -1)
-        return G.linear(attn.o_proj, o, residual=h, use_kernel=uk), keys, values
+        """Whether every projection goes through engine.fast.gemv (see step.gemv_ok)."""
+        return gemv_ok(self.model, self.levers)
 
     def _forward_gemv(self, tokens, pos, *buffers):
-        """Per layer: GEMV(norm -> q/k/v), RoPE, KV write, attention, GEMV(o_proj + h),
-        GEMV(norm -> gate/up -> SiLU * up), GEMV(down_proj + h); then GEMV(norm -> head)."""
-        m, uk = self.model, self.use_kernels
-        n = len(m.layers)
+        """The step with every projection through engine.fast.gemv (step.gemv_stack)."""
+        n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
-        h = m.embed(tokens[:, None])
         length = pos + 1
-        for i, layer in enumerate(m.layers):
-            h, ks[i], vs[i] = self._attention_gemv(layer, h, pos, length, ks[i], vs[i])
-            ln, mlp = layer.post_attention_layernorm, layer.mlp
-            gu = merged_of(mlp, ("gate_proj", "up_proj"))
-            act = G.linear(gu.linear, h, norm=(ln.weight, ln.eps), silu_split=gu.sizes[0],
-                           gate_fn=mlp.act, use_kernel=uk)
-            h = G.linear(mlp.down_proj, act, residual=h, use_kernel=uk)
-        norm, out = m.head_parts()
-        logits = G.linear(out, h, norm=(norm.weight, norm.eps), use_kernel=uk)[:, -1, :]
+
+        def attend(i, attn, q, k, v):
+            ks[i] = mx.slice_update(ks[i], k, pos, axes=(2,))
+            vs[i] = mx.slice_update(vs[i], v, pos, axes=(2,))
+            o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, self.use_attn_kernel)
+            return o.transpose(0, 2, 1, 3).reshape(q.shape[0], 1, -1)
+        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
         return (logits, length, *ks, *vs)
 
     def tune(self, rows: int) -> dict:

@@ -207,8 +207,8 @@ GEMV_SOURCE = GEMV_MAIN + r"""
   }
 """
 
-# q/k/v with RoPE: the two rows of a rotation pair come out of one warp, rotated at
-# position pos[0] (+ SHIFT, the negative control's fault) and written straight into
+# q/k/v with RoPE: the two rows of a rotation pair come out of one block, rotated at
+# position pos[0] or pos[b] (PER_ROW) (+ SHIFT, the negative control's fault) and written straight into
 # q [B, NQ, 1, D], k and v [B, NKV, 1, D]; v rows are copied unrotated.
 GEMV_ROPE_SOURCE = GEMV_MAIN + r"""
   {
@@ -225,7 +225,7 @@ GEMV_ROPE_SOURCE = GEMV_MAIN + r"""
         dst[i] = T(x1);
         dst[i + HALF] = T(x2);
       } else {
-        const float theta = static_cast<float>(pos[0] + SHIFT) * inv_freq[i];
+        const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + SHIFT) * inv_freq[i];
         float sn, cs;
         sincosf(theta, &sn, &cs);
         T* dst = head < NQ ? q + ((size_t)b * NQ + head) * ROPE_D
@@ -319,8 +319,9 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
 def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.array, pos: mx.array,
              n_heads: int, n_kv: int, head_dim: int, shift: int = 0):
     """The merged q/k/v projection of the RMS-normalised x, with RoPE at position pos[0]
-    (+ shift) applied to q and k, as one kernel (CUDA only; the caller keeps the stock
-    path elsewhere): returns q [B, H, 1, D], k and v [B, Hkv, 1, D]."""
+    (pos of shape [1]) or pos[b] for row b (pos of shape [B]) (+ shift) applied to q and k,
+    as one kernel (CUDA only; the caller keeps the stock path elsewhere): returns
+    q [B, H, 1, D], k and v [B, Hkv, 1, D]."""
     K = x.shape[-1]
     rows = x.size // K
     W = module.weight
@@ -329,9 +330,10 @@ def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.arr
         raise ValueError("qkv_rope needs a merged q/k/v weight, an even head_dim and <= 8 rows")
     dt = W.dtype
     q, k, v = _get_kernel(rope=True)(
-        inputs=[W, x.astype(dt).reshape(rows, K), norm[0].astype(dt), inv_freq, pos],
+        inputs=[W, x.astype(dt).reshape(rows, K), norm[0].astype(dt), inv_freq, pos.astype(mx.int32)],
         template=[("T", dt), ("K", K), ("NOUT", N), ("B", rows), ("R", 2), ("NORM", 1), ("EPI", 0),
                   ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv), ("SHIFT", shift),
+                  ("PER_ROW", int(pos.size > 1)),
                   ("EPS_NUM", int(round(norm[1] * 1e12)))],
         grid=(N // 2 * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, n_heads, 1, head_dim), (rows, n_kv, 1, head_dim), (rows, n_kv, 1, head_dim)],

@@ -7,7 +7,9 @@ engine.fast.batch_decode).
   at the given positions (one for every row, or one per row);
 - `layer_stack`: embedding, the decoder layers with each residual add folded into the
   next RMSNorm (`kernels.add_rms_norm`), and the head; attention is the caller's (each step
-  has its own cache layout).
+  has its own cache layout);
+- `gemv_ok` / `gemv_stack`: the same with every projection through `engine.fast.gemv`
+  (norm, RoPE, SiLU·up and residual adds fused into them), where the model allows.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..levers import Levers
+from ..models.base import silu_gate
+from . import gemv as G
 from . import kernels as K
 from .merge import merge_projections, merged_of
 
@@ -80,3 +84,63 @@ def layer_stack(model, tokens: mx.array, attend: Callable, use_kernels: bool) ->
         h, x = K.add_rms_norm(h, a, ln.weight, ln.eps, use_kernels)
         resid = layer.mlp(x)
     return model.head(h + resid)[:, -1, :]
+
+
+def gemv_ok(model, levers: Levers) -> bool:
+    """Whether every projection can go through the fused GEMV (perf_kernel on, q/k/v and
+    gate/up merged, plain float weights without bias, SiLU gating)."""
+    if not levers.perf_kernel or "gemv" in K.DISABLED:
+        return False
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj"))
+        gu = merged_of(mlp, ("gate_proj", "up_proj"))
+        if qkv is None or gu is None or getattr(mlp, "act", None) is not silu_gate:
+            return False
+        if not all(G.supports(m) for m in (qkv.linear, gu.linear, attn.o_proj, mlp.down_proj)):
+            return False
+    return G.supports(model.head_parts()[1])
+
+
+def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], use_kernels: bool):
+    """q [B,H,1,D], k and v [B,Hkv,1,D] from the residual stream h: RMSNorm, the merged
+    q/k/v projection and RoPE at pos ([1] or [B]) in one kernel where the RoPE kernel is in
+    use (and not tuned away), else the GEMV and the layer's own q/k norms and RoPE."""
+    attn, ln = layer.self_attn, layer.input_layernorm
+    B = h.shape[0]
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
+    shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
+    if (inv_freq is not None and "rope_qkv" not in K.DISABLED and B <= G.MAX_ROWS
+            and G.qkv_rope_preferred(merged, B)):
+        return G.qkv_rope(merged, h, (ln.weight, ln.eps), inv_freq, pos, H, Hkv, D, shift)
+    qkv = G.linear(merged, h, norm=(ln.weight, ln.eps), use_kernel=use_kernels)
+    q, k, v = mx.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
+    q, k = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D)
+    v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    p = pos + shift if shift else pos
+    return attn.rope(q.transpose(0, 2, 1, 3), offset=p), attn.rope(k.transpose(0, 2, 1, 3), offset=p), v
+
+
+def gemv_stack(model, tokens: mx.array, attend: Callable, pos: mx.array, inv_freq: Optional[mx.array],
+               use_kernels: bool) -> mx.array:
+    """Logits [B, V] for one token per row. Per layer: GEMV(norm -> q/k/v [+ RoPE]),
+    `attend(i, attn, q, k, v)` (the caller's cache write and attention, returning
+    [B, 1, H*D]), GEMV(o_proj + h), GEMV(norm -> gate/up -> SiLU * up), GEMV(down_proj + h);
+    then GEMV(norm -> head). Off the GPU every GEMV is the model's own operations."""
+    uk = use_kernels
+    h = model.embed(tokens[:, None])
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q, k, v = gemv_qkv(layer, h, pos, inv_freq, uk)
+        o = attend(i, attn, q, k, v)
+        h = G.linear(attn.o_proj, o, residual=h, use_kernel=uk)
+        ln, mlp = layer.post_attention_layernorm, layer.mlp
+        gu = merged_of(mlp, ("gate_proj", "up_proj"))
+        act = G.linear(gu.linear, h, norm=(ln.weight, ln.eps), silu_split=gu.sizes[0],
+                       gate_fn=mlp.act, use_kernel=uk)
+        h = G.linear(mlp.down_proj, act, residual=h, use_kernel=uk)
+    norm, out = model.head_parts()
+    return G.linear(out, h, norm=(norm.weight, norm.eps), use_kernel=uk)[:, -1, :]

@@ -197,3 +197,24 @@ def test_tuning_picks_the_stock_ops_where_the_kernel_cannot_run():
     x, h = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 48))
     assert mx.array_equal(G.linear(lin, x, residual=h, use_kernel=True), h + lin(x))
     assert G.uses_kernel(lin, 1)          # (another epilogue of the same weight: not tuned yet)
+
+
+def test_qkv_rope_mirror_per_row_positions():
+    """Rows of the batch at their own positions (PER_ROW): row b is rotated at pos[b]."""
+    from engine.fast import kernels as K
+    H, Hkv, D, Kd = 2, 1, 16, 256
+    mx.random.seed(5)
+    lin = nn.Linear(Kd, (H + 2 * Hkv) * D, bias=False)
+    lin.weight = (mx.random.normal(lin.weight.shape) * 0.05).astype(mx.bfloat16)
+    x = mx.random.normal((2, 1, Kd)).astype(mx.bfloat16)
+    nw = mx.ones((Kd,), mx.bfloat16)
+    rope = nn.RoPE(D, base=10000.0)
+    inv_freq = K.rope_inv_freq(rope, D)
+    pos = mx.array([3, 40], dtype=mx.int32)
+    ref = K.rope_qkv(G.linear(lin, x, norm=(nw, 1e-5)), inv_freq, pos, H, Hkv, D, rope, use_kernel=False)
+    for b in range(2):
+        mir = qkv_rope_mirror(_np(lin.weight), _np(x[b]).reshape(-1), _np(nw), 1e-5, _np(inv_freq),
+                              int(pos[b]), H, Hkv, D, mx.bfloat16)
+        for got, want in zip(mir, ref):
+            want = _np(want[b]).reshape(got.shape)
+            assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2

@@ -67,6 +67,8 @@ def test_fast_batch_rows_equal_batch_generator(family, dtype):
     assert st.row_steps == sum(i.max_tokens for i in schedule)
     assert st.fallbacks == 0 and st.steps > 0
     assert eng.stats()["lanes"] == {"batch": 5, "solo": 0}
+    # float weights: the rows' projections went through engine.fast.gemv (its stock path here)
+    assert st.gemv
 
 
 def test_fast_batch_abort_mid_generation_equals_batch_generator():
