@@ -196,6 +196,7 @@ class Leader:
         self.grace = (1.0, 5.0)
         self.exit = os._exit            # (not sys.exit: the worker may be stuck in MLX)
         self.stopped = False
+        self.stopping = False           # a stop signal came (on_shutdown_signal)
         self._ops: list = []
         self._check: list = []
         self._fail_lock = threading.Lock()
@@ -244,14 +245,32 @@ class Leader:
                 self._send("step")
                 outs = self._engine.step()
                 self._check = digest(outs)
-                # a fault inside the forward ends requests with an error: a lost rank?
-                if any(o.finish_reason == "error" for o in outs):
-                    self._send("ping")
+                lost = self._lost_in(outs)
         except Exception as e:          # the ring lost a peer (RuntimeError), or a bug:
             # either way the ranks can no longer be kept in step
             self.fail(_why(e))
             return []
+        if lost is not None:
+            self.fail(lost)
+            return []
         return outs
+
+    def _lost_in(self, outs) -> Optional[str]:
+        """Whether a step's failed requests mean a lost rank (the reason) or not (None).
+        A fault inside the forward ends requests with an error: it is a lost rank when
+        the error comes from a collective, when a heartbeat to every rank then fails
+        (raises), or when a stop signal came first (under mlx.launch: a rank exited)."""
+        from .gateway import client_error
+        failed = [o for o in outs if o.finish_reason == "error" and not client_error(o)]
+        if not failed:
+            return None
+        for o in failed:
+            if collective_failure(o.error):
+                return _why(o.error)
+        self._send("ping")
+        if self.stopping:
+            return f"a step failed after the stop signal: {_why(failed[0].error)}"
+        return None
 
     def _message(self, kind: str) -> None:
         """A message with no step (timed like a step)."""
@@ -281,8 +300,10 @@ class Leader:
             self.fail(f"stopping: {type(e).__name__}: {e}")
 
     def on_shutdown_signal(self) -> None:
-        """SIGTERM/SIGINT: running requests may finish, but a step that hangs now is a
-        lost rank (the launcher stops every rank when one exits): shorten the wait."""
+        """SIGTERM/SIGINT: running requests may finish, but a step that now fails or
+        hangs past SHUTDOWN_GRACE_S is a lost rank (the launcher stops every rank when
+        one exits): their requests get the 503, not a cancellation. Any thread."""
+        self.stopping = True
         self.dog.timeout = min(self.dog.timeout, SHUTDOWN_GRACE_S)
 
     def fail(self, reason: str) -> None:
@@ -314,6 +335,16 @@ class Leader:
         return 0
 
 
+COLLECTIVE_ERRORS = ("[ring]", "[nccl]", "[mpi]", "[jaccl]", "a rank was lost")
+
+
+def collective_failure(e: Optional[BaseException]) -> bool:
+    """An error raised by a collective: MLX's distributed backends prefix theirs with
+    the backend's name ("[ring] connection to a peer was lost"); `broadcast_json` says
+    "a rank was lost" when a sum did not reach every rank."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in COLLECTIVE_ERRORS)
+
+
 def _why(e: BaseException) -> str:
     return str(e) if type(e) is RuntimeError else f"{type(e).__name__}: {e}"
 
@@ -336,6 +367,9 @@ def lead(state, timeout: float, app, server) -> Leader:
         import asyncio
         await shutdown(*a, **kw)
         await asyncio.to_thread(leader.stop_followers)
+        if leader.dead.is_set():        # status 3, not the stop signal's (uvicorn raises
+            sys.stderr.flush()          # the captured signal again once serving ends)
+            leader.exit(EXIT_RANK_LOST)
     server.handle_exit, server.shutdown = on_signal, stop_all
     gw = state.gateway
     gw.engine = leader
