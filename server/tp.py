@@ -256,19 +256,23 @@ class Leader:
         return outs
 
     def _lost_in(self, outs) -> Optional[str]:
-        """Whether a step's failed requests mean a lost rank (the reason) or not (None).
+        """Whether a step's outputs mean a lost rank (the reason) or not (None).
+
         A fault inside the forward ends requests with an error: it is a lost rank when
         the error comes from a collective, when a heartbeat to every rank then fails
-        (raises), or when a stop signal came first (under mlx.launch: a rank exited)."""
+        (raises), or when a stop signal came first (under mlx.launch: a rank exited).
+        A step that ends a request is confirmed by a heartbeat too before it is handed
+        over: a ring that lost a peer may hand back partial sums instead of an error,
+        and the wrong logits can end a request early (a stop token), which must not
+        reach the client as a finished answer."""
         from .gateway import client_error
         failed = [o for o in outs if o.finish_reason == "error" and not client_error(o)]
-        if not failed:
-            return None
         for o in failed:
             if collective_failure(o.error):
                 return _why(o.error)
-        self._send("ping")
-        if self.stopping:
+        if failed or any(o.finished for o in outs):
+            self._send("ping")          # raises (or blocks until the watchdog): lost
+        if failed and self.stopping:
             return f"a step failed after the stop signal: {_why(failed[0].error)}"
         return None
 

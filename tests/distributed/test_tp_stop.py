@@ -229,3 +229,27 @@ def test_failed_heartbeat_after_a_step_error_is_a_lost_rank(rig, monkeypatch):
     _assert_rank_lost(outs)
     assert "recv: connection reset" in outs[0][-1].error.message
     assert _wait_exit(rig) == [tp.EXIT_RANK_LOST]
+
+
+def test_a_step_that_ends_a_request_is_confirmed_by_every_rank(rig, monkeypatch):
+    """A ring that lost a peer may hand back partial sums instead of an error: the wrong
+    logits can end a request (a stop token). A step that ends a request is handed over
+    only once a heartbeat reached every rank; here it does not: 503, not a finished 200."""
+    import engine.sharding
+
+    def broadcast(obj=None, group=None):
+        rig.sent.append(obj["kind"])
+        if obj["kind"] == "ping":
+            raise RuntimeError("broadcast reached 1 of 2 ranks (a rank was lost)")
+        return obj
+    monkeypatch.setattr(engine.sharding, "broadcast_json", broadcast)
+    outs = _run(rig, 3, lambda: None)
+    _assert_rank_lost(outs)
+    assert rig.sent.count("ping") == 1 and _wait_exit(rig) == [tp.EXIT_RANK_LOST]
+
+
+def test_healthy_step_that_ends_a_request_sends_one_heartbeat(rig):
+    outs = _run(rig, 3, lambda: None)
+    assert [got[-1].finish_reason for got in outs] == ["length", "length"]
+    assert rig.sent.count("ping") >= 1 and rig.sent.count("step") >= 3
+    assert not rig.leader.dead.is_set()
