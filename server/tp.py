@@ -17,10 +17,14 @@ sampling request without a seed gets one drawn on rank 0 and sent with it. Each 
 also carries the token ids rank 0's previous step produced; a rank that produced others
 stops with an error instead of running on out of step.
 
-A lost rank: a collective either fails (the ring reports the closed connection) or
-blocks. A watchdog thread times every step and broadcast; on a failure, or beyond
-`--tp-timeout` seconds, rank 0 answers every running and queued request, and every new
-one, 503 in its protocol's shape, then exits with status 3. When idle, rank 0 sends a
+A lost rank: a collective either fails (the ring reports the closed connection, in the
+broadcast or inside the forward, where the engine ends the requests with that error),
+hands back a partial sum, or blocks. A watchdog thread times every step and broadcast;
+on a failure, or beyond `--tp-timeout` seconds, rank 0 answers every running and queued
+request, and every new one, 503 in its protocol's shape, then exits with status 3. A step
+that ends a request is confirmed by a heartbeat first (a partial sum can pick a stop
+token). After SIGTERM/SIGINT (mlx.launch sends it when a rank exits) running requests may
+finish, but a step that fails or hangs for SHUTDOWN_GRACE_S is a lost rank too. When idle, rank 0 sends a
 heartbeat every `--tp-timeout / 4` seconds, so a follower whose rank 0 is gone (or has
 stopped answering) exits with status 3 too.
 
@@ -256,15 +260,12 @@ class Leader:
         return outs
 
     def _lost_in(self, outs) -> Optional[str]:
-        """Whether a step's outputs mean a lost rank (the reason) or not (None).
-
-        A fault inside the forward ends requests with an error: it is a lost rank when
-        the error comes from a collective, when a heartbeat to every rank then fails
-        (raises), or when a stop signal came first (under mlx.launch: a rank exited).
-        A step that ends a request is confirmed by a heartbeat too before it is handed
-        over: a ring that lost a peer may hand back partial sums instead of an error,
-        and the wrong logits can end a request early (a stop token), which must not
-        reach the client as a finished answer."""
+        """Whether a step's outputs mean a lost rank (the reason) or not (None). A fault
+        in the forward ends requests with an error: a lost rank when it came from a
+        collective, when a heartbeat then fails, or after a stop signal (under
+        mlx.launch: a rank exited). A step that ends a request is confirmed by a
+        heartbeat too: a ring that lost a peer may return partial sums, whose logits
+        can pick a stop token (not to reach the client as a finished answer)."""
         from .gateway import client_error
         failed = [o for o in outs if o.finish_reason == "error" and not client_error(o)]
         for o in failed:
@@ -365,15 +366,19 @@ def lead(state, timeout: float, app, server) -> Leader:
 
     def on_signal(sig, frame):
         leader.on_shutdown_signal()
+        # the requests of a rank lost now get their 503 before uvicorn cancels them
+        cfg = server.config
+        if cfg.timeout_graceful_shutdown is not None:
+            cfg.timeout_graceful_shutdown = max(cfg.timeout_graceful_shutdown,
+                                                SHUTDOWN_GRACE_S + leader.grace[0] + 1)
         handle_exit(sig, frame)
 
     async def stop_all(*a, **kw):
         import asyncio
         await shutdown(*a, **kw)
         await asyncio.to_thread(leader.stop_followers)
-        if leader.dead.is_set():        # status 3, not the stop signal's (uvicorn raises
-            sys.stderr.flush()          # the captured signal again once serving ends)
-            leader.exit(EXIT_RANK_LOST)
+        if leader.dead.is_set():        # status 3, not the signal's (uvicorn raises it
+            leader.exit(EXIT_RANK_LOST)  # again once serving ends)
     server.handle_exit, server.shutdown = on_signal, stop_all
     gw = state.gateway
     gw.engine = leader

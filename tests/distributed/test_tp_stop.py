@@ -253,3 +253,44 @@ def test_healthy_step_that_ends_a_request_sends_one_heartbeat(rig):
     assert [got[-1].finish_reason for got in outs] == ["length", "length"]
     assert rig.sent.count("ping") >= 1 and rig.sent.count("step") >= 3
     assert not rig.leader.dead.is_set()
+
+
+def test_signal_under_lead_waits_for_the_503s_and_a_loss_exits_3(rig):
+    """Through `tp.lead`'s hooks on the uvicorn server: a stop signal raises a shutdown
+    timeout shorter than the grace (the 503s go out before uvicorn cancels the requests),
+    and a graceful stop that ends after a loss exits with status 3, not the signal's."""
+    import signal
+    from types import SimpleNamespace
+
+    class Server:
+        def __init__(self):
+            self.config = SimpleNamespace(timeout_graceful_shutdown=0.0)
+            self.signals, self.should_exit = [], False
+
+        def handle_exit(self, sig, frame):
+            self.signals.append(sig)
+
+        async def shutdown(self, sockets=None):
+            return None
+
+    class App:
+        def add_middleware(self, *a, **kw):
+            return None
+
+    class State:
+        pass
+    state = State()
+    state.engine, state.gateway, state.adapters = rig.engine, rig.gateway, None
+    server = Server()
+    leader = tp.lead(state, 30.0, App(), server)
+    exits = []
+    leader.grace, leader.exit = (30.0, 30.0), exits.append
+    try:
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.signals == [signal.SIGTERM] and leader.stopping
+        assert server.config.timeout_graceful_shutdown >= tp.SHUTDOWN_GRACE_S + 1
+        leader.fail("test")
+        asyncio.run(server.shutdown())
+        assert exits == [tp.EXIT_RANK_LOST]
+    finally:
+        leader.dog.stop()
