@@ -24,9 +24,9 @@ on a failure, or beyond `--tp-timeout` seconds, rank 0 answers every running and
 request, and every new one, 503 in its protocol's shape, then exits with status 3. A step
 that ends a request is confirmed by a heartbeat first (a partial sum can pick a stop
 token). After SIGTERM/SIGINT (mlx.launch sends it when a rank exits) running requests may
-finish, but a step that fails or hangs for SHUTDOWN_GRACE_S is a lost rank too. When idle, rank 0 sends a
-heartbeat every `--tp-timeout / 4` seconds, so a follower whose rank 0 is gone (or has
-stopped answering) exits with status 3 too.
+finish, but a step that fails or hangs for SHUTDOWN_GRACE_S is a lost rank too. When
+idle, rank 0 sends a heartbeat every `--tp-timeout / 4` seconds, so a follower whose
+rank 0 is gone (or has stopped answering) exits with status 3 too.
 
 Refused under tensor parallelism: adapters (`--adapter`, POST /v1/adapters: 400),
 structured outputs and enforced tool choice (400: their grammar runs on rank 0 only),

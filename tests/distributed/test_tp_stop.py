@@ -187,8 +187,10 @@ def test_stop_signal_with_healthy_steps_lets_requests_finish(rig):
     assert rig.sent[-1] == "stop"
 
 
-@pytest.mark.parametrize("error", [RuntimeError(PEER_GONE),
-                                   RuntimeError("broadcast reached 1 of 2 ranks (a rank was lost)")],
+PARTIAL_SUM = "broadcast reached 1 of 2 ranks (a rank was lost)"
+
+
+@pytest.mark.parametrize("error", [RuntimeError(PEER_GONE), RuntimeError(PARTIAL_SUM)],
                          ids=["ring", "partial-sum"])
 def test_collective_error_in_a_step_is_a_lost_rank(rig, error):
     """No signal, the heartbeat goes through, but the forward's error came from a
@@ -240,7 +242,7 @@ def test_a_step_that_ends_a_request_is_confirmed_by_every_rank(rig, monkeypatch)
     def broadcast(obj=None, group=None):
         rig.sent.append(obj["kind"])
         if obj["kind"] == "ping":
-            raise RuntimeError("broadcast reached 1 of 2 ranks (a rank was lost)")
+            raise RuntimeError(PARTIAL_SUM)
         return obj
     monkeypatch.setattr(engine.sharding, "broadcast_json", broadcast)
     outs = _run(rig, 3, lambda: None)
