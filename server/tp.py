@@ -17,12 +17,16 @@ sampling request without a seed gets one drawn on rank 0 and sent with it. Each 
 also carries the token ids rank 0's previous step produced; a rank that produced others
 stops with an error instead of running on out of step.
 
-A lost rank: a collective either fails (the ring reports the closed connection) or
-blocks. A watchdog thread times every step and broadcast; on a failure, or beyond
-`--tp-timeout` seconds, rank 0 answers every running and queued request, and every new
-one, 503 in its protocol's shape, then exits with status 3. When idle, rank 0 sends a
-heartbeat every `--tp-timeout / 4` seconds, so a follower whose rank 0 is gone (or has
-stopped answering) exits with status 3 too.
+A lost rank: a collective either fails (the ring reports the closed connection, in the
+broadcast or inside the forward, where the engine ends the requests with that error),
+hands back a partial sum, or blocks. A watchdog thread times every step and broadcast;
+on a failure, or beyond `--tp-timeout` seconds, rank 0 answers every running and queued
+request, and every new one, 503 in its protocol's shape, then exits with status 3. A step
+that ends a request is confirmed by a heartbeat first (a partial sum can pick a stop
+token). After SIGTERM/SIGINT (mlx.launch sends it when a rank exits) running requests may
+finish, but a step that fails or hangs for SHUTDOWN_GRACE_S is a lost rank too. When
+idle, rank 0 sends a heartbeat every `--tp-timeout / 4` seconds, so a follower whose
+rank 0 is gone (or has stopped answering) exits with status 3 too.
 
 Refused under tensor parallelism: adapters (`--adapter`, POST /v1/adapters: 400),
 structured outputs and enforced tool choice (400: their grammar runs on rank 0 only),
@@ -196,6 +200,7 @@ class Leader:
         self.grace = (1.0, 5.0)
         self.exit = os._exit            # (not sys.exit: the worker may be stuck in MLX)
         self.stopped = False
+        self.stopping = False           # a stop signal came (on_shutdown_signal)
         self._ops: list = []
         self._check: list = []
         self._fail_lock = threading.Lock()
@@ -244,14 +249,33 @@ class Leader:
                 self._send("step")
                 outs = self._engine.step()
                 self._check = digest(outs)
-                # a fault inside the forward ends requests with an error: a lost rank?
-                if any(o.finish_reason == "error" for o in outs):
-                    self._send("ping")
+                lost = self._lost_in(outs)
         except Exception as e:          # the ring lost a peer (RuntimeError), or a bug:
             # either way the ranks can no longer be kept in step
             self.fail(_why(e))
             return []
+        if lost is not None:
+            self.fail(lost)
+            return []
         return outs
+
+    def _lost_in(self, outs) -> Optional[str]:
+        """Whether a step's outputs mean a lost rank (the reason) or not (None). A fault
+        in the forward ends requests with an error: a lost rank when it came from a
+        collective, when a heartbeat then fails, or after a stop signal (under
+        mlx.launch: a rank exited). A step that ends a request is confirmed by a
+        heartbeat too: a ring that lost a peer may return partial sums, whose logits
+        can pick a stop token (not to reach the client as a finished answer)."""
+        from .gateway import client_error
+        failed = [o for o in outs if o.finish_reason == "error" and not client_error(o)]
+        for o in failed:
+            if collective_failure(o.error):
+                return _why(o.error)
+        if failed or any(o.finished for o in outs):
+            self._send("ping")          # raises (or blocks until the watchdog): lost
+        if failed and self.stopping:
+            return f"a step failed after the stop signal: {_why(failed[0].error)}"
+        return None
 
     def _message(self, kind: str) -> None:
         """A message with no step (timed like a step)."""
@@ -281,8 +305,10 @@ class Leader:
             self.fail(f"stopping: {type(e).__name__}: {e}")
 
     def on_shutdown_signal(self) -> None:
-        """SIGTERM/SIGINT: running requests may finish, but a step that hangs now is a
-        lost rank (the launcher stops every rank when one exits): shorten the wait."""
+        """SIGTERM/SIGINT: running requests may finish, but a step that now fails or
+        hangs past SHUTDOWN_GRACE_S is a lost rank (the launcher stops every rank when
+        one exits): their requests get the 503, not a cancellation. Any thread."""
+        self.stopping = True
         self.dog.timeout = min(self.dog.timeout, SHUTDOWN_GRACE_S)
 
     def fail(self, reason: str) -> None:
@@ -314,6 +340,16 @@ class Leader:
         return 0
 
 
+COLLECTIVE_ERRORS = ("[ring]", "[nccl]", "[mpi]", "[jaccl]", "a rank was lost")
+
+
+def collective_failure(e: Optional[BaseException]) -> bool:
+    """An error raised by a collective: MLX's distributed backends prefix theirs with
+    the backend's name ("[ring] connection to a peer was lost"); `broadcast_json` says
+    "a rank was lost" when a sum did not reach every rank."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in COLLECTIVE_ERRORS)
+
+
 def _why(e: BaseException) -> str:
     return str(e) if type(e) is RuntimeError else f"{type(e).__name__}: {e}"
 
@@ -330,12 +366,19 @@ def lead(state, timeout: float, app, server) -> Leader:
 
     def on_signal(sig, frame):
         leader.on_shutdown_signal()
+        # the requests of a rank lost now get their 503 before uvicorn cancels them
+        cfg = server.config
+        if cfg.timeout_graceful_shutdown is not None:
+            cfg.timeout_graceful_shutdown = max(cfg.timeout_graceful_shutdown,
+                                                SHUTDOWN_GRACE_S + leader.grace[0] + 1)
         handle_exit(sig, frame)
 
     async def stop_all(*a, **kw):
         import asyncio
         await shutdown(*a, **kw)
         await asyncio.to_thread(leader.stop_followers)
+        if leader.dead.is_set():        # status 3, not the signal's (uvicorn raises it
+            leader.exit(EXIT_RANK_LOST)  # again once serving ends)
     server.handle_exit, server.shutdown = on_signal, stop_all
     gw = state.gateway
     gw.engine = leader
