@@ -50,18 +50,8 @@ def _time(fn, reps: int) -> float:
 
 def _time_stream(fn, n: int = 40, reps: int = 5) -> float:
     """Microseconds per call when `n` calls run back to back in one graph (what a decode
-    step does), median of `reps`: launch gaps overlap, as they do inside the step."""
-    for _ in range(2):
-        mx.eval([fn() for _ in range(n)])
-    ts = []
-    for _ in range(reps):
-        outs = [fn() for _ in range(n)]
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(ts) / n
+    step does): engine.fast.gemv.stream_us, the measurement its tuning uses."""
+    return G.stream_us(fn, n=n, reps=reps)
 
 
 # (name, N, K, epilogue) of the 1B (hidden 2048, MLP 8192) and 8B (4096, 14336) shapes

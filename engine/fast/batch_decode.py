@@ -38,7 +38,7 @@ from ..levers import Levers
 from . import kernels as K
 from .decode import CAPACITY_STEP, why_not
 from .merge import module_version
-from .step import KernelChoice, gemv_ok, gemv_stack, layer_stack, rotated_qkv
+from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
 MAX_TRACES = 16
 
@@ -119,13 +119,7 @@ class FastBatchDecoder:
         n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
         length = col + 1
-
-        def attend(i, attn, q, k, v):
-            ks[i] = mx.slice_update(ks[i], k, col, axes=(2,))
-            vs[i] = mx.slice_update(vs[i], v, col, axes=(2,))
-            o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, self.use_attn_kernel,
-                                   start=start)
-            return o.transpose(0, 2, 1, 3).reshape(q.shape[0], 1, -1)
+        attend = cached_attention(ks, vs, col, length, self.use_attn_kernel, start=start)
         logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
         return (logits, pos + 1, length, *ks, *vs)
 

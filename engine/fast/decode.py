@@ -34,7 +34,7 @@ from ..levers import Levers
 from . import gemv as G
 from . import kernels as K
 from .merge import merged_of, module_version
-from .step import KernelChoice, gemv_ok, gemv_stack, layer_stack, rotated_qkv
+from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
@@ -120,12 +120,7 @@ class FastDecoder:
         n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
         length = pos + 1
-
-        def attend(i, attn, q, k, v):
-            ks[i] = mx.slice_update(ks[i], k, pos, axes=(2,))
-            vs[i] = mx.slice_update(vs[i], v, pos, axes=(2,))
-            o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, self.use_attn_kernel)
-            return o.transpose(0, 2, 1, 3).reshape(q.shape[0], 1, -1)
+        attend = cached_attention(ks, vs, pos, length, self.use_attn_kernel)
         logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
         return (logits, length, *ks, *vs)
 

@@ -124,6 +124,19 @@ def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], us
     return attn.rope(q.transpose(0, 2, 1, 3), offset=p), attn.rope(k.transpose(0, 2, 1, 3), offset=p), v
 
 
+def cached_attention(ks: list, vs: list, write_at: mx.array, length: mx.array, use_attn_kernel: bool,
+                     start: Optional[mx.array] = None) -> Callable:
+    """`attend(i, attn, q, k, v)` for `gemv_stack` over per-layer buffers (lists updated in
+    place): k and v written at column `write_at`, attention over columns [start, length)
+    (start: None, or one column per row), output [B, 1, H*D]."""
+    def attend(i, attn, q, k, v):
+        ks[i] = mx.slice_update(ks[i], k, write_at, axes=(2,))
+        vs[i] = mx.slice_update(vs[i], v, write_at, axes=(2,))
+        o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, use_attn_kernel, start=start)
+        return o.transpose(0, 2, 1, 3).reshape(q.shape[0], 1, -1)
+    return attend
+
+
 def gemv_stack(model, tokens: mx.array, attend: Callable, pos: mx.array, inv_freq: Optional[mx.array],
                use_kernels: bool) -> mx.array:
     """Logits [B, V] for one token per row. Per layer: GEMV(norm -> q/k/v [+ RoPE]),
