@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast import gemv as G  # noqa: E402
+from engine.fast import qgemv as Q  # noqa: E402
 from engine.fast import kernels as K  # noqa: E402
 
 SPECS = {
@@ -41,6 +42,12 @@ for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, 
                   "gemv_silu": dict(K=2048, NOUT=8192, B=1, R=1, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7),
                   "gemv_b8": dict(K=4096, NOUT=14336, B=8, R=2, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7)}.items():
     SPECS[_name] = (G.GEMV_SOURCE, *_GEMV_IO, _t)
+_QIO = ([("W", "uint32_t"), ("scales", "T"), ("biases", "T"), ("x", "T"), ("norm_w", "T"),
+         ("residual", "T")], [("out", "T")])
+SPECS["qgemv_q4_norm"] = (Q.QGEMV_MAIN + G.GEMV_EPILOGUE, *_QIO,
+                          dict(K=2048, NOUT=3072, B=1, R=1, BITS=4, GS=64, NORM=1, EPI=0, EPS_NUM=10**7))
+SPECS["qgemv_q8_silu_b4"] = (Q.QGEMV_MAIN + G.GEMV_EPILOGUE, *_QIO,
+                             dict(K=2048, NOUT=8192, B=4, R=1, BITS=8, GS=32, NORM=1, EPI=2, EPS_NUM=10**7))
 SPECS["gemv_rope"] = (G.GEMV_ROPE_SOURCE,
                       [("W", "T"), ("x", "T"), ("norm_w", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
                       [("q", "T"), ("k", "T"), ("v", "T")],

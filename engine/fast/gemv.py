@@ -39,6 +39,8 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import qgemv as Q
+
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
 # MLXP_GEMV_TUNE=1: per projection shape, measure once on the device whether the kernel or
 # the stock ops run faster (`tune_linear`, `tune_qkv_rope`) and use the faster. Off by
@@ -183,7 +185,9 @@ GEMV_MAIN = r"""
   }
 """
 
-GEMV_SOURCE = GEMV_MAIN + r"""
+# the epilogue (after the sums are reduced: every lane of the first warp holds them all;
+# lane r * B + b writes output (r, b)), shared with engine.fast.qgemv
+GEMV_EPILOGUE = r"""
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -206,6 +210,8 @@ GEMV_SOURCE = GEMV_MAIN + r"""
     }
   }
 """
+
+GEMV_SOURCE = GEMV_MAIN + GEMV_EPILOGUE
 
 # q/k/v with RoPE: the two rows of a rotation pair come out of one block, rotated at
 # position pos[0] or pos[b] (PER_ROW) (+ SHIFT, the negative control's fault) and written straight into
@@ -245,12 +251,18 @@ def _get_kernel(rope: bool = False):
     return K.cuda_kernel("mlxp_gemv", ["W", "x", "norm_w", "residual"], ["out"], GEMV_SOURCE, GEMV_HEADER)
 
 
-def supports(module) -> bool:
+def is_float(module) -> bool:
     """A plain float Linear (or an Embedding used as the output head) without bias."""
     if type(module) not in (nn.Linear, nn.Embedding) or "bias" in module:
         return False
     w = module.weight
     return w.dtype in (mx.bfloat16, mx.float16, mx.float32) and w.shape[1] % (16 // w.itemsize) == 0
+
+
+def supports(module) -> bool:
+    """A module the kernels take: a float one (`is_float`), or an affine 4/8-bit quantized
+    one (`engine.fast.qgemv.supports`)."""
+    return is_float(module) or Q.supports(module)
 
 
 def rows_per_block(n_out: int, batch: int, silu: bool) -> int:
@@ -271,7 +283,7 @@ def _silu_gate(gate, up):
 def _standin(module, x, norm, residual, silu_split, gate_fn):
     if norm is not None:
         x = mx.fast.rms_norm(x, norm[0], norm[1])
-    y = module.as_linear(x) if isinstance(module, nn.Embedding) else module(x)
+    y = module.as_linear(x) if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)) else module(x)
     if silu_split is not None:
         g, u = mx.split(y, [silu_split], axis=-1)
         y = (gate_fn or _silu_gate)(g, u)
@@ -297,8 +309,11 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
     n_out = silu_split if silu_split is not None else N
     if silu_split is not None and N != 2 * silu_split:
         raise ValueError("silu_split needs a merged gate/up weight of 2 * I rows")
-    if W.shape[1] != K:
-        raise ValueError(f"input has {K} features, the weight {W.shape[1]}")
+    k_in = W.shape[1] if is_float(module) else Q.in_features(module)
+    if k_in != K:
+        raise ValueError(f"input has {K} features, the weight {k_in}")
+    if not is_float(module):
+        return Q.linear(module, x, n_out, norm=norm, residual=residual, silu_split=silu_split)
     dt = W.dtype
     epi = 2 if silu_split is not None else (1 if residual is not None else 0)
     rpb = rows_per_block(n_out, rows, silu_split is not None)
@@ -376,8 +391,8 @@ def tune_linear(module, rows: int, *, norm: bool = False, residual: bool = False
     weights) and remember the faster; returns {"kernel_us", "stock_us", "use"}."""
     if not supports(module) or rows > MAX_ROWS:
         return {"use": "stock"}
-    dt = module.weight.dtype
-    K = module.weight.shape[1]
+    dt = module.weight.dtype if is_float(module) else module.scales.dtype
+    K = module.weight.shape[1] if is_float(module) else Q.in_features(module)
     n_out = silu_split or module.weight.shape[0]
     x = mx.random.normal((rows, 1, K)).astype(dt)
     nrm = (mx.ones((K,), dt), 1e-5) if norm else None

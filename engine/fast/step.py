@@ -112,9 +112,11 @@ def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], us
     merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
     shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
     if (inv_freq is not None and "rope_qkv" not in K.DISABLED and B <= G.MAX_ROWS
-            and G.qkv_rope_preferred(merged, B)):
+            and G.is_float(merged) and G.qkv_rope_preferred(merged, B)):
         return G.qkv_rope(merged, h, (ln.weight, ln.eps), inv_freq, pos, H, Hkv, D, shift)
     qkv = G.linear(merged, h, norm=(ln.weight, ln.eps), use_kernel=use_kernels)
+    if inv_freq is not None:                 # (quantized q/k/v: the RoPE kernel after the GEMV)
+        return K.rope_qkv(qkv, inv_freq, pos, H, Hkv, D, attn.rope, True)
     q, k, v = mx.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
     q, k = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D)
     v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)

@@ -117,10 +117,14 @@ def test_rows_per_block_keeps_accumulators_bounded():
             assert r >= 1 and r * (2 if silu else 1) * b <= 32 and r * b <= 32
 
 
-def test_supports_only_plain_float_linears():
-    assert G.supports(nn.Linear(64, 32, bias=False))
+def test_supports_float_and_affine_quantized_linears_without_bias(monkeypatch):
+    from engine.fast import qgemv as Q
+    monkeypatch.setattr(Q, "ENABLED", True)
+    assert G.supports(nn.Linear(64, 32, bias=False)) and G.is_float(nn.Linear(64, 32, bias=False))
     assert not G.supports(nn.Linear(64, 32, bias=True))
-    assert not G.supports(nn.QuantizedLinear(64, 32, bias=False))
+    q = nn.QuantizedLinear(64, 32, bias=False)           # 4-bit, group 64: engine.fast.qgemv
+    assert G.supports(q) and not G.is_float(q)
+    assert not G.supports(nn.QuantizedLinear(64, 32, bias=True))
     assert G.supports(nn.Embedding(100, 64))
 
 

@@ -51,7 +51,9 @@ def test_merged_projections_equal_mlx_lm(family, dtype):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_fast_decode_equals_mlx_lm(family, dtype):
+def test_cpu_fast_decode_equals_mlx_lm(family, dtype, monkeypatch):
+    from engine.fast import qgemv
+    monkeypatch.setattr(qgemv, "ENABLED", True)     # (the quantized GEMV is opt-in on a GPU)
     path = ensure_fixture(family, dtype)
     model = load_model(path)[0]
     lv = resolve("l3", env={})
@@ -61,6 +63,21 @@ def test_cpu_fast_decode_equals_mlx_lm(family, dtype):
     _assert_same(mine, _ref_steps(path, 16))
     assert dec.stats.steps >= 16 and dec.stats.traces == 1   # (the loop runs one step ahead)
     assert describe(lv, model)["fast_decode"] is True
+    # every projection went through engine.fast.gemv's path (its stock-MLX side on the CPU):
+    # float weights and 4/8-bit quantized ones alike
+    assert dec.stats.gemv
+
+
+@pytest.mark.parametrize("dtype", ["q4", "q8"])
+def test_cpu_fast_decode_quantized_without_the_gemv_equals_mlx_lm(dtype):
+    """By default (MLXP_QGEMV unset) quantized models take the step of add+RMSNorm and RoPE
+    kernels around MLX's quantized matmul: also exact on the CPU."""
+    path = ensure_fixture("llama", dtype)
+    model = load_model(path)[0]
+    dec = decoder_for(model, resolve("l3", env={}), model.make_cache())
+    mine = list(generate_step(mx.array(PROMPT), model, max_tokens=16, decoder=dec))
+    _assert_same(mine, _ref_steps(path, 16))
+    assert not dec.stats.gemv
 
 
 def test_stream_generate_with_l3_levers_matches_mlx_lm_text():
