@@ -175,6 +175,24 @@ def batch_cases(H, Hkv, hd, rope, inv, dt):
     return out
 
 
+def _check_projection(kname: str, case: str, fn, nbytes: int, tol: float) -> dict:
+    """One GEMV case: error against the stock ops, and both timed back to back."""
+    row = {"kernel": kname, "case": case}
+    try:
+        got, ref = fn(True), fn(False)
+        mx.eval(got, ref)
+        row["rel_err"] = max(_rel(g, r) for g, r in zip(got, ref))
+        row["ok"] = row["rel_err"] < tol
+        row["kernel_us"] = _time_stream(lambda: fn(True)[0])
+        row["reference_us"] = _time_stream(lambda: fn(False)[0])
+        row["kernel_tb_s"] = nbytes / row["kernel_us"] / 1e6
+        row["reference_tb_s"] = nbytes / row["reference_us"] / 1e6
+    except Exception as e:                          # a compile or launch error
+        row["ok"] = False
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+    return row
+
+
 def _save(out, rows, failed, done: bool) -> None:
     """The results so far (rewritten after every check, so a run cut short by a time limit
     still says which kernels passed; `done` is false until every check ran)."""
@@ -214,43 +232,14 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         _save(a.out, rows, failed, done=False)
     Q.ENABLED = True              # (checked here even where serving keeps it opt-in)
-    for case, fn, nbytes in qgemv_cases():
-        row = {"kernel": "qgemv", "case": case}
-        try:
-            got, ref = fn(True), fn(False)
-            mx.eval(got, ref)
-            row["rel_err"] = max(_rel(g, r) for g, r in zip(got, ref))
-            row["ok"] = row["rel_err"] < QTOL
-            row["kernel_us"] = _time_stream(lambda: fn(True)[0])
-            row["reference_us"] = _time_stream(lambda: fn(False)[0])
-            row["kernel_tb_s"] = nbytes / row["kernel_us"] / 1e6
-        except Exception as e:
-            row["ok"] = False
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-        if not row["ok"]:
-            failed.add("qgemv")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        _save(a.out, rows, failed, done=False)
-    for case, fn, nbytes in gemv_cases():
-        row = {"kernel": "gemv", "case": case}
-        try:
-            got, ref = fn(True), fn(False)
-            mx.eval(got, ref)
-            row["rel_err"] = max(_rel(g, r) for g, r in zip(got, ref))
-            row["ok"] = row["rel_err"] < TOL
-            row["kernel_us"] = _time_stream(lambda: fn(True)[0])
-            row["reference_us"] = _time_stream(lambda: fn(False)[0])
-            row["kernel_tb_s"] = nbytes / row["kernel_us"] / 1e6
-            row["reference_tb_s"] = nbytes / row["reference_us"] / 1e6
-        except Exception as e:
-            row["ok"] = False
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-        if not row["ok"]:
-            failed.add("gemv")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        _save(a.out, rows, failed, done=False)
+    for kname, tol, projections in (("qgemv", QTOL, qgemv_cases()), ("gemv", TOL, gemv_cases())):
+        for case, fn, nbytes in projections:
+            row = _check_projection(kname, case, fn, nbytes, tol)
+            if not row["ok"]:
+                failed.add(kname)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            _save(a.out, rows, failed, done=False)
     _save(a.out, rows, failed, done=True)
     print(json.dumps({"checks": len(rows), "failed": sorted(failed), "done": True,
                       "device": str(mx.default_device())}))

@@ -18,14 +18,7 @@ import numpy as np
 import pytest
 
 from engine.fast import gemv as G
-
-
-def _np(a):
-    return np.array(a.astype(mx.float32))
-
-
-def _round(a, dt):
-    return _np(mx.array(np.asarray(a, np.float32)).astype(dt))
+from gemv_mirror import epilogue_mirror, round_to, to_np
 
 
 def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None):
@@ -53,17 +46,7 @@ def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None):
                                     ss[warp, lane] += np.float32(xs @ xs)
                                     acc[warp, lane] += np.float32(W[row, k:k + vec] @ (xs * nw[k:k + vec]))
                     return np.float32(acc.sum()), np.float32(ss.sum())
-                g, ss = lanes(n)
-                inv = 1.0 / np.sqrt(ss / K + np.float32(norm[1])) if norm is not None else 1.0
-                g = _round(g * inv, dt)
-                if silu_split is not None:
-                    u = _round(lanes(silu_split + n)[0] * inv, dt)
-                    v = _round(g / (1 + np.exp(-g)), dt) * u
-                elif residual is not None:
-                    v = residual[b, n] + g
-                else:
-                    v = g
-                out[b, n] = _round(v, dt)
+                out[b, n] = epilogue_mirror(lanes, n, b, K, dt, norm, residual, silu_split)
     return out
 
 
@@ -85,11 +68,11 @@ def test_gemv_mirror_matches_standin(K, N, B, epi, dt):
     norm = (mx.random.uniform(0.5, 1.5, (K,)).astype(dt), 1e-5) if epi in ("norm", "silu") else None
     res = mx.random.normal((B, 1, N // 2 if epi == "silu" else N)).astype(dt) if epi == "residual" else None
     split = N // 2 if epi == "silu" else None
-    ref = _np(G.linear(lin, x, norm=norm, residual=res, silu_split=split, use_kernel=False))
+    ref = to_np(G.linear(lin, x, norm=norm, residual=res, silu_split=split, use_kernel=False))
     assert ref.shape == (B, 1, split or N)
-    mir = gemv_mirror(_np(lin.weight), _np(x).reshape(B, K), dt,
-                      norm=(_np(norm[0]), norm[1]) if norm else None,
-                      residual=_np(res).reshape(B, -1) if res is not None else None, silu_split=split)
+    mir = gemv_mirror(to_np(lin.weight), to_np(x).reshape(B, K), dt,
+                      norm=(to_np(norm[0]), norm[1]) if norm else None,
+                      residual=to_np(res).reshape(B, -1) if res is not None else None, silu_split=split)
     rel = float(np.linalg.norm(mir.reshape(ref.shape) - ref) / np.linalg.norm(ref))
     assert rel < (1e-2 if dt == mx.bfloat16 else 1e-5), rel
 
@@ -101,10 +84,10 @@ def test_gemv_mirror_catches_a_wrong_pairing():
     lin = nn.Linear(K, N, bias=False)
     lin.weight = (mx.random.normal((N, K)) * 0.05).astype(mx.float32)
     x = mx.random.normal((1, 1, K))
-    ref = _np(G.linear(lin, x, silu_split=N // 2, use_kernel=False)).reshape(1, -1)
-    W = _np(lin.weight)
+    ref = to_np(G.linear(lin, x, silu_split=N // 2, use_kernel=False)).reshape(1, -1)
+    W = to_np(lin.weight)
     shifted = np.concatenate([W[:N // 2], np.roll(W[N // 2:], 1, axis=0)])
-    mir = gemv_mirror(shifted, _np(x).reshape(1, K), mx.float32, silu_split=N // 2)
+    mir = gemv_mirror(shifted, to_np(x).reshape(1, K), mx.float32, silu_split=N // 2)
     assert float(np.linalg.norm(mir - ref) / np.linalg.norm(ref)) > 0.1
 
 
@@ -151,14 +134,14 @@ def qkv_rope_mirror(W, x, nw, eps, inv_freq, pos, H, Hkv, D, dt):
     for w in range(nh * half):
         head, i = w // half, w % half
         r1, r2 = head * D + i, head * D + i + half
-        x1, x2 = _round(np.float32(W[r1] @ xs) * inv, dt), _round(np.float32(W[r2] @ xs) * inv, dt)
+        x1, x2 = round_to(np.float32(W[r1] @ xs) * inv, dt), round_to(np.float32(W[r2] @ xs) * inv, dt)
         if head >= H + Hkv:
-            v[head - H - Hkv, [i, i + half]] = _round(np.array([x1, x2]), dt)
+            v[head - H - Hkv, [i, i + half]] = round_to(np.array([x1, x2]), dt)
             continue
         th = np.float32(pos) * inv_freq[i]
         c, s = np.cos(th), np.sin(th)
         dst = q[head] if head < H else k[head - H]
-        dst[i], dst[i + half] = _round(x1 * c - x2 * s, dt), _round(x1 * s + x2 * c, dt)
+        dst[i], dst[i + half] = round_to(x1 * c - x2 * s, dt), round_to(x1 * s + x2 * c, dt)
     return q, k, v
 
 
@@ -176,15 +159,15 @@ def test_qkv_rope_mirror_matches_standin(pos):
     p = mx.array([pos], dtype=mx.int32)
     qkv = G.linear(lin, x, norm=(nw, 1e-5))
     ref = K.rope_qkv(qkv, inv_freq, p, H, Hkv, D, rope, use_kernel=False)
-    mir = qkv_rope_mirror(_np(lin.weight), _np(x).reshape(-1), _np(nw), 1e-5, _np(inv_freq), pos,
+    mir = qkv_rope_mirror(to_np(lin.weight), to_np(x).reshape(-1), to_np(nw), 1e-5, to_np(inv_freq), pos,
                           H, Hkv, D, mx.bfloat16)
     for got, want in zip(mir, ref):
-        want = _np(want).reshape(got.shape)
+        want = to_np(want).reshape(got.shape)
         assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2
     # the wrong position (the negative control's fault) is visible
-    bad = qkv_rope_mirror(_np(lin.weight), _np(x).reshape(-1), _np(nw), 1e-5, _np(inv_freq), pos + 1,
+    bad = qkv_rope_mirror(to_np(lin.weight), to_np(x).reshape(-1), to_np(nw), 1e-5, to_np(inv_freq), pos + 1,
                           H, Hkv, D, mx.bfloat16)
-    want = _np(ref[0]).reshape(bad[0].shape)
+    want = to_np(ref[0]).reshape(bad[0].shape)
     assert float(np.linalg.norm(bad[0] - want) / np.linalg.norm(want)) > 1e-2
 
 
@@ -217,8 +200,8 @@ def test_qkv_rope_mirror_per_row_positions():
     pos = mx.array([3, 40], dtype=mx.int32)
     ref = K.rope_qkv(G.linear(lin, x, norm=(nw, 1e-5)), inv_freq, pos, H, Hkv, D, rope, use_kernel=False)
     for b in range(2):
-        mir = qkv_rope_mirror(_np(lin.weight), _np(x[b]).reshape(-1), _np(nw), 1e-5, _np(inv_freq),
+        mir = qkv_rope_mirror(to_np(lin.weight), to_np(x[b]).reshape(-1), to_np(nw), 1e-5, to_np(inv_freq),
                               int(pos[b]), H, Hkv, D, mx.bfloat16)
         for got, want in zip(mir, ref):
-            want = _np(want[b]).reshape(got.shape)
+            want = to_np(want[b]).reshape(got.shape)
             assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-2

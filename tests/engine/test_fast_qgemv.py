@@ -19,24 +19,18 @@ import pytest
 from engine.fast import gemv as G
 from engine.fast import qgemv as Q
 
+from gemv_mirror import epilogue_mirror, to_np
+
 
 @pytest.fixture(autouse=True)
 def enabled(monkeypatch):
     monkeypatch.setattr(Q, "ENABLED", True)
 
 
-def _np(a):
-    return np.array(a.astype(mx.float32))
-
-
-def _round(a, dt):
-    return _np(mx.array(np.asarray(a, np.float32)).astype(dt))
-
-
 def qgemv_mirror(ql, x, dt, norm=None, residual=None, silu_split=None, bit_order=1):
     bits, gs = ql.bits, ql.group_size
     words = np.array(ql.weight).view(np.uint32)
-    sc, bi = _np(ql.scales), _np(ql.biases)
+    sc, bi = to_np(ql.scales), to_np(ql.biases)
     per = 32 // bits
     epl = 4 * per
     K = words.shape[1] * per
@@ -65,17 +59,7 @@ def qgemv_mirror(ql, x, dt, norm=None, residual=None, silu_split=None, bit_order
                         g = k0 // gs
                         acc[lane] += sc[row, g] * np.float32(unpack(row, k0) @ xn) + bi[row, g] * xn.sum()
                 return np.float32(acc.sum()), np.float32(ss.sum())
-            g, ss = row_sum(n)
-            inv = 1.0 / np.sqrt(ss / K + np.float32(norm[1])) if norm is not None else 1.0
-            g = _round(g * inv, dt)
-            if silu_split is not None:
-                u = _round(row_sum(silu_split + n)[0] * inv, dt)
-                v = _round(g / (1 + np.exp(-g)), dt) * u
-            elif residual is not None:
-                v = residual[b, n] + g
-            else:
-                v = g
-            out[b, n] = _round(v, dt)
+            out[b, n] = epilogue_mirror(row_sum, n, b, K, dt, norm, residual, silu_split)
     return out
 
 
@@ -96,13 +80,13 @@ def test_qgemv_mirror_matches_standin(bits, gs, epi):
     norm = (mx.random.uniform(0.5, 1.5, (K,)).astype(dt), 1e-5) if epi in ("norm", "silu") else None
     res = mx.random.normal((B, 1, N)).astype(dt) if epi == "residual" else None
     split = N // 2 if epi == "silu" else None
-    ref = _np(G.linear(ql, x, norm=norm, residual=res, silu_split=split, use_kernel=False)).reshape(B, -1)
-    kw = dict(norm=(_np(norm[0]), norm[1]) if norm else None,
-              residual=_np(res).reshape(B, -1) if res is not None else None, silu_split=split)
-    mir = qgemv_mirror(ql, _np(x).reshape(B, K), dt, **kw)
+    ref = to_np(G.linear(ql, x, norm=norm, residual=res, silu_split=split, use_kernel=False)).reshape(B, -1)
+    kw = dict(norm=(to_np(norm[0]), norm[1]) if norm else None,
+              residual=to_np(res).reshape(B, -1) if res is not None else None, silu_split=split)
+    mir = qgemv_mirror(ql, to_np(x).reshape(B, K), dt, **kw)
     assert float(np.linalg.norm(mir - ref) / np.linalg.norm(ref)) < 1e-5
     # negative control: the words' elements read in the wrong order
-    bad = qgemv_mirror(ql, _np(x).reshape(B, K), dt, bit_order=-1, **kw)
+    bad = qgemv_mirror(ql, to_np(x).reshape(B, K), dt, bit_order=-1, **kw)
     assert float(np.linalg.norm(bad - ref) / np.linalg.norm(ref)) > 5e-2
 
 
@@ -111,9 +95,9 @@ def test_qgemv_mirror_bf16_against_the_dequantized_product(bits, gs):
     K, N, B, dt = 1024, 12, 2, mx.bfloat16
     ql = _qlinear(K, N, bits, gs, dt, 40)
     x = mx.random.normal((B, 1, K)).astype(dt)
-    W = _np(mx.dequantize(ql.weight, ql.scales, ql.biases, group_size=gs, bits=bits)).astype(np.float64)
-    exact = _np(x).reshape(B, K).astype(np.float64) @ W.T
-    mir = qgemv_mirror(ql, _np(x).reshape(B, K), dt)
+    W = to_np(mx.dequantize(ql.weight, ql.scales, ql.biases, group_size=gs, bits=bits)).astype(np.float64)
+    exact = to_np(x).reshape(B, K).astype(np.float64) @ W.T
+    mir = qgemv_mirror(ql, to_np(x).reshape(B, K), dt)
     assert float(np.linalg.norm(mir - exact) / np.linalg.norm(exact)) < 1e-2
 
 
