@@ -204,6 +204,7 @@ class Leader:
         self._ops: list = []
         self._check: list = []
         self._fail_lock = threading.Lock()
+        self._exited = False
         self.dog = Watchdog(timeout, self.fail, "tp-watchdog")
 
     def __getattr__(self, name):       # stats(), batching, policy, check_context, ...
@@ -328,6 +329,14 @@ class Leader:
         if self.server is not None:
             self.server.should_exit = True
         time.sleep(self.grace[1])       # a worker stuck in a collective never returns
+        self.exit_lost()
+
+    def exit_lost(self) -> None:
+        """Exit with EXIT_RANK_LOST, once (uvicorn's shutdown and the timer both get here)."""
+        with self._fail_lock:
+            if self._exited:
+                return
+            self._exited = True
         self.exit(EXIT_RANK_LOST)
 
     def close(self) -> int:
@@ -336,7 +345,7 @@ class Leader:
         self.dog.stop()
         if self.dead.is_set():
             sys.stderr.flush()
-            self.exit(EXIT_RANK_LOST)
+            self.exit_lost()
         return 0
 
 
@@ -378,7 +387,7 @@ def lead(state, timeout: float, app, server) -> Leader:
         await shutdown(*a, **kw)
         await asyncio.to_thread(leader.stop_followers)
         if leader.dead.is_set():        # status 3, not the signal's (uvicorn raises it
-            leader.exit(EXIT_RANK_LOST)  # again once serving ends)
+            leader.exit_lost()          # again once serving ends)
     server.handle_exit, server.shutdown = on_signal, stop_all
     gw = state.gateway
     gw.engine = leader

@@ -112,18 +112,25 @@ def test_served_tensor_parallel(tmp_path):
                 assert [_complete(single.url, g) for g in GREEDY] == expected
         finally:
             state.gateway.close()
-        # 4 concurrent streams batch together on both ranks and equal their solo text
-        got = [None] * 4
+        # 4 concurrent streams batch together on both ranks and equal their solo text (16
+        # tokens is a short window on a loaded 2-core machine: the four are released together,
+        # and a round in which they did not overlap is run again, up to 3 rounds)
+        for _ in range(3):
+            got = [None] * 4
+            gate = threading.Barrier(4)
 
-        def go(i):
-            got[i] = _complete(url, GREEDY[i], stream=True)
-        ts = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        assert got == solo
-        st = httpx.get(url + "/stats").json()["batch"]
+            def go(i):
+                gate.wait()
+                got[i] = _complete(url, GREEDY[i], stream=True)
+            ts = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert got == solo
+            st = httpx.get(url + "/stats").json()["batch"]
+            if st["peak_rows"] >= 2:
+                break
         assert st["peak_rows"] >= 2 and st["lanes"]["batch"] >= 8
         # refused under tensor parallelism, with a 400 saying why
         ad = tmp_path / "adapter"       # (the files are checked before the mount is refused)
