@@ -63,20 +63,23 @@ GEMV_SHAPES = [("1b qkv", 3072, 2048, "norm"), ("1b o", 2048, 2048, "residual"),
                ("8b gate_up", 28672, 4096, "silu"), ("8b down", 4096, 14336, "residual")]
 
 
-def gemv_cases(dt=mx.bfloat16, batches=(1, 8)):
-    """GEMV checks: (case, fn(use_kernel), weight bytes)."""
+def gemv_cases(dt=mx.bfloat16, batches=(1, 8), bits=None, shapes=GEMV_SHAPES):
+    """GEMV checks: (case, fn(use_kernel), weight bytes); with `bits`, the weights are
+    affine-quantized (group 64) and the quantized kernel is checked."""
     out = []
-    for name, N, Kd, epi in GEMV_SHAPES:
+    for name, N, Kd, epi in shapes:
         lin = nn.Linear(Kd, N, bias=False)
         lin.weight = (0.02 * mx.random.normal((N, Kd))).astype(dt)
+        mod = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=bits) if bits else lin
+        nbytes = sum(v.nbytes for k, v in mod.items() if k in ("weight", "scales", "biases"))
         nw = (1 + 0.1 * mx.random.normal((Kd,))).astype(dt)
         for B in batches:
             x = mx.random.normal((B, 1, Kd)).astype(dt)
             res = mx.random.normal((B, 1, N)).astype(dt) if epi == "residual" else None
             kw = dict(norm=(nw, 1e-5) if epi in ("norm", "silu") else None, residual=res,
                       silu_split=N // 2 if epi == "silu" else None)
-            out.append((f"{name} B{B}", lambda u, lin=lin, x=x, kw=kw: (G.linear(lin, x, use_kernel=u, **kw),),
-                        lin.weight.nbytes))
+            out.append((f"{name}{f' q{bits}' if bits else ''} B{B}",
+                        lambda u, mod=mod, x=x, kw=kw: (G.linear(mod, x, use_kernel=u, **kw),), nbytes))
     return out
 
 
@@ -85,24 +88,9 @@ def gemv_cases(dt=mx.bfloat16, batches=(1, 8)):
 QTOL = 5e-2
 
 
-def qgemv_cases(dt=mx.bfloat16, batches=(1, 8), bits=(4,)):
-    """The quantized GEMV on the 1B shapes: (case, fn(use_kernel), packed weight bytes)."""
-    out = []
-    for name, N, Kd, epi in GEMV_SHAPES[:4]:
-        for b in bits:
-            lin = nn.Linear(Kd, N, bias=False)
-            lin.weight = (0.02 * mx.random.normal((N, Kd))).astype(dt)
-            ql = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=b)
-            nw = (1 + 0.1 * mx.random.normal((Kd,))).astype(dt)
-            for B in batches:
-                x = mx.random.normal((B, 1, Kd)).astype(dt)
-                res = mx.random.normal((B, 1, N)).astype(dt) if epi == "residual" else None
-                kw = dict(norm=(nw, 1e-5) if epi in ("norm", "silu") else None, residual=res,
-                          silu_split=N // 2 if epi == "silu" else None)
-                out.append((f"{name} q{b} B{B}",
-                            lambda u, ql=ql, x=x, kw=kw: (G.linear(ql, x, use_kernel=u, **kw),),
-                            ql.weight.nbytes + ql.scales.nbytes + ql.biases.nbytes))
-    return out
+def qgemv_cases(dt=mx.bfloat16, batches=(1, 8)):
+    """The quantized GEMV (4-bit) on the 1B shapes."""
+    return gemv_cases(dt, batches, bits=4, shapes=GEMV_SHAPES[:4])
 
 
 def cases(dt=mx.bfloat16):
