@@ -263,14 +263,14 @@ def main(argv=None) -> int:
     config = config_from_args(args)
     security = security_from_args(args, config)
     if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
-        from . import tp
+        from . import tp, tp_follow
         why = tp.refusal(args, config)
         if why:
             print(f"engine-serve: {why}", file=sys.stderr)
             return 2
         import mlx.core as mx
         if mx.distributed.init().rank() != 0:
-            return tp.follow(config, args.tp_timeout)
+            return tp_follow.follow(config, args.tp_timeout)
     if not config.api_key and not is_loopback(config.host):
         print(f"engine-serve: warning: listening on {config.host} without --api-key: anyone "
               "who can reach this address can use the server", file=sys.stderr)
