@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast import gemv as G  # noqa: E402
+from engine.fast import gemv_cuda as C  # noqa: E402
 from engine.fast import qgemv as Q  # noqa: E402
 from engine.fast import kernels as K  # noqa: E402
 
@@ -41,35 +42,54 @@ for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, 
                   "gemv_res": dict(K=8192, NOUT=2048, B=1, R=1, NORM=0, EPI=1, ROPE_D=0, EPS_NUM=0),
                   "gemv_silu": dict(K=2048, NOUT=8192, B=1, R=1, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7),
                   "gemv_b8": dict(K=4096, NOUT=14336, B=8, R=2, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7)}.items():
-    SPECS[_name] = (G.GEMV_SOURCE, *_GEMV_IO, _t)
+    SPECS[_name] = (C.SPLIT_MAIN + C.GEMV_EPILOGUE, *_GEMV_IO, _t)
+    # the warp-per-row layout (R = 1, 8 warps a block)
+    SPECS[_name + "_warp"] = (C.WARP_MAIN + C.GEMV_EPILOGUE, *_GEMV_IO,
+                              {**_t, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 4 if _t["NOUT"] < 4096 else 1})
 _QIO = ([("W", "uint32_t"), ("scales", "T"), ("biases", "T"), ("x", "T"), ("norm_w", "T"),
          ("residual", "T")], [("out", "T")])
-SPECS["qgemv_q4_norm"] = (Q.QGEMV_MAIN + G.GEMV_EPILOGUE, *_QIO,
+SPECS["qgemv_q4_norm"] = (Q.QGEMV_MAIN + C.GEMV_EPILOGUE, *_QIO,
                           dict(K=2048, NOUT=3072, B=1, R=1, BITS=4, GS=64, NORM=1, EPI=0, EPS_NUM=10**7))
-SPECS["qgemv_q8_silu_b4"] = (Q.QGEMV_MAIN + G.GEMV_EPILOGUE, *_QIO,
+SPECS["qgemv_q8_silu_b4"] = (Q.QGEMV_MAIN + C.GEMV_EPILOGUE, *_QIO,
                              dict(K=2048, NOUT=8192, B=4, R=1, BITS=8, GS=32, NORM=1, EPI=2, EPS_NUM=10**7))
-SPECS["gemv_rope"] = (G.GEMV_ROPE_SOURCE,
-                      [("W", "T"), ("x", "T"), ("norm_w", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
-                      [("q", "T"), ("k", "T"), ("v", "T")],
-                      dict(K=2048, NOUT=3072, B=4, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV=8, SHIFT=0,
-                           PER_ROW=1, EPS_NUM=10**7))
+_ROPE_IO = ([("W", "T"), ("x", "T"), ("norm_w", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
+            [("q", "T"), ("k", "T"), ("v", "T")])
+_ROPE_T = dict(K=2048, NOUT=3072, B=4, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV=8, SHIFT=0, PER_ROW=1,
+               EPS_NUM=10**7)
+SPECS["gemv_rope"] = (C.SPLIT_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO, _ROPE_T)
+SPECS["gemv_rope_warp"] = (C.WARP_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO,
+                           {**_ROPE_T, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 2})
+from engine.fast import mega_cuda as MC  # noqa: E402
+
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/limits>
 #include <cooperative_groups.h>
 namespace mlx::core::cu {
 namespace cg = cooperative_groups;
+struct Shape { int data_[8]; __device__ int operator[](int i) const { return data_[i]; } };
 """
 
 
 def source() -> str:
-    src = PRELUDE + G.GEMV_HEADER
+    src = PRELUDE + C.GEMV_HEADER
     for name, (body, ins, outs, tmpl) in SPECS.items():
         for T in ("__nv_bfloat16", "__half", "float"):
             ty = lambda t: T if t == "T" else t  # noqa: E731
             args = [f"const {ty(t)}* {n}" for n, t in ins] + [f"{ty(t)}* {n}" for n, t in outs]
             src += f"__global__ void k_{name}_{T.strip('_')}({', '.join(args)}) {{\n  using T = {T};\n"
             src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tmpl.items()) + body + "\n}\n"
+    # the one-kernel step (1B shapes, 16 layers); its header redefines __global__ (launch bounds)
+    ins = [("tok", "int32_t"), ("pos", "int32_t"), ("emb", "T"), ("inv_freq", "float"), ("fnorm", "T"),
+           ("headw", "T")] + [(n, "T") for n in MC.input_names(16)[6:]]
+    src += "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
+    args = ", ".join(f"const {'__nv_bfloat16' if t == 'T' else t}* {n}" for n, t in ins)
+    src += (f"__global__ void k_mega_bf16({args}, const __grid_constant__ Shape k_0_shape, "
+            "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n")
+    tm = dict(H=2048, NQ=32, NKV=8, D=64, I=8192, L=16, V=128256, THREADS=512, MAXCH=16,
+              XBYTES=MC.shared_bytes(2048, 32, 64, 8192, 2), EPS_NUM=10**7, SCALE_NUM=125000000,
+              SHIFT=0, DROP=0)
+    src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items()) + MC.source(16) + "\n}\n"
     return src + "}\n"
 
 

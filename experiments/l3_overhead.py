@@ -9,7 +9,9 @@ queued before the previous one is waited for), and timed in milliseconds per ste
   (`engine.fast.kernels.empty_kernels`: outputs are garbage, launches and host work
   are unchanged);
 - `l3-nogemv` and `l3-nogemv-empty`: the same two without the fused GEMV (MLX's own
-  matmuls for the projections, which the emptying does not touch).
+  matmuls for the projections, which the emptying does not touch);
+- `l3-nomega` (and `l3-nomega-empty`): the step of separate kernels, without the
+  one-kernel step (engine.fast.mega) where that would run.
 
 If `l3-empty` is about as slow as `l3`, the step is bound by what the host does per
 kernel (building, encoding, launching), not by the GPU's work, and fewer kernels per
@@ -64,6 +66,8 @@ def run_mode(model, mode: str, prompt: list[int], steps: int) -> float:
     disabled = set(K.DISABLED)
     if "nogemv" in mode:
         K.DISABLED.add("gemv")
+    if "nomega" in mode:
+        K.DISABLED.add("mega")
     try:
         if mode.endswith("-empty"):
             with K.empty_kernels():

@@ -33,6 +33,7 @@ from ..cache import KVCache
 from ..levers import Levers
 from . import gemv as G
 from . import kernels as K
+from . import mega as MG
 from .merge import merged_of, module_version
 from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
@@ -67,6 +68,8 @@ class FastStats:
     kernels: bool = False  # CUDA kernels in use (False: stock-MLX reference ops)
     attn_kernel: bool = False
     gemv: bool = False     # projections through engine.fast.gemv (norm / residual / SiLU fused)
+    mega: bool = False     # the whole step as one kernel (engine.fast.mega)
+    mega_reason: Optional[str] = None   # why not, where it is not used
     # per projection, kernel or stock ops as measured on this device (engine.fast.gemv.tune_*)
     gemv_choice: dict = field(default_factory=dict)
 
@@ -88,6 +91,7 @@ class FastDecoder:
         self._version = module_version(model)
         self._pos: Optional[mx.array] = None
         self._pos_host = -1
+        self._mega = None
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
 
     # --- the step, as a pure function of (tokens, position, buffers) ----------------
@@ -124,6 +128,15 @@ class FastDecoder:
         logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
         return (logits, length, *ks, *vs)
 
+    # --- the step as one kernel (engine.fast.mega) -----------------------------------
+
+    def _forward_mega(self, tokens, pos, *buffers):
+        n = len(self.model.layers)
+        if self._mega is None:
+            self._mega = MG.MegaStep(self.model, self._inv_freq)
+        logits = self._mega(tokens, pos, buffers[:n], buffers[n:])
+        return logits, pos + 1          # (the buffers are written in place, and stay the caches)
+
     def tune(self, rows: int) -> dict:
         """Measure, for each projection shape of this model at `rows` rows, whether the
         fused GEMV kernel or the stock ops run faster on this device, and use the faster
@@ -152,14 +165,17 @@ class FastDecoder:
         # groups split since then need a new one (module_version changes)
         version = module_version(self.model)
         if version != self._version:         # (the old traces are dropped, not kept)
-            self._fns, self._version, self._tuned = {}, version, set()
+            self._fns, self._version, self._tuned, self._mega = {}, version, set(), None
         fn = self._fns.get(capacity)
         if fn is None:
             self.stats.gemv = self.gemv_ok()
-            if self.stats.gemv and rows not in self._tuned:
+            reason = MG.why_not(self.model, self.levers, rows) if self._inv_freq is not None else "no RoPE kernel"
+            self.stats.mega, self.stats.mega_reason = reason is None, reason
+            if self.stats.gemv and not self.stats.mega and rows not in self._tuned:
                 self.tune(rows)
                 self._tuned.add(rows)
-            fwd = self._forward_gemv if self.stats.gemv else self._forward
+            fwd = (self._forward_mega if self.stats.mega
+                   else self._forward_gemv if self.stats.gemv else self._forward)
             fn = mx.compile(fwd) if self.levers.compiled_decode else fwd
             self._fns[capacity] = fn
             self.stats.traces += 1
@@ -204,7 +220,8 @@ class FastDecoder:
             *[c.keys for c in caches], *[c.values for c in caches])
         logits, self._pos = out[0], out[1]
         for i, c in enumerate(caches):
-            c.keys, c.values = out[2 + i], out[2 + n + i]
+            if len(out) > 2:
+                c.keys, c.values = out[2 + i], out[2 + n + i]
             c.offset += 1
         self._pos_host = off + 1
         self.stats.steps += 1

@@ -10,13 +10,13 @@ per row) and optionally folds in what surrounds a projection in a decoder layer:
   returns `silu(gate) * up`, shape [.., I].
 
 On an NVIDIA GPU (`use_kernel=True`) this is one CUDA kernel (`mx.fast.cuda_kernel`,
-compiled at run time): a block of 4 warps per output row (a gate row and its up row
-together for the SiLU epilogue; a few rows per block for a batch, so an input vector
-read serves several weight rows, and for the large output head); the warps split the
-K axis, their lanes copy 16-byte vectors of the rows into shared memory with cp.async
-(a chunk of up to 8 per lane in flight at once, the next chunk copied while the current
-one is multiplied), reduce their sums with shuffles and then across the 4 warps in
-shared memory, and the first warp applies the epilogue. The
+compiled at run time; sources in engine.fast.gemv_cuda). By default (`MLXP_GEMV_KERNEL=warp`)
+one warp computes one output row (a gate row and its up row together for the SiLU
+epilogue), 8 warps a block: its lanes stream 16-byte vectors of the row, several
+iterations' loads in flight before their products, and reduce with shuffles; for a batch
+each weight vector read serves every input row. `MLXP_GEMV_KERNEL=split` is the other
+layout (4 warps per row splitting K, weights staged through shared memory with cp.async).
+The
 RMSNorm is folded in as a scale: the lanes accumulate sum(W * (norm_w * h)) and sum(h^2)
 in the same pass and the row sum is multiplied by rsqrt(mean(h^2) + eps) at the end, so
 the normalised input is never rounded or stored (the L1 path rounds it to the model's
@@ -39,6 +39,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import gemv_cuda as C
 from . import qgemv as Q
 
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
@@ -49,206 +50,50 @@ MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
 # did not come out faster), so by default every projection takes the kernel.
 TUNE = os.environ.get("MLXP_GEMV_TUNE", "0") == "1"
 _CHOICE: dict = {}
-THREADS = 128       # 4 warps a block (the kernel's WARPS)
+THREADS = 128       # the split layout: 4 warps a block (its WARPS)
+KERNELS = ("warp", "split")
+# the layout (see the module docstring) and, for "warp", warps per block and loads in flight
+KERNEL = os.environ.get("MLXP_GEMV_KERNEL", "warp")
+WARPS_PB = int(os.environ.get("MLXP_GEMV_WARPS", "8"))
+UNROLL = int(os.environ.get("MLXP_GEMV_UNROLL", "4"))
+KSPLIT = int(os.environ.get("MLXP_GEMV_KSPLIT", "0"))      # 0: by shape (`ksplit_for`)
+MIN_WARPS = 6144    # warps a projection should keep busy (H200: 132 SMs x ~48 resident)
+if KERNEL not in KERNELS:
+    raise ValueError(f"MLXP_GEMV_KERNEL must be one of {KERNELS}, not {KERNEL!r}")
 
-# The weight vectors go through shared memory with cp.async (sm_80+): all of a chunk's
-# copies are in flight at once whatever the compiler's schedule (plain loads into
-# registers get interleaved with the arithmetic, leaving ~2 loads in flight), and the
-# next chunk is copied while the current one is multiplied.
-GEMV_HEADER = r"""
-__device__ __forceinline__ void mlxp_cp16(void* smem, const void* gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void mlxp_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void mlxp_cp_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-"""
-
-GEMV_MAIN = r"""
-  // a block of WARPS warps per R output rows (R gate rows and their R up rows for the
-  // SiLU epilogue); the warps split K: warp w takes the 32*VEC-element slices
-  // it = w, w + WARPS, ...; lane l owns the 16-byte vector at k = (it * 32 + l) * VEC.
-  // A chunk (U slices of every row) is copied to shared memory in one go, the next
-  // chunk while the current one is multiplied; the warps' sums meet in shared memory.
-  constexpr int WARPS = 4;
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int IT = (K + 32 * VEC - 1) / (32 * VEC);
-  constexpr int ITW = (IT + WARPS - 1) / WARPS;
-  constexpr int RL = EPI == 2 ? 2 * R : R;
-  constexpr int U0 = 8 / RL > 0 ? 8 / RL : 1;
-  constexpr int U = U0 < ITW ? U0 : ITW;
-  constexpr int NCH = (ITW + U - 1) / U;
-  constexpr int NB = NCH > 1 ? 2 : 1;
-  __shared__ uint4 sw[WARPS][NB][RL * U][32];
-  __shared__ float red[WARPS][RL * B + B];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // ROPE_D (the RoPE epilogue, R = 2): block j owns the pair of rows (i, i + D/2) of
-  // head j / (D/2), i = j % (D/2); otherwise rows n0 .. n0 + R - 1
-  const int n0 = ROPE_D ? (int)blockIdx.x : (int)blockIdx.x * R;
-  if (n0 >= (ROPE_D ? NOUT / 2 : NOUT)) return;
-  auto issue = [&](int c, int buf) {
-#pragma unroll
-    for (int r = 0; r < RL; ++r) {
-      const int o = ROPE_D ? (n0 / (ROPE_D / 2)) * ROPE_D + n0 % (ROPE_D / 2) + r * (ROPE_D / 2)
-                           : min(n0 + (r % R), NOUT - 1);   // (a row past the end: read, not written)
-      const size_t row = (EPI == 2 && r >= R) ? (size_t)(NOUT + o) : (size_t)o;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int it = warp + WARPS * (c + u);
-        int k = (it * 32 + lane) * VEC;
-        if (it >= IT || k >= K) k = 0;               // (past the end: read, not used)
-        mlxp_cp16(&sw[warp][buf][r * U + u][lane], W + row * K + k);
-      }
-    }
-    mlxp_cp_commit();
-  };
-  float acc[RL][B], ss[B];
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-    ss[b] = 0.f;
-#pragma unroll
-    for (int r = 0; r < RL; ++r) acc[r][b] = 0.f;
-  }
-  issue(0, 0);
-  for (int ci = 0; ci < NCH; ++ci) {
-    const int c = ci * U, buf = ci % NB;
-    if (ci + 1 < NCH) { issue(c + U, (ci + 1) % NB); mlxp_cp_wait<1>(); }
-    else { mlxp_cp_wait<0>(); }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int it = warp + WARPS * (c + u);
-      const int k = (it * 32 + lane) * VEC;
-      if (it >= IT || k >= K) break;
-      float nw[VEC];
-      if (NORM) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(norm_w + k));
-        const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) nw[j] = static_cast<float>(e[j]);
-      }
-      uint4 wv[RL];
-#pragma unroll
-      for (int r = 0; r < RL; ++r) wv[r] = sw[warp][buf][r * U + u][lane];
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)b * K + k));
-        const T* e = reinterpret_cast<const T*>(&v);
-        float xf[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          xf[j] = static_cast<float>(e[j]);
-          if (NORM) { ss[b] += xf[j] * xf[j]; xf[j] *= nw[j]; }
-        }
-#pragma unroll
-        for (int r = 0; r < RL; ++r) {
-          const T* we = reinterpret_cast<const T*>(&wv[r]);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) acc[r][b] += static_cast<float>(we[j]) * xf[j];
-        }
-      }
-    }
-  }
-  // reduction: over the lanes (shuffles), then over the warps (shared memory); warp 0
-  // ends with every sum in every lane, and lane r * B + b writes that output
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      if (NORM) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
-#pragma unroll
-      for (int r = 0; r < RL; ++r) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
-    }
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      red[warp][RL * B + b] = ss[b];
-#pragma unroll
-      for (int r = 0; r < RL; ++r) red[warp][r * B + b] = acc[r][b];
-    }
-  }
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-    ss[b] = 0.f;
-#pragma unroll
-    for (int r = 0; r < RL; ++r) acc[r][b] = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      ss[b] += red[w][RL * B + b];
-#pragma unroll
-      for (int r = 0; r < RL; ++r) acc[r][b] += red[w][r * B + b];
-    }
-  }
-"""
-
-# the epilogue (after the sums are reduced: every lane of the first warp holds them all;
-# lane r * B + b writes output (r, b)), shared with engine.fast.qgemv
-GEMV_EPILOGUE = r"""
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const int n = n0 + r;
-      if (lane != (r * B + b) % 32 || n >= NOUT) continue;
-      const float inv = NORM ? rsqrtf(ss[b] / K + EPS_NUM / 1e12f) : 1.f;
-      const float gt = static_cast<float>(T(acc[r][b] * inv));
-      float res;
-      if (EPI == 1) {
-        res = static_cast<float>(residual[(size_t)b * NOUT + n]) + gt;
-      } else if (EPI == 2) {
-        const float ut = static_cast<float>(T(acc[r + R][b] * inv));
-        const float s = static_cast<float>(T(gt / (1.f + __expf(-gt))));
-        res = s * ut;
-      } else {
-        res = gt;
-      }
-      out[(size_t)b * NOUT + n] = T(res);
-    }
-  }
-"""
-
-GEMV_SOURCE = GEMV_MAIN + GEMV_EPILOGUE
-
-# q/k/v with RoPE: the two rows of a rotation pair come out of one block, rotated at
-# position pos[0] or pos[b] (PER_ROW) (+ SHIFT, the negative control's fault) and written straight into
-# q [B, NQ, 1, D], k and v [B, NKV, 1, D]; v rows are copied unrotated.
-GEMV_ROPE_SOURCE = GEMV_MAIN + r"""
-  {
-    constexpr int HALF = ROPE_D / 2;
-    const int head = n0 / HALF, i = n0 % HALF;
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      if (lane != b) continue;
-      const float inv = NORM ? rsqrtf(ss[b] / K + EPS_NUM / 1e12f) : 1.f;
-      const float x1 = static_cast<float>(T(acc[0][b] * inv));
-      const float x2 = static_cast<float>(T(acc[1][b] * inv));
-      if (head >= NQ + NKV) {
-        T* dst = v + ((size_t)b * NKV + (head - NQ - NKV)) * ROPE_D;
-        dst[i] = T(x1);
-        dst[i + HALF] = T(x2);
-      } else {
-        const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + SHIFT) * inv_freq[i];
-        float sn, cs;
-        sincosf(theta, &sn, &cs);
-        T* dst = head < NQ ? q + ((size_t)b * NQ + head) * ROPE_D
-                           : k + ((size_t)b * NKV + (head - NQ)) * ROPE_D;
-        dst[i] = T(x1 * cs - x2 * sn);
-        dst[i + HALF] = T(x1 * sn + x2 * cs);
-      }
-    }
-  }
-"""
 
 def _get_kernel(rope: bool = False):
     from . import kernels as K            # (built there, so that K.empty_kernels covers it)
+    main = C.WARP_MAIN if KERNEL == "warp" else C.SPLIT_MAIN
     if rope:
-        return K.cuda_kernel("mlxp_gemv_rope", ["W", "x", "norm_w", "inv_freq", "pos"], ["q", "k", "v"],
-                             GEMV_ROPE_SOURCE, GEMV_HEADER)
-    return K.cuda_kernel("mlxp_gemv", ["W", "x", "norm_w", "residual"], ["out"], GEMV_SOURCE, GEMV_HEADER)
+        return K.cuda_kernel(f"mlxp_gemv_rope_{KERNEL}", ["W", "x", "norm_w", "inv_freq", "pos"],
+                             ["q", "k", "v"], main + C.ROPE_EPILOGUE, C.GEMV_HEADER)
+    return K.cuda_kernel(f"mlxp_gemv_{KERNEL}", ["W", "x", "norm_w", "residual"], ["out"],
+                         main + C.GEMV_EPILOGUE, C.GEMV_HEADER)
+
+
+def ksplit_for(units: int, K: int, itemsize: int) -> int:
+    """Warps per output unit in the warp layout: 1, or 2 / 4 where the projection has too
+    few rows to keep MIN_WARPS warps busy (each warp keeping >= 2 iterations of K)."""
+    if KSPLIT:
+        return KSPLIT
+    its = -(-K // (32 * (16 // itemsize)))
+    ks = 1
+    while ks < 4 and units * ks < MIN_WARPS and its >= 4 * ks:
+        ks *= 2
+    return ks
+
+
+def launch(units: int, rows_per_unit: int, K: int = 0, itemsize: int = 2) -> tuple:
+    """(extra template parameters, grid, threadgroup) for `units` output units (rows, or
+    rotation pairs) of K inputs: `rows_per_unit` of them per block in the split layout."""
+    if KERNEL == "warp":
+        ks = ksplit_for(units, K, itemsize)
+        t = WARPS_PB * 32
+        per = WARPS_PB // ks
+        return ([("R", 1), ("WARPS_PB", WARPS_PB), ("UNROLL", UNROLL), ("KSPLIT", ks)],
+                (-(-units // per) * t, 1, 1), (t, 1, 1))
+    return [("R", rows_per_unit)], (-(-units // rows_per_unit) * THREADS, 1, 1), (THREADS, 1, 1)
 
 
 def is_float(module) -> bool:
@@ -316,17 +161,16 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
         return Q.linear(module, x, n_out, norm=norm, residual=residual, silu_split=silu_split)
     dt = W.dtype
     epi = 2 if silu_split is not None else (1 if residual is not None else 0)
-    rpb = rows_per_block(n_out, rows, silu_split is not None)
+    extra, grid, tg = launch(n_out, rows_per_block(n_out, rows, silu_split is not None), K, W.itemsize)
     dummy = mx.zeros((1,), dt)
     nw = norm[0].astype(dt) if norm is not None else dummy
     res = residual.astype(dt).reshape(rows, n_out) if residual is not None else dummy
-    blocks = -(-n_out // rpb)
     (out,) = _get_kernel()(
         inputs=[W, x.astype(dt).reshape(rows, K), nw, res],
-        template=[("T", dt), ("K", K), ("NOUT", n_out), ("B", rows), ("R", rpb),
+        template=[("T", dt), ("K", K), ("NOUT", n_out), ("B", rows), *extra,
                   ("NORM", int(norm is not None)), ("EPI", epi), ("ROPE_D", 0),
                   ("EPS_NUM", int(round((norm[1] if norm is not None else 0.0) * 1e12)))],
-        grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        grid=grid, threadgroup=tg,
         output_shapes=[(rows, n_out)], output_dtypes=[dt])
     return out.reshape(*x.shape[:-1], n_out)
 
@@ -344,13 +188,16 @@ def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.arr
     if W.shape != (N, K) or head_dim % 2 or rows > MAX_ROWS:
         raise ValueError("qkv_rope needs a merged q/k/v weight, an even head_dim and <= 8 rows")
     dt = W.dtype
+    extra, grid, tg = launch(N // 2, 1, K, W.itemsize)
+    if KERNEL == "split":
+        extra = [("R", 2)]                   # (one block per pair: its two rows)
     q, k, v = _get_kernel(rope=True)(
         inputs=[W, x.astype(dt).reshape(rows, K), norm[0].astype(dt), inv_freq, pos.astype(mx.int32)],
-        template=[("T", dt), ("K", K), ("NOUT", N), ("B", rows), ("R", 2), ("NORM", 1), ("EPI", 0),
+        template=[("T", dt), ("K", K), ("NOUT", N), ("B", rows), *extra, ("NORM", 1), ("EPI", 0),
                   ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv), ("SHIFT", shift),
                   ("PER_ROW", int(pos.size > 1)),
                   ("EPS_NUM", int(round(norm[1] * 1e12)))],
-        grid=(N // 2 * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        grid=grid, threadgroup=tg,
         output_shapes=[(rows, n_heads, 1, head_dim), (rows, n_kv, 1, head_dim), (rows, n_kv, 1, head_dim)],
         output_dtypes=[dt] * 3)
     return q, k, v

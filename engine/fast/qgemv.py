@@ -10,7 +10,7 @@ The kernel: one warp per output row (a gate row and its up row together for SiLU
 lane l reads 16 bytes of packed weights per iteration (32 4-bit or 16 8-bit elements,
 inside one group), the group's scale and bias, and the matching input elements; the
 RMSNorm (as a scale, Σh² in the same pass), the residual add and SiLU·up are the same
-epilogues as the float kernel's (`gemv.GEMV_EPILOGUE`). 4 warps a block, no shared memory.
+epilogues as the float kernel's (`gemv_cuda.GEMV_EPILOGUE`). 4 warps a block, no shared memory.
 `supports(module)` says which modules it takes: bits 4 or 8, group size a multiple of
 the elements one lane reads, no bias; and only with MLXP_QGEMV=1 (`ENABLED`) for now.
 """
@@ -106,7 +106,7 @@ QGEMV_MAIN = r"""
 
 
 def _source() -> str:
-    from .gemv import GEMV_EPILOGUE
+    from .gemv_cuda import GEMV_EPILOGUE
     return QGEMV_MAIN + GEMV_EPILOGUE
 
 

@@ -21,25 +21,29 @@ from engine.fast import gemv as G
 from gemv_mirror import epilogue_mirror, round_to, to_np
 
 
-def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None):
-    """GEMV_SOURCE in numpy: returns [B, NOUT] float32 (values representable in dt)."""
+def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None, layout="split", ksplit=1):
+    """engine.fast.gemv_cuda in numpy: returns [B, NOUT] float32 (values representable in dt).
+    layout "split": a block of 4 warps per R rows, warp w taking iterations w, w + 4, ...;
+    "warp": `ksplit` warps per row, warp slice s taking iterations s, s + ksplit, ...
+    (lane l of iteration it: the vector at k = (it * 32 + l) * VEC)."""
     N, K = W.shape
     B = x.shape[0]
     vec = 16 // mx.array(0, dt).itemsize
     nout = silu_split or N
-    R = G.rows_per_block(nout, B, silu_split is not None)
+    R = G.rows_per_block(nout, B, silu_split is not None) if layout == "split" else 1
+    warps = 4 if layout == "split" else ksplit
     its = -(-K // (32 * vec))
     nw = norm[0] if norm is not None else np.ones(K, np.float32)
     out = np.zeros((B, nout), np.float32)
-    for n0 in range(0, nout, R):                       # one block of 4 warps
+    for n0 in range(0, nout, R):                       # one block (split) or one row's warps
         for r in range(min(R, nout - n0)):
             n = n0 + r
             for b in range(B):
                 def lanes(row):
-                    acc, ss = np.zeros((4, 32), np.float32), np.zeros((4, 32), np.float32)
-                    for warp in range(4):
+                    acc, ss = np.zeros((warps, 32), np.float32), np.zeros((warps, 32), np.float32)
+                    for warp in range(warps):
                         for lane in range(32):
-                            for it in range(warp, its, 4):
+                            for it in range(warp, its, warps):
                                 k = (it * 32 + lane) * vec
                                 if k < K:
                                     xs = x[b, k:k + vec]
@@ -60,7 +64,8 @@ CASES = [  # (K, N, B, epilogue)
 
 @pytest.mark.parametrize("K,N,B,epi", CASES)
 @pytest.mark.parametrize("dt", [mx.bfloat16, mx.float32])
-def test_gemv_mirror_matches_standin(K, N, B, epi, dt):
+@pytest.mark.parametrize("layout,ksplit", [("split", 1), ("warp", 1), ("warp", 2), ("warp", 4)])
+def test_gemv_mirror_matches_standin(K, N, B, epi, dt, layout, ksplit):
     mx.random.seed(K + N + B)
     lin = nn.Linear(K, N, bias=False)
     lin.weight = (mx.random.normal((N, K)) * 0.05).astype(dt)
@@ -72,9 +77,20 @@ def test_gemv_mirror_matches_standin(K, N, B, epi, dt):
     assert ref.shape == (B, 1, split or N)
     mir = gemv_mirror(to_np(lin.weight), to_np(x).reshape(B, K), dt,
                       norm=(to_np(norm[0]), norm[1]) if norm else None,
-                      residual=to_np(res).reshape(B, -1) if res is not None else None, silu_split=split)
+                      residual=to_np(res).reshape(B, -1) if res is not None else None, silu_split=split,
+                      layout=layout, ksplit=ksplit)
     rel = float(np.linalg.norm(mir.reshape(ref.shape) - ref) / np.linalg.norm(ref))
     assert rel < (1e-2 if dt == mx.bfloat16 else 1e-5), rel
+
+
+def test_ksplit_for_keeps_warps_busy(monkeypatch):
+    """K is split across 2 or 4 warps only where a projection has too few rows, and never
+    below 2 iterations per warp; MLXP_GEMV_KSPLIT overrides."""
+    assert G.ksplit_for(2048, 2048, 2) == 4 and G.ksplit_for(4096, 4096, 2) == 2
+    assert G.ksplit_for(8192, 2048, 2) == 1 and G.ksplit_for(128256, 2048, 2) == 1
+    assert G.ksplit_for(64, 256, 2) == 1                 # one iteration of K: nothing to split
+    monkeypatch.setattr(G, "KSPLIT", 2)
+    assert G.ksplit_for(8192, 2048, 2) == 2
 
 
 def test_gemv_mirror_catches_a_wrong_pairing():

@@ -1,0 +1,146 @@
+"""The decode step as one CUDA kernel (the `mega` kernel of the L3 step).
+
+On the H200 the fused step of engine.fast.decode (about 7 kernels a layer) measured as
+slow with its kernels emptied as with them running (experiments/l3_overhead.py): the
+time goes to building, encoding and launching each operation, not to the GPU's work.
+`MegaStep` runs the whole step of a llama-family model, one sequence, as one persistent
+kernel (engine.fast.mega_cuda: one block per SM, grid barriers between the phases of a
+layer), so a step is a handful of operations whatever the layer count.
+
+It is used by `FastDecoder` for one row when `why_not(model, levers)` is None: CUDA,
+`perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
+model (no q/k norms) with merged q/k/v and gate/up projections, float weights without
+bias, SiLU gating and shapes the kernel's vector loads divide. Otherwise the step of
+engine.fast.decode runs as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default:
+the GPU's SM count, read from the CUDA driver).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Optional
+
+import mlx.core as mx
+
+from ..levers import Levers
+from ..models.base import silu_gate
+from . import gemv as G
+from . import kernels as K
+from . import mega_cuda as C
+from .merge import merged_of
+
+
+@functools.lru_cache(maxsize=1)
+def sm_count() -> int:
+    """Streaming multiprocessors of CUDA device 0 (0: unknown), or $MLXP_MEGA_BLOCKS."""
+    if os.environ.get("MLXP_MEGA_BLOCKS"):
+        return int(os.environ["MLXP_MEGA_BLOCKS"])
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev, val = ctypes.c_int(), ctypes.c_int()
+        if cu.cuInit(0) or cu.cuDeviceGet(ctypes.byref(dev), 0):
+            return 0
+        if cu.cuDeviceGetAttribute(ctypes.byref(val), 16, dev):   # MULTIPROCESSOR_COUNT
+            return 0
+        return int(val.value)
+    except OSError:
+        return 0
+
+
+def _parts(model):
+    """Per layer (ln1, qkv, o, ln2, gate_up, down) modules, or None where one is missing."""
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj"))
+        gu = merged_of(mlp, ("gate_proj", "up_proj"))
+        if qkv is None or gu is None:
+            return None
+        out.append((layer.input_layernorm, qkv.linear, attn.o_proj, layer.post_attention_layernorm,
+                    gu.linear, mlp.down_proj))
+    return out
+
+
+def why_not(model, levers: Levers, rows: int = 1) -> Optional[str]:
+    """None if `MegaStep` can run this model's decode step, else why not."""
+    if not levers.perf_kernel or "mega" in K.DISABLED:
+        return "the mega kernel is off (perf_kernel off or MLXP_DISABLE_KERNELS=mega)"
+    if rows != 1:
+        return "one row only"
+    if not K.cuda_available() or sm_count() <= 0:
+        return "no CUDA device"
+    if getattr(model, "model_type", None) != "llama":
+        return "llama-family models only"
+    a0 = model.layers[0].self_attn
+    if hasattr(a0, "q_norm"):
+        return "q/k norms are not in the kernel"
+    parts = _parts(model)
+    if parts is None:
+        return "q/k/v and gate/up must be merged (merged_proj)"
+    if any(getattr(layer.mlp, "act", None) is not silu_gate for layer in model.layers):
+        return "SiLU gating only"
+    norm, head = model.head_parts()
+    mods = [m for p in parts for m in (p[1], p[2], p[4], p[5])] + [head, model.model.embed_tokens]
+    if not all(G.is_float(m) for m in mods):
+        return "float weights without bias only"
+    dts = {m.weight.dtype for m in mods} | {p[0].weight.dtype for p in parts} | {norm.weight.dtype}
+    if len(dts) != 1:
+        return "one dtype for every weight"
+    dt = dts.pop()
+    vec = 32 * (16 // dt.size)
+    H, D = model.args.hidden_size, a0.head_dim
+    inter = parts[0][4].weight.shape[0] // 2
+    if H % vec or inter % vec or (a0.n_heads * D) % vec or D % 32 or D % (16 // dt.size):
+        return "shapes the kernel's vector loads do not divide"
+    if a0.n_heads % a0.n_kv_heads:
+        return "query heads must be a multiple of the key/value heads"
+    if len({p[0].eps for p in parts} | {p[3].eps for p in parts} | {norm.eps}) != 1:
+        return "one RMSNorm eps for every norm"
+    if C.shared_bytes(H, a0.n_heads, D, inter, dt.size) > 48 * 1024:
+        return "phase inputs larger than 48 KB of shared memory"
+    return None
+
+
+class MegaStep:
+    """`(tokens [1], pos [1], keys, values) -> logits [1, V]`: one decode step as one kernel;
+    writes the new key and value into each layer's cache buffer at `pos`."""
+
+    def __init__(self, model, inv_freq: mx.array):
+        parts = _parts(model)
+        a0 = model.layers[0].self_attn
+        norm, head = model.head_parts()
+        self.L = len(parts)
+        self.H = model.args.hidden_size
+        self.NQ, self.NKV, self.D = a0.n_heads, a0.n_kv_heads, a0.head_dim
+        self.I = parts[0][4].weight.shape[0] // 2
+        self.V = head.weight.shape[0]
+        self.dtype = head.weight.dtype
+        self.eps = norm.eps
+        self.scale = a0.scale
+        self.blocks = sm_count()
+        self.inv_freq = inv_freq.astype(mx.float32)
+        self.shared = [model.model.embed_tokens.weight, self.inv_freq, norm.weight, head.weight]
+        self.layers = [a for p in parts for a in (p[0].weight, p[1].weight, p[2].weight, p[3].weight,
+                                                  p[4].weight, p[5].weight)]
+        self.kernel = K.cuda_kernel(f"mlxp_mega_l{self.L}", C.input_names(self.L), ["logits", "ws"],
+                                    C.source(self.L), C.HEADER)
+
+    def __call__(self, tokens: mx.array, pos: mx.array, keys, values) -> mx.array:
+        fault = K.active_fault()
+        logits, _ = self.kernel(
+            inputs=[tokens.astype(mx.int32).reshape(1), pos.astype(mx.int32).reshape(1), *self.shared,
+                    *self.layers, *keys, *values],
+            template=[("T", self.dtype), ("H", self.H), ("NQ", self.NQ), ("NKV", self.NKV), ("D", self.D),
+                      ("I", self.I), ("L", self.L), ("V", self.V), ("THREADS", C.THREADS),
+                      ("MAXCH", C.MAXCH),
+                      ("XBYTES", C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size)),
+                      ("EPS_NUM", int(round(self.eps * 1e12))),
+                      ("SCALE_NUM", int(round(self.scale * 1e9))),
+                      ("SHIFT", int(fault == "rope_pos_plus_one")),
+                      ("DROP", int(fault == "attn_drop_last_key"))],
+            grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
+            output_shapes=[(1, self.V), (C.workspace_floats(self.H, self.NQ, self.D, self.I),)],
+            output_dtypes=[self.dtype, mx.float32], init_value=0)
+        return logits
