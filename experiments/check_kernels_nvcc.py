@@ -88,7 +88,7 @@ def source() -> str:
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n")
     tm = dict(H=2048, NQ=32, NKV=8, D=64, I=8192, L=16, V=128256, THREADS=512, MAXCH=16,
               XBYTES=MC.shared_bytes(2048, 32, 64, 8192, 2), EPS_NUM=10**7, SCALE_NUM=125000000,
-              SHIFT=0, DROP=0)
+              SHIFT=0, DROP=0, PROF=1)
     src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items()) + MC.source(16) + "\n}\n"
     return src + "}\n"
 

@@ -8,6 +8,7 @@ the kernel ran (`FastDecoder.stats.mega`, or why not) and the keys the step wrot
 caches against L1's.
 
     python experiments/mega_check.py --model DIR [--steps 24] [--prompt 128] [--out FILE.json]
+    MLXP_MEGA_PROF=1 python experiments/mega_check.py ...   # also the step's phase times (µs)
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def run_path(model, prompt, seq, path: str):
             mx.eval(lg)
             out.append(lg.reshape(-1))
             y = mx.array([t])
-        stats = dec.stats.__dict__ if dec is not None else None
+        stats = dict(dec.stats.__dict__) if dec is not None else None
+        if dec is not None and dec.mega_profile():
+            stats["profile_us"] = dec.mega_profile()     # (MLXP_MEGA_PROF=1: the last step's phases)
     finally:
         K.DISABLED.clear()
         K.DISABLED.update(disabled)

@@ -137,6 +137,10 @@ class FastDecoder:
         logits = self._mega(tokens, pos, buffers[:n], buffers[n:])
         return logits, pos + 1          # (the buffers are written in place, and stay the caches)
 
+    def mega_profile(self) -> dict:
+        """The one-kernel step's phase times of the last step (MLXP_MEGA_PROF=1), else {}."""
+        return self._mega.profile() if self._mega is not None else {}
+
     def tune(self, rows: int) -> dict:
         """Measure, for each projection shape of this model at `rows` rows, whether the
         fused GEMV kernel or the stock ops run faster on this device, and use the faster

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 THREADS = 512
 WPB = THREADS // 32
-MAXCH = 16          # chunks of the cache per query head in phase B (at most)
+MAXCH = 64          # chunks of the cache per query head in phase B (at most)
 
 HEADER = r"""
 #undef __global__
@@ -130,7 +130,11 @@ BODY = r"""
   float* hbuf = wsf + 32;
   float* qbuf = hbuf + H;
   float* abuf = qbuf + QD;
-  float* part = abuf + I;
+  float* obuf = abuf + I;
+  unsigned int* hcnt = reinterpret_cast<unsigned int*>(obuf + QD);   // [L][NQ] chunk counters
+  float* part = obuf + QD + L * NQ;
+  unsigned int* prof = reinterpret_cast<unsigned int*>(part + (size_t)NQ * MAXCH * PSTR);
+  int nstamp = 0;
   __shared__ __align__(16) unsigned char xraw[XBYTES];
   __shared__ float red[WPB];
   float* xf = reinterpret_cast<float*>(xraw);
@@ -141,9 +145,22 @@ BODY = r"""
   const int p = pos[0];
   const int CAP = k_0_shape[2];
   const int alen = (p + 1) - DROP;                 // positions attended
-  const int nch = alen <= 0 ? 1 : min(MAXCH, (alen + 255) / 256);
-  const int cs = ((max(alen, 1) + nch - 1) / nch + 31) / 32 * 32;
+  // chunks of CS = 32 * k positions, at most MAXCH of them per head
+  const int cs = 32 * max(1, (max(alen, 1) + 32 * MAXCH - 1) / (32 * MAXCH));
+  const int nch = (max(alen, 1) + cs - 1) / cs;
   unsigned int target = 0;
+  // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
+#define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
+    unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); \
+    prof[2 * nstamp] = (unsigned int)t_; prof[2 * nstamp + 1] = (unsigned int)(t_ >> 32); } ++nstamp; } while (0)
+  // before a barrier: the warp's first unit of the next phase (RL rows of K elements,
+  // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait
+#define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF) do { if (gw < (NUNITS)) { \
+    for (int r_ = 0; r_ < (RL_); ++r_) { \
+      const char* b_ = reinterpret_cast<const char*>((Wp) + (size_t)(gw + r_ * (OFF)) * (KK)); \
+      for (int o_ = lane * 128; o_ < (KK) * (int)sizeof(T); o_ += 32 * 128) \
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(b_ + o_)); } } } while (0)
+  MEGA_STAMP();
 __TABLES__
   // x (hbuf, or the embedding row for the first layer) RMS-normalised into xf as
   // sum-scale: xf = x * w, returns rsqrt(mean(x^2) + eps)
@@ -201,7 +218,12 @@ __TABLES__
       }
     }
     mega_grid_sync(ctr, target);
-    // --- B: attention, a warp per (query head, chunk of the cache)
+    MEGA_STAMP();
+    // --- B: attention, a warp per (query head, chunk of CS positions): lane j scores
+    // position j of each 32 (its key row read whole), then the lanes own DPL of the D
+    // output dims and add up p_j * v_j over the 32 positions (all 32 value loads issued
+    // at once); a chunk's partial (max, sum, output) goes to the workspace, and the last
+    // warp to finish a head's chunks (a counter per head) combines them into obuf.
     {
       for (int k = threadIdx.x; k < QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
       __syncthreads();
@@ -221,11 +243,13 @@ __TABLES__
           float sc = NEG_INF;
           if (pp < end) {
             const T* kr = kb + (size_t)pp * D;
+            uint4 kv[D / VEC];
+#pragma unroll
+            for (int v = 0; v < D / VEC; ++v) kv[v] = __ldcg(reinterpret_cast<const uint4*>(kr + v * VEC));
             float dot = 0.f;
 #pragma unroll
             for (int v = 0; v < D / VEC; ++v) {
-              const uint4 kv = __ldcg(reinterpret_cast<const uint4*>(kr + v * VEC));
-              const T* ke = reinterpret_cast<const T*>(&kv);
+              const T* ke = reinterpret_cast<const T*>(&kv[v]);
 #pragma unroll
               for (int j = 0; j < VEC; ++j) dot += qh[v * VEC + j] * static_cast<float>(ke[j]);
             }
@@ -237,12 +261,23 @@ __TABLES__
           lsum = lsum * corr + mega_warp_sum(pj);
 #pragma unroll
           for (int d = 0; d < DPL; ++d) o[d] *= corr;
-          const int nv = min(32, end - p0);
-          for (int j = 0; j < nv; ++j) {
-            const float pjj = __shfl_sync(0xffffffffu, pj, j);
-            const T* vr = vb + (size_t)(p0 + j) * D + lane * DPL;
+          // the values for this lane's dims, VB positions' loads issued before they are used
+          constexpr int VB = DPL <= 2 ? 32 : 16;
 #pragma unroll
-            for (int d = 0; d < DPL; ++d) o[d] += pjj * mega_ldcg_t(vr + d);
+          for (int j0 = 0; j0 < 32; j0 += VB) {
+            float vv[VB][DPL];
+#pragma unroll
+            for (int j = 0; j < VB; ++j) {
+              const T* vr = vb + (size_t)min(p0 + j0 + j, end - 1) * D + lane * DPL;
+#pragma unroll
+              for (int d = 0; d < DPL; ++d) vv[j][d] = mega_ldcg_t(vr + d);
+            }
+#pragma unroll
+            for (int j = 0; j < VB; ++j) {
+              const float pjj = __shfl_sync(0xffffffffu, pj, j0 + j);
+#pragma unroll
+              for (int d = 0; d < DPL; ++d) o[d] += pjj * vv[j][d];
+            }
           }
           m = mn;
         }
@@ -250,28 +285,37 @@ __TABLES__
 #pragma unroll
         for (int d = 0; d < DPL; ++d) pr[lane * DPL + d] = o[d];
         if (lane == 0) { pr[D] = m; pr[D + 1] = lsum; }
+        __threadfence();
+        unsigned int done = 0;
+        if (lane == 0) done = atomicAdd(hcnt + l * NQ + hq, 1u);
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if (done == (unsigned int)(nch - 1)) {        // the head's last chunk: combine
+          __threadfence();
+          float M = NEG_INF;
+          for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(part + ((size_t)hq * MAXCH + cc) * PSTR + D));
+          float ls = 0.f, acc[DPL];
+#pragma unroll
+          for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
+          for (int cc = 0; cc < nch; ++cc) {
+            const float* q2 = part + ((size_t)hq * MAXCH + cc) * PSTR;
+            const float mc = __ldcg(q2 + D);
+            const float wgt = mc == NEG_INF ? 0.f : __expf(mc - M);
+            ls += wgt * __ldcg(q2 + D + 1);
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) acc[d] += wgt * __ldcg(q2 + lane * DPL + d);
+          }
+#pragma unroll
+          for (int d = 0; d < DPL; ++d)
+            obuf[hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
+        }
       }
+      MEGA_PREFETCH(WO[l], QD, H, 1, 0);
     }
     mega_grid_sync(ctr, target);
-    // --- C: chunks combined into xt (every block), o_proj + residual
+    MEGA_STAMP();
+    // --- C: o_proj + residual
     {
-      for (int hq = warp; hq < NQ; hq += WPB) {
-        float M = NEG_INF;
-        for (int c = 0; c < nch; ++c) M = fmaxf(M, __ldcg(part + ((size_t)hq * MAXCH + c) * PSTR + D));
-        float ls = 0.f, acc[DPL];
-#pragma unroll
-        for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
-        for (int c = 0; c < nch; ++c) {
-          const float* pr = part + ((size_t)hq * MAXCH + c) * PSTR;
-          const float mc = __ldcg(pr + D);
-          const float wgt = mc == NEG_INF ? 0.f : __expf(mc - M);
-          ls += wgt * __ldcg(pr + D + 1);
-#pragma unroll
-          for (int d = 0; d < DPL; ++d) acc[d] += wgt * __ldcg(pr + lane * DPL + d);
-        }
-#pragma unroll
-        for (int d = 0; d < DPL; ++d) xt[hq * D + lane * DPL + d] = T(ls > 0.f ? acc[d] / ls : 0.f);
-      }
+      for (int k = threadIdx.x; k < QD; k += THREADS) xt[k] = T(__ldcg(obuf + k));
       __syncthreads();
       const T* w = WO[l];
       for (int n = gw; n < H; n += NW) {
@@ -280,8 +324,10 @@ __TABLES__
         mega_dot<T, T, QD, 1, 8>(rows, xt, lane, acc);
         if (lane == 0) hbuf[n] = static_cast<float>(T(__ldcg(hbuf + n) + static_cast<float>(T(acc[0]))));
       }
+      MEGA_PREFETCH(WGU[l], H, I, 2, I);
     }
     mega_grid_sync(ctr, target);
+    MEGA_STAMP();
     // --- D: norm -> gate/up -> SiLU(gate) * up
     {
       const float inv = load_normed(LN2[l], false);
@@ -297,8 +343,10 @@ __TABLES__
           abuf[n] = static_cast<float>(T(s * up));
         }
       }
+      MEGA_PREFETCH(WD[l], I, H, 1, 0);
     }
     mega_grid_sync(ctr, target);
+    MEGA_STAMP();
     // --- E: down_proj + residual
     {
       for (int k = threadIdx.x; k < I; k += THREADS) xt[k] = T(__ldcg(abuf + k));
@@ -310,8 +358,15 @@ __TABLES__
         mega_dot<T, T, I, 1, 8>(rows, xt, lane, acc);
         if (lane == 0) hbuf[n] = static_cast<float>(T(__ldcg(hbuf + n) + static_cast<float>(T(acc[0]))));
       }
+      if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
+        const int r1 = (gw / HALF) * D + gw % HALF;
+        MEGA_PREFETCH(WQKV[l + 1] + (size_t)(r1 - gw) * H, H, NPAIR, 2, HALF);
+      } else if (l + 1 == L) {
+        MEGA_PREFETCH(headw, H, V, 1, 0);
+      }
     }
     mega_grid_sync(ctr, target);
+    MEGA_STAMP();
   }
   // --- the final norm and the output head
   {
@@ -321,6 +376,16 @@ __TABLES__
       float acc[1];
       mega_dot<T, float, H, 1, 8>(rows, xf, lane, acc);
       if (lane == 0) logits[n] = T(acc[0] * inv);
+    }
+  }
+  if (PROF) {                                      // the head's end: after every block is done
+    __syncthreads();
+    if (threadIdx.x == 0) { __threadfence(); atomicAdd(ctr, 1u); }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      while (mega_ld_acquire(ctr) < target + gridDim.x) { }
+      unsigned long long t_;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));
+      prof[2 * nstamp] = (unsigned int)t_; prof[2 * nstamp + 1] = (unsigned int)(t_ >> 32);
     }
   }
 """
@@ -349,10 +414,16 @@ def source(n_layers: int) -> str:
     return BODY.replace("__TABLES__\n", tables)
 
 
-def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int) -> int:
+def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int) -> int:
     """Floats of the workspace: barrier counter (32), h, q, SiLU·up output, attention
-    partials."""
-    return 32 + H + n_heads * head_dim + inter + n_heads * MAXCH * (head_dim + 2)
+    output, per-layer chunk counters, attention partials, then the PROF stamps."""
+    return (32 + H + 2 * n_heads * head_dim + inter + n_layers * n_heads
+            + n_heads * MAXCH * (head_dim + 2) + 2 * n_stamps(n_layers))
+
+
+def n_stamps(n_layers: int) -> int:
+    """PROF time stamps: the start, the end of each of a layer's 5 phases, the head's end."""
+    return 2 + 5 * n_layers
 
 
 def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int) -> int:
