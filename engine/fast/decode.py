@@ -92,6 +92,7 @@ class FastDecoder:
         self._pos: Optional[mx.array] = None
         self._pos_host = -1
         self._mega = None
+        self._mega_ws = None
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
 
     # --- the step, as a pure function of (tokens, position, buffers) ----------------
@@ -134,12 +135,16 @@ class FastDecoder:
         n = len(self.model.layers)
         if self._mega is None:
             self._mega = MG.MegaStep(self.model, self._inv_freq)
-        logits = self._mega(tokens, pos, buffers[:n], buffers[n:])
-        return logits, pos + 1          # (the buffers are written in place, and stay the caches)
+        logits, ws = self._mega(tokens, pos, buffers[:n], buffers[n:])
+        # (the buffers are written in place, and stay the caches); the workspace holds
+        # the phase timer's stamps with MLXP_MEGA_PROF=1
+        return (logits, pos + 1, ws) if self._mega.prof else (logits, pos + 1)
 
     def mega_profile(self) -> dict:
         """The one-kernel step's phase times of the last step (MLXP_MEGA_PROF=1), else {}."""
-        return self._mega.profile() if self._mega is not None else {}
+        if self._mega is None or self._mega_ws is None:
+            return {}
+        return self._mega.profile(self._mega_ws)
 
     def tune(self, rows: int) -> dict:
         """Measure, for each projection shape of this model at `rows` rows, whether the
@@ -223,8 +228,10 @@ class FastDecoder:
             tokens.astype(mx.int32).reshape(-1), self._pos,
             *[c.keys for c in caches], *[c.values for c in caches])
         logits, self._pos = out[0], out[1]
+        if self.stats.mega:                  # (the caches were written in place)
+            self._mega_ws = out[2] if len(out) > 2 else None
         for i, c in enumerate(caches):
-            if len(out) > 2:
+            if not self.stats.mega:
                 c.keys, c.values = out[2 + i], out[2 + n + i]
             c.offset += 1
         self._pos_host = off + 1

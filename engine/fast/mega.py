@@ -125,11 +125,11 @@ class MegaStep:
         self.layers = [a for p in parts for a in (p[0].weight, p[1].weight, p[2].weight, p[3].weight,
                                                   p[4].weight, p[5].weight)]
         self.prof = os.environ.get("MLXP_MEGA_PROF", "0") == "1"
-        self.ws = None
         self.kernel = K.cuda_kernel(f"mlxp_mega_l{self.L}", C.input_names(self.L), ["logits", "ws"],
                                     C.source(self.L), C.HEADER)
 
-    def __call__(self, tokens: mx.array, pos: mx.array, keys, values) -> mx.array:
+    def __call__(self, tokens: mx.array, pos: mx.array, keys, values):
+        """(logits [1, V], the workspace)."""
         fault = K.active_fault()
         logits, ws = self.kernel(
             inputs=[tokens.astype(mx.int32).reshape(1), pos.astype(mx.int32).reshape(1), *self.shared,
@@ -145,20 +145,17 @@ class MegaStep:
             grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
             output_shapes=[(1, self.V), (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L),)],
             output_dtypes=[self.dtype, mx.float32], init_value=0)
-        if self.prof:
-            self.ws = ws
-        return logits
+        return logits, ws
 
-    def profile(self) -> dict:
-        """With MLXP_MEGA_PROF=1: microseconds of the last step's phases (the GPU's global
-        timer as block 0 leaves each barrier), summed over the layers, and the total."""
-        if self.ws is None:
-            return {}
+    def profile(self, ws: mx.array) -> dict:
+        """With MLXP_MEGA_PROF=1, from a step's workspace: microseconds of its phases (the
+        GPU's global timer as block 0 leaves each barrier), summed over the layers, and the
+        total."""
         n = C.n_stamps(self.L)
-        raw = mx.view(self.ws[-2 * n:], mx.uint32).tolist()
+        raw = mx.view(ws[-2 * n:], mx.uint32).tolist()
         t = [raw[2 * i] + (raw[2 * i + 1] << 32) for i in range(n)]
         d = [(t[i + 1] - t[i]) / 1e3 for i in range(n - 1)]
-        out = {ph: round(sum(d[1 + 5 * l + j] if j else d[5 * l] for l in range(self.L)), 2)
+        out = {ph: round(sum(d[5 * l + j] for l in range(self.L)), 2)
                for j, ph in enumerate(("qkv_rope", "attention", "o_proj", "gate_up", "down"))}
         out["head"] = round(d[-1], 2)
         out["total"] = round((t[-1] - t[0]) / 1e3, 2)
