@@ -7,6 +7,7 @@ before spending device time. The wrapper mimics the one `mx.fast.cuda_kernel` ge
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def source() -> str:
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n")
     tm = dict(H=2048, NQ=32, NKV=8, D=64, I=8192, L=16, V=128256, THREADS=512, MAXCH=16,
               XBYTES=MC.shared_bytes(2048, 32, 64, 8192, 2), EPS_NUM=10**7, SCALE_NUM=125000000,
-              SHIFT=0, DROP=0, PROF=1)
+              SHIFT=0, DROP=0, PROF=1, UN1=int(os.environ.get('UN1', 8)), UN2=int(os.environ.get('UN2', 4)))
     src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items()) + MC.source(16) + "\n}\n"
     return src + "}\n"
 

@@ -125,6 +125,9 @@ class MegaStep:
         self.layers = [a for p in parts for a in (p[0].weight, p[1].weight, p[2].weight, p[3].weight,
                                                   p[4].weight, p[5].weight)]
         self.prof = os.environ.get("MLXP_MEGA_PROF", "0") == "1"
+        # 16-byte weight loads in flight per lane: single-row and paired-row phases
+        self.un1 = int(os.environ.get("MLXP_MEGA_UN1", "8"))
+        self.un2 = int(os.environ.get("MLXP_MEGA_UN2", "4"))
         self.kernel = K.cuda_kernel(f"mlxp_mega_l{self.L}", C.input_names(self.L), ["logits", "ws"],
                                     C.source(self.L), C.HEADER)
 
@@ -141,7 +144,8 @@ class MegaStep:
                       ("EPS_NUM", int(round(self.eps * 1e12))),
                       ("SCALE_NUM", int(round(self.scale * 1e9))),
                       ("SHIFT", int(fault == "rope_pos_plus_one")),
-                      ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof))],
+                      ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
+                      ("UN1", self.un1), ("UN2", self.un2)],
             grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
             output_shapes=[(1, self.V), (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L),)],
             output_dtypes=[self.dtype, mx.float32], init_value=0)

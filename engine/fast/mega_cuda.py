@@ -192,7 +192,7 @@ __TABLES__
         const int head = u / HALF, i = u % HALF, r1 = head * D + i;
         const T* rows[2] = {w + (size_t)r1 * H, w + (size_t)(r1 + HALF) * H};
         float acc[2];
-        mega_dot<T, float, H, 2, 4>(rows, xf, lane, acc);
+        mega_dot<T, float, H, 2, UN2>(rows, xf, lane, acc);
         if (lane == 0) {
           const float x1 = static_cast<float>(T(acc[0] * inv));
           const float x2 = static_cast<float>(T(acc[1] * inv));
@@ -321,7 +321,7 @@ __TABLES__
       for (int n = gw; n < H; n += NW) {
         const T* rows[1] = {w + (size_t)n * QD};
         float acc[1];
-        mega_dot<T, T, QD, 1, 8>(rows, xt, lane, acc);
+        mega_dot<T, T, QD, 1, UN1>(rows, xt, lane, acc);
         if (lane == 0) hbuf[n] = static_cast<float>(T(__ldcg(hbuf + n) + static_cast<float>(T(acc[0]))));
       }
       MEGA_PREFETCH(WGU[l], H, I, 2, I);
@@ -335,7 +335,7 @@ __TABLES__
       for (int n = gw; n < I; n += NW) {
         const T* rows[2] = {w + (size_t)n * H, w + (size_t)(I + n) * H};
         float acc[2];
-        mega_dot<T, float, H, 2, 4>(rows, xf, lane, acc);
+        mega_dot<T, float, H, 2, UN2>(rows, xf, lane, acc);
         if (lane == 0) {
           const float g = static_cast<float>(T(acc[0] * inv));
           const float up = static_cast<float>(T(acc[1] * inv));
@@ -355,7 +355,7 @@ __TABLES__
       for (int n = gw; n < H; n += NW) {
         const T* rows[1] = {w + (size_t)n * I};
         float acc[1];
-        mega_dot<T, T, I, 1, 8>(rows, xt, lane, acc);
+        mega_dot<T, T, I, 1, UN1>(rows, xt, lane, acc);
         if (lane == 0) hbuf[n] = static_cast<float>(T(__ldcg(hbuf + n) + static_cast<float>(T(acc[0]))));
       }
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
@@ -374,7 +374,7 @@ __TABLES__
     for (int n = gw; n < V; n += NW) {
       const T* rows[1] = {headw + (size_t)n * H};
       float acc[1];
-      mega_dot<T, float, H, 1, 8>(rows, xf, lane, acc);
+      mega_dot<T, float, H, 1, UN1>(rows, xf, lane, acc);
       if (lane == 0) logits[n] = T(acc[0] * inv);
     }
   }
