@@ -36,7 +36,8 @@ import mlx.core as mx
 from ..batch_cache import BatchKVCache
 from ..levers import Levers
 from . import kernels as K
-from .decode import CAPACITY_STEP, why_not
+from . import mega as MG
+from .decode import CAPACITY_STEP, own_contiguous, why_not
 from .merge import module_version
 from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
@@ -54,6 +55,8 @@ class FastBatchStats:
     kernels: bool = False    # CUDA kernels in use (False: stock-MLX reference ops)
     attn_kernel: bool = False
     gemv: bool = False       # projections through engine.fast.gemv (kernels at <= 8 rows)
+    mega: bool = False       # the step as one kernel per group of rows (engine.fast.mega)
+    mega_reason: Optional[str] = None   # why not, where it is not used
 
 
 def capacity_for(need: int) -> int:
@@ -92,6 +95,8 @@ class FastBatchDecoder:
         self._version = module_version(model)
         self._col: Optional[mx.array] = None
         self._col_host = -1
+        self._mega = None
+        self._own: list = []       # the buffers the one-kernel step last wrote in place
         self.stats = FastBatchStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
 
     # --- the step, as a pure function of (tokens, positions, column, starts, buffers) ----
@@ -123,6 +128,15 @@ class FastBatchDecoder:
         logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
         return (logits, pos + 1, length, *ks, *vs)
 
+    def _forward_mega(self, tokens, pos, col, start, *buffers):
+        """The step as one kernel per group of rows (engine.fast.mega): the buffers are
+        written in place and stay the caches."""
+        n = len(self.model.layers)
+        if self._mega is None:
+            self._mega = MG.MegaStep(self.model, self._inv_freq)
+        logits, _ = self._mega(tokens, pos, col, start, buffers[:n], buffers[n:])
+        return logits, pos + 1, col + 1
+
     def _fn(self, rows: int, capacity: int):
         # a trace holds the modules as they were (adapters, merged groups) and the fault
         # active when it was built (the negative control): either changing needs a new one
@@ -130,11 +144,15 @@ class FastBatchDecoder:
         if version != self._version:
             self._fns.clear()
             self._version = version
+            self._mega = None
         key = (rows, capacity, K.active_fault())
         fn = self._fns.get(key)
         if fn is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
-            fwd = self._forward_gemv if self.stats.gemv else self._forward
+            reason = MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel"
+            self.stats.mega, self.stats.mega_reason = reason is None, reason
+            fwd = (self._forward_mega if self.stats.mega
+                   else self._forward_gemv if self.stats.gemv else self._forward)
             fn = mx.compile(fwd) if self.levers.compiled_decode else fwd
             self._fns[key] = fn
             self.stats.traces += 1
@@ -177,12 +195,17 @@ class FastBatchDecoder:
             self._col = mx.array([col], dtype=mx.int32)
         B = c0.batch_size
         n = len(caches)
-        out = self._fn(B, cap)(tokens.astype(mx.int32).reshape(-1), c0.offset, self._col,
-                               c0.left_padding, *[c.keys for c in caches],
-                               *[c.values for c in caches])
+        fn = self._fn(B, cap)
+        if self.stats.mega:                  # (written in place: contiguous buffers of our own)
+            self._own = own_contiguous(caches, self._own)
+        out = fn(tokens.astype(mx.int32).reshape(-1), c0.offset, self._col,
+                 c0.left_padding, *[c.keys for c in caches], *[c.values for c in caches])
         logits, pos, self._col = out[0], out[1], out[2]
         for i, c in enumerate(caches):
-            c.advance(out[3 + i], out[3 + n + i], pos)
+            if len(out) > 3:
+                c.advance(out[3 + i], out[3 + n + i], pos)
+            else:
+                c.advance(c.keys, c.values, pos)
         self._col_host = col + 1
         self.stats.steps += 1
         self.stats.row_steps += B

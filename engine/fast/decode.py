@@ -41,6 +41,24 @@ SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
 
 
+def own_contiguous(caches, own: list) -> list:
+    """Before a step that writes the caches' buffers in place (engine.fast.mega): every
+    buffer not among `own` (the ones that step used last time: replaced since by a reserve,
+    an L1 step, a filter...) becomes a row-contiguous array of its own (`mx.contiguous`; the
+    kernel would otherwise get a copy and the write would be lost). Returns the new `own`."""
+    n = len(caches)
+    out = []
+    for i, c in enumerate(caches):
+        for j, name in ((i, "keys"), (n + i, "values")):
+            a = getattr(c, name)
+            if not (j < len(own) and own[j] is a):
+                a = mx.contiguous(a)
+                setattr(c, name, a)
+    for name in ("keys", "values"):
+        out += [getattr(c, name) for c in caches]
+    return out
+
+
 def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
     """None if the fast step can run this model/caches, else the reason it cannot."""
     if getattr(model, "model_type", None) not in SUPPORTED_TYPES:
@@ -93,6 +111,8 @@ class FastDecoder:
         self._pos_host = -1
         self._mega = None
         self._mega_ws = None
+        self._own: list = []      # the buffers the one-kernel step last wrote in place
+        self._zero = mx.zeros((1,), dtype=mx.int32)     # (the solo row's first column)
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
 
     # --- the step, as a pure function of (tokens, position, buffers) ----------------
@@ -135,10 +155,10 @@ class FastDecoder:
         n = len(self.model.layers)
         if self._mega is None:
             self._mega = MG.MegaStep(self.model, self._inv_freq)
-        logits, ws = self._mega(tokens, pos, buffers[:n], buffers[n:])
+        logits, wss = self._mega(tokens, pos, pos, self._zero, buffers[:n], buffers[n:])
         # (the buffers are written in place, and stay the caches); the workspace holds
         # the phase timer's stamps with MLXP_MEGA_PROF=1
-        return (logits, pos + 1, ws) if self._mega.prof else (logits, pos + 1)
+        return (logits, pos + 1, wss[0]) if self._mega.prof else (logits, pos + 1)
 
     def mega_profile(self) -> dict:
         """The one-kernel step's phase times of the last step (MLXP_MEGA_PROF=1), else {}."""
@@ -178,7 +198,9 @@ class FastDecoder:
         fn = self._fns.get(capacity)
         if fn is None:
             self.stats.gemv = self.gemv_ok()
-            reason = MG.why_not(self.model, self.levers, rows) if self._inv_freq is not None else "no RoPE kernel"
+            reason = (MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel")
+            if reason is None and rows != 1:
+                reason = "the solo step's one kernel takes one row (the batch lane's takes more)"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             if self.stats.gemv and not self.stats.mega and rows not in self._tuned:
                 self.tune(rows)
@@ -224,7 +246,10 @@ class FastDecoder:
         if self._pos is None or self._pos_host != off:
             self._pos = mx.array([off], dtype=mx.int32)
         n = len(caches)
-        out = self._fn(caches[0].keys.shape[2], caches[0].keys.shape[0])(
+        fn = self._fn(caches[0].keys.shape[2], caches[0].keys.shape[0])
+        if self.stats.mega:                  # (written in place: contiguous buffers of our own)
+            self._own = own_contiguous(caches, self._own)
+        out = fn(
             tokens.astype(mx.int32).reshape(-1), self._pos,
             *[c.keys for c in caches], *[c.values for c in caches])
         logits, self._pos = out[0], out[1]

@@ -87,12 +87,14 @@ def kernel_variant(name: str, source: str) -> tuple:
     return name, source
 
 
-def cuda_kernel(name: str, inputs, outputs, source: str, header: str = ""):
-    """mx.fast.cuda_kernel, built once per name (an empty body inside `empty_kernels`)."""
+def cuda_kernel(name: str, inputs, outputs, source: str, header: str = "", shared_memory: int = 0):
+    """mx.fast.cuda_kernel, built once per name (an empty body inside `empty_kernels`);
+    `shared_memory`: bytes of dynamic shared memory (`extern __shared__`)."""
     name, source = kernel_variant(name, source)
     if name not in _kernels:
+        kw = {"shared_memory": shared_memory} if shared_memory else {}
         _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                                             source=source, header=header)
+                                             source=source, header=header, **kw)
     return _kernels[name]
 
 

@@ -7,7 +7,8 @@ time goes to building, encoding and launching each operation, not to the GPU's w
 kernel (engine.fast.mega_cuda: one block per SM, grid barriers between the phases of a
 layer), so a step is a handful of operations whatever the layer count.
 
-It is used by `FastDecoder` for one row when `why_not(model, levers)` is None: CUDA,
+It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the batch, up
+to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
 model (no q/k norms) with merged q/k/v and gate/up projections, float weights without
 bias, SiLU gating and shapes the kernel's vector loads divide. Otherwise the step of
@@ -63,12 +64,10 @@ def _parts(model):
     return out
 
 
-def why_not(model, levers: Levers, rows: int = 1) -> Optional[str]:
+def why_not(model, levers: Levers) -> Optional[str]:
     """None if `MegaStep` can run this model's decode step, else why not."""
     if not levers.perf_kernel or "mega" in K.DISABLED:
         return "the mega kernel is off (perf_kernel off or MLXP_DISABLE_KERNELS=mega)"
-    if rows != 1:
-        return "one row only"
     if not K.cuda_available() or sm_count() <= 0:
         return "no CUDA device"
     if getattr(model, "model_type", None) != "llama":
@@ -98,14 +97,17 @@ def why_not(model, levers: Levers, rows: int = 1) -> Optional[str]:
         return "query heads must be a multiple of the key/value heads"
     if len({p[0].eps for p in parts} | {p[3].eps for p in parts} | {norm.eps}) != 1:
         return "one RMSNorm eps for every norm"
-    if C.shared_bytes(H, a0.n_heads, D, inter, dt.size) > 48 * 1024:
-        return "phase inputs larger than 48 KB of shared memory"
+    if C.rows_per_call(H, a0.n_heads, D, inter, dt.size) < 1:
+        return f"phase inputs larger than {C.SHARED_MAX} bytes of shared memory"
     return None
 
 
 class MegaStep:
-    """`(tokens [1], pos [1], keys, values) -> logits [1, V]`: one decode step as one kernel;
-    writes the new key and value into each layer's cache buffer at `pos`."""
+    """One decode step of B rows as one kernel per group of up to `rows_per_call` rows:
+    `(tokens [B], rpos [B], col [1], start [B], keys, values) -> (logits [B, V], workspaces)`.
+    Row b is rotated at rpos[b], writes its key and value at column col[0] of its row of
+    each layer's cache buffer [B, Hkv, capacity, D] (in place) and attends over columns
+    [start[b], col[0]]. The solo step is B = 1 with rpos = col = the position, start 0."""
 
     def __init__(self, model, inv_freq: mx.array):
         parts = _parts(model)
@@ -120,6 +122,7 @@ class MegaStep:
         self.eps = norm.eps
         self.scale = a0.scale
         self.blocks = sm_count()
+        self.max_rows = C.rows_per_call(self.H, self.NQ, self.D, self.I, self.dtype.size)
         self.inv_freq = inv_freq.astype(mx.float32)
         self.shared = [model.model.embed_tokens.weight, self.inv_freq, norm.weight, head.weight]
         self.layers = [a for p in parts for a in (p[0].weight, p[1].weight, p[2].weight, p[3].weight,
@@ -128,31 +131,45 @@ class MegaStep:
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
         self.un1 = int(os.environ.get("MLXP_MEGA_UN1", "8"))
         self.un2 = int(os.environ.get("MLXP_MEGA_UN2", "4"))
-        self.kernel = K.cuda_kernel(f"mlxp_mega_l{self.L}", C.input_names(self.L), ["logits", "ws"],
-                                    C.source(self.L), C.HEADER)
+        self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
-    def __call__(self, tokens: mx.array, pos: mx.array, keys, values):
-        """(logits [1, V], the workspace)."""
+    def _kernel(self, rows: int):
+        smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows)
+        return K.cuda_kernel(f"mlxp_mega_l{self.L}_r{rows}_s{smem}", C.input_names(self.L), ["logits", "ws"],
+                             C.source(self.L), C.HEADER, shared_memory=smem)
+
+    def groups(self, B: int) -> list:
+        """(first row, rows) of each kernel call for B rows."""
+        return [(r, min(self.max_rows, B - r)) for r in range(0, B, self.max_rows)]
+
+    def __call__(self, tokens: mx.array, rpos: mx.array, col: mx.array, start: mx.array, keys, values):
         fault = K.active_fault()
-        logits, ws = self.kernel(
-            inputs=[tokens.astype(mx.int32).reshape(1), pos.astype(mx.int32).reshape(1), *self.shared,
-                    *self.layers, *keys, *values],
-            template=[("T", self.dtype), ("H", self.H), ("NQ", self.NQ), ("NKV", self.NKV), ("D", self.D),
-                      ("I", self.I), ("L", self.L), ("V", self.V), ("THREADS", C.THREADS),
-                      ("MAXCH", C.MAXCH),
-                      ("XBYTES", C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size)),
-                      ("EPS_NUM", int(round(self.eps * 1e12))),
-                      ("SCALE_NUM", int(round(self.scale * 1e9))),
-                      ("SHIFT", int(fault == "rope_pos_plus_one")),
-                      ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
-                      ("UN1", self.un1), ("UN2", self.un2)],
-            grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
-            output_shapes=[(1, self.V), (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L),)],
-            output_dtypes=[self.dtype, mx.float32], init_value=0)
-        return logits, ws
+        B = tokens.size
+        ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
+               col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B),
+               *self.shared, *self.layers, *keys, *values]
+        logits, wss = [], []
+        for row0, rb in self.groups(B):
+            lg, ws = self._kernel(rb)(
+                inputs=ins + [wss[-1] if wss else self._first],
+                template=[("T", self.dtype), ("H", self.H), ("NQ", self.NQ), ("NKV", self.NKV),
+                          ("D", self.D), ("I", self.I), ("L", self.L), ("V", self.V),
+                          ("THREADS", C.THREADS), ("MAXCH", C.MAXCH), ("RB", rb), ("ROW0", row0),
+                          ("EPS_NUM", int(round(self.eps * 1e12))),
+                          ("SCALE_NUM", int(round(self.scale * 1e9))),
+                          ("SHIFT", int(fault == "rope_pos_plus_one")),
+                          ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
+                          ("UN1", self.un1), ("UN2", self.un2)],
+                grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
+                output_shapes=[(rb, self.V),
+                               (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb),)],
+                output_dtypes=[self.dtype, mx.float32], init_value=0)
+            logits.append(lg)
+            wss.append(ws)
+        return (logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)), wss
 
     def profile(self, ws: mx.array) -> dict:
-        """With MLXP_MEGA_PROF=1, from a step's workspace: microseconds of its phases (the
+        """With MLXP_MEGA_PROF=1, from a call's workspace: microseconds of its phases (the
         GPU's global timer as block 0 leaves each barrier), summed over the layers, and the
         total."""
         n = C.n_stamps(self.L)

@@ -79,14 +79,15 @@ __device__ __forceinline__ float mega_warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// RL weight rows of K elements dotted with xs (shared memory, float or T); every lane
-// ends with the sums. K is a multiple of 32 * VEC.
-template <typename T, typename X, int K, int RL, int UN>
+// RL weight rows of K elements dotted with RB input rows (shared memory, float or T,
+// row b at xs + b * K); every lane ends with the sums acc[r * RB + b]. K is a multiple
+// of 32 * VEC.
+template <typename T, typename X, int K, int RL, int RB, int UN>
 __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int lane, float* acc) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = K / (32 * VEC);
 #pragma unroll
-  for (int r = 0; r < RL; ++r) acc[r] = 0.f;
+  for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
 #pragma unroll 1
   for (int i0 = 0; i0 < IT; i0 += UN) {
     uint4 wv[UN][RL];
@@ -101,23 +102,29 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
     for (int u = 0; u < UN; ++u) {
       if (i0 + u >= IT) break;
       const int k = ((i0 + u) * 32 + lane) * VEC;
-      float xv[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) xv[j] = static_cast<float>(xs[k + j]);
+      for (int b = 0; b < RB; ++b) {
+        float xv[VEC];
 #pragma unroll
-      for (int r = 0; r < RL; ++r) {
-        const T* we = reinterpret_cast<const T*>(&wv[u][r]);
+        for (int j = 0; j < VEC; ++j) xv[j] = static_cast<float>(xs[b * K + k + j]);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[r] += static_cast<float>(we[j]) * xv[j];
+        for (int r = 0; r < RL; ++r) {
+          const T* we = reinterpret_cast<const T*>(&wv[u][r]);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[r * RB + b] += static_cast<float>(we[j]) * xv[j];
+        }
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < RL; ++r) acc[r] = mega_warp_sum(acc[r]);
+  for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
 """
 
 BODY = r"""
+  // rows ROW0 .. ROW0 + RB - 1 of the batch; row b: token tok[ROW0 + b], RoPE position
+  // rpos[ROW0 + b], keys and values written at column col[0] of cache row ROW0 + b,
+  // attention over columns [start[ROW0 + b], col[0]] (the solo step: one row, start 0)
   constexpr int WPB = THREADS / 32;
   constexpr int QD = NQ * D, HALF = D / 2, DPL = D / 32;
   constexpr int NPAIR = (NQ + 2 * NKV) * HALF;
@@ -127,27 +134,28 @@ BODY = r"""
   const int gw = (int)blockIdx.x * WPB + warp, NW = (int)gridDim.x * WPB;
   float* wsf = ws;
   unsigned int* ctr = reinterpret_cast<unsigned int*>(wsf);
-  float* hbuf = wsf + 32;
-  float* qbuf = hbuf + H;
-  float* abuf = qbuf + QD;
-  float* obuf = abuf + I;
-  unsigned int* hcnt = reinterpret_cast<unsigned int*>(obuf + QD);   // [L][NQ] chunk counters
-  float* part = obuf + QD + L * NQ;
-  unsigned int* prof = reinterpret_cast<unsigned int*>(part + (size_t)NQ * MAXCH * PSTR);
+  float* hbuf = wsf + 32;                          // [RB][H]
+  float* qbuf = hbuf + RB * H;                     // [RB][QD]
+  float* abuf = qbuf + RB * QD;                    // [RB][I]
+  float* obuf = abuf + RB * I;                     // [RB][QD]
+  unsigned int* hcnt = reinterpret_cast<unsigned int*>(obuf + RB * QD);   // [L][RB][NQ]
+  float* part = obuf + RB * QD + L * RB * NQ;      // [RB][NQ][MAXCH][PSTR]
+  unsigned int* prof = reinterpret_cast<unsigned int*>(part + (size_t)RB * NQ * MAXCH * PSTR);
   int nstamp = 0;
-  __shared__ __align__(16) unsigned char xraw[XBYTES];
-  __shared__ float red[WPB];
+  extern __shared__ __align__(16) unsigned char xraw[];
+  __shared__ float red[WPB][RB];
+  __shared__ float sinv[RB];
   float* xf = reinterpret_cast<float*>(xraw);
   T* xt = reinterpret_cast<T*>(xraw);
   const float NEG_INF = -__int_as_float(0x7f800000);
   const float eps = EPS_NUM / 1e12f;
   const float scale = SCALE_NUM / 1e9f;
-  const int p = pos[0];
+  const int wcol = col[0];
   const int CAP = k_0_shape[2];
-  const int alen = (p + 1) - DROP;                 // positions attended
-  // chunks of CS = 32 * k positions, at most MAXCH of them per head
-  const int cs = 32 * max(1, (max(alen, 1) + 32 * MAXCH - 1) / (32 * MAXCH));
-  const int nch = (max(alen, 1) + cs - 1) / cs;
+  const int aend = wcol + 1 - DROP;                // columns attended end here (exclusive)
+  // chunks of CS = 32 * k columns, at most MAXCH of them per (row, head)
+  const int cs = 32 * max(1, (max(aend, 1) + 32 * MAXCH - 1) / (32 * MAXCH));
+  const int nch = (max(aend, 1) + cs - 1) / cs;
   unsigned int target = 0;
   // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
 #define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
@@ -162,55 +170,68 @@ BODY = r"""
         asm volatile("prefetch.global.L2 [%0];" :: "l"(b_ + o_)); } } } while (0)
   MEGA_STAMP();
 __TABLES__
-  // x (hbuf, or the embedding row for the first layer) RMS-normalised into xf as
-  // sum-scale: xf = x * w, returns rsqrt(mean(x^2) + eps)
-  auto load_normed = [&](const T* nw, bool first) -> float {
-    float s = 0.f;
-    const T* erow = emb + (size_t)tok[0] * H;
-    for (int k = threadIdx.x; k < H; k += THREADS) {
-      const float v = first ? static_cast<float>(erow[k]) : __ldcg(hbuf + k);
-      if (first && blockIdx.x == 0) hbuf[k] = v;
-      s += v * v;
-      xf[k] = v * static_cast<float>(nw[k]);
-    }
-    s = mega_warp_sum(s);
-    if (lane == 0) red[warp] = s;
-    __syncthreads();
-    float tot = 0.f;
+  // each row's x (hbuf, or its embedding row for the first layer) RMS-normalised into xf
+  // as sum-scale: xf[b] = x[b] * w; sinv[b] = rsqrt(mean(x[b]^2) + eps)
+  auto load_normed = [&](const T* nw, bool first) {
+    float s[RB];
 #pragma unroll
-    for (int w = 0; w < WPB; ++w) tot += red[w];
+    for (int b = 0; b < RB; ++b) s[b] = 0.f;
+    for (int k = threadIdx.x; k < H; k += THREADS) {
+      const float w = static_cast<float>(nw[k]);
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        const float v = first ? static_cast<float>(emb[(size_t)tok[ROW0 + b] * H + k]) : __ldcg(hbuf + b * H + k);
+        if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
+        s[b] += v * v;
+        xf[b * H + k] = v * w;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < RB; ++b) {
+      s[b] = mega_warp_sum(s[b]);
+      if (lane == 0) red[warp][b] = s[b];
+    }
     __syncthreads();
-    return rsqrtf(tot / H + eps);
+    if (threadIdx.x < RB) {
+      float tot = 0.f;
+#pragma unroll
+      for (int w = 0; w < WPB; ++w) tot += red[w][threadIdx.x];
+      sinv[threadIdx.x] = rsqrtf(tot / H + eps);
+    }
+    __syncthreads();
   };
 
   for (int l = 0; l < L; ++l) {
-    // --- A: norm -> q/k/v -> RoPE, k/v into the cache
+    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair)
     {
-      const float inv = load_normed(LN1[l], l == 0);
+      load_normed(LN1[l], l == 0);
       const T* w = WQKV[l];
       for (int u = gw; u < NPAIR; u += NW) {
         const int head = u / HALF, i = u % HALF, r1 = head * D + i;
         const T* rows[2] = {w + (size_t)r1 * H, w + (size_t)(r1 + HALF) * H};
-        float acc[2];
-        mega_dot<T, float, H, 2, UN2>(rows, xf, lane, acc);
-        if (lane == 0) {
-          const float x1 = static_cast<float>(T(acc[0] * inv));
-          const float x2 = static_cast<float>(T(acc[1] * inv));
+        float acc[2 * RB];
+        mega_dot<T, float, H, 2, RB, UN2>(rows, xf, lane, acc);
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+          if (lane != b) continue;
+          const float x1 = static_cast<float>(T(acc[b] * sinv[b]));
+          const float x2 = static_cast<float>(T(acc[RB + b] * sinv[b]));
+          const size_t row = (size_t)(ROW0 + b);
           if (head < NQ + NKV) {
-            const float theta = static_cast<float>(p + SHIFT) * inv_freq[i];
+            const float theta = static_cast<float>(rpos[ROW0 + b] + SHIFT) * inv_freq[i];
             float sn, c;
             sincosf(theta, &sn, &c);
             const T y1 = T(x1 * c - x2 * sn), y2 = T(x1 * sn + x2 * c);
             if (head < NQ) {
-              qbuf[head * D + i] = static_cast<float>(y1);
-              qbuf[head * D + i + HALF] = static_cast<float>(y2);
+              qbuf[b * QD + head * D + i] = static_cast<float>(y1);
+              qbuf[b * QD + head * D + i + HALF] = static_cast<float>(y2);
             } else {
-              T* kc = KC[l] + ((size_t)(head - NQ) * CAP + p) * D;
+              T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + wcol) * D;
               kc[i] = y1;
               kc[i + HALF] = y2;
             }
           } else {
-            T* vc = VC[l] + ((size_t)(head - NQ - NKV) * CAP + p) * D;
+            T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D;
             vc[i] = T(x1);
             vc[i + HALF] = T(x2);
           }
@@ -219,22 +240,23 @@ __TABLES__
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
-    // --- B: attention, a warp per (query head, chunk of CS positions): lane j scores
-    // position j of each 32 (its key row read whole), then the lanes own DPL of the D
-    // output dims and add up p_j * v_j over the 32 positions (all 32 value loads issued
-    // at once); a chunk's partial (max, sum, output) goes to the workspace, and the last
-    // warp to finish a head's chunks (a counter per head) combines them into obuf.
+    // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
+    // column j of each 32 (its key row read whole), then the lanes own DPL of the D
+    // output dims and add up p_j * v_j (a batch of value loads issued at once); a chunk's
+    // partial (max, sum, output) goes to the workspace, and the last warp to finish a
+    // (row, head)'s chunks (a counter each) combines them into obuf.
     {
-      for (int k = threadIdx.x; k < QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
+      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
       __syncthreads();
       const T* kcache = KC[l];
       const T* vcache = VC[l];
-      for (int u = gw; u < NQ * nch; u += NW) {
-        const int hq = u / nch, c = u % nch, g = hq / (NQ / NKV);
-        const T* kb = kcache + (size_t)g * CAP * D;
-        const T* vb = vcache + (size_t)g * CAP * D;
-        const int start = c * cs, end = min(alen, start + cs);
-        const float* qh = xf + hq * D;
+      for (int u = gw; u < RB * NQ * nch; u += NW) {
+        const int b = u / (NQ * nch), hq = (u / nch) % NQ, c = u % nch, g = hq / (NQ / NKV);
+        const size_t row = (size_t)(ROW0 + b);
+        const T* kb = kcache + (row * NKV + g) * CAP * D;
+        const T* vb = vcache + (row * NKV + g) * CAP * D;
+        const int start = max(c * cs, start_col[ROW0 + b]), end = min(aend, c * cs + cs);
+        const float* qh = xf + b * QD + hq * D;
         float m = NEG_INF, lsum = 0.f, o[DPL];
 #pragma unroll
         for (int d = 0; d < DPL; ++d) o[d] = 0.f;
@@ -261,7 +283,7 @@ __TABLES__
           lsum = lsum * corr + mega_warp_sum(pj);
 #pragma unroll
           for (int d = 0; d < DPL; ++d) o[d] *= corr;
-          // the values for this lane's dims, VB positions' loads issued before they are used
+          // the values for this lane's dims, VB columns' loads issued before they are used
           constexpr int VB = DPL <= 2 ? 32 : 16;
 #pragma unroll
           for (int j0 = 0; j0 < 32; j0 += VB) {
@@ -281,23 +303,24 @@ __TABLES__
           }
           m = mn;
         }
-        float* pr = part + ((size_t)hq * MAXCH + c) * PSTR;
+        float* pr = part + (((size_t)b * NQ + hq) * MAXCH + c) * PSTR;
 #pragma unroll
         for (int d = 0; d < DPL; ++d) pr[lane * DPL + d] = o[d];
         if (lane == 0) { pr[D] = m; pr[D + 1] = lsum; }
         __threadfence();
         unsigned int done = 0;
-        if (lane == 0) done = atomicAdd(hcnt + l * NQ + hq, 1u);
+        if (lane == 0) done = atomicAdd(hcnt + ((size_t)l * RB + b) * NQ + hq, 1u);
         done = __shfl_sync(0xffffffffu, done, 0);
-        if (done == (unsigned int)(nch - 1)) {        // the head's last chunk: combine
+        if (done == (unsigned int)(nch - 1)) {        // the last chunk of (row, head): combine
           __threadfence();
+          const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
           float M = NEG_INF;
-          for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(part + ((size_t)hq * MAXCH + cc) * PSTR + D));
+          for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(p2 + cc * PSTR + D));
           float ls = 0.f, acc[DPL];
 #pragma unroll
           for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
           for (int cc = 0; cc < nch; ++cc) {
-            const float* q2 = part + ((size_t)hq * MAXCH + cc) * PSTR;
+            const float* q2 = p2 + cc * PSTR;
             const float mc = __ldcg(q2 + D);
             const float wgt = mc == NEG_INF ? 0.f : __expf(mc - M);
             ls += wgt * __ldcg(q2 + D + 1);
@@ -306,57 +329,65 @@ __TABLES__
           }
 #pragma unroll
           for (int d = 0; d < DPL; ++d)
-            obuf[hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
+            obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
         }
       }
       MEGA_PREFETCH(WO[l], QD, H, 1, 0);
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
-    // --- C: o_proj + residual
+    // --- C: o_proj + residual (a warp per hidden row)
     {
-      for (int k = threadIdx.x; k < QD; k += THREADS) xt[k] = T(__ldcg(obuf + k));
+      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[k] = T(__ldcg(obuf + k));
       __syncthreads();
       const T* w = WO[l];
       for (int n = gw; n < H; n += NW) {
         const T* rows[1] = {w + (size_t)n * QD};
-        float acc[1];
-        mega_dot<T, T, QD, 1, UN1>(rows, xt, lane, acc);
-        if (lane == 0) hbuf[n] = static_cast<float>(T(__ldcg(hbuf + n) + static_cast<float>(T(acc[0]))));
+        float acc[RB];
+        mega_dot<T, T, QD, 1, RB, UN1>(rows, xt, lane, acc);
+#pragma unroll
+        for (int b = 0; b < RB; ++b)
+          if (lane == b)
+            hbuf[b * H + n] = static_cast<float>(T(__ldcg(hbuf + b * H + n) + static_cast<float>(T(acc[b]))));
       }
       MEGA_PREFETCH(WGU[l], H, I, 2, I);
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
-    // --- D: norm -> gate/up -> SiLU(gate) * up
+    // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     {
-      const float inv = load_normed(LN2[l], false);
+      load_normed(LN2[l], false);
       const T* w = WGU[l];
       for (int n = gw; n < I; n += NW) {
         const T* rows[2] = {w + (size_t)n * H, w + (size_t)(I + n) * H};
-        float acc[2];
-        mega_dot<T, float, H, 2, UN2>(rows, xf, lane, acc);
-        if (lane == 0) {
-          const float g = static_cast<float>(T(acc[0] * inv));
-          const float up = static_cast<float>(T(acc[1] * inv));
+        float acc[2 * RB];
+        mega_dot<T, float, H, 2, RB, UN2>(rows, xf, lane, acc);
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+          if (lane != b) continue;
+          const float g = static_cast<float>(T(acc[b] * sinv[b]));
+          const float up = static_cast<float>(T(acc[RB + b] * sinv[b]));
           const float s = static_cast<float>(T(g / (1.f + __expf(-g))));
-          abuf[n] = static_cast<float>(T(s * up));
+          abuf[b * I + n] = static_cast<float>(T(s * up));
         }
       }
       MEGA_PREFETCH(WD[l], I, H, 1, 0);
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
-    // --- E: down_proj + residual
+    // --- E: down_proj + residual (a warp per hidden row)
     {
-      for (int k = threadIdx.x; k < I; k += THREADS) xt[k] = T(__ldcg(abuf + k));
+      for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[k] = T(__ldcg(abuf + k));
       __syncthreads();
       const T* w = WD[l];
       for (int n = gw; n < H; n += NW) {
         const T* rows[1] = {w + (size_t)n * I};
-        float acc[1];
-        mega_dot<T, T, I, 1, UN1>(rows, xt, lane, acc);
-        if (lane == 0) hbuf[n] = static_cast<float>(T(__ldcg(hbuf + n) + static_cast<float>(T(acc[0]))));
+        float acc[RB];
+        mega_dot<T, T, I, 1, RB, UN1>(rows, xt, lane, acc);
+#pragma unroll
+        for (int b = 0; b < RB; ++b)
+          if (lane == b)
+            hbuf[b * H + n] = static_cast<float>(T(__ldcg(hbuf + b * H + n) + static_cast<float>(T(acc[b]))));
       }
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
         const int r1 = (gw / HALF) * D + gw % HALF;
@@ -368,14 +399,16 @@ __TABLES__
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
   }
-  // --- the final norm and the output head
+  // --- the final norm and the output head (a warp per vocabulary row)
   {
-    const float inv = load_normed(fnorm, L == 0);
+    load_normed(fnorm, L == 0);
     for (int n = gw; n < V; n += NW) {
       const T* rows[1] = {headw + (size_t)n * H};
-      float acc[1];
-      mega_dot<T, float, H, 1, UN1>(rows, xf, lane, acc);
-      if (lane == 0) logits[n] = T(acc[0] * inv);
+      float acc[RB];
+      mega_dot<T, float, H, 1, RB, UN1>(rows, xf, lane, acc);
+#pragma unroll
+      for (int b = 0; b < RB; ++b)
+        if (lane == b) logits[(size_t)b * V + n] = T(acc[b] * sinv[b]);
     }
   }
   if (PROF) {                                      // the head's end: after every block is done
@@ -390,17 +423,20 @@ __TABLES__
   }
 """
 
+
 PER_LAYER = ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")
 
 
 def input_names(n_layers: int) -> list:
     """The kernel's inputs, in order: the step's scalars and shared weights, then per
     layer its norms and projections, then the key and value caches."""
-    names = ["tok", "pos", "emb", "inv_freq", "fnorm", "headw"]
+    names = ["tok", "rpos", "col", "start_col", "emb", "inv_freq", "fnorm", "headw"]
     for i in range(n_layers):
         names += [f"{k}_{i}" for k in PER_LAYER]
     names += [f"k_{i}" for i in range(n_layers)] + [f"v_{i}" for i in range(n_layers)]
-    return names
+    # not read: the previous call's workspace, so that MLX orders the calls of one step
+    # (two of these kernels running at once could each hold SMs the other waits for)
+    return names + ["after"]
 
 
 def source(n_layers: int) -> str:
@@ -414,11 +450,12 @@ def source(n_layers: int) -> str:
     return BODY.replace("__TABLES__\n", tables)
 
 
-def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int) -> int:
-    """Floats of the workspace: barrier counter (32), h, q, SiLU·up output, attention
-    output, per-layer chunk counters, attention partials, then the PROF stamps."""
-    return (32 + H + 2 * n_heads * head_dim + inter + n_layers * n_heads
-            + n_heads * MAXCH * (head_dim + 2) + 2 * n_stamps(n_layers))
+def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1) -> int:
+    """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
+    SiLU·up output, attention output; per-layer chunk counters, attention partials, then
+    the PROF stamps."""
+    return (32 + rows * (H + 2 * n_heads * head_dim + inter) + n_layers * rows * n_heads
+            + rows * n_heads * MAXCH * (head_dim + 2) + 2 * n_stamps(n_layers))
 
 
 def n_stamps(n_layers: int) -> int:
@@ -426,6 +463,16 @@ def n_stamps(n_layers: int) -> int:
     return 2 + 5 * n_layers
 
 
-def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int) -> int:
-    """Static shared memory for the phase inputs (the largest of them)."""
-    return max(4 * H, 4 * n_heads * head_dim, itemsize * inter)
+def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1) -> int:
+    """Dynamic shared memory for the phase inputs of `rows` rows (the largest of them)."""
+    return rows * max(4 * H, 4 * n_heads * head_dim, itemsize * inter)
+
+
+SHARED_MAX = 200 * 1024     # dynamic shared memory a block may ask for (H100/H200: 227 KB)
+MAX_ROWS = 8                # rows per kernel call (more: several calls, one per group)
+
+
+def rows_per_call(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int) -> int:
+    """Rows one call takes: at most MAX_ROWS, and what SHARED_MAX holds."""
+    per = shared_bytes(H, n_heads, head_dim, inter, itemsize)
+    return max(0, min(MAX_ROWS, SHARED_MAX // per))

@@ -1,0 +1,102 @@
+"""The one-kernel decode step (engine.fast.mega): what can be checked without a GPU.
+
+The kernel itself runs on NVIDIA GPUs only (checked there by experiments/mega_check.py and
+the L3 gate); here: when it is used and why not, its inputs and workspace layout, how a
+batch is split into calls, the phase timer's arithmetic, and the buffers it writes in
+place being made contiguous arrays of their own first.
+"""
+
+import mlx.core as mx
+import pytest
+
+from engine.fast import mega as MG
+from engine.fast import mega_cuda as C
+from engine.fast.decode import FastDecoder, own_contiguous
+from engine.fast.merge import merge_projections
+from engine.levers import resolve
+from engine.loader import load_model
+from parity.fixtures.models import ensure_fixture
+
+
+def test_rows_per_call_fits_shared_memory():
+    # 1b (hidden 2048, MLP 8192, 32 x 64 heads): 16 KB a row (the bf16 MLP input) -> 8
+    assert C.rows_per_call(2048, 32, 64, 8192, 2) == 8
+    # 8b (4096, 14336, 32 x 128): 28 KB a row -> 7 in 200 KB
+    assert C.rows_per_call(4096, 32, 128, 14336, 2) == 7
+    assert C.rows_per_call(64, 4, 16, 128, 4) == C.MAX_ROWS
+    assert C.rows_per_call(65536, 32, 128, 200000, 4) == 0
+
+
+def test_inputs_tables_and_workspace_layout():
+    names = C.input_names(3)
+    assert names[:8] == ["tok", "rpos", "col", "start_col", "emb", "inv_freq", "fnorm", "headw"]
+    assert names[-1] == "after" and names[-7:-1] == ["k_0", "k_1", "k_2", "v_0", "v_1", "v_2"]
+    assert len(names) == 8 + 6 * 3 + 6 + 1
+    src = C.source(3)
+    assert "const T* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src
+    assert "T* KC[3] = {const_cast<T*>(k_0), const_cast<T*>(k_1), const_cast<T*>(k_2)};" in src
+    # the workspace grows with the rows of a call, and ends with the phase stamps
+    one = C.workspace_floats(2048, 32, 64, 8192, 16, 1)
+    eight = C.workspace_floats(2048, 32, 64, 8192, 16, 8)
+    per_row = 2048 + 2 * 32 * 64 + 8192 + 16 * 32 + 32 * C.MAXCH * 66
+    assert eight - one == 7 * per_row
+    assert C.n_stamps(16) == 2 + 5 * 16
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model(str(ensure_fixture("llama", "bfloat16")))[0]
+
+
+def test_why_not_on_this_machine(llama):
+    merge_projections(llama)
+    assert "off" in MG.why_not(llama, resolve("l1", env={}))
+    if mx.default_device() != mx.gpu:
+        assert MG.why_not(llama, resolve("l3", env={})) == "no CUDA device"
+
+
+def test_groups_and_profile_arithmetic(llama):
+    merge_projections(llama)
+    a0 = llama.layers[0].self_attn
+    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
+    step.max_rows = 3
+    assert step.groups(8) == [(0, 3), (3, 3), (6, 2)]
+    assert step.groups(2) == [(0, 2)]
+    # stamps 0, 10, 20, ... ns (as the kernel writes them: low word, high word)
+    n = C.n_stamps(step.L)
+    lo = [i * 1000 for i in range(n)]
+    ws = mx.zeros((100 + 2 * n,), mx.float32)
+    raw = mx.view(ws, mx.uint32)
+    stamps = mx.array([w for t in lo for w in (t, 0)], dtype=mx.uint32)
+    ws = mx.view(mx.concatenate([raw[:100], stamps]), mx.float32)
+    prof = step.profile(ws)
+    assert prof["total"] == (n - 1) * 1.0                # µs
+    assert prof["qkv_rope"] == step.L * 1.0 and prof["head"] == 1.0
+
+
+def test_own_contiguous_replaces_foreign_buffers_only():
+    class Cache:
+        def __init__(self, k, v):
+            self.keys, self.values = k, v
+    big = mx.arange(2 * 3 * 8 * 4, dtype=mx.float32).reshape(2, 3, 8, 4)
+    caches = [Cache(big[..., 2:, :], big[..., 2:, :] + 1), Cache(mx.zeros((2, 3, 6, 4)), mx.ones((2, 3, 6, 4)))]
+    before = [c.keys for c in caches]
+    own = own_contiguous(caches, [])
+    assert all(a is b for a, b in zip(own[:2], [c.keys for c in caches]))
+    assert all(a is b for a, b in zip(own[2:], [c.values for c in caches]))
+    assert mx.array_equal(caches[0].keys, before[0])      # same values, now an array of its own
+    # unchanged caches keep their arrays; a replaced one is taken in again
+    again = own_contiguous(caches, own)
+    assert all(a is b for a, b in zip(again, own))
+    caches[1].values = mx.full((2, 3, 6, 4), 2.0)
+    third = own_contiguous(caches, again)
+    assert third[3] is caches[1].values and third[3] is not again[3] and third[0] is again[0]
+
+
+def test_decoder_reports_why_the_kernel_is_not_used(llama):
+    dec = FastDecoder(llama, resolve("l3", env={}))
+    caches = llama.make_cache()
+    mx.eval(llama(mx.array([[1, 2, 3]]), cache=caches))
+    dec(mx.array([3]), caches)
+    assert dec.stats.mega is False and dec.stats.mega_reason
+    assert dec.mega_profile() == {}
