@@ -150,6 +150,10 @@ class FastBatchDecoder:
         if fn is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel"
+            if reason is None and rows > MG.rows_per_call(self.model):
+                # (several calls a step, each reading every weight: measured slower on the
+                # H200 at 32 rows than the step of separate kernels)
+                reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega
                    else self._forward_gemv if self.stats.gemv else self._forward)

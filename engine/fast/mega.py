@@ -102,6 +102,14 @@ def why_not(model, levers: Levers) -> Optional[str]:
     return None
 
 
+def rows_per_call(model) -> int:
+    """Rows one kernel call of this model's step takes (what its shared memory holds)."""
+    a0 = model.layers[0].self_attn
+    inter = _parts(model)[0][4].weight.shape[0] // 2
+    return C.rows_per_call(model.args.hidden_size, a0.n_heads, a0.head_dim, inter,
+                           model.model.embed_tokens.weight.dtype.size)
+
+
 class MegaStep:
     """One decode step of B rows as one kernel per group of up to `rows_per_call` rows:
     `(tokens [B], rpos [B], col [1], start [B], keys, values) -> (logits [B, V], workspaces)`.

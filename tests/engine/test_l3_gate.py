@@ -61,3 +61,17 @@ def test_batch_fast_step_passes_the_gate_bit_exact_on_the_cpu(batch_results):
 def test_batch_negative_control_fails_the_gate(batch_results, fault):
     r = batch_results[f"batch4:fault:{fault}"]
     assert not r.passes and not r.bit_exact, r
+
+
+def test_verdict_is_invalid_when_a_fault_passes():
+    """A gate whose negative control passes proves nothing: its verdict says so (seen on
+    a model trained too briefly, whose continuations were all the same token)."""
+    from parity.l3_gate import GateResult, verdict
+
+    def row(variant, passes):
+        return GateResult(model="m", variant=variant, kl_mean=0.0, kl_p99=0.0, kl_max=0.0, top1=1.0,
+                          tokens=1, bit_exact=False, passes=passes)
+    good = [row("l3", True), row("fault:rope_pos_plus_one", False), row("floor:float32", True)]
+    assert verdict(good) == "pass"
+    assert verdict([row("l3", False)] + good[1:]) == "fail"
+    assert verdict(good + [row("batch8:fault:attn_drop_last_key", True)]) == "invalid"
