@@ -11,7 +11,8 @@ It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the ba
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
 model (no q/k norms) with merged q/k/v and gate/up projections, float weights without
-bias, SiLU gating and shapes the kernel's vector loads divide. Otherwise the step of
+bias (or, opt-in with MLXP_MEGA_QUANT=1 until it has run on a GPU, affine 4/8-bit weights
+of one group size: `quantization`), SiLU gating and shapes the kernel's vector loads divide. Otherwise the step of
 engine.fast.decode runs as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default:
 the GPU's SM count, read from the CUDA driver).
 """
@@ -24,6 +25,7 @@ import os
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..levers import Levers
 from ..models.base import silu_gate
@@ -82,15 +84,18 @@ def why_not(model, levers: Levers) -> Optional[str]:
         return "SiLU gating only"
     norm, head = model.head_parts()
     mods = [m for p in parts for m in (p[1], p[2], p[4], p[5])] + [head, model.model.embed_tokens]
-    if not all(G.is_float(m) for m in mods):
-        return "float weights without bias only"
-    dts = {m.weight.dtype for m in mods} | {p[0].weight.dtype for p in parts} | {norm.weight.dtype}
+    qz = quantization(model)
+    if qz is None and not all(G.is_float(m) for m in mods):
+        return ("float weights, or affine 4/8-bit weights of one group size with MLXP_MEGA_QUANT=1 "
+                "(not run on a GPU yet), without bias")
+    dts = {weight_dtype(m) for m in mods} | {p[0].weight.dtype for p in parts} | {norm.weight.dtype}
     if len(dts) != 1:
         return "one dtype for every weight"
     dt = dts.pop()
-    vec = 32 * (16 // dt.size)
+    # elements one lane reads per 16-byte load: the row lengths must be multiples of 32 of them
+    vec = 32 * (4 * (32 // qz[0]) if qz else 16 // dt.size)
     H, D = model.args.hidden_size, a0.head_dim
-    inter = parts[0][4].weight.shape[0] // 2
+    inter = _inter(parts)
     if H % vec or inter % vec or (a0.n_heads * D) % vec or D % 32 or D % (16 // dt.size):
         return "shapes the kernel's vector loads do not divide"
     if a0.n_heads % a0.n_kv_heads:
@@ -102,12 +107,46 @@ def why_not(model, levers: Levers) -> Optional[str]:
     return None
 
 
+def _inter(parts) -> int:
+    """The MLP width (half the merged gate/up rows)."""
+    return parts[0][4].weight.shape[0] // 2
+
+
+def weight_dtype(module):
+    """The dtype a module's weights compute in (a quantized module's: its scales')."""
+    return module.scales.dtype if hasattr(module, "scales") else module.weight.dtype
+
+
+def quantization(model) -> Optional[tuple]:
+    """(bits, group size) when every matrix of the step (the embedding and the head too)
+    is an affine 4- or 8-bit QuantizedLinear / QuantizedEmbedding of one bits and group
+    size without bias, and MLXP_MEGA_QUANT=1 (opt-in until the quantized kernel has run on
+    a GPU); else None."""
+    if os.environ.get("MLXP_MEGA_QUANT", "0") != "1":
+        return None
+    parts = _parts(model)
+    if parts is None:
+        return None
+    mods = [m for p in parts for m in (p[1], p[2], p[4], p[5])] + [model.head_parts()[1],
+                                                                  model.model.embed_tokens]
+    kinds = set()
+    for m in mods:
+        if (type(m) not in (nn.QuantizedLinear, nn.QuantizedEmbedding) or "bias" in m
+                or "biases" not in m or getattr(m, "mode", "affine") != "affine"):
+            return None
+        kinds.add((m.bits, m.group_size))
+    if len(kinds) != 1:
+        return None
+    bits, gs = kinds.pop()
+    epl = 4 * (32 // bits) if bits in (4, 8) else 0
+    return (bits, gs) if epl and gs % epl == 0 and model.args.hidden_size % gs == 0 else None
+
+
 def rows_per_call(model) -> int:
     """Rows one kernel call of this model's step takes (what its shared memory holds)."""
     a0 = model.layers[0].self_attn
-    inter = _parts(model)[0][4].weight.shape[0] // 2
-    return C.rows_per_call(model.args.hidden_size, a0.n_heads, a0.head_dim, inter,
-                           model.model.embed_tokens.weight.dtype.size)
+    return C.rows_per_call(model.args.hidden_size, a0.n_heads, a0.head_dim, _inter(_parts(model)),
+                           weight_dtype(model.model.embed_tokens).size)
 
 
 class MegaStep:
@@ -124,17 +163,19 @@ class MegaStep:
         self.L = len(parts)
         self.H = model.args.hidden_size
         self.NQ, self.NKV, self.D = a0.n_heads, a0.n_kv_heads, a0.head_dim
-        self.I = parts[0][4].weight.shape[0] // 2
+        self.I = _inter(parts)
         self.V = head.weight.shape[0]
-        self.dtype = head.weight.dtype
+        self.dtype = weight_dtype(head)
+        self.quant = quantization(model)          # (bits, group size), or None: float weights
         self.eps = norm.eps
         self.scale = a0.scale
         self.blocks = sm_count()
         self.max_rows = C.rows_per_call(self.H, self.NQ, self.D, self.I, self.dtype.size)
         self.inv_freq = inv_freq.astype(mx.float32)
-        self.shared = [model.model.embed_tokens.weight, self.inv_freq, norm.weight, head.weight]
-        self.layers = [a for p in parts for a in (p[0].weight, p[1].weight, p[2].weight, p[3].weight,
-                                                  p[4].weight, p[5].weight)]
+        mat = ((lambda m: [m.weight, m.scales, m.biases]) if self.quant else (lambda m: [m.weight]))
+        self.shared = [*mat(model.model.embed_tokens), self.inv_freq, norm.weight, *mat(head)]
+        self.layers = [a for p in parts for a in (p[0].weight, *mat(p[1]), *mat(p[2]), p[3].weight,
+                                                  *mat(p[4]), *mat(p[5]))]
         self.prof = os.environ.get("MLXP_MEGA_PROF", "0") == "1"
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
         self.un1 = int(os.environ.get("MLXP_MEGA_UN1", "8"))
@@ -143,8 +184,9 @@ class MegaStep:
 
     def _kernel(self, rows: int):
         smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows)
-        return K.cuda_kernel(f"mlxp_mega_l{self.L}_r{rows}_s{smem}", C.input_names(self.L), ["logits", "ws"],
-                             C.source(self.L), C.HEADER, shared_memory=smem)
+        q = bool(self.quant)
+        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_r{rows}_s{smem}", C.input_names(self.L, q),
+                             ["logits", "ws"], C.source(self.L, q), C.HEADER, shared_memory=smem)
 
     def groups(self, B: int) -> list:
         """(first row, rows) of each kernel call for B rows."""
@@ -167,7 +209,9 @@ class MegaStep:
                           ("SCALE_NUM", int(round(self.scale * 1e9))),
                           ("SHIFT", int(fault == "rope_pos_plus_one")),
                           ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
-                          ("UN1", self.un1), ("UN2", self.un2)],
+                          ("UN1", self.un1), ("UN2", self.un2),
+                          ("QB", self.quant[0] if self.quant else 0),
+                          ("GS", self.quant[1] if self.quant else 32)],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb),)],

@@ -119,6 +119,82 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 #pragma unroll
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
+// The same for MLX's affine-quantized rows (BITS 4 or 8, groups of GS): row r's packed
+// words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
+// (EPL elements, inside one group) per iteration and adds scale * sum(q x) + bias * sum(x),
+// the decomposition of engine.fast.qgemv.
+template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS>
+__device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const T* const* sc,
+                                          const T* const* bi, const X* xs, int lane, float* acc) {
+  constexpr int PER_WORD = 32 / BITS, EPL = 4 * PER_WORD, IT = K / (32 * EPL);
+  constexpr unsigned int MASK = (1u << BITS) - 1u;
+#pragma unroll
+  for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
+#pragma unroll 1
+  for (int i0 = 0; i0 < IT; i0 += UN) {
+    uint4 wv[UN][RL];
+    float s[UN][RL], bb[UN][RL];
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u < IT) {
+        const int k0 = ((i0 + u) * 32 + lane) * EPL;
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          wv[u][r] = mega_ld_w(rows[r] + k0 / PER_WORD);
+          s[u][r] = static_cast<float>(sc[r][k0 / GS]);
+          bb[u][r] = static_cast<float>(bi[r][k0 / GS]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u >= IT) break;
+      const int k0 = ((i0 + u) * 32 + lane) * EPL;
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        float xf[EPL], xsum = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) { xf[j] = static_cast<float>(xs[b * K + k0 + j]); xsum += xf[j]; }
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          const unsigned int* wd = reinterpret_cast<const unsigned int*>(&wv[u][r]);
+          float dq = 0.f;
+#pragma unroll
+          for (int w = 0; w < 4; ++w)
+#pragma unroll
+            for (int e = 0; e < PER_WORD; ++e)
+              dq += static_cast<float>((wd[w] >> (BITS * e)) & MASK) * xf[w * PER_WORD + e];
+          acc[r * RB + b] += s[u][r] * dq + bb[u][r] * xsum;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
+}
+// rows idx[0..RL) of a weight matrix of K columns: float (QB 0: w is T*) or affine-quantized
+// (QB bits: w packed words, s / b the group scales and biases)
+template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS>
+__device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
+                                             const X* xs, int lane, float* acc) {
+  if constexpr (QB == 0) {
+    const T* rows[RL];
+#pragma unroll
+    for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * K;
+    mega_dot<T, X, K, RL, RB, UN>(rows, xs, lane, acc);
+  } else {
+    const unsigned int* rows[RL];
+    const T* sr[RL];
+    const T* br[RL];
+#pragma unroll
+    for (int r = 0; r < RL; ++r) {
+      rows[r] = reinterpret_cast<const unsigned int*>(w) + (size_t)idx[r] * (K * QB / 32);
+      sr[r] = s + (size_t)idx[r] * (K / GS);
+      br[r] = b + (size_t)idx[r] * (K / GS);
+    }
+    mega_qdot<T, X, K, RL, RB, UN, QB, GS>(rows, sr, br, xs, lane, acc);
+  }
+}
 """
 
 BODY = r"""
@@ -163,13 +239,26 @@ BODY = r"""
     prof[2 * nstamp] = (unsigned int)t_; prof[2 * nstamp + 1] = (unsigned int)(t_ >> 32); } ++nstamp; } while (0)
   // before a barrier: the warp's first unit of the next phase (RL rows of K elements,
   // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait
-#define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF) do { if (gw < (NUNITS)) { \
+#define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (gw < (NUNITS)) { \
     for (int r_ = 0; r_ < (RL_); ++r_) { \
-      const char* b_ = reinterpret_cast<const char*>((Wp) + (size_t)(gw + r_ * (OFF)) * (KK)); \
-      for (int o_ = lane * 128; o_ < (KK) * (int)sizeof(T); o_ += 32 * 128) \
+      const char* b_ = reinterpret_cast<const char*>(Wp) + (size_t)((ROW0_) + gw + r_ * (OFF)) * (KK) * WBITS / 8; \
+      for (int o_ = lane * 128; o_ < (KK) * WBITS / 8; o_ += 32 * 128) \
         asm volatile("prefetch.global.L2 [%0];" :: "l"(b_ + o_)); } } } while (0)
   MEGA_STAMP();
 __TABLES__
+  constexpr int WBITS = QB ? QB : 8 * (int)sizeof(T);     // bits a weight element takes
+  // element k of the embedding row of token t (dequantized as MLX does, to T)
+  auto emb_at = [&](int t, int k) -> float {
+    if constexpr (QB == 0) {
+      return static_cast<float>(reinterpret_cast<const T*>(emb)[(size_t)t * H + k]);
+    } else {
+      constexpr int PW = 32 / (QB ? QB : 32);
+      const unsigned int wd = reinterpret_cast<const unsigned int*>(emb)[((size_t)t * H + k) / PW];
+      const float q = static_cast<float>((wd >> (QB * (k % PW))) & ((1u << QB) - 1u));
+      const size_t g = (size_t)t * (H / GS) + k / GS;
+      return static_cast<float>(T(static_cast<float>(EMB_S[g]) * q + static_cast<float>(EMB_B[g])));
+    }
+  };
   // each row's x (hbuf, or its embedding row for the first layer) RMS-normalised into xf
   // as sum-scale: xf[b] = x[b] * w; sinv[b] = rsqrt(mean(x[b]^2) + eps)
   auto load_normed = [&](const T* nw, bool first) {
@@ -180,7 +269,7 @@ __TABLES__
       const float w = static_cast<float>(nw[k]);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
-        const float v = first ? static_cast<float>(emb[(size_t)tok[ROW0 + b] * H + k]) : __ldcg(hbuf + b * H + k);
+        const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hbuf + b * H + k);
         if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
         s[b] += v * v;
         xf[b * H + k] = v * w;
@@ -205,12 +294,11 @@ __TABLES__
     // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair)
     {
       load_normed(LN1[l], l == 0);
-      const T* w = WQKV[l];
       for (int u = gw; u < NPAIR; u += NW) {
         const int head = u / HALF, i = u % HALF, r1 = head * D + i;
-        const T* rows[2] = {w + (size_t)r1 * H, w + (size_t)(r1 + HALF) * H};
+        const int idx[2] = {r1, r1 + HALF};
         float acc[2 * RB];
-        mega_dot<T, float, H, 2, RB, UN2>(rows, xf, lane, acc);
+        mega_mat_dot<T, float, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xf, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -332,7 +420,7 @@ __TABLES__
             obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
         }
       }
-      MEGA_PREFETCH(WO[l], QD, H, 1, 0);
+      MEGA_PREFETCH(WO[l], QD, H, 1, 0, 0);
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
@@ -340,28 +428,26 @@ __TABLES__
     {
       for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[k] = T(__ldcg(obuf + k));
       __syncthreads();
-      const T* w = WO[l];
       for (int n = gw; n < H; n += NW) {
-        const T* rows[1] = {w + (size_t)n * QD};
+        const int idx[1] = {n};
         float acc[RB];
-        mega_dot<T, T, QD, 1, RB, UN1>(rows, xt, lane, acc);
+        mega_mat_dot<T, T, QD, 1, RB, UN1, QB, GS>(WO[l], WO_S[l], WO_B[l], idx, xt, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b)
           if (lane == b)
             hbuf[b * H + n] = static_cast<float>(T(__ldcg(hbuf + b * H + n) + static_cast<float>(T(acc[b]))));
       }
-      MEGA_PREFETCH(WGU[l], H, I, 2, I);
+      MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     {
       load_normed(LN2[l], false);
-      const T* w = WGU[l];
       for (int n = gw; n < I; n += NW) {
-        const T* rows[2] = {w + (size_t)n * H, w + (size_t)(I + n) * H};
+        const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        mega_dot<T, float, H, 2, RB, UN2>(rows, xf, lane, acc);
+        mega_mat_dot<T, float, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xf, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -371,7 +457,7 @@ __TABLES__
           abuf[b * I + n] = static_cast<float>(T(s * up));
         }
       }
-      MEGA_PREFETCH(WD[l], I, H, 1, 0);
+      MEGA_PREFETCH(WD[l], I, H, 1, 0, 0);
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
@@ -379,11 +465,10 @@ __TABLES__
     {
       for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[k] = T(__ldcg(abuf + k));
       __syncthreads();
-      const T* w = WD[l];
       for (int n = gw; n < H; n += NW) {
-        const T* rows[1] = {w + (size_t)n * I};
+        const int idx[1] = {n};
         float acc[RB];
-        mega_dot<T, T, I, 1, RB, UN1>(rows, xt, lane, acc);
+        mega_mat_dot<T, T, I, 1, RB, UN1, QB, GS>(WD[l], WD_S[l], WD_B[l], idx, xt, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b)
           if (lane == b)
@@ -391,9 +476,9 @@ __TABLES__
       }
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
         const int r1 = (gw / HALF) * D + gw % HALF;
-        MEGA_PREFETCH(WQKV[l + 1] + (size_t)(r1 - gw) * H, H, NPAIR, 2, HALF);
+        MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
       } else if (l + 1 == L) {
-        MEGA_PREFETCH(headw, H, V, 1, 0);
+        MEGA_PREFETCH(headw, H, V, 1, 0, 0);
       }
     }
     mega_grid_sync(ctr, target);
@@ -403,9 +488,9 @@ __TABLES__
   {
     load_normed(fnorm, L == 0);
     for (int n = gw; n < V; n += NW) {
-      const T* rows[1] = {headw + (size_t)n * H};
+      const int idx[1] = {n};
       float acc[RB];
-      mega_dot<T, float, H, 1, RB, UN1>(rows, xf, lane, acc);
+      mega_mat_dot<T, float, H, 1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xf, lane, acc);
 #pragma unroll
       for (int b = 0; b < RB; ++b)
         if (lane == b) logits[(size_t)b * V + n] = T(acc[b] * sinv[b]);
@@ -427,26 +512,46 @@ __TABLES__
 PER_LAYER = ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")
 
 
-def input_names(n_layers: int) -> list:
+QUANT = ("wqkv", "wo", "wgu", "wd")       # per layer, the matrices (quantized: + _s, _b)
+
+
+def input_names(n_layers: int, quantized: bool = False) -> list:
     """The kernel's inputs, in order: the step's scalars and shared weights, then per
-    layer its norms and projections, then the key and value caches."""
-    names = ["tok", "rpos", "col", "start_col", "emb", "inv_freq", "fnorm", "headw"]
+    layer its norms and projections, then the key and value caches; with `quantized`
+    every weight matrix (the embedding and the head too) is followed by its group scales
+    (`_s`) and biases (`_b`)."""
+    q = (lambda n: [n, f"{n}_s", f"{n}_b"]) if quantized else (lambda n: [n])
+    names = ["tok", "rpos", "col", "start_col", *q("emb"), "inv_freq", "fnorm", *q("headw")]
     for i in range(n_layers):
-        names += [f"{k}_{i}" for k in PER_LAYER]
+        for k in PER_LAYER:
+            names += q(f"{k}_{i}") if k in QUANT else [f"{k}_{i}"]
     names += [f"k_{i}" for i in range(n_layers)] + [f"v_{i}" for i in range(n_layers)]
     # not read: the previous call's workspace, so that MLX orders the calls of one step
     # (two of these kernels running at once could each hold SMs the other waits for)
     return names + ["after"]
 
 
-def source(n_layers: int) -> str:
-    """BODY with the per-layer pointer tables for n_layers layers."""
-    def table(name, key, writable=False):
-        items = ", ".join((f"const_cast<T*>({key}_{i})" if writable else f"{key}_{i}")
-                          for i in range(n_layers))
-        return f"  {'T*' if writable else 'const T*'} {name}[{n_layers}] = {{{items}}};\n"
-    tables = (table("LN1", "ln1") + table("WQKV", "wqkv") + table("WO", "wo") + table("LN2", "ln2")
-              + table("WGU", "wgu") + table("WD", "wd") + table("KC", "k", True) + table("VC", "v", True))
+def source(n_layers: int, quantized: bool = False) -> str:
+    """BODY with the per-layer pointer tables for n_layers layers (weight matrices as
+    `const void*`: T elements, or packed words with `quantized`; their scale and bias
+    tables hold null pointers for float weights)."""
+    def table(name, key, kind="const T*", suffix=""):
+        cast = "const_cast<T*>({})" if kind == "T*" else "{}"
+        items = ", ".join(cast.format(f"{key}_{i}{suffix}") for i in range(n_layers))
+        return f"  {kind} {name}[{n_layers}] = {{{items}}};\n"
+
+    def matrix(name, key):
+        out = table(name, key, "const void*")
+        if quantized:
+            return out + table(name + "_S", key, suffix="_s") + table(name + "_B", key, suffix="_b")
+        return out + f"  const T* {name}_S[{n_layers}] = {{}};\n  const T* {name}_B[{n_layers}] = {{}};\n"
+    tables = (table("LN1", "ln1") + matrix("WQKV", "wqkv") + matrix("WO", "wo") + table("LN2", "ln2")
+              + matrix("WGU", "wgu") + matrix("WD", "wd") + table("KC", "k", "T*") + table("VC", "v", "T*"))
+    if quantized:
+        tables += ("  const T* EMB_S = emb_s; const T* EMB_B = emb_b;\n"
+                   "  const T* HEAD_S = headw_s; const T* HEAD_B = headw_b;\n")
+    else:
+        tables += "  const T* EMB_S = nullptr; const T* EMB_B = nullptr;\n  const T* HEAD_S = nullptr; const T* HEAD_B = nullptr;\n"
     return BODY.replace("__TABLES__\n", tables)
 
 

@@ -33,7 +33,7 @@ def test_inputs_tables_and_workspace_layout():
     assert names[-1] == "after" and names[-7:-1] == ["k_0", "k_1", "k_2", "v_0", "v_1", "v_2"]
     assert len(names) == 8 + 6 * 3 + 6 + 1
     src = C.source(3)
-    assert "const T* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src
+    assert "const void* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src and "const T* WQKV_S[3] = {};" in src
     assert "T* KC[3] = {const_cast<T*>(k_0), const_cast<T*>(k_1), const_cast<T*>(k_2)};" in src
     # the workspace grows with the rows of a call, and ends with the phase stamps
     one = C.workspace_floats(2048, 32, 64, 8192, 16, 1)
@@ -100,3 +100,24 @@ def test_decoder_reports_why_the_kernel_is_not_used(llama):
     dec(mx.array([3]), caches)
     assert dec.stats.mega is False and dec.stats.mega_reason
     assert dec.mega_profile() == {}
+
+
+def test_quantized_weights_are_opt_in(monkeypatch):
+    """Affine 4-bit weights take the kernel's quantized dot product only with
+    MLXP_MEGA_QUANT=1 (it has not run on a GPU yet); their inputs then carry each matrix's
+    group scales and biases."""
+    q4 = load_model(str(ensure_fixture("llama", "q4")))[0]
+    merge_projections(q4)
+    monkeypatch.delenv("MLXP_MEGA_QUANT", raising=False)
+    assert MG.quantization(q4) is None
+    monkeypatch.setenv("MLXP_MEGA_QUANT", "1")
+    bits, gs = MG.quantization(q4)
+    assert bits == 4 and gs == q4.layers[0].mlp.down_proj.group_size
+    a0 = q4.layers[0].self_attn
+    step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
+    names = C.input_names(step.L, quantized=True)
+    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
+    assert step.dtype == q4.layers[0].mlp.down_proj.scales.dtype
+    assert "const T* WQKV_S[" in C.source(step.L, quantized=True) and "= {}" not in C.source(step.L, True)
+    # a float model is never taken as quantized
+    assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
