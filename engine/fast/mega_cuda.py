@@ -42,14 +42,25 @@ __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// all blocks meet here; `target` counts the arrivals every block waits for
+__device__ __forceinline__ unsigned long long mega_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// all blocks meet here; `target` counts the arrivals every block waits for. A block that
+// waits more than 10 s (blocks that never arrive: not all resident at once) stops the
+// kernel with an error rather than hanging the process.
 __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target) {
   __syncthreads();
   target += gridDim.x;
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(ctr, 1u);
-    while (mega_ld_acquire(ctr) < target) { }
+    const unsigned long long t0 = mega_now();
+    unsigned int spins = 0;
+    while (mega_ld_acquire(ctr) < target) {
+      if ((++spins & 0xFFFFu) == 0u && mega_now() - t0 > 10000000000ull) __trap();
+    }
     __threadfence();
   }
   __syncthreads();
