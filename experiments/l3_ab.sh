@@ -8,13 +8,9 @@
 #   3. experiments/merged_exactness.py: the batch lane at 8 and 32 rows against BatchGenerator.
 #   OUT=/tmp/ab BUDGET=480 bash experiments/l3_ab.sh
 set -u
-export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/ab}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-480}; T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-lim() { local v=$(( $(left) - $1 )); [ "$v" -lt 1 ] && v=1; [ "$v" -gt "$2" ] && v=$2; echo "$v"; }
-stage() { echo "### $1 (t=$(( $(date +%s) - T0 ))s, left $(left)s)"; }
-run() { local t=$1; shift; timeout -s KILL "$t" "$@"; echo "(rc=$?)"; }
+OUT=${OUT:-/tmp/ab}
+BUDGET=${BUDGET:-480}
+source "$(dirname "$0")/stages.sh"
 {
 stage build
 python3 -m experiments.presets 1b /tmp/m/1b

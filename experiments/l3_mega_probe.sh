@@ -9,13 +9,9 @@
 #   its logits against the step of separate kernels and L1, then bench_decode l1,l3.
 #   OUT=/tmp/mega BUDGET=520 bash experiments/l3_mega_probe.sh
 set -u
-export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/mega}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-520}; T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-lim() { local v=$(( $(left) - $1 )); [ "$v" -lt 1 ] && v=1; [ "$v" -gt "$2" ] && v=$2; echo "$v"; }
-stage() { echo "### $1 (t=$(( $(date +%s) - T0 ))s, left $(left)s)"; }
-run() { local t=$1; shift; timeout -s KILL "$t" "$@"; echo "(rc=$?)"; }
+OUT=${OUT:-/tmp/mega}
+BUDGET=${BUDGET:-520}
+source "$(dirname "$0")/stages.sh"
 {
 stage build
 for m in ${MODELS:-1b}; do python3 -m experiments.presets "$m" "/tmp/m/$m"; done

@@ -7,13 +7,10 @@
 #   3. the 1b bench (l1, l3) and a short gate, if time is left.
 #   OUT=/tmp/probe BUDGET=480 bash experiments/l3_probe.sh
 set -u
-export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/probe}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-480}; T0=$(date +%s)
+OUT=${OUT:-/tmp/probe}
+BUDGET=${BUDGET:-480}
+source "$(dirname "$0")/stages.sh"
 M=/tmp/m/1b
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-lim() { local v=$(( $(left) - $1 )); [ "$v" -lt 1 ] && v=1; [ "$v" -gt "$2" ] && v=$2; echo "$v"; }
-stage() { echo "### $1 (t=$(( $(date +%s) - T0 ))s, left $(left)s)"; }
 {
 stage env
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,memory.used --format=csv,noheader

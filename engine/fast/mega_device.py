@@ -1,0 +1,192 @@
+"""Device functions of the one-kernel decode step (engine.fast.mega_cuda's header).
+
+- `mega_grid_sync`: the grid barrier (an atomic counter every block adds to and waits on;
+  a 10 s limit on the wait turns a never-arriving block into a CUDA error, not a hang);
+- `mega_ld_w`: a 16-byte weight load streamed past L1; `mega_ldcg_t`: an element other
+  blocks wrote during the step, read from L2;
+- `mega_dot`: RL float weight rows dotted with RB input rows held in shared memory, a
+  warp per unit, UN 16-byte loads in flight per lane, a shuffle reduction;
+- `mega_qdot`: the same for affine-quantized rows (engine.fast.qgemv's decomposition);
+- `mega_mat_dot`: either, by the kernel's QB (0: float weights).
+
+The header also gives every kernel of the module `__launch_bounds__(512, 1)` (the
+generated signature takes no attributes), so the compiler keeps to the registers one
+block of 512 threads per SM allows.
+"""
+
+from __future__ import annotations
+
+HEADER = r"""
+#undef __global__
+#define __global__ __attribute__((global)) __launch_bounds__(512, 1)
+
+__device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long mega_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// all blocks meet here; `target` counts the arrivals every block waits for. A block that
+// waits more than 10 s (blocks that never arrive: not all resident at once) stops the
+// kernel with an error rather than hanging the process.
+__device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target) {
+  __syncthreads();
+  target += gridDim.x;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(ctr, 1u);
+    const unsigned long long t0 = mega_now();
+    unsigned int spins = 0;
+    while (mega_ld_acquire(ctr) < target) {
+      if ((++spins & 0xFFFFu) == 0u && mega_now() - t0 > 10000000000ull) __trap();
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ uint4 mega_ld_w(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ float mega_ldcg_t(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return __ldcg(reinterpret_cast<const float*>(p));
+  } else {
+    const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return static_cast<float>(*reinterpret_cast<const T*>(&u));
+  }
+}
+__device__ __forceinline__ float mega_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float mega_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// RL weight rows of K elements dotted with RB input rows (shared memory, float or T,
+// row b at xs + b * K); every lane ends with the sums acc[r * RB + b]. K is a multiple
+// of 32 * VEC.
+template <typename T, typename X, int K, int RL, int RB, int UN>
+__device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int lane, float* acc) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int IT = K / (32 * VEC);
+#pragma unroll
+  for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
+#pragma unroll 1
+  for (int i0 = 0; i0 < IT; i0 += UN) {
+    uint4 wv[UN][RL];
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u < IT) {
+#pragma unroll
+        for (int r = 0; r < RL; ++r) wv[u][r] = mega_ld_w(rows[r] + ((i0 + u) * 32 + lane) * VEC);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u >= IT) break;
+      const int k = ((i0 + u) * 32 + lane) * VEC;
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        float xv[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xv[j] = static_cast<float>(xs[b * K + k + j]);
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          const T* we = reinterpret_cast<const T*>(&wv[u][r]);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[r * RB + b] += static_cast<float>(we[j]) * xv[j];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
+}
+// The same for MLX's affine-quantized rows (BITS 4 or 8, groups of GS): row r's packed
+// words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
+// (EPL elements, inside one group) per iteration and adds scale * sum(q x) + bias * sum(x),
+// the decomposition of engine.fast.qgemv.
+template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS>
+__device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const T* const* sc,
+                                          const T* const* bi, const X* xs, int lane, float* acc) {
+  constexpr int PER_WORD = 32 / BITS, EPL = 4 * PER_WORD, IT = K / (32 * EPL);
+  constexpr unsigned int MASK = (1u << BITS) - 1u;
+#pragma unroll
+  for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
+#pragma unroll 1
+  for (int i0 = 0; i0 < IT; i0 += UN) {
+    uint4 wv[UN][RL];
+    float s[UN][RL], bb[UN][RL];
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u < IT) {
+        const int k0 = ((i0 + u) * 32 + lane) * EPL;
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          wv[u][r] = mega_ld_w(rows[r] + k0 / PER_WORD);
+          s[u][r] = static_cast<float>(sc[r][k0 / GS]);
+          bb[u][r] = static_cast<float>(bi[r][k0 / GS]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u >= IT) break;
+      const int k0 = ((i0 + u) * 32 + lane) * EPL;
+#pragma unroll
+      for (int b = 0; b < RB; ++b) {
+        float xf[EPL], xsum = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) { xf[j] = static_cast<float>(xs[b * K + k0 + j]); xsum += xf[j]; }
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          const unsigned int* wd = reinterpret_cast<const unsigned int*>(&wv[u][r]);
+          float dq = 0.f;
+#pragma unroll
+          for (int w = 0; w < 4; ++w)
+#pragma unroll
+            for (int e = 0; e < PER_WORD; ++e)
+              dq += static_cast<float>((wd[w] >> (BITS * e)) & MASK) * xf[w * PER_WORD + e];
+          acc[r * RB + b] += s[u][r] * dq + bb[u][r] * xsum;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
+}
+// rows idx[0..RL) of a weight matrix of K columns: float (QB 0: w is T*) or affine-quantized
+// (QB bits: w packed words, s / b the group scales and biases)
+template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS>
+__device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
+                                             const X* xs, int lane, float* acc) {
+  if constexpr (QB == 0) {
+    const T* rows[RL];
+#pragma unroll
+    for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * K;
+    mega_dot<T, X, K, RL, RB, UN>(rows, xs, lane, acc);
+  } else {
+    const unsigned int* rows[RL];
+    const T* sr[RL];
+    const T* br[RL];
+#pragma unroll
+    for (int r = 0; r < RL; ++r) {
+      rows[r] = reinterpret_cast<const unsigned int*>(w) + (size_t)idx[r] * (K * QB / 32);
+      sr[r] = s + (size_t)idx[r] * (K / GS);
+      br[r] = b + (size_t)idx[r] * (K / GS);
+    }
+    mega_qdot<T, X, K, RL, RB, UN, QB, GS>(rows, sr, br, xs, lane, acc);
+  }
+}
+"""
