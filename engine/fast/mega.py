@@ -12,8 +12,8 @@ to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
 model (no q/k norms) with merged q/k/v and gate/up projections, float weights without
 bias (or, opt-in with MLXP_MEGA_QUANT=1 until it has run on a GPU, affine 4/8-bit weights
-of one group size: `quantization`), SiLU gating and shapes the kernel's vector loads divide. Otherwise the step of
-engine.fast.decode runs as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default:
+of one group size: `quantization`), SiLU gating and shapes the kernel's vector loads
+divide. Otherwise the step of engine.fast.decode runs as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default:
 the GPU's SM count, read from the CUDA driver).
 """
 
@@ -35,11 +35,21 @@ from . import mega_cuda as C
 from .merge import merged_of
 
 
+def env_int(name: str, default: int) -> int:
+    """A positive integer setting from the environment (a clear error for anything else)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name} must be a positive integer, not {raw!r}")
+    return int(raw)
+
+
 @functools.lru_cache(maxsize=1)
 def sm_count() -> int:
     """Streaming multiprocessors of CUDA device 0 (0: unknown), or $MLXP_MEGA_BLOCKS."""
     if os.environ.get("MLXP_MEGA_BLOCKS"):
-        return int(os.environ["MLXP_MEGA_BLOCKS"])
+        return env_int("MLXP_MEGA_BLOCKS", 0)
     try:
         cu = ctypes.CDLL("libcuda.so.1")
         dev, val = ctypes.c_int(), ctypes.c_int()
@@ -178,8 +188,8 @@ class MegaStep:
                                                   *mat(p[4]), *mat(p[5]))]
         self.prof = os.environ.get("MLXP_MEGA_PROF", "0") == "1"
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
-        self.un1 = int(os.environ.get("MLXP_MEGA_UN1", "8"))
-        self.un2 = int(os.environ.get("MLXP_MEGA_UN2", "4"))
+        self.un1 = env_int("MLXP_MEGA_UN1", 8)
+        self.un2 = env_int("MLXP_MEGA_UN2", 4)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):

@@ -121,3 +121,14 @@ def test_quantized_weights_are_opt_in(monkeypatch):
     assert "const T* WQKV_S[" in C.source(step.L, quantized=True) and "= {}" not in C.source(step.L, True)
     # a float model is never taken as quantized
     assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
+
+
+def test_settings_must_be_positive_integers(monkeypatch):
+    monkeypatch.setenv("MLXP_MEGA_UN1", "16")
+    assert MG.env_int("MLXP_MEGA_UN1", 8) == 16
+    monkeypatch.delenv("MLXP_MEGA_UN1")
+    assert MG.env_int("MLXP_MEGA_UN1", 8) == 8
+    for bad in ("0", "-2", "eight", "1.5"):
+        monkeypatch.setenv("MLXP_MEGA_BLOCKS", bad)
+        with pytest.raises(ValueError, match="MLXP_MEGA_BLOCKS must be a positive integer"):
+            MG.env_int("MLXP_MEGA_BLOCKS", 0)
