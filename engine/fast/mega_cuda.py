@@ -63,6 +63,9 @@ BODY = r"""
   __shared__ float red[WPB][RB];
   __shared__ float sinv[RB];
   float* xf = reinterpret_cast<float*>(xraw);
+  // the normalised inputs (phases A, D and the head): float, or with XBF the model's dtype
+  using XN = typename mega_pick<XBF != 0, T, float>::type;
+  XN* xn = reinterpret_cast<XN*>(xraw);
   T* xt = reinterpret_cast<T*>(xraw);
   const float NEG_INF = -__int_as_float(0x7f800000);
   const float eps = EPS_NUM / 1e12f;
@@ -113,7 +116,7 @@ __TABLES__
         const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hbuf + b * H + k);
         if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
         s[b] += v * v;
-        xf[b * H + k] = v * w;
+        xn[b * H + k] = XN(v * w);
       }
     }
 #pragma unroll
@@ -139,7 +142,7 @@ __TABLES__
         const int head = u / HALF, i = u % HALF, r1 = head * D + i;
         const int idx[2] = {r1, r1 + HALF};
         float acc[2 * RB];
-        mega_mat_dot<T, float, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xf, lane, acc);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -261,7 +264,7 @@ __TABLES__
             obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
         }
       }
-      MEGA_PREFETCH(WO[l], QD, H, 1, 0, 0);
+      MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
@@ -269,14 +272,19 @@ __TABLES__
     {
       for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[k] = T(__ldcg(obuf + k));
       __syncthreads();
-      for (int n = gw; n < H; n += NW) {
-        const int idx[1] = {n};
-        float acc[RB];
-        mega_mat_dot<T, T, QD, 1, RB, UN1, QB, GS>(WO[l], WO_S[l], WO_B[l], idx, xt, lane, acc);
+      for (int n0 = gw * R1; n0 < H; n0 += NW * R1) {
+        int idx[R1];
 #pragma unroll
-        for (int b = 0; b < RB; ++b)
-          if (lane == b)
-            hbuf[b * H + n] = static_cast<float>(T(__ldcg(hbuf + b * H + n) + static_cast<float>(T(acc[b]))));
+        for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
+        float acc[R1 * RB];
+        mega_mat_dot<T, T, QD, R1, RB, UN1, QB, GS>(WO[l], WO_S[l], WO_B[l], idx, xt, lane, acc);
+#pragma unroll
+        for (int r = 0; r < R1; ++r)
+#pragma unroll
+          for (int b = 0; b < RB; ++b)
+            if (lane == r * RB + b && n0 + r < H)
+              hbuf[b * H + n0 + r] = static_cast<float>(
+                  T(__ldcg(hbuf + b * H + n0 + r) + static_cast<float>(T(acc[r * RB + b]))));
       }
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
     }
@@ -288,7 +296,7 @@ __TABLES__
       for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        mega_mat_dot<T, float, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xf, lane, acc);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -298,7 +306,7 @@ __TABLES__
           abuf[b * I + n] = static_cast<float>(T(s * up));
         }
       }
-      MEGA_PREFETCH(WD[l], I, H, 1, 0, 0);
+      MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
@@ -306,20 +314,25 @@ __TABLES__
     {
       for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[k] = T(__ldcg(abuf + k));
       __syncthreads();
-      for (int n = gw; n < H; n += NW) {
-        const int idx[1] = {n};
-        float acc[RB];
-        mega_mat_dot<T, T, I, 1, RB, UN1, QB, GS>(WD[l], WD_S[l], WD_B[l], idx, xt, lane, acc);
+      for (int n0 = gw * R1; n0 < H; n0 += NW * R1) {
+        int idx[R1];
 #pragma unroll
-        for (int b = 0; b < RB; ++b)
-          if (lane == b)
-            hbuf[b * H + n] = static_cast<float>(T(__ldcg(hbuf + b * H + n) + static_cast<float>(T(acc[b]))));
+        for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
+        float acc[R1 * RB];
+        mega_mat_dot<T, T, I, R1, RB, UN1, QB, GS>(WD[l], WD_S[l], WD_B[l], idx, xt, lane, acc);
+#pragma unroll
+        for (int r = 0; r < R1; ++r)
+#pragma unroll
+          for (int b = 0; b < RB; ++b)
+            if (lane == r * RB + b && n0 + r < H)
+              hbuf[b * H + n0 + r] = static_cast<float>(
+                  T(__ldcg(hbuf + b * H + n0 + r) + static_cast<float>(T(acc[r * RB + b]))));
       }
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
         const int r1 = (gw / HALF) * D + gw % HALF;
         MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
       } else if (l + 1 == L) {
-        MEGA_PREFETCH(headw, H, V, 1, 0, 0);
+        MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
       }
     }
     mega_grid_sync(ctr, target);
@@ -328,13 +341,17 @@ __TABLES__
   // --- the final norm and the output head (a warp per vocabulary row)
   {
     load_normed(fnorm, L == 0);
-    for (int n = gw; n < V; n += NW) {
-      const int idx[1] = {n};
-      float acc[RB];
-      mega_mat_dot<T, float, H, 1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xf, lane, acc);
+    for (int n0 = gw * R1; n0 < V; n0 += NW * R1) {
+      int idx[R1];
 #pragma unroll
-      for (int b = 0; b < RB; ++b)
-        if (lane == b) logits[(size_t)b * V + n] = T(acc[b] * sinv[b]);
+      for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
+      float acc[R1 * RB];
+      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc);
+#pragma unroll
+      for (int r = 0; r < R1; ++r)
+#pragma unroll
+        for (int b = 0; b < RB; ++b)
+          if (lane == r * RB + b && n0 + r < V) logits[(size_t)b * V + n0 + r] = T(acc[r * RB + b] * sinv[b]);
     }
   }
   if (PROF) {                                      // the head's end: after every block is done
