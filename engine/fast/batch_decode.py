@@ -138,6 +138,8 @@ class FastBatchDecoder:
         return logits, pos + 1, col + 1
 
     def _fn(self, rows: int, capacity: int):
+        """(the compiled step for this shape, whether it is the one-kernel step, which
+        writes the buffers in place)."""
         # a trace holds the modules as they were (adapters, merged groups) and the fault
         # active when it was built (the negative control): either changing needs a new one
         version = module_version(self.model)
@@ -146,8 +148,8 @@ class FastBatchDecoder:
             self._version = version
             self._mega = None
         key = (rows, capacity, K.active_fault())
-        fn = self._fns.get(key)
-        if fn is None:
+        entry = self._fns.get(key)
+        if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel"
             if reason is None and rows > MG.rows_per_call(self.model):
@@ -157,15 +159,15 @@ class FastBatchDecoder:
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega
                    else self._forward_gemv if self.stats.gemv else self._forward)
-            fn = mx.compile(fwd) if self.levers.compiled_decode else fwd
-            self._fns[key] = fn
+            entry = (mx.compile(fwd) if self.levers.compiled_decode else fwd, self.stats.mega)
+            self._fns[key] = entry
             self.stats.traces += 1
             while len(self._fns) > self.max_traces:
                 self._fns.popitem(last=False)
         else:
             self._fns.move_to_end(key)
         self.stats.traces_kept = len(self._fns)
-        return fn
+        return entry
 
     @property
     def trace_keys(self) -> list:
@@ -199,17 +201,17 @@ class FastBatchDecoder:
             self._col = mx.array([col], dtype=mx.int32)
         B = c0.batch_size
         n = len(caches)
-        fn = self._fn(B, cap)
-        if self.stats.mega:                  # (written in place: contiguous buffers of our own)
+        fn, in_place = self._fn(B, cap)
+        if in_place:                         # (the one-kernel step: contiguous buffers of our own)
             self._own = own_contiguous(caches, self._own)
         out = fn(tokens.astype(mx.int32).reshape(-1), c0.offset, self._col,
                  c0.left_padding, *[c.keys for c in caches], *[c.values for c in caches])
         logits, pos, self._col = out[0], out[1], out[2]
         for i, c in enumerate(caches):
-            if len(out) > 3:
-                c.advance(out[3 + i], out[3 + n + i], pos)
-            else:
+            if in_place:
                 c.advance(c.keys, c.values, pos)
+            else:
+                c.advance(out[3 + i], out[3 + n + i], pos)
         self._col_host = col + 1
         self.stats.steps += 1
         self.stats.row_steps += B

@@ -190,13 +190,15 @@ class FastDecoder:
         return out
 
     def _fn(self, capacity: int, rows: int = 1):
+        """(the compiled step for this capacity and rows, whether it is the one-kernel step, which
+        writes the buffers in place)."""
         # a trace holds the modules as they were: adapters mounted, switched or merged
         # groups split since then need a new one (module_version changes)
         version = module_version(self.model)
         if version != self._version:         # (the old traces are dropped, not kept)
             self._fns, self._version, self._tuned, self._mega = {}, version, set(), None
-        fn = self._fns.get(capacity)
-        if fn is None:
+        entry = self._fns.get((capacity, rows))
+        if entry is None:
             self.stats.gemv = self.gemv_ok()
             reason = (MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel")
             if reason is None and rows != 1:
@@ -207,10 +209,10 @@ class FastDecoder:
                 self._tuned.add(rows)
             fwd = (self._forward_mega if self.stats.mega
                    else self._forward_gemv if self.stats.gemv else self._forward)
-            fn = mx.compile(fwd) if self.levers.compiled_decode else fwd
-            self._fns[capacity] = fn
+            entry = (mx.compile(fwd) if self.levers.compiled_decode else fwd, self.stats.mega)
+            self._fns[(capacity, rows)] = entry
             self.stats.traces += 1
-        return fn
+        return entry
 
     # --- cache preparation ---------------------------------------------------------
 
@@ -246,17 +248,17 @@ class FastDecoder:
         if self._pos is None or self._pos_host != off:
             self._pos = mx.array([off], dtype=mx.int32)
         n = len(caches)
-        fn = self._fn(caches[0].keys.shape[2], caches[0].keys.shape[0])
-        if self.stats.mega:                  # (written in place: contiguous buffers of our own)
+        fn, in_place = self._fn(caches[0].keys.shape[2], caches[0].keys.shape[0])
+        if in_place:                         # (the one-kernel step: contiguous buffers of our own)
             self._own = own_contiguous(caches, self._own)
         out = fn(
             tokens.astype(mx.int32).reshape(-1), self._pos,
             *[c.keys for c in caches], *[c.values for c in caches])
         logits, self._pos = out[0], out[1]
-        if self.stats.mega:                  # (the caches were written in place)
+        if in_place:                         # (the caches were written in place)
             self._mega_ws = out[2] if len(out) > 2 else None
         for i, c in enumerate(caches):
-            if not self.stats.mega:
+            if not in_place:
                 c.keys, c.values = out[2 + i], out[2 + n + i]
             c.offset += 1
         self._pos_host = off + 1

@@ -149,3 +149,20 @@ def test_variant_settings(llama, monkeypatch):
     monkeypatch.setenv("MLXP_MEGA_ROWS1", "8")
     with pytest.raises(ValueError, match="MLXP_MEGA_ROWS1"):
         MG.MegaStep(llama, inv)
+
+
+def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
+    """The batch lane keeps one trace per shape; whether a trace writes the buffers in
+    place (the one-kernel step) is its own, not the last-built trace's: a shape that
+    returns after another was built must still get its buffers made contiguous first."""
+    from engine.fast.batch_decode import FastBatchDecoder
+    monkeypatch.setattr(MG, "why_not", lambda model, levers: None)
+    monkeypatch.setattr(MG, "rows_per_call", lambda model: 2)
+    dec = FastBatchDecoder(llama, resolve("l3", env={}))
+    dec._inv_freq = mx.ones((llama.layers[0].self_attn.head_dim // 2,))   # (as on a GPU)
+    assert dec._fn(2, 512)[1] is True
+    assert dec._fn(4, 512)[1] is False and dec.stats.mega is False
+    assert dec._fn(2, 512)[1] is True                   # (reused: still the in-place step)
+    solo = FastDecoder(llama, resolve("l3", env={}))
+    solo._inv_freq = dec._inv_freq
+    assert solo._fn(512, 1)[1] is True and solo._fn(512, 2)[1] is False and solo._fn(512, 1)[1] is True
