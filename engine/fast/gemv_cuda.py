@@ -39,6 +39,41 @@ template <int N> __device__ __forceinline__ void mlxp_cp_wait() {
 }
 """
 
+# shared by both main loops, inside their loop over K: the norm weights at k, then every
+# input row's 16 bytes at k (squares summed for the norm) times the staged weight vectors
+NORM_LOAD = r"""      float nw[VEC];
+      if (NORM) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(norm_w + k));
+        const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) nw[j] = static_cast<float>(e[j]);
+      }
+"""
+
+
+def products(w: str) -> str:
+    """Every input row b's vector at k times weight vector `w` (an expression over r) of
+    each of the RL rows, into acc[r][b]."""
+    return r"""#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)b * K + k));
+        const T* e = reinterpret_cast<const T*>(&v);
+        float xf[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xf[j] = static_cast<float>(e[j]);
+          if (NORM) { ss[b] += xf[j] * xf[j]; xf[j] *= nw[j]; }
+        }
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          const T* we = reinterpret_cast<const T*>(&%s);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[r][b] += static_cast<float>(we[j]) * xf[j];
+        }
+      }
+""" % w
+
+
 SPLIT_MAIN = r"""
   // a block of WARPS warps per R output rows (R gate rows and their R up rows for the
   // SiLU epilogue); the warps split K: warp w takes the 32*VEC-element slices
@@ -94,34 +129,10 @@ SPLIT_MAIN = r"""
       const int it = warp + WARPS * (c + u);
       const int k = (it * 32 + lane) * VEC;
       if (it >= IT || k >= K) break;
-      float nw[VEC];
-      if (NORM) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(norm_w + k));
-        const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) nw[j] = static_cast<float>(e[j]);
-      }
-      uint4 wv[RL];
+""" + NORM_LOAD + r"""      uint4 wv[RL];
 #pragma unroll
       for (int r = 0; r < RL; ++r) wv[r] = sw[warp][buf][r * U + u][lane];
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)b * K + k));
-        const T* e = reinterpret_cast<const T*>(&v);
-        float xf[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          xf[j] = static_cast<float>(e[j]);
-          if (NORM) { ss[b] += xf[j] * xf[j]; xf[j] *= nw[j]; }
-        }
-#pragma unroll
-        for (int r = 0; r < RL; ++r) {
-          const T* we = reinterpret_cast<const T*>(&wv[r]);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) acc[r][b] += static_cast<float>(we[j]) * xf[j];
-        }
-      }
-    }
+""" + products("wv[r]") + r"""    }
   }
   // reduction: over the lanes (shuffles), then over the warps (shared memory); warp 0
   // ends with every sum in every lane, and lane r * B + b writes that output
@@ -235,31 +246,7 @@ WARP_MAIN = r"""
       const int it = ks + KS * (i0 + u);
       const int k = (it * 32 + lane) * VEC;
       if (it >= IT || k >= K) break;
-      float nw[VEC];
-      if (NORM) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(norm_w + k));
-        const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) nw[j] = static_cast<float>(e[j]);
-      }
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)b * K + k));
-        const T* e = reinterpret_cast<const T*>(&v);
-        float xf[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          xf[j] = static_cast<float>(e[j]);
-          if (NORM) { ss[b] += xf[j] * xf[j]; xf[j] *= nw[j]; }
-        }
-#pragma unroll
-        for (int r = 0; r < RL; ++r) {
-          const T* we = reinterpret_cast<const T*>(&wv[u][r]);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) acc[r][b] += static_cast<float>(we[j]) * xf[j];
-        }
-      }
-    }
+""" + NORM_LOAD + products("wv[u][r]") + r"""    }
   }
 #pragma unroll
   for (int b = 0; b < B; ++b) {

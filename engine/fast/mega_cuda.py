@@ -134,6 +134,26 @@ __TABLES__
     __syncthreads();
   };
 
+  // o_proj and down_proj: hbuf[b] += T(W . xt[b]) with the residual add rounded as the
+  // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
+  auto proj_residual = [&](auto kk, const void* w, const T* ws_, const T* wb_) {
+    constexpr int KK = decltype(kk)::value;
+    for (int n0 = gw * R1; n0 < H; n0 += NW * R1) {
+      int idx[R1];
+#pragma unroll
+      for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
+      float acc[R1 * RB];
+      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc);
+#pragma unroll
+      for (int r = 0; r < R1; ++r)
+#pragma unroll
+        for (int b = 0; b < RB; ++b)
+          if (lane == r * RB + b && n0 + r < H)
+            hbuf[b * H + n0 + r] = static_cast<float>(
+                T(__ldcg(hbuf + b * H + n0 + r) + static_cast<float>(T(acc[r * RB + b]))));
+    }
+  };
+
   for (int l = 0; l < L; ++l) {
     // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair)
     {
@@ -272,20 +292,7 @@ __TABLES__
     {
       for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[k] = T(__ldcg(obuf + k));
       __syncthreads();
-      for (int n0 = gw * R1; n0 < H; n0 += NW * R1) {
-        int idx[R1];
-#pragma unroll
-        for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
-        float acc[R1 * RB];
-        mega_mat_dot<T, T, QD, R1, RB, UN1, QB, GS>(WO[l], WO_S[l], WO_B[l], idx, xt, lane, acc);
-#pragma unroll
-        for (int r = 0; r < R1; ++r)
-#pragma unroll
-          for (int b = 0; b < RB; ++b)
-            if (lane == r * RB + b && n0 + r < H)
-              hbuf[b * H + n0 + r] = static_cast<float>(
-                  T(__ldcg(hbuf + b * H + n0 + r) + static_cast<float>(T(acc[r * RB + b]))));
-      }
+      proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l]);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
     }
     mega_grid_sync(ctr, target);
@@ -314,20 +321,7 @@ __TABLES__
     {
       for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[k] = T(__ldcg(abuf + k));
       __syncthreads();
-      for (int n0 = gw * R1; n0 < H; n0 += NW * R1) {
-        int idx[R1];
-#pragma unroll
-        for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
-        float acc[R1 * RB];
-        mega_mat_dot<T, T, I, R1, RB, UN1, QB, GS>(WD[l], WD_S[l], WD_B[l], idx, xt, lane, acc);
-#pragma unroll
-        for (int r = 0; r < R1; ++r)
-#pragma unroll
-          for (int b = 0; b < RB; ++b)
-            if (lane == r * RB + b && n0 + r < H)
-              hbuf[b * H + n0 + r] = static_cast<float>(
-                  T(__ldcg(hbuf + b * H + n0 + r) + static_cast<float>(T(acc[r * RB + b]))));
-      }
+      proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l]);
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
         const int r1 = (gw / HALF) * D + gw % HALF;
         MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
