@@ -9,6 +9,7 @@
 #   4. with VARIANTS=1 (first): the kernel's variants MLXP_MEGA_ROWS1 (weight rows per warp in
 #      the single-row phases) and MLXP_MEGA_XBF16 (normalised inputs in bf16), solo on 1b and
 #      8b (experiments/l3_overhead.py, mode l3) and in the batch lane at 8 rows.
+#   UN_MODELS= (empty), Q4=0, BATCH=0 leave stages 1, 2, 3 out.
 #   OUT=/tmp/ab BUDGET=480 bash experiments/l3_ab.sh
 set -u
 OUT=${OUT:-/tmp/ab}
@@ -35,7 +36,7 @@ if [ "${VARIANTS:-0}" = 1 ]; then
       --model /tmp/m/1b --specs l3+fast_batch --batches 8 --trials 3 --out "$OUT/variant_batch8_rows$1_xbf$2.jsonl"
   done
 fi
-for m in 1b 8b; do
+for m in ${UN_MODELS-1b 8b}; do
   for un in "8 4" "16 8"; do
     set -- $un
     stage "un-$m-$1-$2"
@@ -43,11 +44,9 @@ for m in 1b 8b; do
       --modes l3 --trials 5 --out "$OUT/un_${m}_$1_$2.jsonl"
   done
 done
-stage bench-q4
-MLXP_QGEMV=1 run $(lim 200 100) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
+[ "${Q4:-1}" = 1 ] && stage bench-q4 && MLXP_QGEMV=1 run $(lim 200 100) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
   --lengths 128,2048 --gen 64 --trials 5 --tag h200-q4-qgemv --out "$OUT/bench-q4"
-stage batch
-run $(lim 3 240) python3 experiments/merged_exactness.py --model /tmp/m/1b \
+[ "${BATCH:-1}" = 1 ] && stage batch && run $(lim 3 240) python3 experiments/merged_exactness.py --model /tmp/m/1b \
   --specs l1+merged_proj,l3+fast_batch --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
 stage done
 } 2>&1 | tee "$OUT/ab.log"

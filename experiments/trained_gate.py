@@ -16,7 +16,8 @@ is mostly determined, and that needs attention:
 
 The trained model is saved in bf16 (`--out/model`), then `parity.l3_gate` runs on it:
 L3 against L1, both faults (which must fail), the float32 floor, and with `--batch N`
-the batch fast step. Results: `--out/gate/` (l3_gate.md / .json) and `train.json`.
+the batch fast step; with `--bits 4` the same model quantized after training is gated too
+(`--out/gate-q4/`). Results: `--out/gate/` (l3_gate.md / .json) and `train.json`.
 
     python experiments/trained_gate.py --preset 1b --steps 300 --out DIR      # GPU
     python experiments/trained_gate.py --quick --out DIR                      # CPU dry run
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--gate-steps", type=int, default=32)
     ap.add_argument("--gate-batch", type=int, default=0, help="also gate the batch fast step")
+    ap.add_argument("--bits", default="", help="also gate the trained model quantized to these "
+                    "bits (comma list, e.g. 4): saved in --out/model-qN, results in --out/gate-qN")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -152,7 +155,32 @@ def main(argv=None) -> int:
     for r in results:
         print(json.dumps(r.__dict__), flush=True)
     print(json.dumps(info))
+    for bits in [int(b) for b in a.bits.split(",") if b.strip()]:
+        qdir = save_quantized(mdir, out / f"model-q{bits}", bits)
+        qres = l3_gate.run_gate(qdir, parse_spec("l3"), prompt_list=prompts, steps=a.gate_steps)
+        l3_gate.write(qres, out / f"gate-q{bits}",
+                      f"The trained model of `{out / 'gate'}` quantized to {bits} bits (groups of 64) "
+                      f"after training; device {mx.default_device()}. Reproduce: `{cmd.strip()}`")
+        for r in qres:
+            print(json.dumps({"bits": bits, **r.__dict__}), flush=True)
     return 0
+
+
+def save_quantized(src: Path, dst: Path, bits: int, group_size: int = 64) -> Path:
+    """The model of `src` affine-quantized (every Linear and the embedding), saved in `dst`."""
+    model = load_model(src)[0]
+    nn.quantize(model, group_size=group_size, bits=bits)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization"] = {"group_size": group_size, "bits": bits}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return dst
 
 
 if __name__ == "__main__":

@@ -152,9 +152,11 @@ class FastBatchDecoder:
         if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel"
-            if reason is None and rows > MG.rows_per_call(self.model):
+            if (reason is None and rows > MG.rows_per_call(self.model)
+                    and not MG.env_int("MLXP_MEGA_MULTI", 0)):
                 # (several calls a step, each reading every weight: measured slower on the
-                # H200 at 32 rows than the step of separate kernels)
+                # H200 at 32 rows than the step of separate kernels; MLXP_MEGA_MULTI=1
+                # measures it)
                 reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega

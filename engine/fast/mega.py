@@ -195,6 +195,8 @@ class MegaStep:
         # inputs held in the model's dtype instead of float (half the shared-memory reads)
         self.rows1 = env_int("MLXP_MEGA_ROWS1", 1)
         self.xbf = os.environ.get("MLXP_MEGA_XBF16", "0") == "1"
+        # quantized weights: nibbles/bytes made floats by bit tricks (1) or conversions (0)
+        self.qmagic = env_int("MLXP_MEGA_QMAGIC", 1)
         if self.rows1 * C.MAX_ROWS > 32:
             raise ValueError("MLXP_MEGA_ROWS1 must be at most 4 (a warp's lanes write the outputs)")
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
@@ -229,7 +231,7 @@ class MegaStep:
                           ("UN1", self.un1), ("UN2", self.un2),
                           ("R1", self.rows1), ("XBF", int(self.xbf)),
                           ("QB", self.quant[0] if self.quant else 0),
-                          ("GS", self.quant[1] if self.quant else 32)],
+                          ("GS", self.quant[1] if self.quant else 32), ("QM", self.qmagic)],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb),)],

@@ -67,6 +67,9 @@ BODY = r"""
   using XN = typename mega_pick<XBF != 0, T, float>::type;
   XN* xn = reinterpret_cast<XN*>(xraw);
   T* xt = reinterpret_cast<T*>(xraw);
+  // where element i of a matrix input is stored: swizzled for quantized weights (mega_sw)
+  auto swn = [](int i) { if constexpr (QB != 0) return mega_sw<XN>(i); else return i; };
+  auto swt = [](int i) { if constexpr (QB != 0) return mega_sw<T>(i); else return i; };
   const float NEG_INF = -__int_as_float(0x7f800000);
   const float eps = EPS_NUM / 1e12f;
   const float scale = SCALE_NUM / 1e9f;
@@ -116,7 +119,7 @@ __TABLES__
         const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hbuf + b * H + k);
         if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
         s[b] += v * v;
-        xn[b * H + k] = XN(v * w);
+        xn[swn(b * H + k)] = XN(v * w);
       }
     }
 #pragma unroll
@@ -143,7 +146,7 @@ __TABLES__
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
       float acc[R1 * RB];
-      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc);
+      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS, QM>(w, ws_, wb_, idx, xt, lane, acc);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -162,7 +165,7 @@ __TABLES__
         const int head = u / HALF, i = u % HALF, r1 = head * D + i;
         const int idx[2] = {r1, r1 + HALF};
         float acc[2 * RB];
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS, QM>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -290,7 +293,7 @@ __TABLES__
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
     {
-      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[k] = T(__ldcg(obuf + k));
+      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
       proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l]);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
@@ -303,7 +306,7 @@ __TABLES__
       for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS, QM>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -319,7 +322,7 @@ __TABLES__
     MEGA_STAMP();
     // --- E: down_proj + residual (a warp per hidden row)
     {
-      for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[k] = T(__ldcg(abuf + k));
+      for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
       proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l]);
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
@@ -340,7 +343,7 @@ __TABLES__
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
       float acc[R1 * RB];
-      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc);
+      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS, QM>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll

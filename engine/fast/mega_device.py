@@ -6,8 +6,12 @@
   blocks wrote during the step, read from L2;
 - `mega_dot`: RL float weight rows dotted with RB input rows held in shared memory, a
   warp per unit, UN 16-byte loads in flight per lane, a shuffle reduction;
-- `mega_qdot`: the same for affine-quantized rows (engine.fast.qgemv's decomposition);
-- `mega_mat_dot`: either, by the kernel's QB (0: float weights).
+- `mega_qdot`: the same for affine-quantized rows (engine.fast.qgemv's decomposition),
+  its inputs kept swizzled in shared memory (`mega_sw`) so that lanes reading 64-128
+  contiguous bytes each do not collide on banks;
+- `mega_ldx`: inputs read from shared memory in 16-byte loads;
+- `mega_mat_dot`: either, by the kernel's QB (0: float weights); QM picks how quantized
+  values become floats (`mega_q2f`).
 
 The header also gives every kernel of the module `__launch_bounds__(512, 1)` (the
 generated signature takes no attributes), so the compiler keeps to the registers one
@@ -76,6 +80,36 @@ __device__ __forceinline__ float mega_warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// N elements of shared memory from p (16-byte aligned, N a multiple of 16 / sizeof(X)) as
+// floats, in 16-byte loads
+template <typename X, int N>
+__device__ __forceinline__ void mega_ldx(const X* p, float* out) {
+  constexpr int CH = 16 / sizeof(X);
+#pragma unroll
+  for (int c = 0; c < N / CH; ++c) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p + c * CH);
+    const X* e = reinterpret_cast<const X*>(&v);
+#pragma unroll
+    for (int j = 0; j < CH; ++j) out[c * CH + j] = static_cast<float>(e[j]);
+  }
+}
+// a small unsigned integer (< 2^23) as a float, exactly: with QM its bits put under the
+// exponent of 2^23, then 2^23 taken off (logic ops and an add instead of a conversion
+// instruction); without, converted
+template <int QM>
+__device__ __forceinline__ float mega_q2f(unsigned int q) {
+  if constexpr (QM != 0) return __uint_as_float(q | 0x4B000000u) - 8388608.f;
+  else return static_cast<float>(q);
+}
+// where element i of a quantized dot's input is kept in shared memory: its 16-byte chunk c
+// swapped within each run of 8 chunks (c ^ (c / 8 % 8)), so that the 32 lanes, each
+// reading a run of chunks of its own, hit different banks
+template <typename X>
+__device__ __forceinline__ int mega_sw(int i) {
+  constexpr int CH = 16 / sizeof(X);
+  const int c = i / CH;
+  return (c ^ ((c >> 3) & 7)) * CH + i % CH;
+}
 // RL weight rows of K elements dotted with RB input rows (shared memory, float or T,
 // row b at xs + b * K); every lane ends with the sums acc[r * RB + b]. K is a multiple
 // of 32 * VEC.
@@ -102,8 +136,7 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         float xv[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) xv[j] = static_cast<float>(xs[b * K + k + j]);
+        mega_ldx<X, VEC>(xs + b * K + k, xv);
 #pragma unroll
         for (int r = 0; r < RL; ++r) {
           const T* we = reinterpret_cast<const T*>(&wv[u][r]);
@@ -120,7 +153,7 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
 // (EPL elements, inside one group) per iteration and adds scale * sum(q x) + bias * sum(x),
 // the decomposition of engine.fast.qgemv.
-template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS>
+template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS, int QM>
 __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const T* const* sc,
                                           const T* const* bi, const X* xs, int lane, float* acc) {
   constexpr int PER_WORD = 32 / BITS, EPL = 4 * PER_WORD, IT = K / (32 * EPL);
@@ -150,8 +183,12 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         float xf[EPL], xsum = 0.f;
+        constexpr int CH = 16 / sizeof(X);
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) { xf[j] = static_cast<float>(xs[b * K + k0 + j]); xsum += xf[j]; }
+        for (int c = 0; c < EPL / CH; ++c)    // 16-byte chunks, stored swizzled (mega_sw)
+          mega_ldx<X, CH>(xs + mega_sw<X>(b * K + k0 + c * CH), xf + c * CH);
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) xsum += xf[j];
 #pragma unroll
         for (int r = 0; r < RL; ++r) {
           const unsigned int* wd = reinterpret_cast<const unsigned int*>(&wv[u][r]);
@@ -160,7 +197,7 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
           for (int w = 0; w < 4; ++w)
 #pragma unroll
             for (int e = 0; e < PER_WORD; ++e)
-              dq += static_cast<float>((wd[w] >> (BITS * e)) & MASK) * xf[w * PER_WORD + e];
+              dq += mega_q2f<QM>((wd[w] >> (BITS * e)) & MASK) * xf[w * PER_WORD + e];
           acc[r * RB + b] += s[u][r] * dq + bb[u][r] * xsum;
         }
       }
@@ -171,7 +208,7 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 }
 // rows idx[0..RL) of a weight matrix of K columns: float (QB 0: w is T*) or affine-quantized
 // (QB bits: w packed words, s / b the group scales and biases)
-template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS>
+template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int QM>
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
                                              const X* xs, int lane, float* acc) {
   if constexpr (QB == 0) {
@@ -189,7 +226,7 @@ __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T*
       sr[r] = s + (size_t)idx[r] * (K / GS);
       br[r] = b + (size_t)idx[r] * (K / GS);
     }
-    mega_qdot<T, X, K, RL, RB, UN, QB, GS>(rows, sr, br, xs, lane, acc);
+    mega_qdot<T, X, K, RL, RB, UN, QB, GS, QM>(rows, sr, br, xs, lane, acc);
   }
 }
 """
