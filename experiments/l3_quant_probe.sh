@@ -1,13 +1,13 @@
 #!/bin/bash
 # Device run: the one-kernel step after its shared-memory input reads became 16-byte loads
 # (swizzled for quantized weights), results under $OUT:
-#   1. experiments/mega_check.py with the phase timer on 1b 4-bit (quantized values made
-#      floats by bit tricks, MLXP_MEGA_QMAGIC=1), then bench_decode l1,l3 on it;
-#   2. with TRAINED=1: experiments/trained_gate.py, the gate on a trained 1b in bf16, its
-#      batch lane (8 rows) and the same model quantized to 4 bits;
-#   3. mega_check on 1b bf16 and on 1b 4-bit with conversions (MLXP_MEGA_QMAGIC=0);
+#   1. experiments/mega_check.py with the phase timer on 1b 4-bit (CHECKQ4=0 leaves out),
+#      then bench_decode l1,l3 on it;
+#   2. with TRAINED=1: experiments/trained_gate.py (TRAINED_STEPS), the gate on a trained 1b
+#      in bf16, its batch lane (8 rows) and the same model quantized to 4 bits;
+#   3. (CHECK1B=0 leaves out) mega_check on 1b bf16;
 #   4. (BENCH1B=0 leaves out) bench_decode l1,l3 on 1b bf16;
-#   5. (E8B=0 leaves out) mega_check and experiments/l3_overhead.py l1,l3 on 8b;
+#   5. (E8B=0 leaves out) bench_decode l1,l3, mega_check and experiments/l3_overhead.py l1,l3 on 8b;
 #   6. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
 #      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1).
 # Each stage gets what is left of BUDGET, capped.
@@ -21,24 +21,25 @@ stage build
 python3 -m experiments.presets 1b /tmp/m/1b
 python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4
 [ "${E8B:-1}" = 1 ] && python3 -m experiments.presets 8b /tmp/m/8b
-stage check-q4-qmagic1
-MLXP_MEGA_QUANT=1 MLXP_MEGA_QMAGIC=1 MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
-  --model /tmp/m/1b-q4 --steps 16 --out "$OUT/mega_check_q4_qmagic1.json"
+if [ "${CHECKQ4:-1}" = 1 ]; then
+  stage check-q4
+  MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
+    --model /tmp/m/1b-q4 --steps 16 --out "$OUT/mega_check_q4.json"
+fi
 stage bench-q4
-MLXP_MEGA_QUANT=1 run $(lim 5 170) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
+run $(lim 5 170) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
   --lengths 128,2048 --gen 64 --trials 5 --tag h200-q4-mega --out "$OUT/bench-q4"
 if [ "${TRAINED:-0}" = 1 ]; then
   stage trained-gate
-  MLXP_MEGA_QUANT=1 run $(lim 5 300) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-200} \
+  run $(lim 5 ${TRAINED_S:-300}) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-200} \
     --gate-batch 8 --bits 4 --out /tmp/trained
   mkdir -p "$OUT/trained" && cp -r /tmp/trained/gate* /tmp/trained/train.json "$OUT/trained/" 2>/dev/null
 fi
-stage check-bf16
-MLXP_MEGA_PROF=1 run $(lim 5 60) python3 experiments/mega_check.py --model /tmp/m/1b --steps 16 \
-  --out "$OUT/mega_check_1b.json"
-stage check-q4-qmagic0
-MLXP_MEGA_QUANT=1 MLXP_MEGA_QMAGIC=0 MLXP_MEGA_PROF=1 run $(lim 5 60) python3 experiments/mega_check.py \
-  --model /tmp/m/1b-q4 --steps 16 --out "$OUT/mega_check_q4_qmagic0.json"
+if [ "${CHECK1B:-1}" = 1 ]; then
+  stage check-bf16
+  MLXP_MEGA_PROF=1 run $(lim 5 60) python3 experiments/mega_check.py --model /tmp/m/1b --steps 16 \
+    --out "$OUT/mega_check_1b.json"
+fi
 if [ "${BENCH1B:-1}" = 1 ]; then
   stage bench-1b
   run $(lim 5 90) python3 experiments/bench_decode.py --model /tmp/m/1b --tier l1,l3 \
@@ -46,6 +47,8 @@ if [ "${BENCH1B:-1}" = 1 ]; then
 fi
 if [ "${E8B:-1}" = 1 ]; then
   stage 8b
+  run $(lim 5 150) python3 experiments/bench_decode.py --model /tmp/m/8b --tier l1,l3 \
+    --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-mega --out "$OUT/bench-8b"
   MLXP_MEGA_PROF=1 run $(lim 5 60) python3 experiments/mega_check.py --model /tmp/m/8b --steps 8 \
     --out "$OUT/mega_check_8b.json"
   run $(lim 5 70) python3 experiments/l3_overhead.py --model /tmp/m/8b --modes l1,l3 --trials 3 \

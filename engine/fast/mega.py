@@ -11,8 +11,8 @@ It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the ba
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
 model (no q/k norms) with merged q/k/v and gate/up projections, float weights without
-bias (or, opt-in with MLXP_MEGA_QUANT=1 until it has run on a GPU, affine 4/8-bit weights
-of one group size: `quantization`), SiLU gating and shapes the kernel's vector loads
+bias or affine 4-bit weights of one group size (8-bit opt-in with MLXP_MEGA_QUANT=1, not yet
+run on a GPU; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating and shapes the kernel's vector loads
 divide. Otherwise the step of engine.fast.decode runs as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default:
 the GPU's SM count, read from the CUDA driver).
 """
@@ -96,8 +96,8 @@ def why_not(model, levers: Levers) -> Optional[str]:
     mods = [m for p in parts for m in (p[1], p[2], p[4], p[5])] + [head, model.model.embed_tokens]
     qz = quantization(model)
     if qz is None and not all(G.is_float(m) for m in mods):
-        return ("float weights, or affine 4/8-bit weights of one group size with MLXP_MEGA_QUANT=1 "
-                "(not run on a GPU yet), without bias")
+        return ("float weights, or affine 4-bit weights of one group size without bias "
+                "(8-bit: MLXP_MEGA_QUANT=1; MLXP_MEGA_QUANT=0: float weights only)")
     dts = {weight_dtype(m) for m in mods} | {p[0].weight.dtype for p in parts} | {norm.weight.dtype}
     if len(dts) != 1:
         return "one dtype for every weight"
@@ -129,10 +129,11 @@ def weight_dtype(module):
 
 def quantization(model) -> Optional[tuple]:
     """(bits, group size) when every matrix of the step (the embedding and the head too)
-    is an affine 4- or 8-bit QuantizedLinear / QuantizedEmbedding of one bits and group
-    size without bias, and MLXP_MEGA_QUANT=1 (opt-in until the quantized kernel has run on
-    a GPU); else None."""
-    if os.environ.get("MLXP_MEGA_QUANT", "0") != "1":
+    is an affine 4-bit QuantizedLinear / QuantizedEmbedding of one group size without
+    bias (8-bit too with MLXP_MEGA_QUANT=1: not yet run on a GPU; none with
+    MLXP_MEGA_QUANT=0); else None."""
+    opt = os.environ.get("MLXP_MEGA_QUANT", "")
+    if opt == "0":
         return None
     parts = _parts(model)
     if parts is None:
@@ -148,6 +149,8 @@ def quantization(model) -> Optional[tuple]:
     if len(kinds) != 1:
         return None
     bits, gs = kinds.pop()
+    if bits == 8 and opt != "1":
+        return None
     epl = 4 * (32 // bits) if bits in (4, 8) else 0
     return (bits, gs) if epl and gs % epl == 0 and model.args.hidden_size % gs == 0 else None
 
@@ -195,8 +198,6 @@ class MegaStep:
         # inputs held in the model's dtype instead of float (half the shared-memory reads)
         self.rows1 = env_int("MLXP_MEGA_ROWS1", 1)
         self.xbf = os.environ.get("MLXP_MEGA_XBF16", "0") == "1"
-        # quantized weights: nibbles/bytes made floats by bit tricks (1) or conversions (0)
-        self.qmagic = env_int("MLXP_MEGA_QMAGIC", 1)
         if self.rows1 * C.MAX_ROWS > 32:
             raise ValueError("MLXP_MEGA_ROWS1 must be at most 4 (a warp's lanes write the outputs)")
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
@@ -231,7 +232,7 @@ class MegaStep:
                           ("UN1", self.un1), ("UN2", self.un2),
                           ("R1", self.rows1), ("XBF", int(self.xbf)),
                           ("QB", self.quant[0] if self.quant else 0),
-                          ("GS", self.quant[1] if self.quant else 32), ("QM", self.qmagic)],
+                          ("GS", self.quant[1] if self.quant else 32)],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb),)],

@@ -146,7 +146,7 @@ __TABLES__
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
       float acc[R1 * RB];
-      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS, QM>(w, ws_, wb_, idx, xt, lane, acc);
+      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -165,7 +165,7 @@ __TABLES__
         const int head = u / HALF, i = u % HALF, r1 = head * D + i;
         const int idx[2] = {r1, r1 + HALF};
         float acc[2 * RB];
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS, QM>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -306,7 +306,7 @@ __TABLES__
       for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS, QM>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -343,7 +343,7 @@ __TABLES__
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
       float acc[R1 * RB];
-      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS, QM>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc);
+      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll

@@ -10,8 +10,7 @@
   its inputs kept swizzled in shared memory (`mega_sw`) so that lanes reading 64-128
   contiguous bytes each do not collide on banks;
 - `mega_ldx`: inputs read from shared memory in 16-byte loads;
-- `mega_mat_dot`: either, by the kernel's QB (0: float weights); QM picks how quantized
-  values become floats (`mega_q2f`).
+- `mega_mat_dot`: either, by the kernel's QB (0: float weights).
 
 The header also gives every kernel of the module `__launch_bounds__(512, 1)` (the
 generated signature takes no attributes), so the compiler keeps to the registers one
@@ -93,13 +92,10 @@ __device__ __forceinline__ void mega_ldx(const X* p, float* out) {
     for (int j = 0; j < CH; ++j) out[c * CH + j] = static_cast<float>(e[j]);
   }
 }
-// a small unsigned integer (< 2^23) as a float, exactly: with QM its bits put under the
-// exponent of 2^23, then 2^23 taken off (logic ops and an add instead of a conversion
-// instruction); without, converted
-template <int QM>
+// a small unsigned integer (< 2^23) as a float, exactly: its bits put under the exponent
+// of 2^23, then 2^23 taken off (logic ops and an add instead of a conversion instruction)
 __device__ __forceinline__ float mega_q2f(unsigned int q) {
-  if constexpr (QM != 0) return __uint_as_float(q | 0x4B000000u) - 8388608.f;
-  else return static_cast<float>(q);
+  return __uint_as_float(q | 0x4B000000u) - 8388608.f;
 }
 // where element i of a quantized dot's input is kept in shared memory: its 16-byte chunk c
 // swapped within each run of 8 chunks (c ^ (c / 8 % 8)), so that the 32 lanes, each
@@ -153,7 +149,7 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
 // (EPL elements, inside one group) per iteration and adds scale * sum(q x) + bias * sum(x),
 // the decomposition of engine.fast.qgemv.
-template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS, int QM>
+template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS>
 __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const T* const* sc,
                                           const T* const* bi, const X* xs, int lane, float* acc) {
   constexpr int PER_WORD = 32 / BITS, EPL = 4 * PER_WORD, IT = K / (32 * EPL);
@@ -197,7 +193,7 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
           for (int w = 0; w < 4; ++w)
 #pragma unroll
             for (int e = 0; e < PER_WORD; ++e)
-              dq += mega_q2f<QM>((wd[w] >> (BITS * e)) & MASK) * xf[w * PER_WORD + e];
+              dq += mega_q2f((wd[w] >> (BITS * e)) & MASK) * xf[w * PER_WORD + e];
           acc[r * RB + b] += s[u][r] * dq + bb[u][r] * xsum;
         }
       }
@@ -208,7 +204,7 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 }
 // rows idx[0..RL) of a weight matrix of K columns: float (QB 0: w is T*) or affine-quantized
 // (QB bits: w packed words, s / b the group scales and biases)
-template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int QM>
+template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS>
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
                                              const X* xs, int lane, float* acc) {
   if constexpr (QB == 0) {
@@ -226,7 +222,7 @@ __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T*
       sr[r] = s + (size_t)idx[r] * (K / GS);
       br[r] = b + (size_t)idx[r] * (K / GS);
     }
-    mega_qdot<T, X, K, RL, RB, UN, QB, GS, QM>(rows, sr, br, xs, lane, acc);
+    mega_qdot<T, X, K, RL, RB, UN, QB, GS>(rows, sr, br, xs, lane, acc);
   }
 }
 """

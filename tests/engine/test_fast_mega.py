@@ -102,17 +102,22 @@ def test_decoder_reports_why_the_kernel_is_not_used(llama):
     assert dec.mega_profile() == {}
 
 
-def test_quantized_weights_are_opt_in(monkeypatch):
-    """Affine 4-bit weights take the kernel's quantized dot product only with
-    MLXP_MEGA_QUANT=1 (it has not run on a GPU yet); their inputs then carry each matrix's
-    group scales and biases."""
+def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
+    """Affine 4-bit weights take the kernel's quantized dot product unless
+    MLXP_MEGA_QUANT=0; 8-bit ones only with MLXP_MEGA_QUANT=1 (not yet run on a GPU).
+    Their inputs carry each matrix's group scales and biases."""
     q4 = load_model(str(ensure_fixture("llama", "q4")))[0]
     merge_projections(q4)
+    q8 = load_model(str(ensure_fixture("llama", "q8")))[0]
+    merge_projections(q8)
+    monkeypatch.setenv("MLXP_MEGA_QUANT", "0")
+    assert MG.quantization(q4) is None and MG.quantization(q8) is None
     monkeypatch.delenv("MLXP_MEGA_QUANT", raising=False)
-    assert MG.quantization(q4) is None
-    monkeypatch.setenv("MLXP_MEGA_QUANT", "1")
+    assert MG.quantization(q8) is None
     bits, gs = MG.quantization(q4)
     assert bits == 4 and gs == q4.layers[0].mlp.down_proj.group_size
+    monkeypatch.setenv("MLXP_MEGA_QUANT", "1")
+    assert MG.quantization(q8)[0] == 8
     a0 = q4.layers[0].self_attn
     step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
     names = C.input_names(step.L, quantized=True)
