@@ -6,9 +6,6 @@
 #   2. experiments/bench_decode.py l1,l3 on 1b with 4-bit weights, the fused quantized GEMV
 #      on (MLXP_QGEMV=1);
 #   3. experiments/merged_exactness.py: the batch lane at 8 and 32 rows against BatchGenerator;
-#   4. with VARIANTS=1 (first): the kernel's variants MLXP_MEGA_ROWS1 (weight rows per warp in
-#      the single-row phases) and MLXP_MEGA_XBF16 (normalised inputs in bf16), solo on 1b and
-#      8b (experiments/l3_overhead.py, mode l3) and in the batch lane at 8 rows.
 #   UN_MODELS= (empty), Q4=0, BATCH=0 leave stages 1, 2, 3 out.
 #   OUT=/tmp/ab BUDGET=480 bash experiments/l3_ab.sh
 set -u
@@ -20,22 +17,6 @@ stage build
 python3 -m experiments.presets 1b /tmp/m/1b
 python3 -m experiments.presets 8b /tmp/m/8b
 python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4
-if [ "${VARIANTS:-0}" = 1 ]; then
-  for m in 1b 8b; do
-    for v in "1 0" "2 0" "2 1" "4 1"; do
-      set -- $v
-      stage "variant-$m-rows$1-xbf$2"
-      MLXP_MEGA_ROWS1=$1 MLXP_MEGA_XBF16=$2 run $(lim 300 60) python3 experiments/l3_overhead.py \
-        --model /tmp/m/$m --modes l3 --trials 5 --out "$OUT/variant_${m}_rows$1_xbf$2.jsonl"
-    done
-  done
-  for v in "1 0" "2 1"; do
-    set -- $v
-    stage "variant-batch8-rows$1-xbf$2"
-    MLXP_MEGA_ROWS1=$1 MLXP_MEGA_XBF16=$2 run $(lim 200 90) python3 experiments/merged_exactness.py \
-      --model /tmp/m/1b --specs l3+fast_batch --batches 8 --trials 3 --out "$OUT/variant_batch8_rows$1_xbf$2.jsonl"
-  done
-fi
 for m in ${UN_MODELS-1b 8b}; do
   for un in "8 4" "16 8"; do
     set -- $un

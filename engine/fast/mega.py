@@ -193,13 +193,6 @@ class MegaStep:
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
         self.un1 = env_int("MLXP_MEGA_UN1", 8)
         self.un2 = env_int("MLXP_MEGA_UN2", 4)
-        # variants to measure (not yet run on a GPU): weight rows per warp in the single-row
-        # phases (o_proj, down_proj, head; sharing each input read), and the normalised
-        # inputs held in the model's dtype instead of float (half the shared-memory reads)
-        self.rows1 = env_int("MLXP_MEGA_ROWS1", 1)
-        self.xbf = os.environ.get("MLXP_MEGA_XBF16", "0") == "1"
-        if self.rows1 * C.MAX_ROWS > 32:
-            raise ValueError("MLXP_MEGA_ROWS1 must be at most 4 (a warp's lanes write the outputs)")
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):
@@ -230,7 +223,6 @@ class MegaStep:
                           ("SHIFT", int(fault == "rope_pos_plus_one")),
                           ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
                           ("UN1", self.un1), ("UN2", self.un2),
-                          ("R1", self.rows1), ("XBF", int(self.xbf)),
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32)],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),

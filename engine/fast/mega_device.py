@@ -28,9 +28,7 @@ __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-template <bool C, typename A, typename B> struct mega_pick { using type = A; };
 template <int N> struct mega_int { static constexpr int value = N; };
-template <typename A, typename B> struct mega_pick<false, A, B> { using type = B; };
 __device__ __forceinline__ unsigned long long mega_now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -139,23 +139,6 @@ def test_settings_must_be_positive_integers(monkeypatch):
             MG.env_int("MLXP_MEGA_BLOCKS", 0)
 
 
-def test_variant_settings(llama, monkeypatch):
-    """The kernel's variants to measure: rows per warp (at most 4, so that a warp's lanes
-    can write 8 rows' outputs) and bf16 normalised inputs; off by default."""
-    merge_projections(llama)
-    a0 = llama.layers[0].self_attn
-    inv = mx.ones((a0.head_dim // 2,))
-    step = MG.MegaStep(llama, inv)
-    assert step.rows1 == 1 and step.xbf is False
-    monkeypatch.setenv("MLXP_MEGA_ROWS1", "2")
-    monkeypatch.setenv("MLXP_MEGA_XBF16", "1")
-    step = MG.MegaStep(llama, inv)
-    assert step.rows1 == 2 and step.xbf is True
-    monkeypatch.setenv("MLXP_MEGA_ROWS1", "8")
-    with pytest.raises(ValueError, match="MLXP_MEGA_ROWS1"):
-        MG.MegaStep(llama, inv)
-
-
 def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
     """The batch lane keeps one trace per shape; whether a trace writes the buffers in
     place (the one-kernel step) is its own, not the last-built trace's: a shape that
