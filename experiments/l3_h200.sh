@@ -75,7 +75,7 @@ timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS
 if [ "${TRAINED:-0}" = 1 ]; then
   stage trained-gate
   timeout $(lim 2) python3 experiments/trained_gate.py --preset ${TRAINED_PRESET:-1b} \
-    --steps ${TRAINED_STEPS:-300} --gate-batch ${GATE_BATCH:-8} --out /tmp/trained
+    --steps ${TRAINED_STEPS:-500} --gate-batch ${GATE_BATCH:-8} --out /tmp/trained
   mkdir -p "$OUT/trained" && cp -r /tmp/trained/gate /tmp/trained/train.json "$OUT/trained/" 2>/dev/null
 fi
 if [ "${EXACT:-1}" = 1 ]; then

@@ -17,7 +17,7 @@ stage batch
 run $(lim 110 100) python3 experiments/merged_exactness.py --model /tmp/m/1b \
   --specs l3+fast_batch --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
 stage trained-gate
-run $(lim 2 200) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-150} --gate-batch 8 \
+run $(lim 2 320) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-500} --gate-batch 8 \
   --out /tmp/trained
 mkdir -p "$OUT/trained" && cp -r /tmp/trained/gate /tmp/trained/train.json "$OUT/trained/" 2>/dev/null
 stage done

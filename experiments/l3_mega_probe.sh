@@ -42,7 +42,7 @@ run $(lim ${BENCH_RESERVE:-5} 240) python3 experiments/bench_decode.py $MARGS --
   --gen ${GEN:-64} --trials 5 --tag h200-mega --out "$OUT/bench"
 if [ "${TRAINED:-0}" = 1 ]; then
   stage trained-gate
-  run $(lim 3 400) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-200} --out /tmp/trained
+  run $(lim 3 400) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-500} --out /tmp/trained
   mkdir -p "$OUT/trained" && cp -r /tmp/trained/gate /tmp/trained/train.json "$OUT/trained/" 2>/dev/null
 fi
 stage done

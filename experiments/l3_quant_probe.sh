@@ -31,7 +31,7 @@ run $(lim 5 170) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier
   --lengths 128,2048 --gen 64 --trials 5 --tag h200-q4-mega --out "$OUT/bench-q4"
 if [ "${TRAINED:-0}" = 1 ]; then
   stage trained-gate
-  run $(lim 5 ${TRAINED_S:-300}) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-200} \
+  run $(lim 5 ${TRAINED_S:-300}) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-500} \
     --gate-batch 8 --bits 4 --out /tmp/trained
   mkdir -p "$OUT/trained" && cp -r /tmp/trained/gate* /tmp/trained/train.json "$OUT/trained/" 2>/dev/null
 fi

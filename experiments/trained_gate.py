@@ -19,7 +19,7 @@ L3 against L1, both faults (which must fail), the float32 floor, and with `--bat
 the batch fast step; with `--bits 4` the same model quantized after training is gated too
 (`--out/gate-q4/`). Results: `--out/gate/` (l3_gate.md / .json) and `train.json`.
 
-    python experiments/trained_gate.py --preset 1b --steps 300 --out DIR      # GPU
+    python experiments/trained_gate.py --preset 1b --steps 500 --out DIR      # GPU
     python experiments/trained_gate.py --quick --out DIR                      # CPU dry run
 """
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     ap.add_argument("--quick", action="store_true", help="CPU dry run: a small shape, few steps")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=16, help="sequences per training step")
     ap.add_argument("--length", type=int, default=256, help="tokens per training sequence")
     ap.add_argument("--lr", type=float, default=3e-4)
