@@ -9,7 +9,9 @@
 #   4. (BENCH1B=0 leaves out) bench_decode l1,l3 on 1b bf16;
 #   5. (E8B=0 leaves out) bench_decode l1,l3, mega_check and experiments/l3_overhead.py l1,l3 on 8b;
 #   6. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
-#      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1).
+#      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1), then the step of
+#      separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
+#      next to the bit-exact merged-projection step.
 # Each stage gets what is left of BUDGET, capped.
 #   OUT=/tmp/qp BUDGET=480 bash experiments/l3_quant_probe.sh
 set -u
@@ -60,6 +62,8 @@ if [ "${BATCH:-1}" = 1 ]; then
     --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
   MLXP_MEGA_MULTI=1 run $(lim 3 60) python3 experiments/merged_exactness.py --model /tmp/m/1b \
     --specs l3+fast_batch --batches 32 --trials 3 --out "$OUT/batch32_multi.jsonl"
+  MLXP_DISABLE_KERNELS=gemv run $(lim 3 60) python3 experiments/merged_exactness.py --model /tmp/m/1b \
+    --specs l3+fast_batch,l1+merged_proj --batches 32 --trials 3 --out "$OUT/batch32_nogemv.jsonl"
 fi
 stage done
 } 2>&1 | tee "$OUT/qp.log"
