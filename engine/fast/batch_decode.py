@@ -27,6 +27,8 @@ and `stats.fallback_reason` says why.
 
 from __future__ import annotations
 
+import os
+
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -153,7 +155,7 @@ class FastBatchDecoder:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel"
             if (reason is None and rows > MG.rows_per_call(self.model)
-                    and not MG.env_int("MLXP_MEGA_MULTI", 0)):
+                    and os.environ.get("MLXP_MEGA_MULTI", "0") != "1"):
                 # (several calls a step, each reading every weight: measured slower on the
                 # H200 at 32 rows than the step of separate kernels; MLXP_MEGA_MULTI=1
                 # measures it)

@@ -12,9 +12,10 @@ to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
 model (no q/k norms) with merged q/k/v and gate/up projections, float weights without
 bias or affine 4-bit weights of one group size (8-bit opt-in with MLXP_MEGA_QUANT=1, not yet
-run on a GPU; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating and shapes the kernel's vector loads
-divide. Otherwise the step of engine.fast.decode runs as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default:
-the GPU's SM count, read from the CUDA driver).
+run on a GPU; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating
+and shapes the kernel's vector loads divide. Otherwise the step of engine.fast.decode runs
+as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default: the GPU's SM count, read
+from the CUDA driver).
 """
 
 from __future__ import annotations

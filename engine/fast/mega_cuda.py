@@ -63,10 +63,10 @@ BODY = r"""
   __shared__ float red[WPB][RB];
   __shared__ float sinv[RB];
   float* xf = reinterpret_cast<float*>(xraw);
-  // the normalised inputs (phases A, D and the head) are float (in the model's dtype, and
-  // with 2 or 4 weight rows per warp in the single-row phases, measured no faster)
+  // the normalised inputs (phases A, D and the head) are float, and o_proj, down_proj and
+  // the head take one weight row per warp (bf16 inputs, 2 or 4 rows: measured no faster)
   using XN = float;
-  constexpr int R1 = 1;                            // weight rows per warp: o_proj, down, head
+  constexpr int R1 = 1;
   XN* xn = reinterpret_cast<XN*>(xraw);
   T* xt = reinterpret_cast<T*>(xraw);
   // where element i of a matrix input is stored: swizzled for quantized weights (mega_sw)
