@@ -1,0 +1,31 @@
+#!/bin/bash
+# Device run: where the one-kernel step's warps stall (Nsight Compute on the H200), results
+# under $OUT: for each model in MODELS (default "1b 1b-q4 8b"), one launch of the mega kernel
+# (after warm-up launches) profiled with the speed-of-light, memory, scheduler, warp-state
+# (stall reasons: grid barrier waits show as CTA barrier, weight loads as long scoreboard,
+# shared-memory reads as short scoreboard / MIO throttle) and occupancy sections.
+#   OUT=/tmp/ncu BUDGET=400 bash experiments/l3_ncu.sh
+set -u
+OUT=${OUT:-/tmp/ncu}
+BUDGET=${BUDGET:-400}
+source "$(dirname "$0")/stages.sh"
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+{
+echo "ncu: ${NCU:-none}"
+[ -n "$NCU" ] || exit 2
+for m in ${MODELS:-1b 1b-q4 8b}; do
+  stage "build-$m"
+  case $m in
+    *-q4) python3 -m experiments.presets "${m%-q4}" "/tmp/m/$m" --bits 4 ;;
+    *) python3 -m experiments.presets "$m" "/tmp/m/$m" ;;
+  esac
+  stage "ncu-$m"
+  run $(lim 5 180) "$NCU" --kernel-name regex:mega --launch-skip ${SKIP:-6} --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section Occupancy --section LaunchStats \
+    --csv --page details python3 experiments/mega_check.py --model "/tmp/m/$m" --steps 12 \
+    --out "$OUT/mega_check_$m.json" > "$OUT/ncu_$m.csv"
+  grep -i "stall\|throughput\|duration\|warp cycles" "$OUT/ncu_$m.csv" | head -60
+done
+stage done
+} 2>&1 | tee "$OUT/ncu.log"
