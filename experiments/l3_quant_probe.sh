@@ -8,7 +8,9 @@
 #   3. (CHECK1B=0 leaves out) mega_check on 1b bf16;
 #   4. (BENCH1B=0 leaves out) bench_decode l1,l3 on 1b bf16;
 #   5. (E8B=0 leaves out) bench_decode l1,l3, mega_check and experiments/l3_overhead.py l1,l3 on 8b;
-#   6. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
+#   6. with QWEN3=1: the qwen3-2b preset (per-head q/k norms in the kernel, MLXP_MEGA_QKNORM=1):
+#      mega_check, then bench_decode l1,l3;
+#   7. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
 #      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1), then the step of
 #      separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
 #      next to the bit-exact merged-projection step.
@@ -55,6 +57,14 @@ if [ "${E8B:-1}" = 1 ]; then
     --out "$OUT/mega_check_8b.json"
   run $(lim 5 70) python3 experiments/l3_overhead.py --model /tmp/m/8b --modes l1,l3 --trials 3 \
     --out "$OUT/overhead_8b.jsonl"
+fi
+if [ "${QWEN3:-0}" = 1 ]; then
+  stage qwen3
+  python3 -m experiments.presets qwen3-2b /tmp/m/qwen3-2b
+  MLXP_MEGA_QKNORM=1 MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
+    --model /tmp/m/qwen3-2b --steps 16 --out "$OUT/mega_check_qwen3.json"
+  MLXP_MEGA_QKNORM=1 run $(lim 5 120) python3 experiments/bench_decode.py --model /tmp/m/qwen3-2b \
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-qwen3-mega --out "$OUT/bench-qwen3"
 fi
 if [ "${BATCH:-1}" = 1 ]; then
   stage batch

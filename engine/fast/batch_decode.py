@@ -91,8 +91,8 @@ class FastBatchDecoder:
         self.levers = levers
         self.max_traces = max_traces
         kc = KernelChoice.for_model(model, levers)
-        self.use_kernels, self.use_attn_kernel, self._inv_freq = (
-            kc.use_kernels, kc.use_attn_kernel, kc.inv_freq)
+        self.use_kernels, self.use_attn_kernel, self._inv_freq, self._mega_freq = (
+            kc.use_kernels, kc.use_attn_kernel, kc.inv_freq, kc.mega_freq)
         self._fns: OrderedDict = OrderedDict()
         self._version = module_version(model)
         self._col: Optional[mx.array] = None
@@ -135,7 +135,7 @@ class FastBatchDecoder:
         written in place and stay the caches."""
         n = len(self.model.layers)
         if self._mega is None:
-            self._mega = MG.MegaStep(self.model, self._inv_freq)
+            self._mega = MG.MegaStep(self.model, self._mega_freq)
         logits, _ = self._mega(tokens, pos, col, start, buffers[:n], buffers[n:])
         return logits, pos + 1, col + 1
 
@@ -153,7 +153,7 @@ class FastBatchDecoder:
         entry = self._fns.get(key)
         if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
-            reason = MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel"
+            reason = MG.why_not(self.model, self.levers) if self._mega_freq is not None else "no RoPE kernel"
             if (reason is None and rows > MG.rows_per_call(self.model)
                     and os.environ.get("MLXP_MEGA_MULTI", "0") != "1"):
                 # (several calls a step, each reading every weight: measured slower on the

@@ -102,8 +102,8 @@ class FastDecoder:
         self.model = model
         self.levers = levers
         kc = KernelChoice.for_model(model, levers)
-        self.use_kernels, self.use_attn_kernel, self._inv_freq = (
-            kc.use_kernels, kc.use_attn_kernel, kc.inv_freq)
+        self.use_kernels, self.use_attn_kernel, self._inv_freq, self._mega_freq = (
+            kc.use_kernels, kc.use_attn_kernel, kc.inv_freq, kc.mega_freq)
         self._fns: dict = {}
         self._tuned: set = set()
         self._version = module_version(model)
@@ -154,7 +154,7 @@ class FastDecoder:
     def _forward_mega(self, tokens, pos, *buffers):
         n = len(self.model.layers)
         if self._mega is None:
-            self._mega = MG.MegaStep(self.model, self._inv_freq)
+            self._mega = MG.MegaStep(self.model, self._mega_freq)
         logits, wss = self._mega(tokens, pos, pos, self._zero, buffers[:n], buffers[n:])
         # (the buffers are written in place, and stay the caches); the workspace holds
         # the phase timer's stamps with MLXP_MEGA_PROF=1
@@ -200,7 +200,7 @@ class FastDecoder:
         entry = self._fns.get((capacity, rows))
         if entry is None:
             self.stats.gemv = self.gemv_ok()
-            reason = (MG.why_not(self.model, self.levers) if self._inv_freq is not None else "no RoPE kernel")
+            reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None else "no RoPE kernel")
             if reason is None and rows != 1:
                 reason = "the solo step's one kernel takes one row (the batch lane's takes more)"
             self.stats.mega, self.stats.mega_reason = reason is None, reason

@@ -10,7 +10,8 @@ layer), so a step is a handful of operations whatever the layer count.
 It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the batch, up
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
-model (no q/k norms) with merged q/k/v and gate/up projections, float weights without
+model (or qwen3, whose per-head q/k norms the kernel applies with MLXP_MEGA_QKNORM=1: not
+yet run on a GPU) with merged q/k/v and gate/up projections, float weights without
 bias or affine 4-bit weights of one group size (8-bit opt-in with MLXP_MEGA_QUANT=1, not yet
 run on a GPU; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating
 and shapes the kernel's vector loads divide. Otherwise the step of engine.fast.decode runs
@@ -83,11 +84,12 @@ def why_not(model, levers: Levers) -> Optional[str]:
         return "the mega kernel is off (perf_kernel off or MLXP_DISABLE_KERNELS=mega)"
     if not K.cuda_available() or sm_count() <= 0:
         return "no CUDA device"
-    if getattr(model, "model_type", None) != "llama":
-        return "llama-family models only"
+    if getattr(model, "model_type", None) not in ("llama", "qwen3"):
+        return "llama and qwen3 models only"
     a0 = model.layers[0].self_attn
     if hasattr(a0, "q_norm"):
-        return "q/k norms are not in the kernel"
+        if os.environ.get("MLXP_MEGA_QKNORM", "0") != "1":
+            return "q/k norms in the kernel are opt-in (MLXP_MEGA_QKNORM=1: not yet run on a GPU)"
     parts = _parts(model)
     if parts is None:
         return "q/k/v and gate/up must be merged (merged_proj)"
@@ -111,7 +113,9 @@ def why_not(model, levers: Levers) -> Optional[str]:
         return "shapes the kernel's vector loads do not divide"
     if a0.n_heads % a0.n_kv_heads:
         return "query heads must be a multiple of the key/value heads"
-    if len({p[0].eps for p in parts} | {p[3].eps for p in parts} | {norm.eps}) != 1:
+    qk_eps = {n.eps for layer in model.layers if hasattr(layer.self_attn, "q_norm")
+              for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)}
+    if len({p[0].eps for p in parts} | {p[3].eps for p in parts} | {norm.eps} | qk_eps) != 1:
         return "one RMSNorm eps for every norm"
     if C.rows_per_call(H, a0.n_heads, D, inter, dt.size) < 1:
         return f"phase inputs larger than {C.SHARED_MAX} bytes of shared memory"
@@ -190,6 +194,10 @@ class MegaStep:
         self.shared = [*mat(model.model.embed_tokens), self.inv_freq, norm.weight, *mat(head)]
         self.layers = [a for p in parts for a in (p[0].weight, *mat(p[1]), *mat(p[2]), p[3].weight,
                                                   *mat(p[4]), *mat(p[5]))]
+        self.qkn = hasattr(a0, "q_norm")           # per-head q/k RMSNorm (qwen3)
+        if self.qkn:
+            self.layers += [w for layer in model.layers
+                            for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
         self.prof = os.environ.get("MLXP_MEGA_PROF", "0") == "1"
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
         self.un1 = env_int("MLXP_MEGA_UN1", 8)
@@ -198,9 +206,10 @@ class MegaStep:
 
     def _kernel(self, rows: int):
         smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows)
-        q = bool(self.quant)
-        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_r{rows}_s{smem}", C.input_names(self.L, q),
-                             ["logits", "ws"], C.source(self.L, q), C.HEADER, shared_memory=smem)
+        q, n = bool(self.quant), int(self.qkn)
+        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}",
+                             C.input_names(self.L, q, self.qkn), ["logits", "ws"],
+                             C.source(self.L, q, self.qkn), C.HEADER, shared_memory=smem)
 
     def groups(self, B: int) -> list:
         """(first row, rows) of each kernel call for B rows."""
@@ -225,7 +234,7 @@ class MegaStep:
                           ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
                           ("UN1", self.un1), ("UN2", self.un2),
                           ("QB", self.quant[0] if self.quant else 0),
-                          ("GS", self.quant[1] if self.quant else 32)],
+                          ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb),)],

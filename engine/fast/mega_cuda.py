@@ -7,6 +7,9 @@ the phases of a layer:
 
   A  RMSNorm (as a scale) -> merged q/k/v rows -> RoPE; k and v written into the cache
      at the position, q into the workspace          (a warp per rotation pair)
+  A2 (QKN: models with per-head q/k RMSNorm, qwen3) after one more barrier: phase A
+     leaves q and k unrotated in the workspace; each head is normalised, then rotated,
+     q back into the workspace, k into the cache    (a warp per head)
   B  attention of each query head over a chunk of the cache: partial (max, sum, output)
                                                     (a warp per (head, chunk))
   C  the chunks combined (every block, into shared memory) -> o_proj + residual
@@ -57,7 +60,8 @@ BODY = r"""
   float* obuf = abuf + RB * I;                     // [RB][QD]
   unsigned int* hcnt = reinterpret_cast<unsigned int*>(obuf + RB * QD);   // [L][RB][NQ]
   float* part = obuf + RB * QD + L * RB * NQ;      // [RB][NQ][MAXCH][PSTR]
-  unsigned int* prof = reinterpret_cast<unsigned int*>(part + (size_t)RB * NQ * MAXCH * PSTR);
+  float* kraw = part + (size_t)RB * NQ * MAXCH * PSTR;   // [RB][NKV * D] keys before their norm
+  unsigned int* prof = reinterpret_cast<unsigned int*>(kraw + RB * QD);
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
   __shared__ float red[WPB][RB];
@@ -174,7 +178,11 @@ __TABLES__
           const float x1 = static_cast<float>(T(acc[b] * sinv[b]));
           const float x2 = static_cast<float>(T(acc[RB + b] * sinv[b]));
           const size_t row = (size_t)(ROW0 + b);
-          if (head < NQ + NKV) {
+          if (QKN && head < NQ + NKV) {          // normalised and rotated in phase A2
+            float* dst = head < NQ ? qbuf + b * QD + head * D : kraw + b * QD + (head - NQ) * D;
+            dst[i] = x1;
+            dst[i + HALF] = x2;
+          } else if (head < NQ + NKV) {
             const float theta = static_cast<float>(rpos[ROW0 + b] + SHIFT) * inv_freq[i];
             float sn, c;
             sincosf(theta, &sn, &c);
@@ -191,6 +199,46 @@ __TABLES__
             T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D;
             vc[i] = T(x1);
             vc[i + HALF] = T(x2);
+          }
+        }
+      }
+    }
+    if constexpr (QKN != 0) {
+      mega_grid_sync(ctr, target);
+      // --- A2 (q/k norms): a warp per (row, q or k head): RMSNorm over the head's D values
+      // (rounded as the model's RMSNorm rounds: normalised, then times the weight), RoPE on
+      // the pairs (i, i + D/2) a lane owns, q back into qbuf, k into the cache
+      constexpr int PPL = (HALF + 31) / 32;     // rotation pairs a lane owns (i < HALF)
+      for (int u = gw; u < RB * (NQ + NKV); u += NW) {
+        const int b = u / (NQ + NKV), hd = u % (NQ + NKV);
+        float* src = hd < NQ ? qbuf + b * QD + hd * D : kraw + b * QD + (hd - NQ) * D;
+        const T* nw = hd < NQ ? QN[l] : KN[l];
+        float x1[PPL], x2[PPL], ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const bool own = lane + 32 * j < HALF;
+          x1[j] = own ? __ldcg(src + lane + 32 * j) : 0.f;
+          x2[j] = own ? __ldcg(src + lane + 32 * j + HALF) : 0.f;
+          ss += x1[j] * x1[j] + x2[j] * x2[j];
+        }
+        const float rn = rsqrtf(mega_warp_sum(ss) / D + eps);
+        const float pos = static_cast<float>(rpos[ROW0 + b] + SHIFT);
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int i = lane + 32 * j;
+          if (i >= HALF) break;
+          const float y1 = static_cast<float>(T(static_cast<float>(T(x1[j] * rn)) * static_cast<float>(nw[i])));
+          const float y2 = static_cast<float>(T(static_cast<float>(T(x2[j] * rn)) * static_cast<float>(nw[i + HALF])));
+          float sn, c;
+          sincosf(pos * inv_freq[i], &sn, &c);
+          const T z1 = T(y1 * c - y2 * sn), z2 = T(y1 * sn + y2 * c);
+          if (hd < NQ) {
+            src[i] = static_cast<float>(z1);
+            src[i + HALF] = static_cast<float>(z2);
+          } else {
+            T* kc = KC[l] + (((size_t)(ROW0 + b) * NKV + (hd - NQ)) * CAP + wcol) * D;
+            kc[i] = z1;
+            kc[i + HALF] = z2;
           }
         }
       }
@@ -372,26 +420,29 @@ PER_LAYER = ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")
 QUANT = ("wqkv", "wo", "wgu", "wd")       # per layer, the matrices (quantized: + _s, _b)
 
 
-def input_names(n_layers: int, quantized: bool = False) -> list:
+def input_names(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> list:
     """The kernel's inputs, in order: the step's scalars and shared weights, then per
-    layer its norms and projections, then the key and value caches; with `quantized`
-    every weight matrix (the embedding and the head too) is followed by its group scales
-    (`_s`) and biases (`_b`)."""
+    layer its norms and projections, (with `qk_norm` then per layer its q and k norm
+    weights,) then the key and value caches; with `quantized` every weight matrix (the
+    embedding and the head too) is followed by its group scales (`_s`) and biases (`_b`)."""
     q = (lambda n: [n, f"{n}_s", f"{n}_b"]) if quantized else (lambda n: [n])
     names = ["tok", "rpos", "col", "start_col", *q("emb"), "inv_freq", "fnorm", *q("headw")]
     for i in range(n_layers):
         for k in PER_LAYER:
             names += q(f"{k}_{i}") if k in QUANT else [f"{k}_{i}"]
+    if qk_norm:
+        names += [n for i in range(n_layers) for n in (f"qn_{i}", f"kn_{i}")]
     names += [f"k_{i}" for i in range(n_layers)] + [f"v_{i}" for i in range(n_layers)]
     # not read: the previous call's workspace, so that MLX orders the calls of one step
     # (two of these kernels running at once could each hold SMs the other waits for)
     return names + ["after"]
 
 
-def source(n_layers: int, quantized: bool = False) -> str:
+def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str:
     """BODY with the per-layer pointer tables for n_layers layers (weight matrices as
     `const void*`: T elements, or packed words with `quantized`; their scale and bias
-    tables hold null pointers for float weights)."""
+    tables hold null pointers for float weights; so do the q/k norm tables without
+    `qk_norm`)."""
     def table(name, key, kind="const T*", suffix=""):
         cast = "const_cast<T*>({})" if kind == "T*" else "{}"
         items = ", ".join(cast.format(f"{key}_{i}{suffix}") for i in range(n_layers))
@@ -404,6 +455,10 @@ def source(n_layers: int, quantized: bool = False) -> str:
         return out + f"  const T* {name}_S[{n_layers}] = {{}};\n  const T* {name}_B[{n_layers}] = {{}};\n"
     tables = (table("LN1", "ln1") + matrix("WQKV", "wqkv") + matrix("WO", "wo") + table("LN2", "ln2")
               + matrix("WGU", "wgu") + matrix("WD", "wd") + table("KC", "k", "T*") + table("VC", "v", "T*"))
+    if qk_norm:
+        tables += table("QN", "qn") + table("KN", "kn")
+    else:
+        tables += f"  const T* QN[{n_layers}] = {{}};\n  const T* KN[{n_layers}] = {{}};\n"
     if quantized:
         tables += ("  const T* EMB_S = emb_s; const T* EMB_B = emb_b;\n"
                    "  const T* HEAD_S = headw_s; const T* HEAD_B = headw_b;\n")
@@ -414,10 +469,11 @@ def source(n_layers: int, quantized: bool = False) -> str:
 
 def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1) -> int:
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
-    SiLU·up output, attention output; per-layer chunk counters, attention partials, then
-    the PROF stamps."""
+    SiLU·up output, attention output; per-layer chunk counters, attention partials, the
+    keys before their norm (q/k norms), then the PROF stamps."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + n_layers * rows * n_heads
-            + rows * n_heads * MAXCH * (head_dim + 2) + 2 * n_stamps(n_layers))
+            + rows * n_heads * MAXCH * (head_dim + 2) + rows * n_heads * head_dim
+            + 2 * n_stamps(n_layers))
 
 
 def n_stamps(n_layers: int) -> int:

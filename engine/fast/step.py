@@ -31,20 +31,22 @@ class KernelChoice:
     use_kernels: bool                 # add_rms / rope_qkv CUDA kernels (else stand-ins)
     use_attn_kernel: bool             # the decode-attention CUDA kernel
     inv_freq: Optional[mx.array]      # the RoPE kernel's inverse frequencies (None: not used)
+    # RoPE's inverse frequencies for the one-kernel step (engine.fast.mega), which also
+    # applies q/k norms (None: kernels off)
+    mega_freq: Optional[mx.array] = None
 
     @classmethod
     def for_model(cls, model, levers: Levers) -> "KernelChoice":
         """The kernels run only on an NVIDIA GPU; the RoPE kernel works on the merged q/k/v
-        output, so not for models with q/k norms (qwen3). Merges the projections first
-        where `merged_proj` is on."""
+        output, so not for models with q/k norms (qwen3; the one-kernel step applies them
+        itself). Merges the projections first where `merged_proj` is on."""
         cuda = K.cuda_available()
         if levers.merged_proj:
             merge_projections(model)
         uk = levers.perf_kernel and cuda
         a0 = model.layers[0].self_attn
-        rope_ok = uk and not hasattr(a0, "q_norm")
-        return cls(uk, levers.fused_sdpa and cuda,
-                   K.rope_inv_freq(a0.rope, a0.head_dim) if rope_ok else None)
+        freq = K.rope_inv_freq(a0.rope, a0.head_dim) if uk else None
+        return cls(uk, levers.fused_sdpa and cuda, None if hasattr(a0, "q_norm") else freq, freq)
 
 
 def rotated_qkv(attn, x: mx.array, pos: mx.array, inv_freq: Optional[mx.array]):

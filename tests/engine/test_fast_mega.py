@@ -9,6 +9,7 @@ place being made contiguous arrays of their own first.
 import mlx.core as mx
 import pytest
 
+from engine.fast import kernels as K
 from engine.fast import mega as MG
 from engine.fast import mega_cuda as C
 from engine.fast.decode import FastDecoder, own_contiguous
@@ -38,9 +39,36 @@ def test_inputs_tables_and_workspace_layout():
     # the workspace grows with the rows of a call, and ends with the phase stamps
     one = C.workspace_floats(2048, 32, 64, 8192, 16, 1)
     eight = C.workspace_floats(2048, 32, 64, 8192, 16, 8)
-    per_row = 2048 + 2 * 32 * 64 + 8192 + 16 * 32 + 32 * C.MAXCH * 66
+    per_row = 2048 + 2 * 32 * 64 + 8192 + 16 * 32 + 32 * C.MAXCH * 66 + 32 * 64
     assert eight - one == 7 * per_row
     assert C.n_stamps(16) == 2 + 5 * 16
+    # q/k norms: per layer their two weights after the projections, before the caches
+    qk = C.input_names(3, qk_norm=True)
+    assert qk[8 + 6 * 3: 8 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
+    assert qk[-7:] == names[-7:] and len(qk) == len(names) + 6
+    assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.source(3, qk_norm=True)
+    assert "const T* QN[3] = {};" in src
+
+
+def test_qwen3_q_k_norms_are_opt_in(monkeypatch):
+    """qwen3's per-head q/k norms run inside the kernel only with MLXP_MEGA_QKNORM=1 (not
+    yet run on a GPU); its norm weights then follow the layers' inputs."""
+    q3 = load_model(str(ensure_fixture("qwen3", "bfloat16")))[0]
+    merge_projections(q3)
+    monkeypatch.setattr(K, "cuda_available", lambda: True)
+    monkeypatch.setattr(MG, "sm_count", lambda: 132)
+    levers = resolve("l3", env={})
+    monkeypatch.delenv("MLXP_MEGA_QKNORM", raising=False)
+    assert "opt-in" in MG.why_not(q3, levers)
+    monkeypatch.setenv("MLXP_MEGA_QKNORM", "1")
+    # past the q/k norm check: the tiny fixture's widths are what stops it now
+    assert "vector loads" in MG.why_not(q3, levers)
+    a0 = q3.layers[0].self_attn
+    step = MG.MegaStep(q3, mx.ones((a0.head_dim // 2,)))
+    assert step.qkn and len(step.layers) == 8 * step.L
+    assert step.layers[6 * step.L] is a0.q_norm.weight and step.layers[6 * step.L + 1] is a0.k_norm.weight
+    names = C.input_names(step.L, qk_norm=True)
+    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +151,7 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     names = C.input_names(step.L, quantized=True)
     assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
     assert step.dtype == q4.layers[0].mlp.down_proj.scales.dtype
-    assert "const T* WQKV_S[" in C.source(step.L, quantized=True) and "= {}" not in C.source(step.L, True)
+    assert "const T* WQKV_S[" in C.source(step.L, quantized=True) and "_S[2] = {}" not in C.source(step.L, True)
     # a float model is never taken as quantized
     assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
 
@@ -147,10 +175,10 @@ def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
     monkeypatch.setattr(MG, "why_not", lambda model, levers: None)
     monkeypatch.setattr(MG, "rows_per_call", lambda model: 2)
     dec = FastBatchDecoder(llama, resolve("l3", env={}))
-    dec._inv_freq = mx.ones((llama.layers[0].self_attn.head_dim // 2,))   # (as on a GPU)
+    dec._mega_freq = mx.ones((llama.layers[0].self_attn.head_dim // 2,))   # (as on a GPU)
     assert dec._fn(2, 512)[1] is True
     assert dec._fn(4, 512)[1] is False and dec.stats.mega is False
     assert dec._fn(2, 512)[1] is True                   # (reused: still the in-place step)
     solo = FastDecoder(llama, resolve("l3", env={}))
-    solo._inv_freq = dec._inv_freq
+    solo._mega_freq = dec._mega_freq
     assert solo._fn(512, 1)[1] is True and solo._fn(512, 2)[1] is False and solo._fn(512, 1)[1] is True

@@ -8,7 +8,8 @@ rounded into the cache, attention through the chunked mirror of test_fast_mega_m
 residual adds and SiLU·up rounded as the model's own operations. Teacher-forced over a
 few decode steps, its logits must agree with L1's to within bf16 rounding, and each
 deliberately broken variant (RoPE one position off, the newest key dropped, gate and up
-rows swapped) must move them further than that.
+rows swapped) must move them further than that. The same for qwen3 with its per-head q/k
+norms (phase A2 of the kernel), where leaving the norms out must move them further.
 """
 
 import mlx.core as mx
@@ -40,6 +41,9 @@ class Mirror:
                 wo=to_np(attn.o_proj.weight), ln2=to_np(layer.post_attention_layernorm.weight),
                 wgu=to_np(merged_of(mlp, ("gate_proj", "up_proj")).linear.weight),
                 wd=to_np(mlp.down_proj.weight)))
+            if hasattr(attn, "q_norm"):             # qwen3: per-head q/k RMSNorm (phase A2)
+                self.layers[-1].update(qn=to_np(attn.q_norm.weight), kn=to_np(attn.k_norm.weight),
+                                       qk_eps=attn.q_norm.eps)
         norm, head = model.head_parts()
         self.fnorm, self.headw = to_np(norm.weight), to_np(head.weight)
         self.emb = to_np(model.model.embed_tokens.weight)
@@ -52,7 +56,13 @@ class Mirror:
         inv = 1.0 / np.sqrt(np.float32(h @ h) / h.size + np.float32(eps))
         return self.r((W @ (h * nw)) * inv)
 
-    def step(self, tok, pos, kc, vc, shift=0, drop=0, swap_gate_up=False):
+    def head_norm(self, x, w, eps):
+        """Phase A2: a head's values (rounded projections) RMS-normalised in float32,
+        rounded, times the weight, rounded (as the model's RMSNorm rounds)."""
+        inv = 1.0 / np.sqrt(np.float32(x @ x) / x.size + np.float32(eps))
+        return self.r(self.r(x * inv) * w)
+
+    def step(self, tok, pos, kc, vc, shift=0, drop=0, swap_gate_up=False, skip_qk_norm=False):
         NQ, NKV, D, half = self.NQ, self.NKV, self.D, self.D // 2
         h = self.emb[tok].copy()
         for i, w in enumerate(self.layers):
@@ -60,6 +70,11 @@ class Mirror:
             th = np.float32(pos + shift) * self.inv_freq
             c, s = np.cos(th), np.sin(th)
             heads = qkv.reshape(NQ + 2 * NKV, D)
+            if "qn" in w and not skip_qk_norm:
+                heads = np.concatenate([
+                    [self.head_norm(x, w["qn"], w["qk_eps"]) for x in heads[:NQ]],
+                    [self.head_norm(x, w["kn"], w["qk_eps"]) for x in heads[NQ:NQ + NKV]],
+                    heads[NQ + NKV:]])
             x1, x2 = heads[:NQ + NKV, :half], heads[:NQ + NKV, half:]
             rot = self.r(np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=1))
             q, k, v = rot[:NQ], rot[NQ:], heads[NQ + NKV:]
@@ -124,3 +139,25 @@ def test_broken_mirrors_move_further(setup, fault):
     good = max(rel(g, r) for r, g in run(model, mir, prompt, seq))
     bad = max(rel(g, r) for r, g in run(model, mir, prompt, seq, **fault))
     assert bad > 2 * good, (good, bad)
+
+
+@pytest.fixture(scope="module")
+def setup_qwen3():
+    model = load_model(str(ensure_fixture("qwen3", "bfloat16")))[0]
+    mir = Mirror(model)
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(1, 1000, 40)]
+    seq = [int(t) for t in rng.integers(1, 1000, 6)]
+    return model, mir, prompt, seq
+
+
+def test_mirror_with_q_k_norms_agrees_with_l1(setup_qwen3):
+    """qwen3 (phase A2: each q and k head RMS-normalised before RoPE): same bound as llama,
+    and leaving the norms out must move the logits further."""
+    model, mir, prompt, seq = setup_qwen3
+    good = run(model, mir, prompt, seq)
+    for ref, got in good:
+        assert rel(got, ref) < 2e-2
+        assert np.argmax(got) == np.argmax(ref)
+    bad = max(rel(g, r) for r, g in run(model, mir, prompt, seq, skip_qk_norm=True))
+    assert bad > 2 * max(rel(g, r) for r, g in good), bad
