@@ -80,11 +80,11 @@ def source() -> str:
             args = [f"const {ty(t)}* {n}" for n, t in ins] + [f"{ty(t)}* {n}" for n, t in outs]
             src += f"__global__ void k_{name}_{T.strip('_')}({', '.join(args)}) {{\n  using T = {T};\n"
             src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tmpl.items()) + body + "\n}\n"
-    # the one-kernel step (1B shapes, 16 layers): float and 4-bit weights, and float with
+    # the one-kernel step (1B shapes, 16 layers): float, 4-bit and 8-bit weights, and float with
     # q/k norms; its header
     # redefines __global__ (launch bounds)
     src += "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
-    for qb, qkn in ((0, 0), (4, 0), (0, 1)):
+    for qb, qkn in ((0, 0), (4, 0), (8, 0), (0, 1)):
         names = MC.input_names(16, quantized=bool(qb), qk_norm=bool(qkn))
         mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(16)}
 

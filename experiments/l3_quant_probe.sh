@@ -8,7 +8,8 @@
 #   3. (CHECK1B=0 leaves out) mega_check on 1b bf16;
 #   4. (BENCH1B=0 leaves out) bench_decode l1,l3 on 1b bf16;
 #   5. (E8B=0 leaves out) bench_decode l1,l3, mega_check and experiments/l3_overhead.py l1,l3 on 8b;
-#   6. with QWEN3=1: the qwen3-2b preset (per-head q/k norms in the kernel, MLXP_MEGA_QKNORM=1):
+#   6. with Q8=1: 1b with 8-bit weights through the kernel (MLXP_MEGA_QUANT=1), mega_check and
+#      bench_decode l1,l3; with QWEN3=1: the qwen3-2b preset (per-head q/k norms in the kernel, MLXP_MEGA_QKNORM=1):
 #      mega_check, then bench_decode l1,l3;
 #   7. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
 #      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1), then the step of
@@ -57,6 +58,14 @@ if [ "${E8B:-1}" = 1 ]; then
     --out "$OUT/mega_check_8b.json"
   run $(lim 5 70) python3 experiments/l3_overhead.py --model /tmp/m/8b --modes l1,l3 --trials 3 \
     --out "$OUT/overhead_8b.jsonl"
+fi
+if [ "${Q8:-0}" = 1 ]; then
+  stage q8
+  python3 -m experiments.presets 1b /tmp/m/1b-q8 --bits 8
+  MLXP_MEGA_QUANT=1 MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
+    --model /tmp/m/1b-q8 --steps 16 --out "$OUT/mega_check_q8.json"
+  MLXP_MEGA_QUANT=1 run $(lim 5 120) python3 experiments/bench_decode.py --model /tmp/m/1b-q8 \
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-q8-mega --out "$OUT/bench-q8"
 fi
 if [ "${QWEN3:-0}" = 1 ]; then
   stage qwen3
