@@ -8,9 +8,9 @@
 #   3. (CHECK1B=0 leaves out) mega_check on 1b bf16;
 #   4. (BENCH1B=0 leaves out) bench_decode l1,l3 on 1b bf16;
 #   5. (E8B=0 leaves out) bench_decode l1,l3, mega_check and experiments/l3_overhead.py l1,l3 on 8b;
-#   6. with Q8=1: 1b with 8-bit weights through the kernel (MLXP_MEGA_QUANT=1), mega_check and
-#      bench_decode l1,l3; with QWEN3=1: the qwen3-2b preset (per-head q/k norms in the kernel, MLXP_MEGA_QKNORM=1):
-#      mega_check, then bench_decode l1,l3;
+#   6. with Q8=1: 1b with 8-bit weights through the kernel (MLXP_MEGA_QUANT=1), and with
+#      QWEN3=1 the qwen3-2b preset (per-head q/k norms in the kernel, MLXP_MEGA_QKNORM=1):
+#      each mega_check, then bench_decode l1,l3;
 #   7. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
 #      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1), then the step of
 #      separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
