@@ -61,6 +61,11 @@ SPECS["gemv_rope"] = (C.SPLIT_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO, _ROPE_T)
 SPECS["gemv_rope_warp"] = (C.WARP_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO,
                            {**_ROPE_T, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 2})
 from engine.fast import mega_cuda as MC  # noqa: E402
+from experiments import mma_probe  # noqa: E402
+
+# the tensor-core GEMV probe (experiments/mma_probe.py; bf16 only, compiled for every T here)
+SPECS["mma_probe_b32"] = (mma_probe.SOURCE, [("W", "T"), ("x", "T")], [("y", "T")],
+                          dict(N=2048, K=2048, B=32, WARPS=8))
 
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -11,7 +11,8 @@
 #   6. with Q8=1: 1b with 8-bit weights through the kernel (MLXP_MEGA_QUANT=1), and with
 #      QWEN3=1 the qwen3-2b preset (per-head q/k norms in the kernel, MLXP_MEGA_QKNORM=1):
 #      each mega_check, then bench_decode l1,l3;
-#   7. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
+#   7. with MMA=1: experiments/mma_probe.py, a tensor-core GEMV at 1-32 rows against MLX's matmul;
+#   8. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
 #      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1), then the step of
 #      separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
 #      next to the bit-exact merged-projection step.
@@ -74,6 +75,10 @@ if [ "${QWEN3:-0}" = 1 ]; then
     --model /tmp/m/qwen3-2b --steps 16 --out "$OUT/mega_check_qwen3.json"
   MLXP_MEGA_QKNORM=1 run $(lim 5 120) python3 experiments/bench_decode.py --model /tmp/m/qwen3-2b \
     --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-qwen3-mega --out "$OUT/bench-qwen3"
+fi
+if [ "${MMA:-0}" = 1 ]; then
+  stage mma
+  run $(lim 5 150) python3 experiments/mma_probe.py --out "$OUT/mma"
 fi
 if [ "${BATCH:-1}" = 1 ]; then
   stage batch
