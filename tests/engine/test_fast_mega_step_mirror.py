@@ -116,14 +116,18 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(scope="module")
-def setup():
-    model = load_model(str(ensure_fixture("llama", "bfloat16")))[0]
-    mir = Mirror(model)
-    rng = np.random.default_rng(7)
+def case(family: str, seed: int):
+    """(model, its mirror, a 40-token prompt, 6 tokens to feed) for a bf16 fixture."""
+    model = load_model(str(ensure_fixture(family, "bfloat16")))[0]
+    rng = np.random.default_rng(seed)
     prompt = [int(t) for t in rng.integers(1, 1000, 40)]
     seq = [int(t) for t in rng.integers(1, 1000, 6)]
-    return model, mir, prompt, seq
+    return model, Mirror(model), prompt, seq
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return case("llama", 7)
 
 
 def test_mirror_agrees_with_l1(setup):
@@ -143,12 +147,7 @@ def test_broken_mirrors_move_further(setup, fault):
 
 @pytest.fixture(scope="module")
 def setup_qwen3():
-    model = load_model(str(ensure_fixture("qwen3", "bfloat16")))[0]
-    mir = Mirror(model)
-    rng = np.random.default_rng(11)
-    prompt = [int(t) for t in rng.integers(1, 1000, 40)]
-    seq = [int(t) for t in rng.integers(1, 1000, 6)]
-    return model, mir, prompt, seq
+    return case("qwen3", 11)
 
 
 def test_mirror_with_q_k_norms_agrees_with_l1(setup_qwen3):
