@@ -94,7 +94,7 @@ def source() -> str:
         mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(16)}
 
         def ty(n):
-            if n in ("tok", "rpos", "col", "start_col"):
+            if n in ("tok", "rpos", "col", "start_col", "opt"):
                 return "int32_t"
             if n in ("inv_freq", "after"):
                 return "float"

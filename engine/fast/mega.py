@@ -47,6 +47,21 @@ def env_int(name: str, default: int) -> int:
     return int(raw)
 
 
+OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8}   # mega_device.py's MEGA_OPT_*
+OPT_DEFAULT = 0
+
+
+def opt_mask() -> int:
+    """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS, 0-15; unset: OPT_DEFAULT)."""
+    raw = os.environ.get("MLXP_MEGA_OPT", "")
+    if not raw:
+        return OPT_DEFAULT
+    if not raw.isdigit() or int(raw) > sum(OPT_BITS.values()):
+        raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
+                         f"(a sum of {OPT_BITS}), not {raw!r}")
+    return int(raw)
+
+
 @functools.lru_cache(maxsize=1)
 def sm_count() -> int:
     """Streaming multiprocessors of CUDA device 0 (0: unknown), or $MLXP_MEGA_BLOCKS."""
@@ -202,6 +217,7 @@ class MegaStep:
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
         self.un1 = env_int("MLXP_MEGA_UN1", 8)
         self.un2 = env_int("MLXP_MEGA_UN2", 4)
+        self.opt = mx.array([opt_mask()], dtype=mx.int32)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):
@@ -219,7 +235,7 @@ class MegaStep:
         fault = K.active_fault()
         B = tokens.size
         ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
-               col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B),
+               col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B), self.opt,
                *self.shared, *self.layers, *keys, *values]
         logits, wss = [], []
         for row0, rb in self.groups(B):

@@ -32,6 +32,7 @@ count (`source(L)`).
 
 from __future__ import annotations
 
+from . import mega_attn as A
 from . import mega_device as D
 
 THREADS = 512
@@ -66,6 +67,9 @@ BODY = r"""
   extern __shared__ __align__(16) unsigned char xraw[];
   __shared__ float red[WPB][RB];
   __shared__ float sinv[RB];
+  __shared__ float part2[WPB / 2][2 * RB];       // phase A with QSPLIT: the second halves' sums
+  const unsigned int OPT = (unsigned int)opt[0];
+  const unsigned long long pol = mega_policy(OPT & MEGA_OPT_EVF);
   float* xf = reinterpret_cast<float*>(xraw);
   // the normalised inputs (phases A, D and the head) are float, and o_proj, down_proj and
   // the head take one weight row per warp (bf16 inputs, 2 or 4 rows: measured no faster)
@@ -152,7 +156,7 @@ __TABLES__
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
       float acc[R1 * RB];
-      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc);
+      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -164,14 +168,24 @@ __TABLES__
   };
 
   for (int l = 0; l < L; ++l) {
-    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair)
+    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
+    // QSPLIT two warps of a block per pair, each over half of H, added in shared memory)
     {
+      if (OPT & MEGA_OPT_KVPF) {      // the layer's cached keys and values into L2
+        constexpr int RBY = D * (int)sizeof(T);
+        for (int b = 0; b < RB; ++b) {
+          const size_t lo = (size_t)start_col[ROW0 + b] * RBY / 128 * 128, hi = (size_t)wcol * RBY;
+          const int nl = hi > lo ? (int)((hi - lo + 127) / 128) : 0;
+          for (int j = (int)(blockIdx.x * THREADS + threadIdx.x); j < 2 * NKV * nl; j += (int)(gridDim.x * THREADS)) {
+            const int g = (j / nl) % NKV;
+            const T* base = ((j / nl) < NKV ? KC[l] : VC[l]) + ((size_t)(ROW0 + b) * NKV + g) * CAP * D;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(base) + lo + (size_t)(j % nl) * 128));
+          }
+        }
+      }
       load_normed(LN1[l], l == 0);
-      for (int u = gw; u < NPAIR; u += NW) {
-        const int head = u / HALF, i = u % HALF, r1 = head * D + i;
-        const int idx[2] = {r1, r1 + HALF};
-        float acc[2 * RB];
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc);
+      auto qkv_out = [&](int u, const float* acc) {
+        const int head = u / HALF, i = u % HALF;
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -200,6 +214,38 @@ __TABLES__
             vc[i] = T(x1);
             vc[i + HALF] = T(x2);
           }
+        }
+      };
+      constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
+      if (HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)) {
+        constexpr int PPB = WPB / 2;             // pairs a block takes per round
+        const int pr = warp % PPB, half = warp / PPB;
+        for (int base = (int)blockIdx.x * PPB; base < NPAIR; base += (int)gridDim.x * PPB) {
+          const int u = base + pr, r1 = (u / HALF) * D + u % HALF;
+          const int idx[2] = {r1, r1 + HALF};
+          float acc[2 * RB];
+          if (u < NPAIR) {
+            mega_mat_dot<T, XN, HS, 2, RB, UN2, QB, GS, H>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn,
+                                                           lane, acc, pol, half * HS);
+            if (half == 1 && lane == 0)
+#pragma unroll
+              for (int j = 0; j < 2 * RB; ++j) part2[pr][j] = acc[j];
+          }
+          __syncthreads();
+          if (half == 0 && u < NPAIR) {
+#pragma unroll
+            for (int j = 0; j < 2 * RB; ++j) acc[j] += part2[pr][j];
+            qkv_out(u, acc);
+          }
+          __syncthreads();
+        }
+      } else {
+        for (int u = gw; u < NPAIR; u += NW) {
+          const int r1 = (u / HALF) * D + u % HALF;
+          const int idx[2] = {r1, r1 + HALF};
+          float acc[2 * RB];
+          mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
+          qkv_out(u, acc);
         }
       }
     }
@@ -245,100 +291,7 @@ __TABLES__
     }
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
-    // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
-    // column j of each 32 (its key row read whole), then the lanes own DPL of the D
-    // output dims and add up p_j * v_j (a batch of value loads issued at once); a chunk's
-    // partial (max, sum, output) goes to the workspace, and the last warp to finish a
-    // (row, head)'s chunks (a counter each) combines them into obuf.
-    {
-      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
-      __syncthreads();
-      const T* kcache = KC[l];
-      const T* vcache = VC[l];
-      for (int u = gw; u < RB * NQ * nch; u += NW) {
-        const int b = u / (NQ * nch), hq = (u / nch) % NQ, c = u % nch, g = hq / (NQ / NKV);
-        const size_t row = (size_t)(ROW0 + b);
-        const T* kb = kcache + (row * NKV + g) * CAP * D;
-        const T* vb = vcache + (row * NKV + g) * CAP * D;
-        const int start = max(c * cs, start_col[ROW0 + b]), end = min(aend, c * cs + cs);
-        const float* qh = xf + b * QD + hq * D;
-        float m = NEG_INF, lsum = 0.f, o[DPL];
-#pragma unroll
-        for (int d = 0; d < DPL; ++d) o[d] = 0.f;
-        for (int p0 = start; p0 < end; p0 += 32) {
-          const int pp = p0 + lane;
-          float sc = NEG_INF;
-          if (pp < end) {
-            const T* kr = kb + (size_t)pp * D;
-            uint4 kv[D / VEC];
-#pragma unroll
-            for (int v = 0; v < D / VEC; ++v) kv[v] = __ldcg(reinterpret_cast<const uint4*>(kr + v * VEC));
-            float dot = 0.f;
-#pragma unroll
-            for (int v = 0; v < D / VEC; ++v) {
-              const T* ke = reinterpret_cast<const T*>(&kv[v]);
-#pragma unroll
-              for (int j = 0; j < VEC; ++j) dot += qh[v * VEC + j] * static_cast<float>(ke[j]);
-            }
-            sc = dot * scale;
-          }
-          const float mn = fmaxf(m, mega_warp_max(sc));
-          const float pj = pp < end ? __expf(sc - mn) : 0.f;
-          const float corr = __expf(m - mn);
-          lsum = lsum * corr + mega_warp_sum(pj);
-#pragma unroll
-          for (int d = 0; d < DPL; ++d) o[d] *= corr;
-          // the values for this lane's dims, VB columns' loads issued before they are used
-          constexpr int VB = DPL <= 2 ? 32 : 16;
-#pragma unroll
-          for (int j0 = 0; j0 < 32; j0 += VB) {
-            float vv[VB][DPL];
-#pragma unroll
-            for (int j = 0; j < VB; ++j) {
-              const T* vr = vb + (size_t)min(p0 + j0 + j, end - 1) * D + lane * DPL;
-#pragma unroll
-              for (int d = 0; d < DPL; ++d) vv[j][d] = mega_ldcg_t(vr + d);
-            }
-#pragma unroll
-            for (int j = 0; j < VB; ++j) {
-              const float pjj = __shfl_sync(0xffffffffu, pj, j0 + j);
-#pragma unroll
-              for (int d = 0; d < DPL; ++d) o[d] += pjj * vv[j][d];
-            }
-          }
-          m = mn;
-        }
-        float* pr = part + (((size_t)b * NQ + hq) * MAXCH + c) * PSTR;
-#pragma unroll
-        for (int d = 0; d < DPL; ++d) pr[lane * DPL + d] = o[d];
-        if (lane == 0) { pr[D] = m; pr[D + 1] = lsum; }
-        __threadfence();
-        unsigned int done = 0;
-        if (lane == 0) done = atomicAdd(hcnt + ((size_t)l * RB + b) * NQ + hq, 1u);
-        done = __shfl_sync(0xffffffffu, done, 0);
-        if (done == (unsigned int)(nch - 1)) {        // the last chunk of (row, head): combine
-          __threadfence();
-          const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
-          float M = NEG_INF;
-          for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(p2 + cc * PSTR + D));
-          float ls = 0.f, acc[DPL];
-#pragma unroll
-          for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
-          for (int cc = 0; cc < nch; ++cc) {
-            const float* q2 = p2 + cc * PSTR;
-            const float mc = __ldcg(q2 + D);
-            const float wgt = mc == NEG_INF ? 0.f : __expf(mc - M);
-            ls += wgt * __ldcg(q2 + D + 1);
-#pragma unroll
-            for (int d = 0; d < DPL; ++d) acc[d] += wgt * __ldcg(q2 + lane * DPL + d);
-          }
-#pragma unroll
-          for (int d = 0; d < DPL; ++d)
-            obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
-        }
-      }
-      MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-    }
+__ATTENTION__
     mega_grid_sync(ctr, target);
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
@@ -356,7 +309,7 @@ __TABLES__
       for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -393,7 +346,7 @@ __TABLES__
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
       float acc[R1 * RB];
-      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc);
+      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -426,7 +379,7 @@ def input_names(n_layers: int, quantized: bool = False, qk_norm: bool = False) -
     weights,) then the key and value caches; with `quantized` every weight matrix (the
     embedding and the head too) is followed by its group scales (`_s`) and biases (`_b`)."""
     q = (lambda n: [n, f"{n}_s", f"{n}_b"]) if quantized else (lambda n: [n])
-    names = ["tok", "rpos", "col", "start_col", *q("emb"), "inv_freq", "fnorm", *q("headw")]
+    names = ["tok", "rpos", "col", "start_col", "opt", *q("emb"), "inv_freq", "fnorm", *q("headw")]
     for i in range(n_layers):
         for k in PER_LAYER:
             names += q(f"{k}_{i}") if k in QUANT else [f"{k}_{i}"]
@@ -464,7 +417,7 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
                    "  const T* HEAD_S = headw_s; const T* HEAD_B = headw_b;\n")
     else:
         tables += "  const T* EMB_S = nullptr; const T* EMB_B = nullptr;\n  const T* HEAD_S = nullptr; const T* HEAD_B = nullptr;\n"
-    return BODY.replace("__TABLES__\n", tables)
+    return BODY.replace("__ATTENTION__\n", A.ATTENTION).replace("__TABLES__\n", tables)
 
 
 def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1) -> int:

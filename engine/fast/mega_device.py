@@ -52,10 +52,22 @@ __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& 
   }
   __syncthreads();
 }
-__device__ __forceinline__ uint4 mega_ld_w(const void* p) {
+// the kernel's switches (its `opt` input), for A/B runs of one compiled kernel
+#define MEGA_OPT_PFO 1u      // phase B prefetches the warp's o_proj rows of phase C into L2
+#define MEGA_OPT_KVPF 2u     // phase A prefetches the layer's cached keys and values into L2
+#define MEGA_OPT_EVF 4u      // weight loads marked evict-first in L2 (read once per step)
+#define MEGA_OPT_QSPLIT 8u   // phase A: two warps of a block per q/k/v pair, each half of H
+// an L2 eviction policy for the weight loads: evict-first or normal
+__device__ __forceinline__ unsigned long long mega_policy(bool evict_first) {
+  unsigned long long p;
+  if (evict_first) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint4 mega_ld_w(const void* p, unsigned long long pol) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
   return v;
 }
 template <typename T>
@@ -66,6 +78,20 @@ __device__ __forceinline__ float mega_ldcg_t(const T* p) {
     const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
     return static_cast<float>(*reinterpret_cast<const T*>(&u));
   }
+}
+// N contiguous elements other blocks wrote during the step (N * sizeof(T) of 2-16 bytes,
+// aligned to it) as floats, in one load from L2
+template <typename T, int N>
+__device__ __forceinline__ void mega_ldcg_vec(const T* p, float* out) {
+  constexpr int BY = N * (int)sizeof(T);
+  static_assert(BY == 2 || BY == 4 || BY == 8 || BY == 16, "one load of 2-16 bytes");
+  union { uint4 u4; uint2 u2; unsigned int u1; unsigned short u0; T e[N]; } v;
+  if constexpr (BY == 16) v.u4 = __ldcg(reinterpret_cast<const uint4*>(p));
+  else if constexpr (BY == 8) v.u2 = __ldcg(reinterpret_cast<const uint2*>(p));
+  else if constexpr (BY == 4) v.u1 = __ldcg(reinterpret_cast<const unsigned int*>(p));
+  else v.u0 = __ldcg(reinterpret_cast<const unsigned short*>(p));
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = static_cast<float>(v.e[j]);
 }
 __device__ __forceinline__ float mega_warp_sum(float v) {
 #pragma unroll
@@ -105,10 +131,11 @@ __device__ __forceinline__ int mega_sw(int i) {
   return (c ^ ((c >> 3) & 7)) * CH + i % CH;
 }
 // RL weight rows of K elements dotted with RB input rows (shared memory, float or T,
-// row b at xs + b * K); every lane ends with the sums acc[r * RB + b]. K is a multiple
-// of 32 * VEC.
-template <typename T, typename X, int K, int RL, int RB, int UN>
-__device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int lane, float* acc) {
+// row b's elements koff .. koff + K at xs + b * KT + koff); every lane ends with the sums
+// acc[r * RB + b]. K is a multiple of 32 * VEC; weight loads take the L2 policy pol.
+template <typename T, typename X, int K, int RL, int RB, int UN, int KT>
+__device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int koff, int lane,
+                                         float* acc, unsigned long long pol) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = K / (32 * VEC);
 #pragma unroll
@@ -120,7 +147,7 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
     for (int u = 0; u < UN; ++u) {
       if (i0 + u < IT) {
 #pragma unroll
-        for (int r = 0; r < RL; ++r) wv[u][r] = mega_ld_w(rows[r] + ((i0 + u) * 32 + lane) * VEC);
+        for (int r = 0; r < RL; ++r) wv[u][r] = mega_ld_w(rows[r] + ((i0 + u) * 32 + lane) * VEC, pol);
       }
     }
 #pragma unroll
@@ -130,7 +157,7 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         float xv[VEC];
-        mega_ldx<X, VEC>(xs + b * K + k, xv);
+        mega_ldx<X, VEC>(xs + b * KT + koff + k, xv);
 #pragma unroll
         for (int r = 0; r < RL; ++r) {
           const T* we = reinterpret_cast<const T*>(&wv[u][r]);
@@ -147,9 +174,10 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
 // (EPL elements, inside one group) per iteration and adds scale * sum(q x) + bias * sum(x),
 // the decomposition of engine.fast.qgemv.
-template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS>
+template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS, int KT>
 __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const T* const* sc,
-                                          const T* const* bi, const X* xs, int lane, float* acc) {
+                                          const T* const* bi, const X* xs, int koff, int lane,
+                                          float* acc, unsigned long long pol) {
   constexpr int PER_WORD = 32 / BITS, EPL = 4 * PER_WORD, IT = K / (32 * EPL);
   constexpr unsigned int MASK = (1u << BITS) - 1u;
 #pragma unroll
@@ -164,7 +192,7 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
         const int k0 = ((i0 + u) * 32 + lane) * EPL;
 #pragma unroll
         for (int r = 0; r < RL; ++r) {
-          wv[u][r] = mega_ld_w(rows[r] + k0 / PER_WORD);
+          wv[u][r] = mega_ld_w(rows[r] + k0 / PER_WORD, pol);
           s[u][r] = static_cast<float>(sc[r][k0 / GS]);
           bb[u][r] = static_cast<float>(bi[r][k0 / GS]);
         }
@@ -180,7 +208,7 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
         constexpr int CH = 16 / sizeof(X);
 #pragma unroll
         for (int c = 0; c < EPL / CH; ++c)    // 16-byte chunks, stored swizzled (mega_sw)
-          mega_ldx<X, CH>(xs + mega_sw<X>(b * K + k0 + c * CH), xf + c * CH);
+          mega_ldx<X, CH>(xs + mega_sw<X>(b * KT + koff + k0 + c * CH), xf + c * CH);
 #pragma unroll
         for (int j = 0; j < EPL; ++j) xsum += xf[j];
 #pragma unroll
@@ -200,27 +228,29 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 #pragma unroll
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
-// rows idx[0..RL) of a weight matrix of K columns: float (QB 0: w is T*) or affine-quantized
-// (QB bits: w packed words, s / b the group scales and biases)
-template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS>
+// rows idx[0..RL) of a weight matrix of KT columns, its columns koff .. koff + K: float
+// (QB 0: w is T*) or affine-quantized (QB bits: w packed words, s / b the group scales and
+// biases; koff a multiple of the group size)
+template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int KT = K>
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
-                                             const X* xs, int lane, float* acc) {
+                                             const X* xs, int lane, float* acc,
+                                             unsigned long long pol, int koff = 0) {
   if constexpr (QB == 0) {
     const T* rows[RL];
 #pragma unroll
-    for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * K;
-    mega_dot<T, X, K, RL, RB, UN>(rows, xs, lane, acc);
+    for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * KT + koff;
+    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol);
   } else {
     const unsigned int* rows[RL];
     const T* sr[RL];
     const T* br[RL];
 #pragma unroll
     for (int r = 0; r < RL; ++r) {
-      rows[r] = reinterpret_cast<const unsigned int*>(w) + (size_t)idx[r] * (K * QB / 32);
-      sr[r] = s + (size_t)idx[r] * (K / GS);
-      br[r] = b + (size_t)idx[r] * (K / GS);
+      rows[r] = reinterpret_cast<const unsigned int*>(w) + (size_t)idx[r] * (KT * QB / 32) + koff * QB / 32;
+      sr[r] = s + (size_t)idx[r] * (KT / GS) + koff / GS;
+      br[r] = b + (size_t)idx[r] * (KT / GS) + koff / GS;
     }
-    mega_qdot<T, X, K, RL, RB, UN, QB, GS>(rows, sr, br, xs, lane, acc);
+    mega_qdot<T, X, K, RL, RB, UN, QB, GS, KT>(rows, sr, br, xs, koff, lane, acc, pol);
   }
 }
 """

@@ -30,9 +30,9 @@ def test_rows_per_call_fits_shared_memory():
 
 def test_inputs_tables_and_workspace_layout():
     names = C.input_names(3)
-    assert names[:8] == ["tok", "rpos", "col", "start_col", "emb", "inv_freq", "fnorm", "headw"]
+    assert names[:9] == ["tok", "rpos", "col", "start_col", "opt", "emb", "inv_freq", "fnorm", "headw"]
     assert names[-1] == "after" and names[-7:-1] == ["k_0", "k_1", "k_2", "v_0", "v_1", "v_2"]
-    assert len(names) == 8 + 6 * 3 + 6 + 1
+    assert len(names) == 9 + 6 * 3 + 6 + 1
     src = C.source(3)
     assert "const void* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src and "const T* WQKV_S[3] = {};" in src
     assert "T* KC[3] = {const_cast<T*>(k_0), const_cast<T*>(k_1), const_cast<T*>(k_2)};" in src
@@ -44,7 +44,7 @@ def test_inputs_tables_and_workspace_layout():
     assert C.n_stamps(16) == 2 + 5 * 16
     # q/k norms: per layer their two weights after the projections, before the caches
     qk = C.input_names(3, qk_norm=True)
-    assert qk[8 + 6 * 3: 8 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
+    assert qk[9 + 6 * 3: 9 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
     assert qk[-7:] == names[-7:] and len(qk) == len(names) + 6
     assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.source(3, qk_norm=True)
     assert "const T* QN[3] = {};" in src
@@ -68,7 +68,7 @@ def test_qwen3_q_k_norms_are_opt_in(monkeypatch):
     assert step.qkn and len(step.layers) == 8 * step.L
     assert step.layers[6 * step.L] is a0.q_norm.weight and step.layers[6 * step.L + 1] is a0.k_norm.weight
     names = C.input_names(step.L, qk_norm=True)
-    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
+    assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +149,28 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     a0 = q4.layers[0].self_attn
     step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
     names = C.input_names(step.L, quantized=True)
-    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
+    assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
     assert step.dtype == q4.layers[0].mlp.down_proj.scales.dtype
     assert "const T* WQKV_S[" in C.source(step.L, quantized=True) and "_S[2] = {}" not in C.source(step.L, True)
     # a float model is never taken as quantized
     assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
+
+
+def test_kernel_switches_mask(monkeypatch):
+    """MLXP_MEGA_OPT: the one-kernel step's switches as a bit mask, 0 to all of them."""
+    monkeypatch.delenv("MLXP_MEGA_OPT", raising=False)
+    assert MG.opt_mask() == MG.OPT_DEFAULT
+    for ok in ("0", "5", str(sum(MG.OPT_BITS.values()))):
+        monkeypatch.setenv("MLXP_MEGA_OPT", ok)
+        assert MG.opt_mask() == int(ok)
+    for bad in ("16", "-1", "pfo", "1.0"):
+        monkeypatch.setenv("MLXP_MEGA_OPT", bad)
+        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-15"):
+            MG.opt_mask()
+    # every switch is a bit the CUDA source defines
+    src = C.source(2)
+    for name, bit in MG.OPT_BITS.items():
+        assert f"#define MEGA_OPT_{name.upper()} {bit}u" in C.HEADER and f"MEGA_OPT_{name.upper()}" in src
 
 
 def test_settings_must_be_positive_integers(monkeypatch):

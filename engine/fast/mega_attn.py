@@ -1,0 +1,111 @@
+"""CUDA source of the one-kernel step's attention phase (B), spliced into
+engine.fast.mega_cuda's BODY where `__ATTENTION__` stands.
+
+A warp per (row, query head, chunk of CS cached columns): lane j scores column j of each
+32 (its key row read whole, in 16-byte loads), then the lanes own DPL contiguous output dims
+and add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL
+values per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp
+to finish a (row, head)'s chunks (a counter each) combines them into the attention output.
+With `MEGA_OPT_PFO` each warp first asks L2 for the o_proj rows it computes in the next phase,
+so they stream from memory while the (latency-bound) attention runs.
+"""
+
+ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
+    // column j of each 32 (its key row read whole), then the lanes own DPL of the D
+    // output dims and add up p_j * v_j (a batch of value loads issued at once); a chunk's
+    // partial (max, sum, output) goes to the workspace, and the last warp to finish a
+    // (row, head)'s chunks (a counter each) combines them into obuf.
+    {
+      if (OPT & MEGA_OPT_PFO) {     // this warp's o_proj rows of phase C into L2 while attending
+        for (int n = gw; n < H; n += NW) {
+          const char* b_ = reinterpret_cast<const char*>(WO[l]) + (size_t)n * QD * WBITS / 8;
+          for (int o_ = lane * 128; o_ < QD * WBITS / 8; o_ += 32 * 128)
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(b_ + o_));
+        }
+      }
+      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
+      __syncthreads();
+      const T* kcache = KC[l];
+      const T* vcache = VC[l];
+      for (int u = gw; u < RB * NQ * nch; u += NW) {
+        const int b = u / (NQ * nch), hq = (u / nch) % NQ, c = u % nch, g = hq / (NQ / NKV);
+        const size_t row = (size_t)(ROW0 + b);
+        const T* kb = kcache + (row * NKV + g) * CAP * D;
+        const T* vb = vcache + (row * NKV + g) * CAP * D;
+        const int start = max(c * cs, start_col[ROW0 + b]), end = min(aend, c * cs + cs);
+        const float* qh = xf + b * QD + hq * D;
+        float m = NEG_INF, lsum = 0.f, o[DPL];
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) o[d] = 0.f;
+        for (int p0 = start; p0 < end; p0 += 32) {
+          const int pp = p0 + lane;
+          float sc = NEG_INF;
+          if (pp < end) {
+            const T* kr = kb + (size_t)pp * D;
+            uint4 kv[D / VEC];
+#pragma unroll
+            for (int v = 0; v < D / VEC; ++v) kv[v] = __ldcg(reinterpret_cast<const uint4*>(kr + v * VEC));
+            float dot = 0.f;
+#pragma unroll
+            for (int v = 0; v < D / VEC; ++v) {
+              const T* ke = reinterpret_cast<const T*>(&kv[v]);
+#pragma unroll
+              for (int j = 0; j < VEC; ++j) dot += qh[v * VEC + j] * static_cast<float>(ke[j]);
+            }
+            sc = dot * scale;
+          }
+          const float mn = fmaxf(m, mega_warp_max(sc));
+          const float pj = pp < end ? __expf(sc - mn) : 0.f;
+          const float corr = __expf(m - mn);
+          lsum = lsum * corr + mega_warp_sum(pj);
+#pragma unroll
+          for (int d = 0; d < DPL; ++d) o[d] *= corr;
+          // the values for this lane's dims, VB columns' loads issued before they are used
+          constexpr int VB = DPL <= 2 ? 32 : 16;
+#pragma unroll
+          for (int j0 = 0; j0 < 32; j0 += VB) {
+            float vv[VB][DPL];
+#pragma unroll
+            for (int j = 0; j < VB; ++j)     // the lane's DPL contiguous values, one load
+              mega_ldcg_vec<T, DPL>(vb + (size_t)min(p0 + j0 + j, end - 1) * D + lane * DPL, vv[j]);
+#pragma unroll
+            for (int j = 0; j < VB; ++j) {
+              const float pjj = __shfl_sync(0xffffffffu, pj, j0 + j);
+#pragma unroll
+              for (int d = 0; d < DPL; ++d) o[d] += pjj * vv[j][d];
+            }
+          }
+          m = mn;
+        }
+        float* pr = part + (((size_t)b * NQ + hq) * MAXCH + c) * PSTR;
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) pr[lane * DPL + d] = o[d];
+        if (lane == 0) { pr[D] = m; pr[D + 1] = lsum; }
+        __threadfence();
+        unsigned int done = 0;
+        if (lane == 0) done = atomicAdd(hcnt + ((size_t)l * RB + b) * NQ + hq, 1u);
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if (done == (unsigned int)(nch - 1)) {        // the last chunk of (row, head): combine
+          __threadfence();
+          const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
+          float M = NEG_INF;
+          for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(p2 + cc * PSTR + D));
+          float ls = 0.f, acc[DPL];
+#pragma unroll
+          for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
+          for (int cc = 0; cc < nch; ++cc) {
+            const float* q2 = p2 + cc * PSTR;
+            const float mc = __ldcg(q2 + D);
+            const float wgt = mc == NEG_INF ? 0.f : __expf(mc - M);
+            ls += wgt * __ldcg(q2 + D + 1);
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) acc[d] += wgt * __ldcg(q2 + lane * DPL + d);
+          }
+#pragma unroll
+          for (int d = 0; d < DPL; ++d)
+            obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
+        }
+      }
+      if (!(OPT & MEGA_OPT_PFO)) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
+    }
+"""

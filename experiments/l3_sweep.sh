@@ -1,0 +1,30 @@
+#!/bin/bash
+# Device run: the one-kernel step's switches A/B (experiments/mega_sweep.py) on the 8b preset
+# (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with MMA=1 the
+# tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
+# (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set). Results under $OUT.
+#   OUT=/tmp/sw BUDGET=540 bash experiments/l3_sweep.sh
+set -u
+OUT=${OUT:-/tmp/sw}
+BUDGET=${BUDGET:-540}
+source "$(dirname "$0")/stages.sh"
+{
+stage build
+python3 -m experiments.presets 8b /tmp/m/8b
+python3 -m experiments.presets 1b /tmp/m/1b
+stage sweep-8b
+run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b \
+  --variants "${VARIANTS8:-0,1,2,4,8,15,15:un1=16,15:un2=8}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
+stage sweep-1b
+run $(lim 30 ${SW1_S:-120}) python3 experiments/mega_sweep.py --model /tmp/m/1b \
+  --variants "${VARIANTS1:-0,15}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
+if [ "${MMA:-0}" = 1 ]; then
+  stage mma
+  run $(lim 5 150) python3 experiments/mma_probe.py --out "$OUT/mma"
+fi
+if [ "${NCU:-0}" = 1 ]; then
+  stage ncu
+  MODELS=8b OUT=$OUT/ncu BUDGET=$(lim 5 200) bash experiments/l3_ncu.sh
+fi
+stage done
+} 2>&1 | tee "$OUT/sweep.log"

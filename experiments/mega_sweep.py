@@ -1,0 +1,122 @@
+"""The one-kernel step's switches (MLXP_MEGA_OPT, and the loads in flight MLXP_MEGA_UN1/UN2)
+A/B in one process, on a GPU: for each variant and prompt length, the step's phase times
+(MLXP_MEGA_PROF, averaged over the timed steps), its wall time per step, and its logits
+against the first variant's on the same tokens (teacher-forced).
+
+A variant is `MASK` or `MASK:un1=N:un2=M` (MASK a sum of engine.fast.mega.OPT_BITS:
+1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
+evict-first in L2, 8 q/k/v split in two halves of H). Variants of one MASK share a compiled
+kernel (the mask is an input); other loads in flight compile another.
+
+    python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
+        [--steps 24] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.fast.decode import FastDecoder  # noqa: E402
+from engine.levers import resolve  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+
+
+def parse_variant(spec: str) -> dict:
+    """'15:un1=16' -> {'MLXP_MEGA_OPT': '15', 'MLXP_MEGA_UN1': '16'}."""
+    mask, *rest = spec.split(":")
+    env = {"MLXP_MEGA_OPT": str(int(mask))}
+    for kv in rest:
+        k, v = kv.split("=")
+        if k not in ("un1", "un2"):
+            raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
+        env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
+    return env
+
+
+def run_variant(model, prompt, seq, env: dict, warm: int = 3):
+    """(logits [steps, V], mean phase µs, wall ms per step) of one variant."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        dec = FastDecoder(model, resolve("l3", env={}))
+        caches = model.make_cache()
+        mx.eval(model(mx.array(prompt)[None], cache=caches))
+        y = mx.array([prompt[-1]])
+        out, profs, walls = [], [], []
+        for i, t in enumerate(seq):
+            t0 = time.perf_counter()
+            lg = dec(y, caches)
+            mx.eval(lg)
+            walls.append(time.perf_counter() - t0)
+            out.append(lg.reshape(-1))
+            if i >= warm and dec.mega_profile():
+                profs.append(dec.mega_profile())
+            y = mx.array([t])
+        if not dec.stats.mega:
+            raise RuntimeError(f"the one-kernel step did not run: {dec.stats.mega_reason}")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    prof = {k: round(sum(p[k] for p in profs) / len(profs), 2) for k in profs[0]} if profs else {}
+    wall = sorted(walls[warm:])[len(walls[warm:]) // 2] * 1e3
+    return mx.stack(out), prof, round(wall, 3)
+
+
+def _cmp(a, b) -> dict:
+    a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
+    lp = b32 - mx.logsumexp(b32, axis=-1, keepdims=True)
+    lq = a32 - mx.logsumexp(a32, axis=-1, keepdims=True)
+    kl = mx.mean(mx.sum(mx.exp(lp) * (lp - lq), axis=-1)).item()
+    top1 = mx.mean(mx.argmax(a32, -1) == mx.argmax(b32, -1)).item()
+    rel = (mx.linalg.norm((a32 - b32).reshape(-1)) / mx.linalg.norm(b32.reshape(-1))).item()
+    return {"mean_kl": kl, "top1": top1, "rel_err": rel, "identical": bool(mx.array_equal(a, b).item())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--variants", default="0,1,2,4,8,15")
+    ap.add_argument("--prompts", default="128")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    os.environ["MLXP_MEGA_PROF"] = "1"
+    model = load_model(a.model)[0]
+    vocab = model.args.vocab_size
+    specs = a.variants.split(",")
+    rows = []
+    for plen in (int(p) for p in a.prompts.split(",")):
+        prompt = [(7 * i + 3) % (vocab - 1) + 1 for i in range(plen)]
+        seq = [(11 * i + 5) % (vocab - 1) + 1 for i in range(a.steps)]
+        base = None
+        for spec in specs:
+            try:
+                lg, prof, wall = run_variant(model, prompt, seq, parse_variant(spec))
+            except Exception as e:  # noqa: BLE001  (a variant that fails is reported, not fatal)
+                rows.append({"prompt": plen, "variant": spec, "error": f"{type(e).__name__}: {e}"})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            if base is None:
+                base = lg
+            rows.append({"prompt": plen, "variant": spec, "wall_ms": wall, "profile_us": prof,
+                         "vs_first": _cmp(lg, base)})
+            print(json.dumps(rows[-1]), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"device": str(mx.default_device()), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
