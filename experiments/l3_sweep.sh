@@ -1,6 +1,7 @@
 #!/bin/bash
 # Device run: the one-kernel step's switches A/B (experiments/mega_sweep.py) on the 8b preset
-# (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with MMA=1 the
+# (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with BENCH8=1
+# bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with MMA=1 the
 # tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
 # (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set). Results under $OUT.
 #   OUT=/tmp/sw BUDGET=540 bash experiments/l3_sweep.sh
@@ -18,6 +19,11 @@ run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b 
 stage sweep-1b
 run $(lim 30 ${SW1_S:-120}) python3 experiments/mega_sweep.py --model /tmp/m/1b \
   --variants "${VARIANTS1:-0,15}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
+if [ "${BENCH8:-0}" = 1 ]; then
+  stage bench-8b
+  MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-opt${BENCH_OPT:-} --out "$OUT/bench-8b"
+fi
 if [ "${MMA:-0}" = 1 ]; then
   stage mma
   run $(lim 5 150) python3 experiments/mma_probe.py --out "$OUT/mma"

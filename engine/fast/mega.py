@@ -47,7 +47,7 @@ def env_int(name: str, default: int) -> int:
     return int(raw)
 
 
-OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8}   # mega_device.py's MEGA_OPT_*
+OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16}   # mega_device.py's MEGA_OPT_*
 OPT_DEFAULT = 0
 
 

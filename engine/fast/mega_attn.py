@@ -5,7 +5,9 @@ A warp per (row, query head, chunk of CS cached columns): lane j scores column j
 32 (its key row read whole, in 16-byte loads), then the lanes own DPL contiguous output dims
 and add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL
 values per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp
-to finish a (row, head)'s chunks (a counter each) combines them into the attention output.
+to finish a (row, head)'s chunks (a counter each) combines them into the attention output,
+its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 8 chunks
+for the outputs).
 With `MEGA_OPT_PFO` each warp first asks L2 for the o_proj rows it computes in the next phase,
 so they stream from memory while the (latency-bound) attention runs.
 """
@@ -87,19 +89,32 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         done = __shfl_sync(0xffffffffu, done, 0);
         if (done == (unsigned int)(nch - 1)) {        // the last chunk of (row, head): combine
           __threadfence();
+          // lanes take chunks lane and lane + 32: the max and the weights in one round trip,
+          // then every chunk's output (the lane's DPL values), CB chunks' loads at once
           const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
-          float M = NEG_INF;
-          for (int cc = 0; cc < nch; ++cc) M = fmaxf(M, __ldcg(p2 + cc * PSTR + D));
-          float ls = 0.f, acc[DPL];
+          float mc0 = NEG_INF, mc1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+          if (lane < nch) { mc0 = __ldcg(p2 + lane * PSTR + D); l0 = __ldcg(p2 + lane * PSTR + D + 1); }
+          if (lane + 32 < nch) { mc1 = __ldcg(p2 + (lane + 32) * PSTR + D); l1 = __ldcg(p2 + (lane + 32) * PSTR + D + 1); }
+          const float M = mega_warp_max(fmaxf(mc0, mc1));
+          const float w0 = mc0 == NEG_INF ? 0.f : __expf(mc0 - M), w1 = mc1 == NEG_INF ? 0.f : __expf(mc1 - M);
+          const float ls = mega_warp_sum(w0 * l0 + w1 * l1);
+          float acc[DPL];
 #pragma unroll
           for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
-          for (int cc = 0; cc < nch; ++cc) {
-            const float* q2 = p2 + cc * PSTR;
-            const float mc = __ldcg(q2 + D);
-            const float wgt = mc == NEG_INF ? 0.f : __expf(mc - M);
-            ls += wgt * __ldcg(q2 + D + 1);
+          constexpr int CB = 8;
+          for (int c0 = 0; c0 < nch; c0 += CB) {
+            float ov[CB][DPL];
 #pragma unroll
-            for (int d = 0; d < DPL; ++d) acc[d] += wgt * __ldcg(q2 + lane * DPL + d);
+            for (int j = 0; j < CB; ++j)
+              if (c0 + j < nch) mega_ldcg_vec<float, DPL>(p2 + (c0 + j) * PSTR + lane * DPL, ov[j]);
+#pragma unroll
+            for (int j = 0; j < CB; ++j) {
+              const int cc = c0 + j;          // (the same on every lane)
+              const float wgt = __shfl_sync(0xffffffffu, cc < 32 ? w0 : w1, cc & 31);
+              if (cc < nch)
+#pragma unroll
+                for (int d = 0; d < DPL; ++d) acc[d] += wgt * ov[j][d];
+            }
           }
 #pragma unroll
           for (int d = 0; d < DPL; ++d)

@@ -49,7 +49,7 @@ BODY = r"""
   constexpr int WPB = THREADS / 32;
   constexpr int QD = NQ * D, HALF = D / 2, DPL = D / 32;
   constexpr int NPAIR = (NQ + 2 * NKV) * HALF;
-  constexpr int PSTR = D + 2;
+  constexpr int PSTR = D + 4;                      // a partial: D outputs, max, sum (16-byte rows)
   constexpr int VEC = 16 / sizeof(T);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gw = (int)blockIdx.x * WPB + warp, NW = (int)gridDim.x * WPB;
@@ -60,7 +60,7 @@ BODY = r"""
   float* abuf = qbuf + RB * QD;                    // [RB][I]
   float* obuf = abuf + RB * I;                     // [RB][QD]
   unsigned int* hcnt = reinterpret_cast<unsigned int*>(obuf + RB * QD);   // [L][RB][NQ]
-  float* part = obuf + RB * QD + L * RB * NQ;      // [RB][NQ][MAXCH][PSTR]
+  float* part = obuf + RB * QD + (L * RB * NQ + 3) / 4 * 4;   // [RB][NQ][MAXCH][PSTR]
   float* kraw = part + (size_t)RB * NQ * MAXCH * PSTR;   // [RB][NKV * D] keys before their norm
   unsigned int* prof = reinterpret_cast<unsigned int*>(kraw + RB * QD);
   int nstamp = 0;
@@ -217,8 +217,11 @@ __TABLES__
         }
       };
       constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
-      if (HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)) {
-        constexpr int PPB = WPB / 2;             // pairs a block takes per round
+      constexpr int PPB = WPB / 2;               // with QSPLIT: pairs a block takes per round
+      // (split only where the half-length rounds take less time than the whole ones)
+      const bool split = HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)
+          && (NPAIR + (int)gridDim.x * PPB - 1) / ((int)gridDim.x * PPB) < 2 * ((NPAIR + NW - 1) / NW);
+      if (split) {
         const int pr = warp % PPB, half = warp / PPB;
         for (int base = (int)blockIdx.x * PPB; base < NPAIR; base += (int)gridDim.x * PPB) {
           const int u = base + pr, r1 = (u / HALF) * D + u % HALF;
@@ -250,7 +253,7 @@ __TABLES__
       }
     }
     if constexpr (QKN != 0) {
-      mega_grid_sync(ctr, target);
+      mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
       // --- A2 (q/k norms): a warp per (row, q or k head): RMSNorm over the head's D values
       // (rounded as the model's RMSNorm rounds: normalised, then times the weight), RoPE on
       // the pairs (i, i + D/2) a lane owns, q back into qbuf, k into the cache
@@ -289,10 +292,10 @@ __TABLES__
         }
       }
     }
-    mega_grid_sync(ctr, target);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
 __ATTENTION__
-    mega_grid_sync(ctr, target);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
     {
@@ -301,7 +304,7 @@ __ATTENTION__
       proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l]);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
     }
-    mega_grid_sync(ctr, target);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     {
@@ -321,7 +324,7 @@ __ATTENTION__
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
-    mega_grid_sync(ctr, target);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
     // --- E: down_proj + residual (a warp per hidden row)
     {
@@ -335,7 +338,7 @@ __ATTENTION__
         MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
       }
     }
-    mega_grid_sync(ctr, target);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
   }
   // --- the final norm and the output head (a warp per vocabulary row)
@@ -424,8 +427,8 @@ def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: 
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
     keys before their norm (q/k norms), then the PROF stamps."""
-    return (32 + rows * (H + 2 * n_heads * head_dim + inter) + n_layers * rows * n_heads
-            + rows * n_heads * MAXCH * (head_dim + 2) + rows * n_heads * head_dim
+    return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
+            + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
             + 2 * n_stamps(n_layers))
 
 

@@ -22,6 +22,12 @@ from __future__ import annotations
 HEADER = r"""
 #undef __global__
 #define __global__ __attribute__((global)) __launch_bounds__(512, 1)
+// the kernel's switches (its `opt` input), for A/B runs of one compiled kernel
+#define MEGA_OPT_PFO 1u      // phase B prefetches the warp's o_proj rows of phase C into L2
+#define MEGA_OPT_KVPF 2u     // phase A prefetches the layer's cached keys and values into L2
+#define MEGA_OPT_EVF 4u      // weight loads marked evict-first in L2 (read once per step)
+#define MEGA_OPT_QSPLIT 8u   // phase A: two warps of a block per q/k/v pair, each half of H
+#define MEGA_OPT_BAR 16u     // grid barrier arrivals as one release-add (no separate fence)
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;
@@ -37,12 +43,16 @@ __device__ __forceinline__ unsigned long long mega_now() {
 // all blocks meet here; `target` counts the arrivals every block waits for. A block that
 // waits more than 10 s (blocks that never arrive: not all resident at once) stops the
 // kernel with an error rather than hanging the process.
-__device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target) {
+__device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target, bool rel) {
   __syncthreads();
   target += gridDim.x;
   if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(ctr, 1u);
+    if (rel) {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(ctr) : "memory");
+    } else {
+      __threadfence();
+      atomicAdd(ctr, 1u);
+    }
     const unsigned long long t0 = mega_now();
     unsigned int spins = 0;
     while (mega_ld_acquire(ctr) < target) {
@@ -52,11 +62,6 @@ __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& 
   }
   __syncthreads();
 }
-// the kernel's switches (its `opt` input), for A/B runs of one compiled kernel
-#define MEGA_OPT_PFO 1u      // phase B prefetches the warp's o_proj rows of phase C into L2
-#define MEGA_OPT_KVPF 2u     // phase A prefetches the layer's cached keys and values into L2
-#define MEGA_OPT_EVF 4u      // weight loads marked evict-first in L2 (read once per step)
-#define MEGA_OPT_QSPLIT 8u   // phase A: two warps of a block per q/k/v pair, each half of H
 // an L2 eviction policy for the weight loads: evict-first or normal
 __device__ __forceinline__ unsigned long long mega_policy(bool evict_first) {
   unsigned long long p;
