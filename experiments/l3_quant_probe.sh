@@ -16,7 +16,8 @@
 #      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1), then the step of
 #      separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
 #      next to the bit-exact merged-projection step.
-# Each stage gets what is left of BUDGET, capped.
+#   9. with PROFB=1: experiments/batch_profile.py, where an Engine step of 8 and 32 rows spends its time.
+# Each stage gets what is left of BUDGET, capped (Q8BENCH=0: the 8-bit check without its bench).
 #   OUT=/tmp/qp BUDGET=480 bash experiments/l3_quant_probe.sh
 set -u
 OUT=${OUT:-/tmp/qp}
@@ -65,8 +66,8 @@ if [ "${Q8:-0}" = 1 ]; then
   python3 -m experiments.presets 1b /tmp/m/1b-q8 --bits 8
   MLXP_MEGA_QUANT=1 MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
     --model /tmp/m/1b-q8 --steps 16 --out "$OUT/mega_check_q8.json"
-  MLXP_MEGA_QUANT=1 run $(lim 5 120) python3 experiments/bench_decode.py --model /tmp/m/1b-q8 \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-q8-mega --out "$OUT/bench-q8"
+  [ "${Q8BENCH:-1}" = 1 ] && MLXP_MEGA_QUANT=1 run $(lim 5 120) python3 experiments/bench_decode.py \
+    --model /tmp/m/1b-q8 --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-q8-mega --out "$OUT/bench-q8"
 fi
 if [ "${QWEN3:-0}" = 1 ]; then
   stage qwen3
@@ -88,6 +89,10 @@ if [ "${BATCH:-1}" = 1 ]; then
     --specs l3+fast_batch --batches 32 --trials 3 --out "$OUT/batch32_multi.jsonl"
   MLXP_DISABLE_KERNELS=gemv run $(lim 3 60) python3 experiments/merged_exactness.py --model /tmp/m/1b \
     --specs l3+fast_batch,l1+merged_proj --batches 32 --trials 3 --out "$OUT/batch32_nogemv.jsonl"
+fi
+if [ "${PROFB:-0}" = 1 ]; then
+  stage batch-profile
+  run $(lim 3 120) python3 experiments/batch_profile.py --model /tmp/m/1b --batches 8,32 --out "$OUT/batch_profile.json"
 fi
 stage done
 } 2>&1 | tee "$OUT/qp.log"
