@@ -2,7 +2,7 @@
 # Device run: the one-kernel step after its shared-memory input reads became 16-byte loads
 # (swizzled for quantized weights), results under $OUT:
 #   1. experiments/mega_check.py with the phase timer on 1b 4-bit (CHECKQ4=0 leaves out),
-#      then bench_decode l1,l3 on it;
+#      then (BENCHQ4=0 leaves out) bench_decode l1,l3 on it;
 #   2. with TRAINED=1: experiments/trained_gate.py (TRAINED_STEPS), the gate on a trained 1b
 #      in bf16, its batch lane (8 rows) and the same model quantized to 4 bits;
 #   3. (CHECK1B=0 leaves out) mega_check on 1b bf16;
@@ -33,9 +33,11 @@ if [ "${CHECKQ4:-1}" = 1 ]; then
   MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
     --model /tmp/m/1b-q4 --steps 16 --out "$OUT/mega_check_q4.json"
 fi
-stage bench-q4
-run $(lim 5 170) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
-  --lengths 128,2048 --gen 64 --trials 5 --tag h200-q4-mega --out "$OUT/bench-q4"
+if [ "${BENCHQ4:-1}" = 1 ]; then
+  stage bench-q4
+  run $(lim 5 170) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
+    --lengths 128,2048 --gen 64 --trials 5 --tag h200-q4-mega --out "$OUT/bench-q4"
+fi
 if [ "${TRAINED:-0}" = 1 ]; then
   stage trained-gate
   run $(lim 5 ${TRAINED_S:-300}) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-500} \
