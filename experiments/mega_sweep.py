@@ -10,6 +10,8 @@ kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
         [--steps 24] [--out FILE.json]
+    python experiments/mega_sweep.py --from-json FILE.json [FILE2.json ...] --report DIR
+        # a table (sweep.md, pandas) and a plot of the phases (sweep.png, matplotlib)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast.decode import FastDecoder  # noqa: E402
+from experiments._common import md_table  # noqa: E402
 from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
@@ -84,14 +87,62 @@ def _cmp(a, b) -> dict:
     return {"mean_kl": kl, "top1": top1, "rel_err": rel, "identical": bool(mx.array_equal(a, b).item())}
 
 
+PHASES = ("qkv_rope", "attention", "o_proj", "gate_up", "down", "head")
+
+
+def report(files: list, out: Path) -> None:
+    """sweep.md (one row per file, prompt, variant: phase µs, total, wall, top-1 against the
+    file's first variant) and sweep.png (stacked phases per variant)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    recs = []
+    for f in files:
+        for r in json.loads(Path(f).read_text())["rows"]:
+            if "error" in r:
+                continue
+            recs.append({"run": Path(f).stem, "prompt": r["prompt"], "variant": r["variant"],
+                         **{k: r["profile_us"].get(k) for k in (*PHASES, "total")},
+                         "wall_ms": r["wall_ms"], "top1_vs_first": round(r["vs_first"]["top1"], 3)})
+    df = pd.DataFrame(recs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.md").write_text("µs per step (phase times summed over the layers, mean over the "
+                                  "timed steps); wall: median ms per step\n\n"
+                                  + md_table(list(df.columns), df.values.tolist()) + "\n")
+    fig, axes = plt.subplots(1, max(1, len(df.groupby(["run", "prompt"]))), figsize=(14, 4.5), squeeze=False)
+    for ax, ((run, prompt), g) in zip(axes[0], df.groupby(["run", "prompt"])):
+        bottom = None
+        for ph in PHASES:
+            ax.bar(g["variant"].astype(str), g[ph], bottom=bottom, label=ph)
+            bottom = g[ph].values if bottom is None else bottom + g[ph].values
+        ax.set_title(f"{run}, prompt {prompt}")
+        ax.set_xlabel("MLXP_MEGA_OPT")
+        ax.set_ylabel("µs per step")
+        ax.tick_params(axis="x", rotation=45)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--from-json", nargs="+", help="build the report from these results, run nothing")
+    ap.add_argument("--report", help="with --from-json: write sweep.md and sweep.png here")
     ap.add_argument("--variants", default="0,1,2,4,8,15")
     ap.add_argument("--prompts", default="128")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.from_json:
+        if not a.report:
+            ap.error("--from-json needs --report DIR")
+        report(a.from_json, Path(a.report))
+        return 0
+    if not a.model:
+        ap.error("--model DIR (on a GPU), or --from-json FILE --report DIR")
     os.environ["MLXP_MEGA_PROF"] = "1"
     model = load_model(a.model)[0]
     vocab = model.args.vocab_size

@@ -103,8 +103,8 @@ def why_not(model, levers: Levers) -> Optional[str]:
         return "llama and qwen3 models only"
     a0 = model.layers[0].self_attn
     if hasattr(a0, "q_norm"):
-        if os.environ.get("MLXP_MEGA_QKNORM", "0") != "1":
-            return "q/k norms in the kernel are opt-in (MLXP_MEGA_QKNORM=1: not yet run on a GPU)"
+        if os.environ.get("MLXP_MEGA_QKNORM", "1") == "0":
+            return "q/k norms in the kernel are off (MLXP_MEGA_QKNORM=0)"
     parts = _parts(model)
     if parts is None:
         return "q/k/v and gate/up must be merged (merged_proj)"

@@ -50,17 +50,17 @@ def test_inputs_tables_and_workspace_layout():
     assert "const T* QN[3] = {};" in src
 
 
-def test_qwen3_q_k_norms_are_opt_in(monkeypatch):
-    """qwen3's per-head q/k norms run inside the kernel only with MLXP_MEGA_QKNORM=1 (not
-    yet run on a GPU); its norm weights then follow the layers' inputs."""
+def test_qwen3_q_k_norms_in_the_kernel_by_default(monkeypatch):
+    """qwen3's per-head q/k norms run inside the kernel unless MLXP_MEGA_QKNORM=0; its norm
+    weights then follow the layers' inputs."""
     q3 = load_model(str(ensure_fixture("qwen3", "bfloat16")))[0]
     merge_projections(q3)
     monkeypatch.setattr(K, "cuda_available", lambda: True)
     monkeypatch.setattr(MG, "sm_count", lambda: 132)
     levers = resolve("l3", env={})
-    monkeypatch.delenv("MLXP_MEGA_QKNORM", raising=False)
-    assert "opt-in" in MG.why_not(q3, levers)
-    monkeypatch.setenv("MLXP_MEGA_QKNORM", "1")
+    monkeypatch.setenv("MLXP_MEGA_QKNORM", "0")
+    assert "MLXP_MEGA_QKNORM=0" in MG.why_not(q3, levers)
+    monkeypatch.delenv("MLXP_MEGA_QKNORM")
     # past the q/k norm check: the tiny fixture's widths are what stops it now
     assert "vector loads" in MG.why_not(q3, levers)
     a0 = q3.layers[0].self_attn
