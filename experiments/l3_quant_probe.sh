@@ -9,7 +9,7 @@
 #   4. (BENCH1B=0 leaves out) bench_decode l1,l3 on 1b bf16;
 #   5. (E8B=0 leaves out) bench_decode l1,l3, mega_check and experiments/l3_overhead.py l1,l3 on 8b;
 #   6. with Q8=1: 1b with 8-bit weights through the kernel (MLXP_MEGA_QUANT=1), and with
-#      QWEN3=1 the qwen3-2b preset (per-head q/k norms in the kernel, MLXP_MEGA_QKNORM=1):
+#      QWEN3=1 the qwen3-2b preset (per-head q/k norms in the kernel):
 #      each mega_check, then bench_decode l1,l3;
 #   7. with MMA=1: experiments/mma_probe.py, a tensor-core GEMV at 1-32 rows against MLX's matmul;
 #   8. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
@@ -74,9 +74,9 @@ fi
 if [ "${QWEN3:-0}" = 1 ]; then
   stage qwen3
   python3 -m experiments.presets qwen3-2b /tmp/m/qwen3-2b
-  MLXP_MEGA_QKNORM=1 MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
+  MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
     --model /tmp/m/qwen3-2b --steps 16 --out "$OUT/mega_check_qwen3.json"
-  MLXP_MEGA_QKNORM=1 run $(lim 5 120) python3 experiments/bench_decode.py --model /tmp/m/qwen3-2b \
+  run $(lim 5 120) python3 experiments/bench_decode.py --model /tmp/m/qwen3-2b \
     --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-qwen3-mega --out "$OUT/bench-qwen3"
 fi
 if [ "${MMA:-0}" = 1 ]; then

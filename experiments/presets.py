@@ -61,7 +61,7 @@ PRESETS = {
                       rope_theta=1000000.0, max_position_embeddings=40960,
                       tie_word_embeddings=False),
     # Qwen3-1.7B shape (dense, per-head q/k RMSNorm, tied embeddings): the one-kernel
-    # step's q/k-norm phase (MLXP_MEGA_QKNORM=1)
+    # step's q/k-norm phase
     "qwen3-2b": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28,
                      intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                      head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,

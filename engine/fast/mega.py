@@ -10,10 +10,10 @@ layer), so a step is a handful of operations whatever the layer count.
 It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the batch, up
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
-model (or qwen3, whose per-head q/k norms the kernel applies with MLXP_MEGA_QKNORM=1: not
-yet run on a GPU) with merged q/k/v and gate/up projections, float weights without
-bias or affine 4-bit weights of one group size (8-bit opt-in with MLXP_MEGA_QUANT=1, not yet
-run on a GPU; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating
+model (or qwen3, whose per-head q/k norms the kernel applies; MLXP_MEGA_QKNORM=0 keeps it
+off) with merged q/k/v and gate/up projections, float weights without
+bias or affine 4-bit weights of one group size (8-bit opt-in with MLXP_MEGA_QUANT=1, its speed
+not yet measured; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating
 and shapes the kernel's vector loads divide. Otherwise the step of engine.fast.decode runs
 as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default: the GPU's SM count, read
 from the CUDA driver).
@@ -52,7 +52,7 @@ OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"]   # measured faster on the H200 
 
 
 def opt_mask() -> int:
-    """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS, 0-15; unset: OPT_DEFAULT)."""
+    """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS, 0-31; unset: OPT_DEFAULT)."""
     raw = os.environ.get("MLXP_MEGA_OPT", "")
     if not raw:
         return OPT_DEFAULT
