@@ -1,0 +1,51 @@
+"""experiments/mega_sweep.py (the one-kernel step's switches A/B; the sweep itself runs on a
+GPU) and experiments/batch_profile.py (where an Engine batch step spends its time)."""
+
+import json
+
+import pytest
+
+from experiments import batch_profile, mega_sweep
+
+
+def test_variant_specs():
+    assert mega_sweep.parse_variant("20") == {"MLXP_MEGA_OPT": "20"}
+    assert mega_sweep.parse_variant("15:un1=16:un2=8") == {
+        "MLXP_MEGA_OPT": "15", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_UN2": "8"}
+    with pytest.raises(ValueError, match="unknown setting"):
+        mega_sweep.parse_variant("4:threads=256")
+    with pytest.raises(ValueError):
+        mega_sweep.parse_variant("fast")
+
+
+def test_variant_without_the_kernel_is_an_error_row(tmp_path, capsys):
+    """Off a GPU the kernel cannot run: each variant is reported as an error, not a crash."""
+    from parity.fixtures.models import ensure_fixture
+    out = tmp_path / "s.json"
+    assert mega_sweep.main(["--model", str(ensure_fixture("llama", "bfloat16")), "--variants", "0,20",
+                            "--prompts", "8", "--steps", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["0", "20"]
+    assert all("did not run" in r["error"] for r in rows)
+
+
+def test_report_tables_and_plots_the_phases(tmp_path):
+    prof = {"qkv_rope": 10.0, "attention": 5.0, "o_proj": 4.0, "gate_up": 20.0, "down": 9.0,
+            "head": 2.0, "total": 50.0}
+    rows = [{"prompt": 128, "variant": v, "wall_ms": 1.0, "profile_us": dict(prof, total=50.0 - i),
+             "vs_first": {"top1": 1.0}} for i, v in enumerate(("0", "20"))]
+    rows.append({"prompt": 128, "variant": "4", "error": "RuntimeError: x"})
+    src = tmp_path / "sweep_x.json"
+    src.write_text(json.dumps({"device": "gpu", "rows": rows}))
+    assert mega_sweep.main(["--from-json", str(src), "--report", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "sweep.md").read_text()
+    assert "| sweep_x | 128 | 20 | 10.0 | 5.0 | 4.0 | 20.0 | 9.0 | 2.0 | 49.0 | 1.0 | 1.0 |" in md
+    assert "| 4 |" not in md and (tmp_path / "r" / "sweep.png").stat().st_size > 0
+
+
+def test_batch_profile_quick(tmp_path):
+    out = tmp_path / "p.json"
+    assert batch_profile.main(["--quick", "--batches", "2", "--steps", "3", "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["B"] == 2 and r["step_ms"] > 0 and r["synced_step_ms"] > 0
+    assert r["levers"]["steps"] > 0 and any("_decode_step" in line for line in r["profile_top"])
