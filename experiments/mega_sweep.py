@@ -72,9 +72,15 @@ def run_variant(model, prompt, seq, env: dict, warm: int = 3):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    prof = {k: round(sum(p[k] for p in profs) / len(profs), 2) for k in profs[0]} if profs else {}
+    prof = _mean(profs) if profs else {}
     wall = sorted(walls[warm:])[len(walls[warm:]) // 2] * 1e3
     return mx.stack(out), prof, round(wall, 3)
+
+
+def _mean(dicts: list) -> dict:
+    """Key by key mean of the steps' profiles (nested: the blocks' arrivals)."""
+    return {k: _mean([d[k] for d in dicts]) if isinstance(v, dict) else round(sum(d[k] for d in dicts) / len(dicts), 2)
+            for k, v in dicts[0].items()}
 
 
 def _cmp(a, b) -> dict:
@@ -106,11 +112,20 @@ def report(files: list, out: Path) -> None:
             recs.append({"run": Path(f).stem, "prompt": r["prompt"], "variant": r["variant"],
                          **{k: r["profile_us"].get(k) for k in (*PHASES, "total")},
                          "wall_ms": r["wall_ms"], "top1_vs_first": round(r["vs_first"]["top1"], 3)})
+    arrivals = [{"run": Path(f).stem, "prompt": r["prompt"], "variant": r["variant"],
+                 **{ph: "{min} / {median} / {max}".format(**r["profile_us"]["arrive"][ph]) for ph in PHASES}}
+                for f in files for r in json.loads(Path(f).read_text())["rows"]
+                if "error" not in r and "arrive" in r["profile_us"]]
     df = pd.DataFrame(recs)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.md").write_text("µs per step (phase times summed over the layers, mean over the "
-                                  "timed steps); wall: median ms per step\n\n"
-                                  + md_table(list(df.columns), df.values.tolist()) + "\n")
+    text = ("µs per step (phase times summed over the layers, mean over the timed steps); wall: "
+            "median ms per step\n\n" + md_table(list(df.columns), df.values.tolist()) + "\n")
+    if arrivals:
+        da = pd.DataFrame(arrivals)
+        text += ("\nWhen the blocks had done their share of each phase: first / median / last block, "
+                 "µs after the phase's start, summed over the layers\n\n"
+                 + md_table(list(da.columns), da.values.tolist()) + "\n")
+    (out / "sweep.md").write_text(text)
     fig, axes = plt.subplots(1, max(1, len(df.groupby(["run", "prompt"]))), figsize=(14, 4.5), squeeze=False)
     for ax, ((run, prompt), g) in zip(axes[0], df.groupby(["run", "prompt"])):
         bottom = None

@@ -253,7 +253,8 @@ class MegaStep:
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
-                               (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb),)],
+                               (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb,
+                                                   self.blocks if self.prof else 0),)],
                 output_dtypes=[self.dtype, mx.float32], init_value=0)
             logits.append(lg)
             wss.append(ws)
@@ -262,13 +263,28 @@ class MegaStep:
     def profile(self, ws: mx.array) -> dict:
         """With MLXP_MEGA_PROF=1, from a call's workspace: microseconds of its phases (the
         GPU's global timer as block 0 leaves each barrier), summed over the layers, and the
-        total."""
-        n = C.n_stamps(self.L)
-        raw = mx.view(ws[-2 * n:], mx.uint32).tolist()
+        total; and `arrive`: for each phase, when the blocks had finished their share,
+        counted from the phase's start and summed over the layers — the first block
+        (`min`), the median one and the last (`max`). A phase whose median is far below its
+        max waits on a few slow blocks; what lies between max and the phase time is the
+        barrier itself."""
+        n, nb = C.n_stamps(self.L), self.blocks
+        raw = mx.view(ws[-2 * n * (1 + nb):], mx.uint32).tolist()
         t = [raw[2 * i] + (raw[2 * i + 1] << 32) for i in range(n)]
+        arr = raw[2 * n:]
         d = [(t[i + 1] - t[i]) / 1e3 for i in range(n - 1)]
-        out = {ph: round(sum(d[5 * l + j] for l in range(self.L)), 2)
-               for j, ph in enumerate(("qkv_rope", "attention", "o_proj", "gate_up", "down"))}
+        names = ("qkv_rope", "attention", "o_proj", "gate_up", "down")
+        out = {ph: round(sum(d[5 * l + j] for l in range(self.L)), 2) for j, ph in enumerate(names)}
         out["head"] = round(d[-1], 2)
         out["total"] = round((t[-1] - t[0]) / 1e3, 2)
+        if nb and len(arr) == 2 * n * nb:
+            def spread(i):      # the blocks' arrivals at stamp i, µs after stamp i - 1
+                a = sorted(((arr[2 * (i * nb + b)] + (arr[2 * (i * nb + b) + 1] << 32)) - t[i - 1]) / 1e3
+                           for b in range(nb))
+                return a[0], a[len(a) // 2], a[-1]
+            kinds = {ph: [1 + 5 * l + j for l in range(self.L)] for j, ph in enumerate(names)}
+            kinds["head"] = [n - 1]
+            out["arrive"] = {k: dict(zip(("min", "median", "max"),
+                                         (round(sum(spread(i)[q] for i in idx), 2) for q in range(3))))
+                             for k, idx in kinds.items()}
         return out

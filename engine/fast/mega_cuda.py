@@ -63,6 +63,7 @@ BODY = r"""
   float* part = obuf + RB * QD + (L * RB * NQ + 3) / 4 * 4;   // [RB][NQ][MAXCH][PSTR]
   float* kraw = part + (size_t)RB * NQ * MAXCH * PSTR;   // [RB][NKV * D] keys before their norm
   unsigned int* prof = reinterpret_cast<unsigned int*>(kraw + RB * QD);
+  unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
   __shared__ float red[WPB][RB];
@@ -94,6 +95,10 @@ BODY = r"""
 #define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
     unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); \
     prof[2 * nstamp] = (unsigned int)t_; prof[2 * nstamp + 1] = (unsigned int)(t_ >> 32); } ++nstamp; } while (0)
+  // PROF: each block stamps when all its warps are done with the phase (before the barrier)
+#define MEGA_ARRIVE() do { if (PROF) { __syncthreads(); if (threadIdx.x == 0) { \
+    const unsigned long long t_ = mega_now(); const size_t i_ = 2 * ((size_t)nstamp * gridDim.x + blockIdx.x); \
+    arrive[i_] = (unsigned int)t_; arrive[i_ + 1] = (unsigned int)(t_ >> 32); } } } while (0)
   // before a barrier: the warp's first unit of the next phase (RL rows of K elements,
   // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait
 #define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (gw < (NUNITS)) { \
@@ -292,9 +297,11 @@ __TABLES__
         }
       }
     }
+    MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
 __ATTENTION__
+    MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
@@ -304,6 +311,7 @@ __ATTENTION__
       proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l]);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
     }
+    MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
@@ -324,6 +332,7 @@ __ATTENTION__
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
+    MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
     // --- E: down_proj + residual (a warp per hidden row)
@@ -338,6 +347,7 @@ __ATTENTION__
         MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
       }
     }
+    MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
     MEGA_STAMP();
   }
@@ -358,7 +368,7 @@ __ATTENTION__
     }
   }
   if (PROF) {                                      // the head's end: after every block is done
-    __syncthreads();
+    MEGA_ARRIVE();
     if (threadIdx.x == 0) { __threadfence(); atomicAdd(ctr, 1u); }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       while (mega_ld_acquire(ctr) < target + gridDim.x) { }
@@ -423,13 +433,15 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
     return BODY.replace("__ATTENTION__\n", A.ATTENTION).replace("__TABLES__\n", tables)
 
 
-def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1) -> int:
+def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1,
+                     blocks: int = 0) -> int:
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
-    keys before their norm (q/k norms), then the PROF stamps."""
+    keys before their norm (q/k norms), then the PROF stamps and (`blocks` > 0, with PROF)
+    each block's arrival at each phase's end."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
             + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
-            + 2 * n_stamps(n_layers))
+            + 2 * n_stamps(n_layers) * (1 + blocks))
 
 
 def n_stamps(n_layers: int) -> int:

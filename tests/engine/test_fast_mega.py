@@ -100,6 +100,17 @@ def test_groups_and_profile_arithmetic(llama):
     prof = step.profile(ws)
     assert prof["total"] == (n - 1) * 1.0                # µs
     assert prof["qkv_rope"] == step.L * 1.0 and prof["head"] == 1.0
+    assert "arrive" not in prof
+    # with the blocks' arrival stamps after them: block b reaches stamp i at t[i-1] + 100 * (b + 1) ns
+    step.blocks = 3
+    arr = [w for i in range(n) for b in range(3) for w in ((lo[i - 1] if i else 0) + 100 * (b + 1), 0)]
+    ws = mx.view(mx.concatenate([raw[:100], stamps, mx.array(arr, dtype=mx.uint32)]), mx.float32)
+    prof = step.profile(ws)
+    assert prof["total"] == (n - 1) * 1.0 and prof["head"] == 1.0
+    assert prof["arrive"]["head"] == {"min": 0.1, "median": 0.2, "max": 0.3}
+    assert prof["arrive"]["down"] == {"min": round(0.1 * step.L, 2), "median": round(0.2 * step.L, 2),
+                                      "max": round(0.3 * step.L, 2)}
+    assert C.workspace_floats(64, 4, 16, 128, step.L, 1, 3) - C.workspace_floats(64, 4, 16, 128, step.L) == 6 * n
 
 
 def test_own_contiguous_replaces_foreign_buffers_only():

@@ -34,6 +34,7 @@ def test_report_tables_and_plots_the_phases(tmp_path):
             "head": 2.0, "total": 50.0}
     rows = [{"prompt": 128, "variant": v, "wall_ms": 1.0, "profile_us": dict(prof, total=50.0 - i),
              "vs_first": {"top1": 1.0}} for i, v in enumerate(("0", "20"))]
+    rows[1]["profile_us"]["arrive"] = {ph: {"min": 1.0, "median": 2.0, "max": 3.0} for ph in mega_sweep.PHASES}
     rows.append({"prompt": 128, "variant": "4", "error": "RuntimeError: x"})
     src = tmp_path / "sweep_x.json"
     src.write_text(json.dumps({"device": "gpu", "rows": rows}))
@@ -41,6 +42,7 @@ def test_report_tables_and_plots_the_phases(tmp_path):
     md = (tmp_path / "r" / "sweep.md").read_text()
     assert "| sweep_x | 128 | 20 | 10.0 | 5.0 | 4.0 | 20.0 | 9.0 | 2.0 | 49.0 | 1.0 | 1.0 |" in md
     assert "| 4 |" not in md and (tmp_path / "r" / "sweep.png").stat().st_size > 0
+    assert "| sweep_x | 128 | 20 | 1.0 / 2.0 / 3.0 |" in md.split("When the blocks")[1]
 
 
 def test_batch_profile_quick(tmp_path):
