@@ -85,11 +85,11 @@ def source() -> str:
             args = [f"const {ty(t)}* {n}" for n, t in ins] + [f"{ty(t)}* {n}" for n, t in outs]
             src += f"__global__ void k_{name}_{T.strip('_')}({', '.join(args)}) {{\n  using T = {T};\n"
             src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tmpl.items()) + body + "\n}\n"
-    # the one-kernel step (1B shapes, 16 layers): float, 4-bit and 8-bit weights, and float with
-    # q/k norms; its header
+    # the one-kernel step (1B shapes, 16 layers): float, 4-bit and 8-bit weights, float with
+    # q/k norms, and float with 8B's head size (128) and an odd multiple of 32 (96); its header
     # redefines __global__ (launch bounds)
     src += "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
-    for qb, qkn in ((0, 0), (4, 0), (8, 0), (0, 1)):
+    for qb, qkn, D in ((0, 0, 64), (4, 0, 64), (8, 0, 64), (0, 1, 64), (0, 0, 128), (0, 0, 96)):
         names = MC.input_names(16, quantized=bool(qb), qk_norm=bool(qkn))
         mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(16)}
 
@@ -100,9 +100,9 @@ def source() -> str:
                 return "float"
             return "uint32_t" if (qb and n in mats) else "__nv_bfloat16"
         args = ", ".join(f"const {ty(n)}* {n}" for n in names)
-        src += (f"__global__ void k_mega_q{qb}_n{qkn}_bf16({args}, const __grid_constant__ Shape k_0_shape, "
+        src += (f"__global__ void k_mega_q{qb}_n{qkn}_d{D}_bf16({args}, const __grid_constant__ Shape k_0_shape, "
                 "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n")
-        tm = dict(H=2048, NQ=32, NKV=8, D=64, I=8192, L=16, V=128256, THREADS=512, MAXCH=16,
+        tm = dict(H=32 * D, NQ=32, NKV=8, D=D, I=8192, L=16, V=128256, THREADS=512, MAXCH=16,
                   RB=int(os.environ.get('RB', 1)), ROW0=0, EPS_NUM=10**7, SCALE_NUM=125000000,
                   SHIFT=0, DROP=0, PROF=1, UN1=int(os.environ.get('UN1', 8)),
                   UN2=int(os.environ.get('UN2', 4)), QB=qb, GS=64, QKN=qkn)

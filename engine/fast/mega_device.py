@@ -84,19 +84,23 @@ __device__ __forceinline__ float mega_ldcg_t(const T* p) {
     return static_cast<float>(*reinterpret_cast<const T*>(&u));
   }
 }
-// N contiguous elements other blocks wrote during the step (N * sizeof(T) of 2-16 bytes,
-// aligned to it) as floats, in one load from L2
+// N contiguous elements other blocks wrote during the step as floats, read from L2: in one
+// load where N * sizeof(T) is 2, 4, 8 or 16 bytes (p aligned to it), else one per element
 template <typename T, int N>
 __device__ __forceinline__ void mega_ldcg_vec(const T* p, float* out) {
   constexpr int BY = N * (int)sizeof(T);
-  static_assert(BY == 2 || BY == 4 || BY == 8 || BY == 16, "one load of 2-16 bytes");
-  union { uint4 u4; uint2 u2; unsigned int u1; unsigned short u0; T e[N]; } v;
-  if constexpr (BY == 16) v.u4 = __ldcg(reinterpret_cast<const uint4*>(p));
-  else if constexpr (BY == 8) v.u2 = __ldcg(reinterpret_cast<const uint2*>(p));
-  else if constexpr (BY == 4) v.u1 = __ldcg(reinterpret_cast<const unsigned int*>(p));
-  else v.u0 = __ldcg(reinterpret_cast<const unsigned short*>(p));
+  if constexpr (BY == 2 || BY == 4 || BY == 8 || BY == 16) {
+    union { uint4 u4; uint2 u2; unsigned int u1; unsigned short u0; T e[N]; } v;
+    if constexpr (BY == 16) v.u4 = __ldcg(reinterpret_cast<const uint4*>(p));
+    else if constexpr (BY == 8) v.u2 = __ldcg(reinterpret_cast<const uint2*>(p));
+    else if constexpr (BY == 4) v.u1 = __ldcg(reinterpret_cast<const unsigned int*>(p));
+    else v.u0 = __ldcg(reinterpret_cast<const unsigned short*>(p));
 #pragma unroll
-  for (int j = 0; j < N; ++j) out[j] = static_cast<float>(v.e[j]);
+    for (int j = 0; j < N; ++j) out[j] = static_cast<float>(v.e[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = mega_ldcg_t(p + j);
+  }
 }
 __device__ __forceinline__ float mega_warp_sum(float v) {
 #pragma unroll
