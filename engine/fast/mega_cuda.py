@@ -160,15 +160,16 @@ __TABLES__
       int idx[R1];
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
-      float acc[R1 * RB];
+      float acc[R1 * RB], hres = 0.f;
+      // the residual this lane adds to, asked for before the dot so its latency is hidden
+      if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hbuf + (lane % RB) * H + n0 + lane / RB);
       mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
         for (int b = 0; b < RB; ++b)
           if (lane == r * RB + b && n0 + r < H)
-            hbuf[b * H + n0 + r] = static_cast<float>(
-                T(__ldcg(hbuf + b * H + n0 + r) + static_cast<float>(T(acc[r * RB + b]))));
+            hbuf[b * H + n0 + r] = static_cast<float>(T(hres + static_cast<float>(T(acc[r * RB + b]))));
     }
   };
 
