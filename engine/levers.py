@@ -128,8 +128,16 @@ def add_lever_args(p: argparse.ArgumentParser) -> None:
 
 
 def levers_from_args(args: argparse.Namespace, env: Optional[Mapping[str, str]] = None) -> Levers:
-    return resolve(getattr(args, "tier", None), env,
-                   **{n: getattr(args, n, None) for n in LEVER_NAMES})
+    """The levers a CLI asked for; with perf_kernel on, the one-kernel step's own settings
+    (MLXP_MEGA_*) are checked too, so that a bad value is a LeverError here."""
+    lv = resolve(getattr(args, "tier", None), env, **{n: getattr(args, n, None) for n in LEVER_NAMES})
+    if lv.perf_kernel:
+        from .fast.mega import check_settings
+        try:
+            check_settings(env)
+        except ValueError as e:
+            raise LeverError(str(e)) from None
+    return lv
 
 
 def with_levers(levers: Levers, **changes) -> Levers:

@@ -62,6 +62,28 @@ def opt_mask() -> int:
     return int(raw)
 
 
+SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI")
+
+
+def check_settings(env=None) -> None:
+    """Every MLXP_MEGA_* setting in `env` (default: the environment) valid, else a ValueError
+    that names it: the 0/1 switches, the positive counts (loads in flight at most 32) and the
+    OPT mask. Called where the levers are resolved, so a bad value stops a CLI at start
+    rather than the first decode step."""
+    env = os.environ if env is None else env
+    for name in SWITCHES:
+        if env.get(name, "") not in ("", "0", "1"):
+            raise ValueError(f"{name} must be 0 or 1, not {env[name]!r}")
+    for name, top in (("MLXP_MEGA_UN1", 32), ("MLXP_MEGA_UN2", 32), ("MLXP_MEGA_BLOCKS", 1 << 16)):
+        raw = env.get(name, "")
+        if raw and (not raw.isdigit() or not 1 <= int(raw) <= top):
+            raise ValueError(f"{name} must be an integer 1-{top}, not {raw!r}")
+    raw = env.get("MLXP_MEGA_OPT", "")
+    if raw and (not raw.isdigit() or int(raw) > sum(OPT_BITS.values())):
+        raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
+                         f"(a sum of {OPT_BITS}), not {raw!r}")
+
+
 @functools.lru_cache(maxsize=1)
 def sm_count() -> int:
     """Streaming multiprocessors of CUDA device 0 (0: unknown), or $MLXP_MEGA_BLOCKS."""

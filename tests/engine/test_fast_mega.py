@@ -210,3 +210,21 @@ def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
     solo = FastDecoder(llama, resolve("l3", env={}))
     solo._mega_freq = dec._mega_freq
     assert solo._fn(512, 1)[1] is True and solo._fn(512, 2)[1] is False and solo._fn(512, 1)[1] is True
+
+
+def test_settings_checked_where_the_levers_are_resolved():
+    """A bad MLXP_MEGA_* value is a clear error when a CLI resolves its levers (perf_kernel
+    on), not an exception at the first decode step; with perf_kernel off it is not read."""
+    import argparse
+
+    from engine.levers import LeverError, levers_from_args
+    MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_QUANT": "0",
+                       "MLXP_MEGA_PROF": "1", "MLXP_MEGA_BLOCKS": "132"})
+    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
+           "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "32"}
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=name):
+            MG.check_settings({name: value})
+        with pytest.raises(LeverError, match=name):
+            levers_from_args(argparse.Namespace(tier="l3"), env={name: value})
+        assert not levers_from_args(argparse.Namespace(tier="l1"), env={name: value}).perf_kernel
