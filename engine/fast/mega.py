@@ -47,12 +47,12 @@ def env_int(name: str, default: int) -> int:
     return int(raw)
 
 
-OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16}   # mega_device.py's MEGA_OPT_*
+OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32}   # mega_device.py's MEGA_OPT_*
 OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"]   # measured faster on the H200 (docs/l3.md)
 
 
 def opt_mask() -> int:
-    """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS, 0-31; unset: OPT_DEFAULT)."""
+    """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS; unset: OPT_DEFAULT)."""
     raw = os.environ.get("MLXP_MEGA_OPT", "")
     if not raw:
         return OPT_DEFAULT

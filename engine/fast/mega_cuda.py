@@ -52,7 +52,12 @@ BODY = r"""
   constexpr int PSTR = D + 4;                      // a partial: D outputs, max, sum (16-byte rows)
   constexpr int VEC = 16 / sizeof(T);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gw = (int)blockIdx.x * WPB + warp, NW = (int)gridDim.x * WPB;
+  const unsigned int OPT = (unsigned int)opt[0];
+  // a warp's place in the grid's units: block by block, or (SPREAD) across the blocks first,
+  // so that a phase with fewer units than warps keeps every SM busy
+  const int gw = (OPT & MEGA_OPT_SPREAD) ? warp * (int)gridDim.x + (int)blockIdx.x
+                                         : (int)blockIdx.x * WPB + warp;
+  const int NW = (int)gridDim.x * WPB;
   float* wsf = ws;
   unsigned int* ctr = reinterpret_cast<unsigned int*>(wsf);
   float* hbuf = wsf + 32;                          // [RB][H]
@@ -69,7 +74,6 @@ BODY = r"""
   __shared__ float red[WPB][RB];
   __shared__ float sinv[RB];
   __shared__ float part2[WPB / 2][2 * RB];       // phase A with QSPLIT: the second halves' sums
-  const unsigned int OPT = (unsigned int)opt[0];
   const unsigned long long pol = mega_policy(OPT & MEGA_OPT_EVF);
   float* xf = reinterpret_cast<float*>(xraw);
   // the normalised inputs (phases A, D and the head) are float, and o_proj, down_proj and

@@ -28,6 +28,7 @@ HEADER = r"""
 #define MEGA_OPT_EVF 4u      // weight loads marked evict-first in L2 (read once per step)
 #define MEGA_OPT_QSPLIT 8u   // phase A: two warps of a block per q/k/v pair, each half of H
 #define MEGA_OPT_BAR 16u     // grid barrier arrivals as one release-add (no separate fence)
+#define MEGA_OPT_SPREAD 32u  // a phase's units dealt across the blocks first (warp w of every block)
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;
