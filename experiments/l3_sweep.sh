@@ -15,10 +15,10 @@ python3 -m experiments.presets 8b /tmp/m/8b
 python3 -m experiments.presets 1b /tmp/m/1b
 stage sweep-8b
 run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b \
-  --variants "${VARIANTS8:-0,1,2,4,8,15,15:un1=16,15:un2=8}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
+  --variants "${VARIANTS8:-20,52,53,60,20:un1=16}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
 stage sweep-1b
 run $(lim 30 ${SW1_S:-120}) python3 experiments/mega_sweep.py --model /tmp/m/1b \
-  --variants "${VARIANTS1:-0,15}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
+  --variants "${VARIANTS1:-20,52,53}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
 if [ "${BENCH8:-0}" = 1 ]; then
   stage bench-8b
   MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
