@@ -54,12 +54,8 @@ OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"]   # measured faster on the H200 
 def opt_mask() -> int:
     """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS; unset: OPT_DEFAULT)."""
     raw = os.environ.get("MLXP_MEGA_OPT", "")
-    if not raw:
-        return OPT_DEFAULT
-    if not raw.isdigit() or int(raw) > sum(OPT_BITS.values()):
-        raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
-                         f"(a sum of {OPT_BITS}), not {raw!r}")
-    return int(raw)
+    check_settings({"MLXP_MEGA_OPT": raw})
+    return int(raw) if raw else OPT_DEFAULT
 
 
 SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI")
@@ -306,7 +302,8 @@ class MegaStep:
                 return a[0], a[len(a) // 2], a[-1]
             kinds = {ph: [1 + 5 * l + j for l in range(self.L)] for j, ph in enumerate(names)}
             kinds["head"] = [n - 1]
-            out["arrive"] = {k: dict(zip(("min", "median", "max"),
-                                         (round(sum(spread(i)[q] for i in idx), 2) for q in range(3))))
-                             for k, idx in kinds.items()}
+            out["arrive"] = {}
+            for k, idx in kinds.items():
+                sums = [sum(q) for q in zip(*(spread(i) for i in idx))]
+                out["arrive"][k] = {q: round(v, 2) for q, v in zip(("min", "median", "max"), sums)}
         return out
