@@ -1,7 +1,7 @@
 """The one-kernel step's attention phase, mirrored in numpy loop for loop (engine.fast.mega_cuda,
 phase B): the chunk size and count from the attended end, each (row, head, chunk) unit's
 online softmax over 32-column sub-chunks clamped to the row's start column, the partials,
-and the combine the last warp of a (row, head) does. Checked against plain softmax
+and the combine the last warp of a (row, head) does (its lanes sharing the chunks). Checked against plain softmax
 attention over each row's columns [start, end), for rows with different left padding, the
 DROP fault (the newest key left out), and lengths that leave chunks empty."""
 
@@ -33,15 +33,35 @@ def unit(q, K, V, scale, start, end):
     return m, lsum, o
 
 
+def combine(parts, D):
+    """The last warp's combine, lane by lane: lane l holds chunks l and l + 32 (max, sum),
+    the warp's max and weighted sum by reduction, then every chunk's output weighted by the
+    weight its owning lane holds (the shuffle from lane cc % 32, w0 below 32, w1 above)."""
+    nch = len(parts)
+    assert nch <= 64
+    mc0 = [parts[l][0] if l < nch else -np.inf for l in range(32)]
+    mc1 = [parts[l + 32][0] if l + 32 < nch else -np.inf for l in range(32)]
+    l0 = [parts[l][1] if l < nch else 0.0 for l in range(32)]
+    l1 = [parts[l + 32][1] if l + 32 < nch else 0.0 for l in range(32)]
+    M = max(max(a, b) for a, b in zip(mc0, mc1))                      # mega_warp_max
+    w0 = [0.0 if m == -np.inf else np.exp(m - M) for m in mc0]
+    w1 = [0.0 if m == -np.inf else np.exp(m - M) for m in mc1]
+    ls = sum(a * x + b * y for a, x, b, y in zip(w0, l0, w1, l1))    # mega_warp_sum
+    acc = np.zeros(D)
+    for c0 in range(0, nch, 8):                                       # CB = 8 chunks a round
+        for j in range(8):
+            cc = c0 + j
+            wgt = (w0 if cc < 32 else w1)[cc & 31]
+            if cc < nch:
+                acc += wgt * parts[cc][2]
+    return acc / ls if ls > 0 else np.zeros(D)
+
+
 def mirror(q, K, V, scale, start, col, drop=0, maxch=C.MAXCH):
     aend = col + 1 - drop
     cs, nch = chunking(aend, maxch)
     parts = [unit(q, K, V, scale, max(c * cs, start), min(aend, c * cs + cs)) for c in range(nch)]
-    M = max(p[0] for p in parts)
-    w = [0.0 if p[0] == -np.inf else np.exp(p[0] - M) for p in parts]
-    ls = sum(wi * p[1] for wi, p in zip(w, parts))
-    acc = sum(wi * p[2] for wi, p in zip(w, parts))
-    return acc / ls if ls > 0 else np.zeros(K.shape[1])
+    return combine(parts, K.shape[1])
 
 
 def reference(q, K, V, scale, start, end):
@@ -64,6 +84,21 @@ def test_chunked_attention_matches_softmax(col, start, drop, maxch):
     got = mirror(q, K, V, D ** -0.5, start, col, drop, maxch)
     want = reference(q, K, V, D ** -0.5, start, col + 1 - drop)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_combine_uses_every_chunk_once():
+    """Negative control for the lane mapping: a combine that takes chunk cc's weight from the
+    wrong lane (cc + 1) must move the result wherever there are several chunks, 1 to 64."""
+    rng = np.random.default_rng(1)
+    for nch in (1, 2, 31, 32, 33, 63, 64):
+        parts = [(rng.standard_normal(), rng.random() + 0.5, rng.standard_normal(8)) for _ in range(nch)]
+        M = max(p[0] for p in parts)
+        w = [np.exp(p[0] - M) for p in parts]
+        want = sum(wi * p[2] for wi, p in zip(w, parts)) / sum(wi * p[1] for wi, p in zip(w, parts))
+        np.testing.assert_allclose(combine(parts, 8), want, rtol=1e-12)
+        if nch > 1:
+            shifted = [(parts[(c + 1) % nch][0], parts[c][1], parts[c][2]) for c in range(nch)]
+            assert np.abs(combine(shifted, 8) - want).max() > 1e-6
 
 
 def test_chunks_stay_within_the_partials_buffer():
