@@ -6,8 +6,8 @@ A warp per (row, query head, chunk of CS cached columns): lane j scores column j
 and add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL
 values per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp
 to finish a (row, head)'s chunks (a counter each) combines them into the attention output,
-its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 8 chunks
-for the outputs).
+its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 16 (head size 64), or 8
+(larger) chunks for the outputs).
 With `MEGA_OPT_PFO` each warp first asks L2 for the o_proj rows it computes in the next phase,
 so they stream from memory while the (latency-bound) attention runs.
 """
@@ -83,12 +83,18 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
 #pragma unroll
         for (int d = 0; d < DPL; ++d) pr[lane * DPL + d] = o[d];
         if (lane == 0) { pr[D] = m; pr[D + 1] = lsum; }
-        __threadfence();
         unsigned int done = 0;
-        if (lane == 0) done = atomicAdd(hcnt + ((size_t)l * RB + b) * NQ + hq, 1u);
+        unsigned int* hc = hcnt + ((size_t)l * RB + b) * NQ + hq;
+        if (OPT & MEGA_OPT_LEAN) {      // the lanes' partials ordered by the warp sync + release
+          __syncwarp();
+          if (lane == 0) done = mega_atom_add_acq_rel(hc, 1u);
+        } else {
+          __threadfence();
+          if (lane == 0) done = atomicAdd(hc, 1u);
+        }
         done = __shfl_sync(0xffffffffu, done, 0);
         if (done == (unsigned int)(nch - 1)) {        // the last chunk of (row, head): combine
-          __threadfence();
+          if (!(OPT & MEGA_OPT_LEAN)) __threadfence();
           // lanes take chunks lane and lane + 32: the max and the weights in one round trip,
           // then every chunk's output (the lane's DPL values), CB chunks' loads at once
           const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
@@ -101,7 +107,7 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           float acc[DPL];
 #pragma unroll
           for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
-          constexpr int CB = 8;
+          constexpr int CB = DPL <= 2 ? 16 : 8;     // (32 registers: more spill at head sizes 64 and 128)
           for (int c0 = 0; c0 < nch; c0 += CB) {
             float ov[CB][DPL];
 #pragma unroll

@@ -263,7 +263,7 @@ __TABLES__
       }
     }
     if constexpr (QKN != 0) {
-      mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
+      mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
       // --- A2 (q/k norms): a warp per (row, q or k head): RMSNorm over the head's D values
       // (rounded as the model's RMSNorm rounds: normalised, then times the weight), RoPE on
       // the pairs (i, i + D/2) a lane owns, q back into qbuf, k into the cache
@@ -303,11 +303,11 @@ __TABLES__
       }
     }
     MEGA_ARRIVE();
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
 __ATTENTION__
     MEGA_ARRIVE();
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
     {
@@ -317,7 +317,7 @@ __ATTENTION__
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
     }
     MEGA_ARRIVE();
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     {
@@ -338,7 +338,7 @@ __ATTENTION__
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
     MEGA_ARRIVE();
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
     // --- E: down_proj + residual (a warp per hidden row)
     {
@@ -353,7 +353,7 @@ __ATTENTION__
       }
     }
     MEGA_ARRIVE();
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR);
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
   }
   // --- the final norm and the output head (a warp per vocabulary row)

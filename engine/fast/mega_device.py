@@ -29,6 +29,7 @@ HEADER = r"""
 #define MEGA_OPT_QSPLIT 8u   // phase A: two warps of a block per q/k/v pair, each half of H
 #define MEGA_OPT_BAR 16u     // grid barrier arrivals as one release-add (no separate fence)
 #define MEGA_OPT_SPREAD 32u  // a phase's units dealt across the blocks first (warp w of every block)
+#define MEGA_OPT_LEAN 64u    // acquire/release atomics alone order the step's hand-offs (no extra fences)
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;
@@ -44,7 +45,8 @@ __device__ __forceinline__ unsigned long long mega_now() {
 // all blocks meet here; `target` counts the arrivals every block waits for. A block that
 // waits more than 10 s (blocks that never arrive: not all resident at once) stops the
 // kernel with an error rather than hanging the process.
-__device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target, bool rel) {
+__device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target, bool rel,
+                                               bool lean = false) {
   __syncthreads();
   target += gridDim.x;
   if (threadIdx.x == 0) {
@@ -59,7 +61,7 @@ __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& 
     while (mega_ld_acquire(ctr) < target) {
       if ((++spins & 0xFFFFu) == 0u && mega_now() - t0 > 10000000000ull) __trap();
     }
-    __threadfence();
+    if (!lean) __threadfence();     // (the acquire load already orders what follows)
   }
   __syncthreads();
 }
@@ -102,6 +104,13 @@ __device__ __forceinline__ void mega_ldcg_vec(const T* p, float* out) {
 #pragma unroll
     for (int j = 0; j < N; ++j) out[j] = mega_ldcg_t(p + j);
   }
+}
+// an add to a counter with release (what the lane and, after a __syncwarp, its warp wrote
+// before) and acquire (what the others wrote before their adds) semantics; the old value
+__device__ __forceinline__ unsigned int mega_atom_add_acq_rel(unsigned int* p, unsigned int v) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 __device__ __forceinline__ float mega_warp_sum(float v) {
 #pragma unroll
