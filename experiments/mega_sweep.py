@@ -5,7 +5,10 @@ against the first variant's on the same tokens (teacher-forced).
 
 A variant is `MASK` or `MASK:un1=N:un2=M` (MASK a sum of engine.fast.mega.OPT_BITS:
 1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
-evict-first in L2, 8 q/k/v split in two halves of H). Variants of one MASK share a compiled
+evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
+32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
+128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
+started per head on flags instead of a barrier). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \

@@ -6,8 +6,14 @@ A warp per (row, query head, chunk of CS cached columns): lane j scores column j
 and add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL
 values per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp
 to finish a (row, head)'s chunks (a counter each) combines them into the attention output,
-its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 16 (head size 64), or 8
-(larger) chunks for the outputs).
+its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 8 chunks
+for the outputs).
+With `MEGA_OPT_FLOW` no grid barrier precedes the phase: a unit waits for the flags of its query
+head, key head and value head (phase A counts each head's pairs out), then reads its query
+head into the warp's slot of shared memory; the last warps take the first units.
+With `MEGA_OPT_AKPF` a unit first asks L2 for its chunk's keys and values (one prefetch per
+128 bytes, all issued at once); with `MEGA_OPT_NOPFA` the phase leaves out the o_proj
+prefetch below.
 With `MEGA_OPT_PFO` each warp first asks L2 for the o_proj rows it computes in the next phase,
 so they stream from memory while the (latency-bound) attention runs.
 """
@@ -25,17 +31,40 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
             asm volatile("prefetch.global.L2 [%0];" :: "l"(b_ + o_));
         }
       }
-      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
-      __syncthreads();
+      if (!flow) {
+        for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
+        __syncthreads();
+      }
       const T* kcache = KC[l];
       const T* vcache = VC[l];
-      for (int u = gw; u < RB * NQ * nch; u += NW) {
+      // (FLOW: the last warps take the first units: they are the ones done with phase A first,
+      // and the first heads' flags are the first up)
+      for (int u = flow ? NW - 1 - gw : gw; u < RB * NQ * nch; u += NW) {
         const int b = u / (NQ * nch), hq = (u / nch) % NQ, c = u % nch, g = hq / (NQ / NKV);
         const size_t row = (size_t)(ROW0 + b);
         const T* kb = kcache + (row * NKV + g) * CAP * D;
         const T* vb = vcache + (row * NKV + g) * CAP * D;
         const int start = max(c * cs, start_col[ROW0 + b]), end = min(aend, c * cs + cs);
         const float* qh = xf + b * QD + hq * D;
+        if (flow) {     // the query head, its keys and its values out of phase A, then q here
+          if (lane == 0) {
+            const unsigned int* f = fcnt + l * (NQ + 2 * NKV);
+            mega_wait_at_least(f + NQ + g, HALF);
+            mega_wait_at_least(f + NQ + NKV + g, HALF);
+            mega_wait_at_least(f + hq, HALF);
+          }
+          __syncwarp();
+          for (int d = lane; d < D; d += 32) qslot[warp][d] = __ldcg(qbuf + b * QD + hq * D + d);
+          __syncwarp();
+          qh = qslot[warp];
+        }
+        if (OPT & MEGA_OPT_AKPF) {     // the chunk's key and value rows into L2, all at once
+          const int nl = end > start ? ((end - start) * D * (int)sizeof(T) + 127) / 128 : 0;
+          for (int j = lane; j < 2 * nl; j += 32) {
+            const T* base = (j < nl ? kb : vb) + (size_t)start * D;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(base) + (size_t)(j % nl) * 128));
+          }
+        }
         float m = NEG_INF, lsum = 0.f, o[DPL];
 #pragma unroll
         for (int d = 0; d < DPL; ++d) o[d] = 0.f;
@@ -107,7 +136,7 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           float acc[DPL];
 #pragma unroll
           for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
-          constexpr int CB = DPL <= 2 ? 16 : 8;     // (32 registers: more spill at head sizes 64 and 128)
+          constexpr int CB = 8;
           for (int c0 = 0; c0 < nch; c0 += CB) {
             float ov[CB][DPL];
 #pragma unroll
@@ -127,6 +156,6 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
             obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
         }
       }
-      if (!(OPT & MEGA_OPT_PFO)) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
+      if (!(OPT & (MEGA_OPT_PFO | MEGA_OPT_NOPFA))) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
 """

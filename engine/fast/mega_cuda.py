@@ -67,7 +67,8 @@ BODY = r"""
   unsigned int* hcnt = reinterpret_cast<unsigned int*>(obuf + RB * QD);   // [L][RB][NQ]
   float* part = obuf + RB * QD + (L * RB * NQ + 3) / 4 * 4;   // [RB][NQ][MAXCH][PSTR]
   float* kraw = part + (size_t)RB * NQ * MAXCH * PSTR;   // [RB][NKV * D] keys before their norm
-  unsigned int* prof = reinterpret_cast<unsigned int*>(kraw + RB * QD);
+  unsigned int* fcnt = reinterpret_cast<unsigned int*>(kraw + RB * QD);   // FLOW: [L][NQ + 2 NKV]
+  unsigned int* prof = fcnt + (L * 3 * NQ + 3) / 4 * 4;    // (room for NKV up to NQ)
   unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
@@ -94,6 +95,9 @@ BODY = r"""
   // chunks of CS = 32 * k columns, at most MAXCH of them per (row, head)
   const int cs = 32 * max(1, (max(aend, 1) + 32 * MAXCH - 1) / (32 * MAXCH));
   const int nch = (max(aend, 1) + cs - 1) / cs;
+  // FLOW (models without q/k norms): phase B starts per head, not after a barrier
+  const bool flow = (OPT & MEGA_OPT_FLOW) && QKN == 0;
+  __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
   unsigned int target = 0;
   // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
 #define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
@@ -226,6 +230,12 @@ __TABLES__
           }
         }
       };
+      // FLOW: one more pair of this q/k/v head is out (the lanes' writes before the release)
+      auto head_done = [&](int head) {
+        __syncwarp();
+        if (lane == 0)
+          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + head) : "memory");
+      };
       constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
       constexpr int PPB = WPB / 2;               // with QSPLIT: pairs a block takes per round
       // (split only where the half-length rounds take less time than the whole ones)
@@ -234,7 +244,8 @@ __TABLES__
       if (split) {
         const int pr = warp % PPB, half = warp / PPB;
         for (int base = (int)blockIdx.x * PPB; base < NPAIR; base += (int)gridDim.x * PPB) {
-          const int u = base + pr, r1 = (u / HALF) * D + u % HALF;
+          const int u = flow ? (base + pr + NQ * HALF) % NPAIR : base + pr;   // FLOW: k, v first
+          const int r1 = (u / HALF) * D + u % HALF;
           const int idx[2] = {r1, r1 + HALF};
           float acc[2 * RB];
           if (u < NPAIR) {
@@ -249,16 +260,19 @@ __TABLES__
 #pragma unroll
             for (int j = 0; j < 2 * RB; ++j) acc[j] += part2[pr][j];
             qkv_out(u, acc);
+            if (flow) head_done(u / HALF);
           }
           __syncthreads();
         }
       } else {
-        for (int u = gw; u < NPAIR; u += NW) {
+        for (int u0 = gw; u0 < NPAIR; u0 += NW) {
+          const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
           const int r1 = (u / HALF) * D + u % HALF;
           const int idx[2] = {r1, r1 + HALF};
           float acc[2 * RB];
           mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
           qkv_out(u, acc);
+          if (flow) head_done(u / HALF);
         }
       }
     }
@@ -303,7 +317,7 @@ __TABLES__
       }
     }
     MEGA_ARRIVE();
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
+    if (!flow) mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
 __ATTENTION__
     MEGA_ARRIVE();
@@ -442,11 +456,11 @@ def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: 
                      blocks: int = 0) -> int:
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
-    keys before their norm (q/k norms), then the PROF stamps and (`blocks` > 0, with PROF)
+    keys before their norm (q/k norms), the per-layer head flags (FLOW), then the PROF stamps and (`blocks` > 0, with PROF)
     each block's arrival at each phase's end."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
             + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
-            + 2 * n_stamps(n_layers) * (1 + blocks))
+            + (n_layers * 3 * n_heads + 3) // 4 * 4 + 2 * n_stamps(n_layers) * (1 + blocks))
 
 
 def n_stamps(n_layers: int) -> int:

