@@ -1,11 +1,14 @@
 #!/bin/bash
-# Device run: (CHECK2048=0 leaves out) experiments/mega_check.py on the 1b preset at prompt 2048
+# Device run: (CHECK2048=0 leaves out) experiments/mega_check.py on the 1b preset at the prompts
+# CHECK_PROMPTS (default 2048)
 # (the attention combine over 33+ chunks against L1); the one-kernel step's switches A/B
 # (experiments/mega_sweep.py) on the 8b preset
-# (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with BENCH8=1
+# (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with BENCH1=N N runs of
+# bench_decode l1,l3 on the 1b preset (defaults), with BENCH8=1
 # bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with MMA=1 the
 # tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
-# (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set). Results under $OUT.
+# (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set); the benches run before the sweeps (SWEEPS=0
+# leaves them out), BATCHCHK=1 then checks the batch lane. Results under $OUT.
 #   OUT=/tmp/sw BUDGET=540 bash experiments/l3_sweep.sh
 set -u
 OUT=${OUT:-/tmp/sw}
@@ -16,20 +19,34 @@ stage build
 python3 -m experiments.presets 8b /tmp/m/8b
 python3 -m experiments.presets 1b /tmp/m/1b
 if [ "${CHECK2048:-1}" = 1 ]; then     # the kernel against L1 with more than 32 attention chunks
-  stage check-2048
-  run $(lim 60 90) python3 experiments/mega_check.py --model /tmp/m/1b --prompt 2048 --steps 8 \
-    --out "$OUT/mega_check_1b_2048.json"
+  for P in ${CHECK_PROMPTS:-2048}; do
+    stage check-$P
+    run $(lim 60 90) python3 experiments/mega_check.py --model /tmp/m/1b --prompt $P --steps 8 \
+      --out "$OUT/mega_check_1b_$P.json"
+  done
 fi
+for R in $(seq 1 "${BENCH1:-0}"); do    # BENCH1=N: N bench runs on the 1b preset, defaults
+  stage bench-1b-$R
+  run $(lim 40 130) python3 experiments/bench_decode.py --model /tmp/m/1b \
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-1b-r$R --out "$OUT/bench-1b-r$R"
+done
+if [ "${BENCH8:-0}" = 1 ]; then
+  stage bench-8b
+  MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-opt${BENCH_OPT:-} --out "$OUT/bench-8b"
+fi
+if [ "${SWEEPS:-1}" = 1 ]; then
 stage sweep-8b
 run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b \
   --variants "${VARIANTS8:-20,52,53,60,20:un1=16}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
 stage sweep-1b
 run $(lim 30 ${SW1_S:-120}) python3 experiments/mega_sweep.py --model /tmp/m/1b \
   --variants "${VARIANTS1:-20,52,53}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
-if [ "${BENCH8:-0}" = 1 ]; then
-  stage bench-8b
-  MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-opt${BENCH_OPT:-} --out "$OUT/bench-8b"
+fi
+if [ "${BATCHCHK:-0}" = 1 ]; then      # the batch lane (8 and 32 rows) against BatchGenerator
+  stage batch
+  run $(lim 5 100) python3 experiments/merged_exactness.py --model /tmp/m/1b \
+    --specs l3+fast_batch --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
 fi
 if [ "${MMA:-0}" = 1 ]; then
   stage mma
