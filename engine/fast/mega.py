@@ -238,6 +238,9 @@ class MegaStep:
         self.un1 = env_int("MLXP_MEGA_UN1", 8)
         self.un2 = env_int("MLXP_MEGA_UN2", 4)
         self.opt = mx.array([opt_mask()], dtype=mx.int32)
+        # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
+        batch_opt = opt_mask() if os.environ.get("MLXP_MEGA_OPT") else opt_mask() & ~OPT_BITS["flow"]
+        self.opt_rows = mx.array([batch_opt], dtype=mx.int32)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):
@@ -255,7 +258,8 @@ class MegaStep:
         fault = K.active_fault()
         B = tokens.size
         ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
-               col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B), self.opt,
+               col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B),
+               self.opt if B == 1 else self.opt_rows,
                *self.shared, *self.layers, *keys, *values]
         logits, wss = [], []
         for row0, rb in self.groups(B):

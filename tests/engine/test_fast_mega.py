@@ -228,3 +228,18 @@ def test_settings_checked_where_the_levers_are_resolved():
         with pytest.raises(LeverError, match=name):
             levers_from_args(argparse.Namespace(tier="l3"), env={name: value})
         assert not levers_from_args(argparse.Namespace(tier="l1"), env={name: value}).perf_kernel
+
+
+def test_flow_on_the_solo_step_only_unless_asked_for(llama, monkeypatch):
+    """FLOW (attention started per head on flags) is a default of the one-row step; calls of
+    several rows get the default without it, unless MLXP_MEGA_OPT names it."""
+    merge_projections(llama)
+    a0 = llama.layers[0].self_attn
+    monkeypatch.delenv("MLXP_MEGA_OPT", raising=False)
+    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
+    flow = MG.OPT_BITS["flow"]
+    assert MG.OPT_DEFAULT & flow and step.opt.item() == MG.OPT_DEFAULT
+    assert step.opt_rows.item() == MG.OPT_DEFAULT & ~flow
+    monkeypatch.setenv("MLXP_MEGA_OPT", str(MG.OPT_DEFAULT))
+    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
+    assert step.opt_rows.item() == step.opt.item() == MG.OPT_DEFAULT
