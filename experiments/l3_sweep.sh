@@ -8,7 +8,8 @@
 # bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with MMA=1 the
 # tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
 # (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set); the benches run before the sweeps (SWEEPS=0
-# leaves them out), BATCHCHK=1 then checks the batch lane. Results under $OUT.
+# leaves them out), BATCHCHK=1 then checks the batch lane; OVERHEAD=1 (before the benches)
+# times what a step costs around the kernel (experiments/step_overhead.py). Results under $OUT.
 #   OUT=/tmp/sw BUDGET=540 bash experiments/l3_sweep.sh
 set -u
 OUT=${OUT:-/tmp/sw}
@@ -23,6 +24,13 @@ if [ "${CHECK2048:-1}" = 1 ]; then     # the kernel against L1 with more than 32
     stage check-$P
     run $(lim 60 90) python3 experiments/mega_check.py --model /tmp/m/1b --prompt $P --steps 8 \
       --out "$OUT/mega_check_1b_$P.json"
+  done
+fi
+if [ "${OVERHEAD:-0}" = 1 ]; then      # what a step costs around the kernel (1b and 8b, prompt 128)
+  for M in 1b 8b; do
+    stage overhead-$M
+    run $(lim 40 60) python3 experiments/step_overhead.py --model /tmp/m/$M --prompt 128 --ops \
+      --out "$OUT/step_overhead_$M.json"
   done
 fi
 for R in $(seq 1 "${BENCH1:-0}"); do    # BENCH1=N: N bench runs on the 1b preset, defaults

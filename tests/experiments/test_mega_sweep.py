@@ -51,3 +51,20 @@ def test_batch_profile_quick(tmp_path):
     (r,) = json.loads(out.read_text())
     assert r["B"] == 2 and r["step_ms"] > 0 and r["synced_step_ms"] > 0
     assert r["levers"]["steps"] > 0 and any("_decode_step" in line for line in r["profile_top"])
+
+
+def test_step_overhead_runs_off_a_gpu(tmp_path):
+    """experiments/step_overhead.py on the CPU fixture: every mode timed, the kernel's timer
+    reported as absent (-1, no one-kernel step here), the step's operations counted."""
+    from experiments import step_overhead
+    from parity.fixtures.models import ensure_fixture
+    out = tmp_path / "o.json"
+    assert step_overhead.main(["--model", str(ensure_fixture("llama", "bfloat16")), "--prompt", "8",
+                               "--gen", "4", "--trials", "1", "--ops", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["ms_per_token"]) == set(step_overhead.MODES)
+    assert all(v > 0 for v in r["ms_per_token"].values())
+    assert r["kernel_ms"] == -1.0 and r["around_kernel_ms"] is None and not r["mega"]
+    assert r["ops"].get("ArgReduce", 0) >= 1 or r["ops"].get("ArgMax", 0) >= 1, r["ops"]
+    with pytest.raises(SystemExit):
+        step_overhead.main(["--model", "x", "--gen", "1"])

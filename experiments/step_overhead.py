@@ -1,0 +1,159 @@
+"""Where an L3 decode step's time goes around the one kernel, on a GPU (ms per token).
+
+From one prefilled prompt, each mode decodes --gen tokens greedily (the caches set back to the
+prompt before every trial; medians of --trials trials):
+
+- `kernel`: the one kernel's own timer (MLXP_MEGA_PROF=1, the phases' sum, read back every
+  step; a separate decoder, so the timed modes below run without the timer);
+- `chain`: y = argmax(decoder(y)) queued step after step (`mx.async_eval`), one wait at the end:
+  the GPU's time per step with nothing on the host in between;
+- `chain_lse`: the same with the log-probabilities the stepper computes (logits − logsumexp);
+- `stepper`: `engine.stepper.generate_step`, what `bench_decode.py` times (a token handed to
+  the host every step, the next step queued before).
+
+`chain` − `kernel` is what the step costs besides the kernel's phases (its launch, the
+workspace fills, the position, the argmax, the gaps between them); `chain_lse` − `chain` the
+log-probabilities; `stepper` − `chain_lse` the host. With --ops, the operations of one step's
+graph by name (`mx.export_to_dot`).
+
+    python experiments/step_overhead.py --model DIR [--prompt 128] [--gen 64] [--trials 5]
+        [--ops] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.fast.decode import FastDecoder  # noqa: E402
+from engine.levers import resolve  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.stepper import generate_step  # noqa: E402
+
+MODES = ("chain", "chain_lse", "stepper")
+
+
+def _reset(caches, n: int) -> None:
+    for c in caches:
+        c.offset = n
+
+
+def timed(mode: str, model, dec, caches, prompt, gen: int) -> float:
+    """ms per token of one trial of `mode`."""
+    P = len(prompt)
+    if mode == "stepper":
+        mx.synchronize()
+        it = generate_step(mx.array(prompt), model, max_tokens=gen + 1, decoder=dec)
+        next(it)
+        t0 = time.perf_counter()
+        n = sum(1 for _ in it)
+        mx.synchronize()
+        return 1e3 * (time.perf_counter() - t0) / max(n, 1)
+    _reset(caches, P)
+    y = mx.array([prompt[-1]])
+    mx.eval(y)
+    mx.synchronize()
+    t0 = time.perf_counter()
+    outs = []
+    for _ in range(gen):
+        lg = dec(y, caches)
+        if mode == "chain_lse":
+            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+            y = mx.argmax(lp, axis=-1)
+            outs.append(lp)
+        else:
+            y = mx.argmax(lg, axis=-1)
+        mx.async_eval(y)
+    mx.eval(y, *outs[-1:])
+    mx.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / gen
+
+
+def kernel_ms(model, caches, prompt, gen: int) -> float:
+    """Mean of the kernel's own timer (ms) over gen steps, or -1 where it did not run."""
+    old = os.environ.get("MLXP_MEGA_PROF")
+    os.environ["MLXP_MEGA_PROF"] = "1"
+    try:
+        dec = FastDecoder(model, resolve("l3", env={}))
+        dec.reserve(caches, gen + 8)
+        _reset(caches, len(prompt))
+        y, tot = mx.array([prompt[-1]]), []
+        for i in range(gen):
+            lg = dec(y, caches)
+            y = mx.argmax(lg, axis=-1)
+            mx.eval(y)
+            prof = dec.mega_profile()
+            if prof and i >= 3:
+                tot.append(prof["total"] / 1e3)
+        return statistics.mean(tot) if tot else -1.0
+    finally:
+        if old is None:
+            os.environ.pop("MLXP_MEGA_PROF", None)
+        else:
+            os.environ["MLXP_MEGA_PROF"] = old
+
+
+def step_ops(dec, caches, tok) -> dict:
+    f = io.StringIO()
+    out = dec(tok, caches)
+    lp = out - mx.logsumexp(out, axis=-1, keepdims=True)
+    mx.export_to_dot(f, mx.argmax(lp, axis=-1), lp)
+    mx.eval(out)
+    return dict(Counter(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)"', f.getvalue())))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--ops", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.prompt < 2 or a.gen < 4 or a.trials < 1:
+        ap.error("--prompt >= 2, --gen >= 4 and --trials >= 1")
+    model = load_model(a.model)[0]
+    prompt = [(7 * i + 3) % 1000 + 32 for i in range(a.prompt)]
+    caches = model.make_cache()
+    mx.eval(model(mx.array(prompt)[None], cache=caches))
+    dec = FastDecoder(model, resolve("l3", env={}))
+    dec.reserve(caches, a.gen + 8)
+    for m in MODES:                                   # warm-up: traces and kernels built
+        timed(m, model, dec, caches, prompt, 8)
+    res = {m: [] for m in MODES}
+    for t in range(a.trials):
+        for m in (MODES if t % 2 == 0 else MODES[::-1]):
+            res[m].append(timed(m, model, dec, caches, prompt, a.gen))
+    out = {"model": Path(a.model).name, "prompt": a.prompt, "gen": a.gen, "trials": a.trials,
+           "device": str(mx.default_device()), "mega": bool(dec.stats.mega),
+           "ms_per_token": {m: statistics.median(v) for m, v in res.items()},
+           "kernel_ms": kernel_ms(model, caches, prompt, a.gen)}
+    ms = out["ms_per_token"]
+    out["around_kernel_ms"] = ms["chain"] - out["kernel_ms"] if out["kernel_ms"] > 0 else None
+    out["logprobs_ms"] = ms["chain_lse"] - ms["chain"]
+    out["host_ms"] = ms["stepper"] - ms["chain_lse"]
+    if a.ops:
+        _reset(caches, a.prompt)
+        out["ops"] = step_ops(dec, caches, mx.array([prompt[-1]]))
+    print(json.dumps(out, indent=1))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
