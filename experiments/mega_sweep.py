@@ -3,7 +3,8 @@ A/B in one process, on a GPU: for each variant and prompt length, the step's pha
 (MLXP_MEGA_PROF, averaged over the timed steps), its wall time per step, and its logits
 against the first variant's on the same tokens (teacher-forced).
 
-A variant is `MASK` or `MASK:un1=N:un2=M` (MASK a sum of engine.fast.mega.OPT_BITS:
+A variant is `MASK` or `MASK:un1=N:un2=M:pre=1` (pre=1: MLXP_MEGA_PRE, the kernel that issues
+each phase's first weight loads before the barrier; MASK a sum of engine.fast.mega.OPT_BITS:
 1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
 evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
 32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
@@ -42,7 +43,7 @@ def parse_variant(spec: str) -> dict:
     env = {"MLXP_MEGA_OPT": str(int(mask))}
     for kv in rest:
         k, v = kv.split("=")
-        if k not in ("un1", "un2"):
+        if k not in ("un1", "un2", "pre"):
             raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
         env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
     return env

@@ -60,7 +60,7 @@ def opt_mask() -> int:
     return int(raw) if raw else OPT_DEFAULT
 
 
-SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI")
+SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_PRE")
 
 
 def check_settings(env=None) -> None:
@@ -237,6 +237,8 @@ class MegaStep:
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
         self.un1 = env_int("MLXP_MEGA_UN1", 8)
         self.un2 = env_int("MLXP_MEGA_UN2", 4)
+        # a warp's first weight loads of each phase issued before the barrier (another kernel)
+        self.pre = int(os.environ.get("MLXP_MEGA_PRE", "0") == "1")
         self.opt = mx.array([opt_mask()], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
         batch_opt = opt_mask() if os.environ.get("MLXP_MEGA_OPT") else opt_mask() & ~OPT_BITS["flow"]
@@ -244,7 +246,7 @@ class MegaStep:
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):
-        smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows)
+        smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, bool(self.pre))
         q, n = bool(self.quant), int(self.qkn)
         return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}",
                              C.input_names(self.L, q, self.qkn), ["logits", "ws"],
@@ -274,7 +276,10 @@ class MegaStep:
                           ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
                           ("UN1", self.un1), ("UN2", self.un2),
                           ("QB", self.quant[0] if self.quant else 0),
-                          ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn))],
+                          ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
+                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS),
+                          ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
+                                                     bool(self.pre))))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb,

@@ -38,6 +38,8 @@ from . import mega_device as D
 THREADS = 512
 WPB = THREADS // 32
 MAXCH = 64          # chunks of the cache per query head in phase B (at most)
+PRE_LOADS = 8       # 16-byte loads per lane a warp issues ahead with PRE (the one-row kernel)
+PRE_BYTES = WPB * PRE_LOADS * 32 * 16
 
 HEADER = D.HEADER     # the device functions (engine.fast.mega_device)
 
@@ -98,6 +100,14 @@ BODY = r"""
   // FLOW (models without q/k norms): phase B starts per head, not after a barrier
   const bool flow = (OPT & MEGA_OPT_FLOW) && QKN == 0;
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
+  // PRE (float weights, one row, a shared memory region PRESM for it): a warp's first loads of
+  // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async)
+  constexpr int XBYTES = (RB * (4 * H > 4 * QD ? (4 * H > (int)sizeof(T) * I ? 4 * H : (int)sizeof(T) * I)
+                                               : (4 * QD > (int)sizeof(T) * I ? 4 * QD : (int)sizeof(T) * I)) + 15) / 16 * 16;
+  // (a compile-time choice, MLXP_MEGA_PRE=1: the kernel without it is the same code as before)
+  constexpr bool preon = PRE != 0 && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
+  const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT);
+  uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE_LOADS * 32;
   unsigned int target = 0;
   // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
 #define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
@@ -162,7 +172,7 @@ __TABLES__
 
   // o_proj and down_proj: hbuf[b] += T(W . xt[b]) with the residual add rounded as the
   // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
-  auto proj_residual = [&](auto kk, const void* w, const T* ws_, const T* wb_) {
+  auto proj_residual = [&](auto kk, const void* w, const T* ws_, const T* wb_, bool usepre) {
     constexpr int KK = decltype(kk)::value;
     for (int n0 = gw * R1; n0 < H; n0 += NW * R1) {
       int idx[R1];
@@ -171,7 +181,9 @@ __TABLES__
       float acc[R1 * RB], hres = 0.f;
       // the residual this lane adds to, asked for before the dot so its latency is hidden
       if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hbuf + (lane % RB) * H + n0 + lane / RB);
-      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol);
+      // (R1 is 1: the first row is the one mega_preload fetched)
+      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0,
+                                                  usepre && n0 == gw * R1 ? pre : nullptr);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -181,6 +193,9 @@ __TABLES__
     }
   };
 
+  // the first q/k/v pair a warp computes in layer l (FLOW: keys and values first)
+  auto qkv_first_row = [&]() { const int p = flow ? (gw + NQ * HALF) % NPAIR : gw; return (p / HALF) * D + p % HALF; };
+  if (preA && gw < NPAIR) { const int r1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[0], r1, r1 + HALF, lane, pre, pol); }
   for (int l = 0; l < L; ++l) {
     // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
     // QSPLIT two warps of a block per pair, each over half of H, added in shared memory)
@@ -270,7 +285,8 @@ __TABLES__
           const int r1 = (u / HALF) * D + u % HALF;
           const int idx[2] = {r1, r1 + HALF};
           float acc[2 * RB];
-          mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
+          mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol, 0,
+                                                     preA && u0 == gw ? pre : nullptr);
           qkv_out(u, acc);
           if (flow) head_done(u / HALF);
         }
@@ -320,6 +336,7 @@ __TABLES__
     if (!flow) mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
 __ATTENTION__
+    if (preon && gw < H) mega_preload<T, QD, 1, UN1>(WO[l], gw, gw, lane, pre, pol);
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
@@ -327,8 +344,9 @@ __ATTENTION__
     {
       for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
-      proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l]);
+      proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l], preon);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
+      if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, pre, pol);
     }
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -339,7 +357,8 @@ __ATTENTION__
       for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol);
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol, 0,
+                                                   preon && n == gw ? pre : nullptr);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -350,6 +369,7 @@ __ATTENTION__
         }
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
+      if (preon && gw < H) mega_preload<T, I, 1, UN1>(WD[l], gw, gw, lane, pre, pol);
     }
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -358,12 +378,14 @@ __ATTENTION__
     {
       for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
-      proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l]);
+      proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l], preon);
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
-        const int r1 = (gw / HALF) * D + gw % HALF;
+        const int r1 = qkv_first_row();
         MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
+        if (preA) { const int q1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[l + 1], q1, q1 + HALF, lane, pre, pol); }
       } else if (l + 1 == L) {
         MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
+        if (preon && gw < V) mega_preload<T, H, 1, UN1>(headw, gw, gw, lane, pre, pol);
       }
     }
     MEGA_ARRIVE();
@@ -378,7 +400,8 @@ __ATTENTION__
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
       float acc[R1 * RB];
-      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol);
+      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol, 0,
+                                                  preon && n0 == gw * R1 ? pre : nullptr);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -468,9 +491,23 @@ def n_stamps(n_layers: int) -> int:
     return 2 + 5 * n_layers
 
 
-def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1) -> int:
-    """Dynamic shared memory for the phase inputs of `rows` rows (the largest of them)."""
-    return rows * max(4 * H, 4 * n_heads * head_dim, itemsize * inter)
+def input_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1) -> int:
+    """Shared memory for the phase inputs of `rows` rows (the largest of them; the kernel's XBYTES)."""
+    return (rows * max(4 * H, 4 * n_heads * head_dim, itemsize * inter) + 15) // 16 * 16
+
+
+def pre_region(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
+               pre: bool = True) -> bool:
+    """Whether the kernel of `rows` rows gets the PRE slots (asked for, one row, room for them)."""
+    return pre and rows == 1 and input_bytes(H, n_heads, head_dim, inter, itemsize) + PRE_BYTES <= SHARED_MAX
+
+
+def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
+                 pre: bool = False) -> int:
+    """Dynamic shared memory of the kernel of `rows` rows: the phase inputs, then (with `pre`,
+    one row, where it fits) every warp's PRE slots."""
+    extra = PRE_BYTES if pre_region(H, n_heads, head_dim, inter, itemsize, rows, pre) else 0
+    return input_bytes(H, n_heads, head_dim, inter, itemsize, rows) + extra
 
 
 SHARED_MAX = 200 * 1024     # dynamic shared memory a block may ask for (H100/H200: 227 KB)
@@ -479,5 +516,5 @@ MAX_ROWS = 8                # rows per kernel call (more: several calls, one per
 
 def rows_per_call(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int) -> int:
     """Rows one call takes: at most MAX_ROWS, and what SHARED_MAX holds."""
-    per = shared_bytes(H, n_heads, head_dim, inter, itemsize)
+    per = input_bytes(H, n_heads, head_dim, inter, itemsize)
     return max(0, min(MAX_ROWS, SHARED_MAX // per))

@@ -164,17 +164,18 @@ __device__ __forceinline__ int mega_sw(int i) {
 }
 // RL weight rows of K elements dotted with RB input rows (shared memory, float or T,
 // row b's elements koff .. koff + K at xs + b * KT + koff); every lane ends with the sums
-// acc[r * RB + b]. K is a multiple of 32 * VEC; weight loads take the L2 policy pol.
+// acc[r * RB + b]. K is a multiple of 32 * VEC; weight loads take the L2 policy pol. With
+// pre (not null) the first UN loads of each row were issued earlier into the warp's shared
+// memory (`mega_preload`: pre[(u * RL + r) * 32 + lane]).
 template <typename T, typename X, int K, int RL, int RB, int UN, int KT>
 __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int koff, int lane,
-                                         float* acc, unsigned long long pol) {
+                                         float* acc, unsigned long long pol,
+                                         const uint4* pre = nullptr) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = K / (32 * VEC);
 #pragma unroll
   for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
-#pragma unroll 1
-  for (int i0 = 0; i0 < IT; i0 += UN) {
-    uint4 wv[UN][RL];
+  auto load = [&](int i0, uint4 (&wv)[UN][RL]) {
 #pragma unroll
     for (int u = 0; u < UN; ++u) {
       if (i0 + u < IT) {
@@ -182,6 +183,8 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
         for (int r = 0; r < RL; ++r) wv[u][r] = mega_ld_w(rows[r] + ((i0 + u) * 32 + lane) * VEC, pol);
       }
     }
+  };
+  auto consume = [&](int i0, const uint4 (&wv)[UN][RL]) {
 #pragma unroll
     for (int u = 0; u < UN; ++u) {
       if (i0 + u >= IT) break;
@@ -198,9 +201,44 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
         }
       }
     }
+  };
+#pragma unroll 1
+  for (int i0 = 0; i0 < IT; i0 += UN) {
+    uint4 wv[UN][RL];
+    if (i0 == 0 && pre != nullptr) {   // the first UN iterations from the copies asked for earlier
+      asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+      for (int u = 0; u < UN; ++u)
+#pragma unroll
+        for (int r = 0; r < RL; ++r) wv[u][r] = pre[(u * RL + r) * 32 + lane];
+    } else {
+      load(i0, wv);
+    }
+    consume(i0, wv);
   }
 #pragma unroll
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
+}
+// the first UN 16-byte loads of weight rows r0 (and, RL 2, r1) of K elements copied into the
+// warp's shared memory (cp.async, no registers held), for a mega_dot given `pre` later:
+// issued before a barrier, they stream while the blocks wait
+template <typename T, int K, int RL, int UN>
+__device__ __forceinline__ void mega_preload(const void* w, int r0, int r1, int lane, uint4* pre,
+                                             unsigned long long pol) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int IT = K / (32 * VEC);
+  const T* rows[2] = {reinterpret_cast<const T*>(w) + (size_t)r0 * K,
+                      reinterpret_cast<const T*>(w) + (size_t)r1 * K};
+#pragma unroll
+  for (int u = 0; u < UN; ++u)
+    if (u < IT)
+#pragma unroll
+      for (int r = 0; r < RL; ++r) {
+        const unsigned int sa = static_cast<unsigned int>(__cvta_generic_to_shared(pre + (u * RL + r) * 32 + lane));
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                     :: "r"(sa), "l"(rows[r] + (u * 32 + lane) * VEC), "l"(pol) : "memory");
+      }
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 // The same for MLX's affine-quantized rows (BITS 4 or 8, groups of GS): row r's packed
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
@@ -266,12 +304,13 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int KT = K>
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
                                              const X* xs, int lane, float* acc,
-                                             unsigned long long pol, int koff = 0) {
+                                             unsigned long long pol, int koff = 0,
+                                             const uint4* pre = nullptr) {
   if constexpr (QB == 0) {
     const T* rows[RL];
 #pragma unroll
     for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * KT + koff;
-    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol);
+    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol, pre);
   } else {
     const unsigned int* rows[RL];
     const T* sr[RL];
