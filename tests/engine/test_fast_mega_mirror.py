@@ -114,3 +114,54 @@ def test_the_drop_fault_changes_the_output():
     a = mirror(q, K, V, 0.125, 0, 64)
     b = mirror(q, K, V, 0.125, 0, 64, drop=1)
     assert np.abs(a - b).max() > 1e-3
+
+
+def flow_schedule(NQ: int, NKV: int, D: int, NW: int, nch: int, rows: int = 1):
+    """FLOW, mirrored from the kernel: phase A's pair order (keys and values first:
+    p = (u0 + NQ * HALF) % NPAIR, warp gw taking u0 = gw, gw + NW, ...), the flag each pair
+    counts up (its head p // HALF), and phase B's unit order (warp gw taking u = NW - 1 - gw,
+    + NW, ...). Returns (pairs per warp, flags per head, units per warp)."""
+    HALF = D // 2
+    NPAIR = (NQ + 2 * NKV) * HALF
+    pairs = {gw: [(u0 + NQ * HALF) % NPAIR for u0 in range(gw, NPAIR, NW)] for gw in range(NW)}
+    flags = [0] * (NQ + 2 * NKV)
+    for ps in pairs.values():
+        for p in ps:
+            flags[p // HALF] += 1
+    units = {gw: list(range(NW - 1 - gw, rows * NQ * nch, NW)) for gw in range(NW)}
+    return pairs, flags, units
+
+
+@pytest.mark.parametrize("NQ,NKV,D,NW,nch", [(32, 8, 128, 2112, 5), (32, 8, 64, 2112, 33),
+                                             (32, 8, 128, 2112, 33), (16, 16, 64, 64, 64),
+                                             (32, 8, 128, 100, 64)])
+def test_flow_covers_every_pair_and_unit_once(NQ, NKV, D, NW, nch):
+    """Every q/k/v pair computed once, every head's flag reaching exactly HALF (what an attention
+    unit waits for), every attention unit taken once; keys and values come first; the first
+    attention units go to the warps with the fewest pairs."""
+    pairs, flags, units = flow_schedule(NQ, NKV, D, NW, nch)
+    NPAIR = (NQ + 2 * NKV) * (D // 2)
+    got = sorted(p for ps in pairs.values() for p in ps)
+    assert got == list(range(NPAIR))
+    assert flags == [D // 2] * (NQ + 2 * NKV)
+    assert sorted(u for us in units.values() for u in us) == list(range(NQ * nch))
+    first_round = [ps[0] for gw, ps in sorted(pairs.items()) if ps]
+    kv = range(NQ * (D // 2), NPAIR)
+    assert all(p in kv for p in first_round[:len(kv)])       # keys and values in the first round
+    # where the units fit beside the warps that take one pair more (the first NPAIR % NW),
+    # none of those warps gets a unit
+    extra = NPAIR % NW
+    if extra and NQ * nch <= NW - extra:
+        assert all(not units[gw] for gw in range(extra))
+
+
+def test_flow_flag_target_fails_for_a_wrong_order():
+    """Negative control: a phase A order that skips a pair (u0 + 1) leaves a head's flag short
+    of HALF, so its attention units would wait (the kernel traps after 10 s)."""
+    NQ, NKV, D, NW = 32, 8, 128, 2112
+    HALF, NPAIR = D // 2, (NQ + 2 * NKV) * (D // 2)
+    flags = [0] * (NQ + 2 * NKV)
+    for gw in range(NW):
+        for u0 in range(gw, NPAIR, NW):
+            flags[(min(u0 + 1, NPAIR - 1) + NQ * HALF) % NPAIR // HALF] += 1
+    assert flags != [HALF] * (NQ + 2 * NKV)
