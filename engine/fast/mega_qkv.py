@@ -1,0 +1,149 @@
+"""CUDA source of the one-kernel step's phase A (RMSNorm -> merged q/k/v -> RoPE, keys and
+values into the cache) and, for models with per-head q/k norms (qwen3), phase A2, spliced into
+engine.fast.mega_cuda's BODY where `__QKV__` stands.
+
+A warp per rotation pair (rows i and i + D/2 of a head), its dot products over the normalised
+input in shared memory; lane b rotates row b's pair and writes q into the workspace, k and v
+into the cache at the position. With `MEGA_OPT_QSPLIT` two warps of a block take a pair, each
+over half of H (added in shared memory), where that takes fewer rounds. With `MEGA_OPT_FLOW`
+the pairs of the keys and values come first and each pair counts up its head's flag (phase B
+waits on those instead of a barrier). With QKN, phase A leaves q and k unrotated; after a
+barrier a warp per head normalises, then rotates it (A2).
+"""
+
+QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
+    // QSPLIT two warps of a block per pair, each over half of H, added in shared memory)
+    {
+      if (OPT & MEGA_OPT_KVPF) {      // the layer's cached keys and values into L2
+        constexpr int RBY = D * (int)sizeof(T);
+        for (int b = 0; b < RB; ++b) {
+          const size_t lo = (size_t)start_col[ROW0 + b] * RBY / 128 * 128, hi = (size_t)wcol * RBY;
+          const int nl = hi > lo ? (int)((hi - lo + 127) / 128) : 0;
+          for (int j = (int)(blockIdx.x * THREADS + threadIdx.x); j < 2 * NKV * nl; j += (int)(gridDim.x * THREADS)) {
+            const int g = (j / nl) % NKV;
+            const T* base = ((j / nl) < NKV ? KC[l] : VC[l]) + ((size_t)(ROW0 + b) * NKV + g) * CAP * D;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(base) + lo + (size_t)(j % nl) * 128));
+          }
+        }
+      }
+      load_normed(LN1[l], l == 0);
+      auto qkv_out = [&](int u, const float* acc) {
+        const int head = u / HALF, i = u % HALF;
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+          if (lane != b) continue;
+          const float x1 = static_cast<float>(T(acc[b] * sinv[b]));
+          const float x2 = static_cast<float>(T(acc[RB + b] * sinv[b]));
+          const size_t row = (size_t)(ROW0 + b);
+          if (QKN && head < NQ + NKV) {          // normalised and rotated in phase A2
+            float* dst = head < NQ ? qbuf + b * QD + head * D : kraw + b * QD + (head - NQ) * D;
+            dst[i] = x1;
+            dst[i + HALF] = x2;
+          } else if (head < NQ + NKV) {
+            const float theta = static_cast<float>(rpos[ROW0 + b] + SHIFT) * inv_freq[i];
+            float sn, c;
+            sincosf(theta, &sn, &c);
+            const T y1 = T(x1 * c - x2 * sn), y2 = T(x1 * sn + x2 * c);
+            if (head < NQ) {
+              qbuf[b * QD + head * D + i] = static_cast<float>(y1);
+              qbuf[b * QD + head * D + i + HALF] = static_cast<float>(y2);
+            } else {
+              T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + wcol) * D;
+              kc[i] = y1;
+              kc[i + HALF] = y2;
+            }
+          } else {
+            T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D;
+            vc[i] = T(x1);
+            vc[i + HALF] = T(x2);
+          }
+        }
+      };
+      // FLOW: one more pair of this q/k/v head is out (the lanes' writes before the release)
+      auto head_done = [&](int head) {
+        __syncwarp();
+        if (lane == 0)
+          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + head) : "memory");
+      };
+      constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
+      constexpr int PPB = WPB / 2;               // with QSPLIT: pairs a block takes per round
+      // (split only where the half-length rounds take less time than the whole ones)
+      const bool split = HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)
+          && (NPAIR + (int)gridDim.x * PPB - 1) / ((int)gridDim.x * PPB) < 2 * ((NPAIR + NW - 1) / NW);
+      if (split) {
+        const int pr = warp % PPB, half = warp / PPB;
+        for (int base = (int)blockIdx.x * PPB; base < NPAIR; base += (int)gridDim.x * PPB) {
+          const int u = flow ? (base + pr + NQ * HALF) % NPAIR : base + pr;   // FLOW: k, v first
+          const int r1 = (u / HALF) * D + u % HALF;
+          const int idx[2] = {r1, r1 + HALF};
+          float acc[2 * RB];
+          if (u < NPAIR) {
+            mega_mat_dot<T, XN, HS, 2, RB, UN2, QB, GS, H>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn,
+                                                           lane, acc, pol, half * HS);
+            if (half == 1 && lane == 0)
+#pragma unroll
+              for (int j = 0; j < 2 * RB; ++j) part2[pr][j] = acc[j];
+          }
+          __syncthreads();
+          if (half == 0 && u < NPAIR) {
+#pragma unroll
+            for (int j = 0; j < 2 * RB; ++j) acc[j] += part2[pr][j];
+            qkv_out(u, acc);
+            if (flow) head_done(u / HALF);
+          }
+          __syncthreads();
+        }
+      } else {
+        for (int u0 = gw; u0 < NPAIR; u0 += NW) {
+          const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
+          const int r1 = (u / HALF) * D + u % HALF;
+          const int idx[2] = {r1, r1 + HALF};
+          float acc[2 * RB];
+          mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol, 0,
+                                                     preA && u0 == gw ? pre : nullptr);
+          qkv_out(u, acc);
+          if (flow) head_done(u / HALF);
+        }
+      }
+    }
+    if constexpr (QKN != 0) {
+      mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
+      // --- A2 (q/k norms): a warp per (row, q or k head): RMSNorm over the head's D values
+      // (rounded as the model's RMSNorm rounds: normalised, then times the weight), RoPE on
+      // the pairs (i, i + D/2) a lane owns, q back into qbuf, k into the cache
+      constexpr int PPL = (HALF + 31) / 32;     // rotation pairs a lane owns (i < HALF)
+      for (int u = gw; u < RB * (NQ + NKV); u += NW) {
+        const int b = u / (NQ + NKV), hd = u % (NQ + NKV);
+        float* src = hd < NQ ? qbuf + b * QD + hd * D : kraw + b * QD + (hd - NQ) * D;
+        const T* nw = hd < NQ ? QN[l] : KN[l];
+        float x1[PPL], x2[PPL], ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const bool own = lane + 32 * j < HALF;
+          x1[j] = own ? __ldcg(src + lane + 32 * j) : 0.f;
+          x2[j] = own ? __ldcg(src + lane + 32 * j + HALF) : 0.f;
+          ss += x1[j] * x1[j] + x2[j] * x2[j];
+        }
+        const float rn = rsqrtf(mega_warp_sum(ss) / D + eps);
+        const float pos = static_cast<float>(rpos[ROW0 + b] + SHIFT);
+#pragma unroll
+        for (int j = 0; j < PPL; ++j) {
+          const int i = lane + 32 * j;
+          if (i >= HALF) break;
+          const float y1 = static_cast<float>(T(static_cast<float>(T(x1[j] * rn)) * static_cast<float>(nw[i])));
+          const float y2 = static_cast<float>(T(static_cast<float>(T(x2[j] * rn)) * static_cast<float>(nw[i + HALF])));
+          float sn, c;
+          sincosf(pos * inv_freq[i], &sn, &c);
+          const T z1 = T(y1 * c - y2 * sn), z2 = T(y1 * sn + y2 * c);
+          if (hd < NQ) {
+            src[i] = static_cast<float>(z1);
+            src[i + HALF] = static_cast<float>(z2);
+          } else {
+            T* kc = KC[l] + (((size_t)(ROW0 + b) * NKV + (hd - NQ)) * CAP + wcol) * D;
+            kc[i] = z1;
+            kc[i + HALF] = z2;
+          }
+        }
+      }
+    }
+"""
