@@ -3,8 +3,9 @@ A/B in one process, on a GPU: for each variant and prompt length, the step's pha
 (MLXP_MEGA_PROF, averaged over the timed steps), its wall time per step, and its logits
 against the first variant's on the same tokens (teacher-forced).
 
-A variant is `MASK` or `MASK:un1=N:un2=M:pre=1` (pre=1: MLXP_MEGA_PRE, the kernel that issues
-each phase's first weight loads before the barrier; MASK a sum of engine.fast.mega.OPT_BITS:
+A variant is `MASK` or `MASK:un1=N:un2=M:pre=P` (pre: MLXP_MEGA_PRE, 1 the kernel that copies
+each phase's first weight loads before the barrier, 2 also each next unit's; MASK a sum of
+engine.fast.mega.OPT_BITS:
 1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
 evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
 32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,

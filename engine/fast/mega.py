@@ -60,7 +60,7 @@ def opt_mask() -> int:
     return int(raw) if raw else OPT_DEFAULT
 
 
-SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_PRE")
+SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI")
 
 
 def check_settings(env=None) -> None:
@@ -76,6 +76,8 @@ def check_settings(env=None) -> None:
         raw = env.get(name, "")
         if raw and (not raw.isdigit() or not 1 <= int(raw) <= top):
             raise ValueError(f"{name} must be an integer 1-{top}, not {raw!r}")
+    if env.get("MLXP_MEGA_PRE", "") not in ("", "0", "1", "2"):
+        raise ValueError(f"MLXP_MEGA_PRE must be 0, 1 or 2, not {env['MLXP_MEGA_PRE']!r}")
     raw = env.get("MLXP_MEGA_OPT", "")
     if raw and (not raw.isdigit() or int(raw) > sum(OPT_BITS.values())):
         raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
@@ -238,7 +240,9 @@ class MegaStep:
         self.un1 = env_int("MLXP_MEGA_UN1", 8)
         self.un2 = env_int("MLXP_MEGA_UN2", 4)
         # a warp's first weight loads of each phase issued before the barrier (another kernel)
-        self.pre = int(os.environ.get("MLXP_MEGA_PRE", "0") == "1")
+        # (2: also the next unit's first loads while a unit runs)
+        check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")})
+        self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
         self.opt = mx.array([opt_mask()], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
         batch_opt = opt_mask() if os.environ.get("MLXP_MEGA_OPT") else opt_mask() & ~OPT_BITS["flow"]
@@ -246,7 +250,7 @@ class MegaStep:
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):
-        smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, bool(self.pre))
+        smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, self.pre)
         q, n = bool(self.quant), int(self.qkn)
         return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}",
                              C.input_names(self.L, q, self.qkn), ["logits", "ws"],
@@ -279,7 +283,7 @@ class MegaStep:
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
                           ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
-                                                     bool(self.pre))))],
+                                                     self.pre)))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb,

@@ -39,7 +39,7 @@ THREADS = 512
 WPB = THREADS // 32
 MAXCH = 64          # chunks of the cache per query head in phase B (at most)
 PRE_LOADS = 8       # 16-byte loads per lane a warp issues ahead with PRE (the one-row kernel)
-PRE_BYTES = WPB * PRE_LOADS * 32 * 16
+PRE_BYTES = WPB * PRE_LOADS * 32 * 16     # a slot per warp (MLXP_MEGA_PRE=2: two)
 
 HEADER = D.HEADER     # the device functions (engine.fast.mega_device)
 
@@ -101,13 +101,24 @@ BODY = r"""
   const bool flow = (OPT & MEGA_OPT_FLOW) && QKN == 0;
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
   // PRE (float weights, one row, a shared memory region PRESM for it): a warp's first loads of
-  // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async)
+  // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async);
+  // PRE 2: two slots, and while a unit runs the first loads of the warp's next unit are copied
+  // into the other one
   constexpr int XBYTES = (RB * (4 * H > 4 * QD ? (4 * H > (int)sizeof(T) * I ? 4 * H : (int)sizeof(T) * I)
                                                : (4 * QD > (int)sizeof(T) * I ? 4 * QD : (int)sizeof(T) * I)) + 15) / 16 * 16;
   // (a compile-time choice, MLXP_MEGA_PRE=1: the kernel without it is the same code as before)
   constexpr bool preon = PRE != 0 && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
   const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT);
-  uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE_LOADS * 32;
+  uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;
+  auto slot = [&](int k) { return pre + (PRE == 2 ? (k & 1) : 0) * PRE_LOADS * 32; };
+  // the copies a warp's k-th unit of a phase uses (none: null), and (PRE 2) those of its next
+  // unit (rows r0, r1 of a matrix of K columns) asked for first; `on`: the phase takes PRE
+  auto pre_next = [&](auto kk, auto rl, auto un, bool on, int k, bool more, const void* w, int r0, int r1) {
+    if constexpr (PRE == 2) {
+      if (on && more) mega_preload<T, decltype(kk)::value, decltype(rl)::value, decltype(un)::value>(w, r0, r1, lane, slot(k + 1), pol);
+    }
+    return on && (k == 0 || PRE == 2) ? slot(k) : nullptr;
+  };
   unsigned int target = 0;
   // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
 #define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
@@ -174,16 +185,18 @@ __TABLES__
   // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
   auto proj_residual = [&](auto kk, const void* w, const T* ws_, const T* wb_, bool usepre) {
     constexpr int KK = decltype(kk)::value;
-    for (int n0 = gw * R1; n0 < H; n0 += NW * R1) {
+    int k = 0;
+    for (int n0 = gw * R1; n0 < H; n0 += NW * R1, ++k) {
       int idx[R1];
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
       float acc[R1 * RB], hres = 0.f;
       // the residual this lane adds to, asked for before the dot so its latency is hidden
       if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hbuf + (lane % RB) * H + n0 + lane / RB);
-      // (R1 is 1: the first row is the one mega_preload fetched)
-      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0,
-                                                  usepre && n0 == gw * R1 ? pre : nullptr);
+      // (R1 is 1: a unit is the row mega_preload fetched)
+      const bool more = n0 + NW * R1 < H;
+      const uint4* p_ = pre_next(kk, mega_int<1>{}, mega_int<UN1>{}, usepre, k, more, w, n0 + NW, n0 + NW);
+      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0, p_, PRE == 2 && more);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -195,14 +208,14 @@ __TABLES__
 
   // the first q/k/v pair a warp computes in layer l (FLOW: keys and values first)
   auto qkv_first_row = [&]() { const int p = flow ? (gw + NQ * HALF) % NPAIR : gw; return (p / HALF) * D + p % HALF; };
-  if (preA && gw < NPAIR) { const int r1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[0], r1, r1 + HALF, lane, pre, pol); }
+  if (preA && gw < NPAIR) { const int r1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[0], r1, r1 + HALF, lane, slot(0), pol); }
   for (int l = 0; l < L; ++l) {
 __QKV__
     MEGA_ARRIVE();
     if (!flow) mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
 __ATTENTION__
-    if (preon && gw < H) mega_preload<T, QD, 1, UN1>(WO[l], gw, gw, lane, pre, pol);
+    if (preon && gw < H) mega_preload<T, QD, 1, UN1>(WO[l], gw, gw, lane, slot(0), pol);
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
@@ -212,7 +225,7 @@ __ATTENTION__
       __syncthreads();
       proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l], preon);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
-      if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, pre, pol);
+      if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, slot(0), pol);
     }
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -220,11 +233,14 @@ __ATTENTION__
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     {
       load_normed(LN2[l], false);
-      for (int n = gw; n < I; n += NW) {
+      int k = 0;
+      for (int n = gw; n < I; n += NW, ++k) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
+        const bool more = n + NW < I;
+        const uint4* p_ = pre_next(mega_int<H>{}, mega_int<2>{}, mega_int<UN2>{}, preon, k, more, WGU[l], n + NW, I + n + NW);
         mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol, 0,
-                                                   preon && n == gw ? pre : nullptr);
+                                                   p_, PRE == 2 && more);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -235,7 +251,7 @@ __ATTENTION__
         }
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-      if (preon && gw < H) mega_preload<T, I, 1, UN1>(WD[l], gw, gw, lane, pre, pol);
+      if (preon && gw < H) mega_preload<T, I, 1, UN1>(WD[l], gw, gw, lane, slot(0), pol);
     }
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -248,10 +264,10 @@ __ATTENTION__
       if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
         const int r1 = qkv_first_row();
         MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
-        if (preA) { const int q1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[l + 1], q1, q1 + HALF, lane, pre, pol); }
+        if (preA) { const int q1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[l + 1], q1, q1 + HALF, lane, slot(0), pol); }
       } else if (l + 1 == L) {
         MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-        if (preon && gw < V) mega_preload<T, H, 1, UN1>(headw, gw, gw, lane, pre, pol);
+        if (preon && gw < V) mega_preload<T, H, 1, UN1>(headw, gw, gw, lane, slot(0), pol);
       }
     }
     MEGA_ARRIVE();
@@ -261,13 +277,16 @@ __ATTENTION__
   // --- the final norm and the output head (a warp per vocabulary row)
   {
     load_normed(fnorm, L == 0);
-    for (int n0 = gw * R1; n0 < V; n0 += NW * R1) {
+    int k = 0;
+    for (int n0 = gw * R1; n0 < V; n0 += NW * R1, ++k) {
       int idx[R1];
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
       float acc[R1 * RB];
+      const bool more = n0 + NW * R1 < V;
+      const uint4* p_ = pre_next(mega_int<H>{}, mega_int<1>{}, mega_int<UN1>{}, preon, k, more, headw, n0 + NW, n0 + NW);
       mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol, 0,
-                                                  preon && n0 == gw * R1 ? pre : nullptr);
+                                                  p_, PRE == 2 && more);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -364,16 +383,18 @@ def input_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, 
 
 
 def pre_region(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
-               pre: bool = True) -> bool:
-    """Whether the kernel of `rows` rows gets the PRE slots (asked for, one row, room for them)."""
-    return pre and rows == 1 and input_bytes(H, n_heads, head_dim, inter, itemsize) + PRE_BYTES <= SHARED_MAX
+               pre: int = 1) -> bool:
+    """Whether the kernel of `rows` rows gets the PRE slots (`pre` 1 or 2 slots a warp asked for,
+    one row, room for them)."""
+    return (pre > 0 and rows == 1
+            and input_bytes(H, n_heads, head_dim, inter, itemsize) + pre * PRE_BYTES <= SHARED_MAX)
 
 
 def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
-                 pre: bool = False) -> int:
+                 pre: int = 0) -> int:
     """Dynamic shared memory of the kernel of `rows` rows: the phase inputs, then (with `pre`,
     one row, where it fits) every warp's PRE slots."""
-    extra = PRE_BYTES if pre_region(H, n_heads, head_dim, inter, itemsize, rows, pre) else 0
+    extra = pre * PRE_BYTES if pre_region(H, n_heads, head_dim, inter, itemsize, rows, pre) else 0
     return input_bytes(H, n_heads, head_dim, inter, itemsize, rows) + extra
 
 

@@ -166,11 +166,12 @@ __device__ __forceinline__ int mega_sw(int i) {
 // row b's elements koff .. koff + K at xs + b * KT + koff); every lane ends with the sums
 // acc[r * RB + b]. K is a multiple of 32 * VEC; weight loads take the L2 policy pol. With
 // pre (not null) the first UN loads of each row were issued earlier into the warp's shared
-// memory (`mega_preload`: pre[(u * RL + r) * 32 + lane]).
+// memory (`mega_preload`: pre[(u * RL + r) * 32 + lane]; `newer`: one more group of copies
+// was committed after those).
 template <typename T, typename X, int K, int RL, int RB, int UN, int KT>
 __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int koff, int lane,
                                          float* acc, unsigned long long pol,
-                                         const uint4* pre = nullptr) {
+                                         const uint4* pre = nullptr, bool newer = false) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = K / (32 * VEC);
 #pragma unroll
@@ -206,7 +207,9 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
   for (int i0 = 0; i0 < IT; i0 += UN) {
     uint4 wv[UN][RL];
     if (i0 == 0 && pre != nullptr) {   // the first UN iterations from the copies asked for earlier
-      asm volatile("cp.async.wait_all;" ::: "memory");
+      // (`newer`: the next unit's copies were asked for since: all but the newest group done)
+      if (newer) asm volatile("cp.async.wait_group 1;" ::: "memory");
+      else asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
       for (int u = 0; u < UN; ++u)
 #pragma unroll
@@ -305,12 +308,12 @@ template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS,
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
                                              const X* xs, int lane, float* acc,
                                              unsigned long long pol, int koff = 0,
-                                             const uint4* pre = nullptr) {
+                                             const uint4* pre = nullptr, bool newer = false) {
   if constexpr (QB == 0) {
     const T* rows[RL];
 #pragma unroll
     for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * KT + koff;
-    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol, pre);
+    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol, pre, newer);
   } else {
     const unsigned int* rows[RL];
     const T* sr[RL];

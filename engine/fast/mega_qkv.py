@@ -94,13 +94,17 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           __syncthreads();
         }
       } else {
-        for (int u0 = gw; u0 < NPAIR; u0 += NW) {
+        int k = 0;
+        for (int u0 = gw; u0 < NPAIR; u0 += NW, ++k) {
           const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
           const int r1 = (u / HALF) * D + u % HALF;
           const int idx[2] = {r1, r1 + HALF};
           float acc[2 * RB];
+          const bool more = u0 + NW < NPAIR;
+          const int un = flow ? (u0 + NW + NQ * HALF) % NPAIR : u0 + NW, rn = (un / HALF) * D + un % HALF;
+          const uint4* p_ = pre_next(mega_int<H>{}, mega_int<2>{}, mega_int<UN2>{}, preA, k, more, WQKV[l], rn, rn + HALF);
           mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol, 0,
-                                                     preA && u0 == gw ? pre : nullptr);
+                                                     p_, PRE == 2 && more);
           qkv_out(u, acc);
           if (flow) head_done(u / HALF);
         }

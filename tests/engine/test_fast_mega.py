@@ -19,6 +19,19 @@ from engine.loader import load_model
 from parity.fixtures.models import ensure_fixture
 
 
+def test_preload_slots_in_shared_memory():
+    """MLXP_MEGA_PRE: 1 or 2 slots of 8 x 32 16-byte loads per warp after the phase inputs, in
+    the one-row kernel only, where they fit; the rows a call takes do not change."""
+    one = C.input_bytes(4096, 32, 128, 14336, 2)
+    assert one == 28672 and C.PRE_BYTES == 16 * 8 * 32 * 16
+    assert C.shared_bytes(4096, 32, 128, 14336, 2) == one
+    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=1) == one + C.PRE_BYTES
+    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=2) == one + 2 * C.PRE_BYTES
+    assert C.shared_bytes(4096, 32, 128, 14336, 2, rows=2, pre=2) == 2 * one
+    assert not C.pre_region(4096, 32, 128, 100000, 2, pre=1)      # 195 KB of inputs: no room
+    assert C.rows_per_call(4096, 32, 128, 14336, 2) == 7
+
+
 def test_rows_per_call_fits_shared_memory():
     # 1b (hidden 2048, MLP 8192, 32 x 64 heads): 16 KB a row (the bf16 MLP input) -> 8
     assert C.rows_per_call(2048, 32, 64, 8192, 2) == 8
@@ -222,7 +235,7 @@ def test_settings_checked_where_the_levers_are_resolved():
                        "MLXP_MEGA_PROF": "1", "MLXP_MEGA_BLOCKS": "132"})
     bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
            "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "1024",
-           "MLXP_MEGA_PRE": "2"}
+           "MLXP_MEGA_PRE": "3"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             MG.check_settings({name: value})
