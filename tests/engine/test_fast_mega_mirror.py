@@ -165,3 +165,83 @@ def test_flow_flag_target_fails_for_a_wrong_order():
         for u0 in range(gw, NPAIR, NW):
             flags[(min(u0 + 1, NPAIR - 1) + NQ * HALF) % NPAIR // HALF] += 1
     assert flags != [HALF] * (NQ + 2 * NKV)
+
+
+def pre_events(pre: int, NQ: int, NKV: int, D: int, H: int, I: int, V: int, L: int, NW: int,
+               gw: int, flow: bool = True, one_slot: bool = False):
+    """MLXP_MEGA_PRE mirrored for warp gw from the kernel (mega_cuda.py, mega_qkv.py): the
+    copies it asks for ('pre', slot, matrix, rows) and the units that use them ('use', slot,
+    matrix, rows; slot None: loaded then). Slot of the k-th unit of a phase: k % 2 (PRE 2), 0."""
+    HALF, NPAIR = D // 2, (NQ + 2 * NKV) * (D // 2)
+    ev = []
+    slot = (lambda k: k % 2) if pre == 2 and not one_slot else (lambda k: 0)
+
+    def qrow(u0):
+        p = (u0 + NQ * HALF) % NPAIR if flow else u0
+        return (p // HALF) * D + p % HALF
+
+    def units(name, N, rows_of, first):
+        for k, n in enumerate(range(first, N, NW)):
+            more = n + NW < N
+            if pre == 2 and more:
+                ev.append(("pre", slot(k + 1), name, rows_of(n + NW)))
+            ev.append(("use", slot(k) if (k == 0 or pre == 2) else None, name, rows_of(n)))
+
+    pair = lambda m, off: (lambda n: (m, (n, n + off)))
+    if gw < NPAIR:
+        ev.append(("pre", slot(0), "qkv0", (qrow(gw), qrow(gw) + HALF)))
+    for l in range(L):
+        units(f"qkv{l}", NPAIR, lambda u0: (qrow(u0), qrow(u0) + HALF), gw)
+        if gw < H:
+            ev.append(("pre", slot(0), f"o{l}", (gw,)))
+        units(f"o{l}", H, lambda n: (n,), gw)
+        if gw < I:
+            ev.append(("pre", slot(0), f"gu{l}", (gw, I + gw)))
+        units(f"gu{l}", I, lambda n: (n, I + n), gw)
+        if gw < H:
+            ev.append(("pre", slot(0), f"d{l}", (gw,)))
+        units(f"d{l}", H, lambda n: (n,), gw)
+        if l + 1 < L and gw < NPAIR:
+            ev.append(("pre", slot(0), f"qkv{l + 1}", (qrow(gw), qrow(gw) + HALF)))
+        elif l + 1 == L and gw < V:
+            ev.append(("pre", slot(0), "head", (gw,)))
+    units("head", V, lambda n: (n,), gw)
+    return ev
+
+
+def check_pre(ev) -> None:
+    """Every unit that reads a slot reads the rows last copied into it, each copy is read
+    exactly once, and (PRE 2) at most the next unit's copy is pending beside the current."""
+    held = {}
+    for kind, s, m, rows in ev:
+        if kind == "pre":
+            assert s not in held, f"slot {s} overwritten before use: {held[s]} by {(m, rows)}"
+            held[s] = (m, rows)
+        elif s is not None:
+            assert held.pop(s, None) == (m, rows), (s, m, rows)
+    assert not held, held
+
+
+@pytest.mark.parametrize("pre", [1, 2])
+@pytest.mark.parametrize("gw", [0, 5, 959, 960, 2047, 2111])
+def test_preloads_are_used_by_the_units_they_were_for(pre, gw):
+    # 8b shape (32 q heads of 128, 8 kv heads, H 4096, I 14336) on 132 blocks of 16 warps
+    ev = pre_events(pre, 32, 8, 128, 4096, 14336, 128256, 2, 2112, gw)
+    check_pre(ev)
+    uses = [e for e in ev if e[0] == "use"]
+    if pre == 1:                     # the first unit of each phase from the copy, the rest loaded
+        assert all((e[1] is None) == (i > 0) for i, e in
+                   enumerate([e for e in uses if e[2] == "gu0"]))
+    else:                            # every unit from a copy
+        assert all(e[1] is not None for e in uses)
+
+
+def test_a_skipped_preload_or_a_shared_slot_is_caught():
+    """Negative controls: a kernel that forgot the copy before the o_proj phase, or one that
+    gave PRE 2 a single slot (the next unit's copy overwriting the current one's), fails."""
+    ev = pre_events(2, 32, 8, 128, 4096, 14336, 128256, 1, 2112, 7)
+    ev = [e for e in ev if not (e[0] == "pre" and e[2] == "o0" and e[3] == (7,))]
+    with pytest.raises(AssertionError):
+        check_pre(ev)
+    with pytest.raises(AssertionError, match="overwritten"):
+        check_pre(pre_events(2, 32, 8, 128, 4096, 14336, 128256, 1, 2112, 7, one_slot=True))
