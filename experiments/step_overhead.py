@@ -5,15 +5,19 @@ prompt before every trial; medians of --trials trials):
 
 - `kernel`: the one kernel's own timer (MLXP_MEGA_PROF=1, the phases' sum, read back every
   step; a separate decoder, so the timed modes below run without the timer);
+- `fixed`: the decoder queued step after step on the same token (no argmax; the steps still
+  follow one another through the position and the caches), one wait at the end;
 - `chain`: y = argmax(decoder(y)) queued step after step (`mx.async_eval`), one wait at the end:
   the GPU's time per step with nothing on the host in between;
 - `chain_lse`: the same with the log-probabilities the stepper computes (logits − logsumexp);
 - `stepper`: `engine.stepper.generate_step`, what `bench_decode.py` times (a token handed to
   the host every step, the next step queued before).
 
-`chain` − `kernel` is what the step costs besides the kernel's phases (its launch, the
-workspace fills, the position, the argmax, the gaps between them); `chain_lse` − `chain` the
-log-probabilities; `stepper` − `chain_lse` the host. With --ops, the operations of one step's
+`fixed` − `kernel` is what the step costs besides the kernel's phases (its launch, the
+workspace fills, the position, the gaps between them; the timer itself adds a little to
+`kernel`); `chain` − `fixed` the argmax (and its token turned into int32); `chain_lse` −
+`chain` the log-probabilities;
+`stepper` − `chain_lse` the host. With --ops, the operations of one step's
 graph by name (`mx.export_to_dot`).
 
     python experiments/step_overhead.py --model DIR [--prompt 128] [--gen 64] [--trials 5]
@@ -42,7 +46,7 @@ from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.stepper import generate_step  # noqa: E402
 
-MODES = ("chain", "chain_lse", "stepper")
+MODES = ("fixed", "chain", "chain_lse", "stepper")
 
 
 def _reset(caches, n: int) -> None:
@@ -73,9 +77,13 @@ def timed(mode: str, model, dec, caches, prompt, gen: int) -> float:
             lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
             y = mx.argmax(lp, axis=-1)
             outs.append(lp)
-        else:
+            mx.async_eval(y)
+        elif mode == "chain":
             y = mx.argmax(lg, axis=-1)
-        mx.async_eval(y)
+            mx.async_eval(y)
+        else:                            # fixed: the same token, the logits kept to the end
+            outs.append(lg)
+            mx.async_eval(lg)
     mx.eval(y, *outs[-1:])
     mx.synchronize()
     return 1e3 * (time.perf_counter() - t0) / gen
@@ -142,7 +150,8 @@ def main(argv=None) -> int:
            "ms_per_token": {m: statistics.median(v) for m, v in res.items()},
            "kernel_ms": kernel_ms(model, caches, prompt, a.gen)}
     ms = out["ms_per_token"]
-    out["around_kernel_ms"] = ms["chain"] - out["kernel_ms"] if out["kernel_ms"] > 0 else None
+    out["around_kernel_ms"] = ms["fixed"] - out["kernel_ms"] if out["kernel_ms"] > 0 else None
+    out["argmax_ms"] = ms["chain"] - ms["fixed"]
     out["logprobs_ms"] = ms["chain_lse"] - ms["chain"]
     out["host_ms"] = ms["stepper"] - ms["chain_lse"]
     if a.ops:
