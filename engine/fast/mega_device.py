@@ -10,7 +10,11 @@
   its inputs kept swizzled in shared memory (`mega_sw`) so that lanes reading 64-128
   contiguous bytes each do not collide on banks;
 - `mega_ldx`: inputs read from shared memory in 16-byte loads;
-- `mega_mat_dot`: either, by the kernel's QB (0: float weights).
+- `mega_mat_dot`: either, by the kernel's QB (0: float weights);
+- `mega_preload`: a warp's first weight loads of a later unit copied into its shared memory
+  (`cp.async`), which `mega_dot` then takes instead of loading (MLXP_MEGA_PRE);
+- `mega_wait_at_least` / `mega_atom_add_acq_rel`: the per-head flags of FLOW and the chunk
+  counters of the attention phase (acquire / release ordering).
 
 The header also gives every kernel of the module `__launch_bounds__(512, 1)` (the
 generated signature takes no attributes), so the compiler keeps to the registers one
