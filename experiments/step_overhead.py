@@ -22,6 +22,8 @@ graph by name (`mx.export_to_dot`).
 
     python experiments/step_overhead.py --model DIR [--prompt 128] [--gen 64] [--trials 5]
         [--ops] [--out FILE.json]
+    python experiments/step_overhead.py --from-json FILE.json [FILE2.json ...] --report DIR
+        # overhead.md (pandas) and overhead.png (matplotlib): where each model's step goes
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from engine.fast.decode import FastDecoder  # noqa: E402
 from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.stepper import generate_step  # noqa: E402
+from experiments._common import md_table  # noqa: E402
 
 MODES = ("fixed", "chain", "chain_lse", "stepper")
 
@@ -122,7 +125,52 @@ def step_ops(dec, caches, tok) -> dict:
     return dict(Counter(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)"', f.getvalue())))
 
 
+PARTS = (("kernel", "the kernel's phases"), ("around_kernel_ms", "around the kernel"),
+         ("argmax_ms", "argmax"), ("logprobs_ms", "log-probabilities"), ("host_ms", "host"))
+
+
+def report(files: list, out: Path) -> None:
+    """overhead.md (a row per file: ms per token of each mode and each part) and overhead.png
+    (each model's stepper time split into the parts, stacked)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    recs = []
+    for f in files:
+        r = json.loads(Path(f).read_text())
+        recs.append({"model": r["model"], "prompt": r["prompt"], **r["ms_per_token"],
+                     "kernel": r["kernel_ms"], **{k: r.get(k) for k, _ in PARTS[1:]}})
+    df = pd.DataFrame(recs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.md").write_text(
+        "ms per token (medians of the trials; `kernel`: the kernel's own timer, -1 where it did not"
+        " run)\n\n" + md_table(list(df.columns), df.round(4).values.tolist()) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = None
+    labels = [f"{m} @{p}" for m, p in zip(df["model"], df["prompt"])]
+    for key, name in PARTS:
+        vals = df[key].fillna(0).clip(lower=0).values
+        ax.bar(labels, vals, bottom=bottom, label=name)
+        bottom = vals if bottom is None else bottom + vals
+    ax.set_ylabel("ms per token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "overhead.png", dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--from-json" in argv:
+        ap = argparse.ArgumentParser(description="table and plot of step_overhead JSON files")
+        ap.add_argument("--from-json", nargs="+", required=True)
+        ap.add_argument("--report", required=True)
+        a = ap.parse_args(argv)
+        report(a.from_json, Path(a.report))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt", type=int, default=128)

@@ -69,3 +69,9 @@ def test_step_overhead_runs_off_a_gpu(tmp_path):
     assert r["ops"].get("ArgReduce", 0) >= 1 or r["ops"].get("ArgMax", 0) >= 1, r["ops"]
     with pytest.raises(SystemExit):
         step_overhead.main(["--model", "x", "--gen", "1"])
+    # the report: a table row per file and the stacked parts
+    r.update(kernel_ms=0.9, around_kernel_ms=0.05, argmax_ms=0.01, logprobs_ms=0.02, host_ms=0.0)
+    out.write_text(json.dumps(r))
+    assert step_overhead.main(["--from-json", str(out), "--report", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "overhead.md").read_text()
+    assert "around_kernel_ms" in md and "| llama" in md and (tmp_path / "rep" / "overhead.png").stat().st_size > 0
