@@ -60,7 +60,7 @@ def opt_mask() -> int:
     return int(raw) if raw else OPT_DEFAULT
 
 
-SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI")
+SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT")
 
 
 def check_settings(env=None) -> None:
@@ -243,6 +243,8 @@ class MegaStep:
         # (2: also the next unit's first loads while a unit runs)
         check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")})
         self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
+        # (another kernel) head sizes up to 64: a step's value loads issued with its key loads
+        self.kvt = int(os.environ.get("MLXP_MEGA_KVT", "0") == "1")
         self.opt = mx.array([opt_mask()], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
         batch_opt = opt_mask() if os.environ.get("MLXP_MEGA_OPT") else opt_mask() & ~OPT_BITS["flow"]
@@ -281,7 +283,7 @@ class MegaStep:
                           ("UN1", self.un1), ("UN2", self.un2),
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
-                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS),
+                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),

@@ -11,6 +11,7 @@ for the outputs).
 With `MEGA_OPT_FLOW` no grid barrier precedes the phase: a unit waits for the flags of its query
 head, key head and value head (phase A counts each head's pairs out), then reads its query
 head into the warp's slot of shared memory; the last warps take the first units.
+With KVT (MLXP_MEGA_KVT=1, head sizes up to 64) a step's value loads go out with its key loads.
 With `MEGA_OPT_AKPF` a unit first asks L2 for its chunk's keys and values (one prefetch per
 128 bytes, all issued at once); with `MEGA_OPT_NOPFA` the phase leaves out the o_proj
 prefetch below.
@@ -70,6 +71,16 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         for (int d = 0; d < DPL; ++d) o[d] = 0.f;
         for (int p0 = start; p0 < end; p0 += 32) {
           const int pp = p0 + lane;
+          // KVT (MLXP_MEGA_KVT=1, a compile-time choice: it takes more registers; up to 2
+          // values a lane): the step's 32 value loads issued before its key loads, so both
+          // travel in one round trip, the values kept raw until used
+          constexpr bool tog = DPL <= 2 && KVT != 0;
+          mega_vals<T, DPL> vr[tog ? 32 : 1];
+          if constexpr (tog) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+              vr[j] = mega_ldcg_raw<T, DPL>(vb + (size_t)min(p0 + j, end - 1) * D + lane * DPL);
+          }
           float sc = NEG_INF;
           if (pp < end) {
             const T* kr = kb + (size_t)pp * D;
@@ -91,19 +102,28 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           lsum = lsum * corr + mega_warp_sum(pj);
 #pragma unroll
           for (int d = 0; d < DPL; ++d) o[d] *= corr;
-          // the values for this lane's dims, VB columns' loads issued before they are used
-          constexpr int VB = DPL <= 2 ? 32 : 16;
+          if constexpr (tog) {
 #pragma unroll
-          for (int j0 = 0; j0 < 32; j0 += VB) {
-            float vv[VB][DPL];
+            for (int j = 0; j < 32; ++j) {
+              const float pjj = __shfl_sync(0xffffffffu, pj, j);
 #pragma unroll
-            for (int j = 0; j < VB; ++j)     // the lane's DPL contiguous values, one load
-              mega_ldcg_vec<T, DPL>(vb + (size_t)min(p0 + j0 + j, end - 1) * D + lane * DPL, vv[j]);
+              for (int d = 0; d < DPL; ++d) o[d] += pjj * static_cast<float>(vr[j].e[d]);
+            }
+          } else {
+            // the values for this lane's dims, VB columns' loads issued before they are used
+            constexpr int VB = DPL <= 2 ? 32 : 16;
 #pragma unroll
-            for (int j = 0; j < VB; ++j) {
-              const float pjj = __shfl_sync(0xffffffffu, pj, j0 + j);
+            for (int j0 = 0; j0 < 32; j0 += VB) {
+              float vv[VB][DPL];
 #pragma unroll
-              for (int d = 0; d < DPL; ++d) o[d] += pjj * vv[j][d];
+              for (int j = 0; j < VB; ++j)     // the lane's DPL contiguous values, one load
+                mega_ldcg_vec<T, DPL>(vb + (size_t)min(p0 + j0 + j, end - 1) * D + lane * DPL, vv[j]);
+#pragma unroll
+              for (int j = 0; j < VB; ++j) {
+                const float pjj = __shfl_sync(0xffffffffu, pj, j0 + j);
+#pragma unroll
+                for (int d = 0; d < DPL; ++d) o[d] += pjj * vv[j][d];
+              }
             }
           }
           m = mn;

@@ -3,7 +3,8 @@
 - `mega_grid_sync`: the grid barrier (an atomic counter every block adds to and waits on;
   a 10 s limit on the wait turns a never-arriving block into a CUDA error, not a hang);
 - `mega_ld_w`: a 16-byte weight load streamed past L1; `mega_ldcg_t`: an element other
-  blocks wrote during the step, read from L2;
+  blocks wrote during the step, read from L2 (`mega_ldcg_vec`, `mega_ldcg_raw`: a lane's
+  contiguous elements in one load, as floats or kept as they are);
 - `mega_dot`: RL float weight rows dotted with RB input rows held in shared memory, a
   warp per unit, UN 16-byte loads in flight per lane, a shuffle reduction;
 - `mega_qdot`: the same for affine-quantized rows (engine.fast.qgemv's decomposition),
@@ -128,6 +129,27 @@ __device__ __forceinline__ unsigned int mega_atom_add_acq_rel(unsigned int* p, u
   unsigned int old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
+}
+// N contiguous elements other blocks wrote during the step, read from L2 and kept as they are
+// (converted where they are used): one load where N * sizeof(T) is 2, 4, 8 or 16 bytes
+template <typename T, int N> struct mega_vals { T e[N]; };
+template <typename T, int N>
+__device__ __forceinline__ mega_vals<T, N> mega_ldcg_raw(const T* p) {
+  constexpr int BY = N * (int)sizeof(T);
+  mega_vals<T, N> out;
+  if constexpr (BY == 2 || BY == 4 || BY == 8 || BY == 16) {
+    union { uint4 u4; uint2 u2; unsigned int u1; unsigned short u0; T e[N]; } v;
+    if constexpr (BY == 16) v.u4 = __ldcg(reinterpret_cast<const uint4*>(p));
+    else if constexpr (BY == 8) v.u2 = __ldcg(reinterpret_cast<const uint2*>(p));
+    else if constexpr (BY == 4) v.u1 = __ldcg(reinterpret_cast<const unsigned int*>(p));
+    else v.u0 = __ldcg(reinterpret_cast<const unsigned short*>(p));
+#pragma unroll
+    for (int j = 0; j < N; ++j) out.e[j] = v.e[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out.e[j] = T(mega_ldcg_t(p + j));
+  }
+  return out;
 }
 __device__ __forceinline__ float mega_warp_sum(float v) {
 #pragma unroll
