@@ -104,9 +104,9 @@ BODY = r"""
   // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async);
   // PRE 2: two slots, and while a unit runs the first loads of the warp's next unit are copied
   // into the other one
-  constexpr int XBYTES = (RB * (4 * H > 4 * QD ? (4 * H > (int)sizeof(T) * I ? 4 * H : (int)sizeof(T) * I)
-                                               : (4 * QD > (int)sizeof(T) * I ? 4 * QD : (int)sizeof(T) * I)) + 15) / 16 * 16;
-  // (a compile-time choice, MLXP_MEGA_PRE=1: the kernel without it is the same code as before)
+  // (the phase inputs' bytes: engine.fast.mega_cuda.input_bytes)
+  constexpr int XBYTES = (RB * mega_cmax(mega_cmax(4 * H, 4 * QD), (int)sizeof(T) * I) + 15) / 16 * 16;
+  // (a compile-time choice, MLXP_MEGA_PRE: without it, none of this is in the kernel)
   constexpr bool preon = PRE != 0 && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
   const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT);
   uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;

@@ -47,6 +47,7 @@ __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   return v;
 }
 template <int N> struct mega_int { static constexpr int value = N; };
+__host__ __device__ constexpr int mega_cmax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ unsigned long long mega_now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
