@@ -11,7 +11,8 @@ for the outputs).
 With `MEGA_OPT_FLOW` no grid barrier precedes the phase: a unit waits for the flags of its query
 head, key head and value head (phase A counts each head's pairs out), then reads its query
 head into the warp's slot of shared memory; the last warps take the first units.
-With KVT (MLXP_MEGA_KVT=1, head sizes up to 64) a step's value loads go out with its key loads.
+With KVT (MLXP_MEGA_KVT=1) a step's value loads go out with its key loads (head sizes up to
+64), and the combine asks for its first chunks' outputs with their maxima and sums.
 With `MEGA_OPT_AKPF` a unit first asks L2 for its chunk's keys and values (one prefetch per
 128 bytes, all issued at once); with `MEGA_OPT_NOPFA` the phase leaves out the o_proj
 prefetch below.
@@ -147,6 +148,14 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           // lanes take chunks lane and lane + 32: the max and the weights in one round trip,
           // then every chunk's output (the lane's DPL values), CB chunks' loads at once
           const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
+          constexpr int CB = 8;
+          float ov[CB][DPL];
+          auto load_outputs = [&](int c0) {
+#pragma unroll
+            for (int j = 0; j < CB; ++j)
+              if (c0 + j < nch) mega_ldcg_vec<float, DPL>(p2 + (c0 + j) * PSTR + lane * DPL, ov[j]);
+          };
+          if constexpr (KVT != 0) load_outputs(0);     // (KVT: the first outputs with the maxima)
           float mc0 = NEG_INF, mc1 = NEG_INF, l0 = 0.f, l1 = 0.f;
           if (lane < nch) { mc0 = __ldcg(p2 + lane * PSTR + D); l0 = __ldcg(p2 + lane * PSTR + D + 1); }
           if (lane + 32 < nch) { mc1 = __ldcg(p2 + (lane + 32) * PSTR + D); l1 = __ldcg(p2 + (lane + 32) * PSTR + D + 1); }
@@ -156,12 +165,8 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           float acc[DPL];
 #pragma unroll
           for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
-          constexpr int CB = 8;
           for (int c0 = 0; c0 < nch; c0 += CB) {
-            float ov[CB][DPL];
-#pragma unroll
-            for (int j = 0; j < CB; ++j)
-              if (c0 + j < nch) mega_ldcg_vec<float, DPL>(p2 + (c0 + j) * PSTR + lane * DPL, ov[j]);
+            if (KVT == 0 || c0 > 0) load_outputs(c0);
 #pragma unroll
             for (int j = 0; j < CB; ++j) {
               const int cc = c0 + j;          // (the same on every lane)
