@@ -245,10 +245,11 @@ class MegaStep:
         self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
         # (another kernel) head sizes up to 64: a step's value loads issued with its key loads
         self.kvt = int(os.environ.get("MLXP_MEGA_KVT", "0") == "1")
-        self.opt = mx.array([opt_mask()], dtype=mx.int32)
+        mask = opt_mask()
+        self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
-        batch_opt = opt_mask() if os.environ.get("MLXP_MEGA_OPT") else opt_mask() & ~OPT_BITS["flow"]
-        self.opt_rows = mx.array([batch_opt], dtype=mx.int32)
+        rows_mask = mask if os.environ.get("MLXP_MEGA_OPT") else mask & ~OPT_BITS["flow"]
+        self.opt_rows = mx.array([rows_mask], dtype=mx.int32)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):

@@ -298,7 +298,7 @@ __ATTENTION__
     MEGA_ARRIVE();
     if (threadIdx.x == 0) { __threadfence(); atomicAdd(ctr, 1u); }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-      while (mega_ld_acquire(ctr) < target + gridDim.x) { }
+      mega_wait_at_least(ctr, target + gridDim.x);
       unsigned long long t_;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));
       prof[2 * nstamp] = (unsigned int)t_; prof[2 * nstamp + 1] = (unsigned int)(t_ >> 32);

@@ -53,9 +53,17 @@ __device__ __forceinline__ unsigned long long mega_now() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// all blocks meet here; `target` counts the arrivals every block waits for. A block that
-// waits more than 10 s (blocks that never arrive: not all resident at once) stops the
-// kernel with an error rather than hanging the process.
+// wait until *p >= want (acquire load); a wait over 10 s (blocks that never arrive: not all
+// resident at once) stops the kernel with an error rather than hanging the process
+__device__ __forceinline__ void mega_wait_at_least(const unsigned int* p, unsigned int want) {
+  const unsigned long long t0 = mega_now();
+  unsigned int spins = 0;
+  while (mega_ld_acquire(p) < want) {
+    if ((++spins & 0xFFFFu) == 0u && mega_now() - t0 > 10000000000ull) __trap();
+  }
+}
+// all blocks meet here; `target` counts the arrivals every block waits for (at most 10 s:
+// mega_wait_at_least)
 __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target, bool rel,
                                                bool lean = false) {
   __syncthreads();
@@ -67,11 +75,7 @@ __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& 
       __threadfence();
       atomicAdd(ctr, 1u);
     }
-    const unsigned long long t0 = mega_now();
-    unsigned int spins = 0;
-    while (mega_ld_acquire(ctr) < target) {
-      if ((++spins & 0xFFFFu) == 0u && mega_now() - t0 > 10000000000ull) __trap();
-    }
+    mega_wait_at_least(ctr, target);
     if (!lean) __threadfence();     // (the acquire load already orders what follows)
   }
   __syncthreads();
@@ -98,39 +102,6 @@ __device__ __forceinline__ float mega_ldcg_t(const T* p) {
     return static_cast<float>(*reinterpret_cast<const T*>(&u));
   }
 }
-// N contiguous elements other blocks wrote during the step as floats, read from L2: in one
-// load where N * sizeof(T) is 2, 4, 8 or 16 bytes (p aligned to it), else one per element
-template <typename T, int N>
-__device__ __forceinline__ void mega_ldcg_vec(const T* p, float* out) {
-  constexpr int BY = N * (int)sizeof(T);
-  if constexpr (BY == 2 || BY == 4 || BY == 8 || BY == 16) {
-    union { uint4 u4; uint2 u2; unsigned int u1; unsigned short u0; T e[N]; } v;
-    if constexpr (BY == 16) v.u4 = __ldcg(reinterpret_cast<const uint4*>(p));
-    else if constexpr (BY == 8) v.u2 = __ldcg(reinterpret_cast<const uint2*>(p));
-    else if constexpr (BY == 4) v.u1 = __ldcg(reinterpret_cast<const unsigned int*>(p));
-    else v.u0 = __ldcg(reinterpret_cast<const unsigned short*>(p));
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = static_cast<float>(v.e[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = mega_ldcg_t(p + j);
-  }
-}
-// wait until *p >= want (acquire); as mega_grid_sync, 10 s at most
-__device__ __forceinline__ void mega_wait_at_least(const unsigned int* p, unsigned int want) {
-  const unsigned long long t0 = mega_now();
-  unsigned int spins = 0;
-  while (mega_ld_acquire(p) < want) {
-    if ((++spins & 0xFFFFu) == 0u && mega_now() - t0 > 10000000000ull) __trap();
-  }
-}
-// an add to a counter with release (what the lane and, after a __syncwarp, its warp wrote
-// before) and acquire (what the others wrote before their adds) semantics; the old value
-__device__ __forceinline__ unsigned int mega_atom_add_acq_rel(unsigned int* p, unsigned int v) {
-  unsigned int old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
 // N contiguous elements other blocks wrote during the step, read from L2 and kept as they are
 // (converted where they are used): one load where N * sizeof(T) is 2, 4, 8 or 16 bytes
 template <typename T, int N> struct mega_vals { T e[N]; };
@@ -151,6 +122,20 @@ __device__ __forceinline__ mega_vals<T, N> mega_ldcg_raw(const T* p) {
     for (int j = 0; j < N; ++j) out.e[j] = T(mega_ldcg_t(p + j));
   }
   return out;
+}
+// the same as floats
+template <typename T, int N>
+__device__ __forceinline__ void mega_ldcg_vec(const T* p, float* out) {
+  const mega_vals<T, N> v = mega_ldcg_raw<T, N>(p);
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = static_cast<float>(v.e[j]);
+}
+// an add to a counter with release (what the lane and, after a __syncwarp, its warp wrote
+// before) and acquire (what the others wrote before their adds) semantics; the old value
+__device__ __forceinline__ unsigned int mega_atom_add_acq_rel(unsigned int* p, unsigned int v) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 __device__ __forceinline__ float mega_warp_sum(float v) {
 #pragma unroll
