@@ -3,15 +3,17 @@ A/B in one process, on a GPU: for each variant and prompt length, the step's pha
 (MLXP_MEGA_PROF, averaged over the timed steps), its wall time per step, and its logits
 against the first variant's on the same tokens (teacher-forced).
 
-A variant is `MASK` or `MASK:un1=N:un2=M:pre=P:kvt=1` (pre: MLXP_MEGA_PRE, 1 the kernel that
-copies each phase's first weight loads before the barrier, 2 also each next unit's; kvt:
-MLXP_MEGA_KVT, attention's value loads issued with its key loads; MASK a sum of
+A variant is `MASK` or `MASK:un1=N:un2=M:pre=P:kvt=1:stage=0` (pre: MLXP_MEGA_PRE, 1 the
+kernel that copies each phase's first weight loads before the barrier, 2 also each next unit's;
+kvt: MLXP_MEGA_KVT, attention's value loads issued with its key loads; stage=0:
+MLXP_MEGA_STAGE=0, each phase's input vector read element by element as in 0.2.6; MASK a sum of
 engine.fast.mega.OPT_BITS:
 1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
 evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
 32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
 128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
-started per head on flags instead of a barrier). Variants of one MASK share a compiled
+started per head on flags instead of a barrier, 1024 q/k/v a warp per row where that takes
+fewer rounds). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
@@ -45,7 +47,7 @@ def parse_variant(spec: str) -> dict:
     env = {"MLXP_MEGA_OPT": str(int(mask))}
     for kv in rest:
         k, v = kv.split("=")
-        if k not in ("un1", "un2", "pre", "kvt"):
+        if k not in ("un1", "un2", "pre", "kvt", "stage"):
             raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
         env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
     return env

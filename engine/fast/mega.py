@@ -48,7 +48,7 @@ def env_int(name: str, default: int) -> int:
 
 
 OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512}   # mega_device.py's MEGA_OPT_*
+            "nopfa": 128, "akpf": 256, "flow": 512, "qrow": 1024}   # mega_device.py's MEGA_OPT_*
 # measured faster on the H200 (docs/l3.md); lean and flow leave the logits bit-identical
 OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
 
@@ -60,7 +60,8 @@ def opt_mask() -> int:
     return int(raw) if raw else OPT_DEFAULT
 
 
-SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT")
+SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT",
+            "MLXP_MEGA_STAGE")
 
 
 def check_settings(env=None) -> None:
@@ -245,6 +246,9 @@ class MegaStep:
         self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
         # (another kernel) head sizes up to 64: a step's value loads issued with its key loads
         self.kvt = int(os.environ.get("MLXP_MEGA_KVT", "0") == "1")
+        # each phase's input vector read with a thread's loads issued together (0: the
+        # element-by-element loops of 0.2.6, another kernel, for A/B runs)
+        self.stg = int(os.environ.get("MLXP_MEGA_STAGE", "1") != "0")
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
@@ -284,7 +288,7 @@ class MegaStep:
                           ("UN1", self.un1), ("UN2", self.un2),
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
-                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt),
+                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),

@@ -34,7 +34,8 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         }
       }
       if (!flow) {
-        for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
+        if constexpr (STG != 0) mega_stage<float, RB * QD, THREADS>(qbuf, xf, [](int i) { return i; });
+        else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
         __syncthreads();
       }
       const T* kcache = KC[l];
@@ -52,7 +53,7 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           if (lane == 0) {
             const unsigned int* f = fcnt + l * (NQ + 2 * NKV);
             mega_wait_at_least(f + NQ + g, HALF);
-            mega_wait_at_least(f + NQ + NKV + g, HALF);
+            mega_wait_at_least(f + NQ + NKV + g, qrow ? D : HALF);   // (QROW: values count rows)
             mega_wait_at_least(f + hq, HALF);
           }
           __syncwarp();

@@ -70,7 +70,9 @@ BODY = r"""
   float* part = obuf + RB * QD + (L * RB * NQ + 3) / 4 * 4;   // [RB][NQ][MAXCH][PSTR]
   float* kraw = part + (size_t)RB * NQ * MAXCH * PSTR;   // [RB][NKV * D] keys before their norm
   unsigned int* fcnt = reinterpret_cast<unsigned int*>(kraw + RB * QD);   // FLOW: [L][NQ + 2 NKV]
-  unsigned int* prof = fcnt + (L * 3 * NQ + 3) / 4 * 4;    // (room for NKV up to NQ)
+  unsigned int* pcnt = fcnt + (L * 3 * NQ + 3) / 4 * 4;    // (room for NKV up to NQ)
+  // QROW: [NQ + NKV][HALF] rows of each q/k rotation pair done, over the layers
+  unsigned int* prof = pcnt + QD;
   unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
@@ -99,6 +101,10 @@ BODY = r"""
   const int nch = (max(aend, 1) + cs - 1) / cs;
   // FLOW (models without q/k norms): phase B starts per head, not after a barrier
   const bool flow = (OPT & MEGA_OPT_FLOW) && QKN == 0;
+  // QROW: phase A takes a warp per q/k/v row, not per rotation pair, where that takes fewer
+  // rounds of loads (more pairs than warps: the 8B shapes); FLOW's value flags then count rows
+  constexpr int NROW = 2 * NPAIR;
+  const bool qrow = (OPT & MEGA_OPT_QROW) && (NROW + NW - 1) / NW < 2 * ((NPAIR + NW - 1) / NW);
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
   // PRE (float weights, one row, a shared memory region PRESM for it): a warp's first loads of
   // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async);
@@ -108,7 +114,7 @@ BODY = r"""
   constexpr int XBYTES = (RB * mega_cmax(mega_cmax(4 * H, 4 * QD), (int)sizeof(T) * I) + 15) / 16 * 16;
   // (a compile-time choice, MLXP_MEGA_PRE: without it, none of this is in the kernel)
   constexpr bool preon = PRE != 0 && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
-  const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT);
+  const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
   uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;
   auto slot = [&](int k) { return pre + (PRE == 2 ? (k & 1) : 0) * PRE_LOADS * 32; };
   // the copies a warp's k-th unit of a phase uses (none: null), and (PRE 2) those of its next
@@ -152,18 +158,42 @@ __TABLES__
   };
   // each row's x (hbuf, or its embedding row for the first layer) RMS-normalised into xf
   // as sum-scale: xf[b] = x[b] * w; sinv[b] = rsqrt(mean(x[b]^2) + eps)
+  // (STG, after the first layer's: a thread's loads of a row issued together before any is
+  // used; the same elements per thread, added in the same order)
   auto load_normed = [&](const T* nw, bool first) {
     float s[RB];
 #pragma unroll
     for (int b = 0; b < RB; ++b) s[b] = 0.f;
-    for (int k = threadIdx.x; k < H; k += THREADS) {
-      const float w = static_cast<float>(nw[k]);
+    if (STG != 0 && !first) {
+      constexpr int PT = (H + THREADS - 1) / THREADS;   // elements a thread takes
+      // (loads unconditional, past the end clamped to the last element)
+      float w[PT];
+#pragma unroll
+      for (int j = 0; j < PT; ++j) w[j] = static_cast<float>(nw[min(threadIdx.x + j * THREADS, H - 1)]);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
-        const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hbuf + b * H + k);
-        if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
-        s[b] += v * v;
-        xn[swn(b * H + k)] = XN(v * w);
+        float v[PT];
+#pragma unroll
+        for (int j = 0; j < PT; ++j) v[j] = __ldcg(hbuf + b * H + min(threadIdx.x + j * THREADS, H - 1));
+#pragma unroll
+        for (int j = 0; j < PT; ++j) {
+          const int k = threadIdx.x + j * THREADS;
+          if (k < H) {
+            s[b] += v[j] * v[j];
+            xn[swn(b * H + k)] = XN(v[j] * w[j]);
+          }
+        }
+      }
+    } else {
+      for (int k = threadIdx.x; k < H; k += THREADS) {
+        const float w = static_cast<float>(nw[k]);
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+          const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hbuf + b * H + k);
+          if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
+          s[b] += v * v;
+          xn[swn(b * H + k)] = XN(v * w);
+        }
       }
     }
 #pragma unroll
@@ -206,8 +236,12 @@ __TABLES__
     }
   };
 
-  // the first q/k/v pair a warp computes in layer l (FLOW: keys and values first)
-  auto qkv_first_row = [&]() { const int p = flow ? (gw + NQ * HALF) % NPAIR : gw; return (p / HALF) * D + p % HALF; };
+  // the first q/k/v pair (QROW: row) a warp computes in layer l (FLOW: keys and values first)
+  auto qkv_first_row = [&]() {
+    if (qrow) return flow ? (gw + QD) % NROW : gw;
+    const int p = flow ? (gw + NQ * HALF) % NPAIR : gw;
+    return (p / HALF) * D + p % HALF;
+  };
   if (preA && gw < NPAIR) { const int r1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[0], r1, r1 + HALF, lane, slot(0), pol); }
   for (int l = 0; l < L; ++l) {
 __QKV__
@@ -221,7 +255,8 @@ __ATTENTION__
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
     {
-      for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
+      if constexpr (STG != 0) mega_stage<T, RB * QD, THREADS>(obuf, xt, swt);
+      else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
       proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l], preon);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
@@ -258,12 +293,14 @@ __ATTENTION__
     MEGA_STAMP();
     // --- E: down_proj + residual (a warp per hidden row)
     {
-      for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
+      if constexpr (STG != 0) mega_stage<T, RB * I, THREADS>(abuf, xt, swt);
+      else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
       proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l], preon);
-      if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
+      if (l + 1 < L && gw < (qrow ? NROW : NPAIR)) {      // the next layer's first q/k/v pair (row)
         const int r1 = qkv_first_row();
-        MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
+        if (qrow) MEGA_PREFETCH(WQKV[l + 1], H, NROW, 1, 1, r1 - gw);
+        else MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
         if (preA) { const int q1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[l + 1], q1, q1 + HALF, lane, slot(0), pol); }
       } else if (l + 1 == L) {
         MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
@@ -365,11 +402,13 @@ def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: 
                      blocks: int = 0) -> int:
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
-    keys before their norm (q/k norms), the per-layer head flags (FLOW), then the PROF stamps and (`blocks` > 0, with PROF)
+    keys before their norm (q/k norms), the per-layer head flags (FLOW), the q/k pair counters
+    (QROW), then the PROF stamps and (`blocks` > 0, with PROF)
     each block's arrival at each phase's end."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
             + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
-            + (n_layers * 3 * n_heads + 3) // 4 * 4 + 2 * n_stamps(n_layers) * (1 + blocks))
+            + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim
+            + 2 * n_stamps(n_layers) * (1 + blocks))
 
 
 def n_stamps(n_layers: int) -> int:

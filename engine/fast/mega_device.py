@@ -11,6 +11,9 @@
   its inputs kept swizzled in shared memory (`mega_sw`) so that lanes reading 64-128
   contiguous bytes each do not collide on banks;
 - `mega_ldx`: inputs read from shared memory in 16-byte loads;
+- `mega_stage`: a phase's input vector (floats other blocks wrote) into shared memory, each
+  thread's 16-byte loads issued together before any is used (one round trip to L2, not one
+  per element);
 - `mega_mat_dot`: either, by the kernel's QB (0: float weights);
 - `mega_preload`: a warp's first weight loads of a later unit copied into its shared memory
   (`cp.async`), which `mega_dot` then takes instead of loading (MLXP_MEGA_PRE);
@@ -40,6 +43,8 @@ HEADER = r"""
 #define MEGA_OPT_AKPF 256u   // a phase-B unit first asks L2 for its chunk's keys and values
 #define MEGA_OPT_FLOW 512u   // no barrier between phases A and B: a q/k/v head's pairs count up
                              // a flag, and a phase-B unit waits for its three heads' flags only
+#define MEGA_OPT_QROW 1024u  // phase A: a warp per q/k/v row where that takes fewer rounds than
+                             // per pair; a pair's second row to finish rotates both
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;
@@ -158,6 +163,33 @@ __device__ __forceinline__ void mega_ldx(const X* p, float* out) {
     const X* e = reinterpret_cast<const X*>(&v);
 #pragma unroll
     for (int j = 0; j < CH; ++j) out[c * CH + j] = static_cast<float>(e[j]);
+  }
+}
+// N floats other blocks wrote during the step (src: 16-byte aligned, N a multiple of 4) into
+// shared memory as X, element k at dst[sw(k)]: a thread takes every THREADS-th group of 4 and
+// issues its 16-byte L2 loads (up to 8) before it stores any, so the block waits one round
+// trip, not one per element (the values stored are the same as element-wise copies')
+template <typename X, int N, int THREADS, typename SW>
+__device__ __forceinline__ void mega_stage(const float* src, X* dst, SW sw) {
+  constexpr int N4 = N / 4, PER = (N4 + THREADS - 1) / THREADS, B = PER < 8 ? PER : 8;
+  const float4* s4 = reinterpret_cast<const float4*>(src);
+#pragma unroll 1
+  for (int j0 = 0; j0 < PER; j0 += B) {
+    // (every load unconditional, past the end clamped to the last group: no predicated
+    // register array for the compiler to keep in local memory)
+    float4 v[B];
+#pragma unroll
+    for (int j = 0; j < B; ++j) v[j] = __ldcg(s4 + min(threadIdx.x + min(j0 + j, PER - 1) * THREADS, N4 - 1));
+#pragma unroll
+    for (int j = 0; j < B; ++j) {
+      const int q = threadIdx.x + (j0 + j) * THREADS;
+      if (j0 + j < PER && q < N4) {
+        dst[sw(4 * q)] = X(v[j].x);
+        dst[sw(4 * q + 1)] = X(v[j].y);
+        dst[sw(4 * q + 2)] = X(v[j].z);
+        dst[sw(4 * q + 3)] = X(v[j].w);
+      }
+    }
   }
 }
 // a small unsigned integer (< 2^23) as a float, exactly: its bits put under the exponent

@@ -7,7 +7,8 @@ input in shared memory; lane b rotates row b's pair and writes q into the worksp
 into the cache at the position. With `MEGA_OPT_QSPLIT` two warps of a block take a pair, each
 over half of H (added in shared memory), where that takes fewer rounds. With `MEGA_OPT_FLOW`
 the pairs of the keys and values come first and each pair counts up its head's flag (phase B
-waits on those instead of a barrier). With QKN, phase A leaves q and k unrotated; after a
+waits on those instead of a barrier). With `MEGA_OPT_QROW`, where it takes fewer rounds (more
+pairs than warps), a warp per row instead: the second row of a pair to finish rotates both. With QKN, phase A leaves q and k unrotated; after a
 barrier a warp per head normalises, then rotates it (A2).
 """
 
@@ -27,36 +28,39 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
         }
       }
       load_normed(LN1[l], l == 0);
-      auto qkv_out = [&](int u, const float* acc) {
+      // lane b (< RB) writes row b's rotation pair u (rows i and i + HALF of its head) from
+      // their two values (each the projection's output rounded to T)
+      auto pair_out = [&](int u, int b, float x1, float x2) {
         const int head = u / HALF, i = u % HALF;
+        const size_t row = (size_t)(ROW0 + b);
+        if (QKN && head < NQ + NKV) {          // normalised and rotated in phase A2
+          float* dst = head < NQ ? qbuf + b * QD + head * D : kraw + b * QD + (head - NQ) * D;
+          dst[i] = x1;
+          dst[i + HALF] = x2;
+        } else if (head < NQ + NKV) {
+          const float theta = static_cast<float>(rpos[ROW0 + b] + SHIFT) * inv_freq[i];
+          float sn, c;
+          sincosf(theta, &sn, &c);
+          const T y1 = T(x1 * c - x2 * sn), y2 = T(x1 * sn + x2 * c);
+          if (head < NQ) {
+            qbuf[b * QD + head * D + i] = static_cast<float>(y1);
+            qbuf[b * QD + head * D + i + HALF] = static_cast<float>(y2);
+          } else {
+            T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + wcol) * D;
+            kc[i] = y1;
+            kc[i + HALF] = y2;
+          }
+        } else {
+          T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D;
+          vc[i] = T(x1);
+          vc[i + HALF] = T(x2);
+        }
+      };
+      auto qkv_out = [&](int u, const float* acc) {
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
-          const float x1 = static_cast<float>(T(acc[b] * sinv[b]));
-          const float x2 = static_cast<float>(T(acc[RB + b] * sinv[b]));
-          const size_t row = (size_t)(ROW0 + b);
-          if (QKN && head < NQ + NKV) {          // normalised and rotated in phase A2
-            float* dst = head < NQ ? qbuf + b * QD + head * D : kraw + b * QD + (head - NQ) * D;
-            dst[i] = x1;
-            dst[i + HALF] = x2;
-          } else if (head < NQ + NKV) {
-            const float theta = static_cast<float>(rpos[ROW0 + b] + SHIFT) * inv_freq[i];
-            float sn, c;
-            sincosf(theta, &sn, &c);
-            const T y1 = T(x1 * c - x2 * sn), y2 = T(x1 * sn + x2 * c);
-            if (head < NQ) {
-              qbuf[b * QD + head * D + i] = static_cast<float>(y1);
-              qbuf[b * QD + head * D + i + HALF] = static_cast<float>(y2);
-            } else {
-              T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + wcol) * D;
-              kc[i] = y1;
-              kc[i + HALF] = y2;
-            }
-          } else {
-            T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D;
-            vc[i] = T(x1);
-            vc[i + HALF] = T(x2);
-          }
+          pair_out(u, b, static_cast<float>(T(acc[b] * sinv[b])), static_cast<float>(T(acc[RB + b] * sinv[b])));
         }
       };
       // FLOW: one more pair of this q/k/v head is out (the lanes' writes before the release)
@@ -92,6 +96,51 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
             if (flow) head_done(u / HALF);
           }
           __syncthreads();
+        }
+      } else if (qrow) {
+        // QROW: a warp per row r of the 2 NPAIR (FLOW: the keys and values first). A value row
+        // (QKN: a q or k row too, normalised and rotated in A2) goes out as it is; a q or k row
+        // leaves its value where its rotated value goes (q: the workspace; k: the cache, exact
+        // in T) and counts up its pair (pcnt: 2 l before layer l); the pair's second row to
+        // arrive reads the other's value and rotates both (the same sums and roundings as a
+        // pair's warp: each row's dot product is the same loop over the same loads)
+        for (int t = gw; t < NROW; t += NW) {
+          const int r = flow ? (t + QD) % NROW : t;
+          const int head = r / D, i = r % D, u = head * HALF + i % HALF;
+          const int idx[1] = {r};
+          float acc[RB];
+          mega_mat_dot<T, XN, H, 1, RB, UN1, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
+          float x = 0.f;
+#pragma unroll
+          for (int b = 0; b < RB; ++b)
+            if (lane == b) x = static_cast<float>(T(acc[b] * sinv[b]));
+          const size_t row = (size_t)(ROW0 + lane);
+          if (head >= NQ + NKV || QKN) {
+            if (lane < RB) {
+              if (head >= NQ + NKV) VC[l][((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D + i] = T(x);
+              else (head < NQ ? qbuf + lane * QD + head * D : kraw + lane * QD + (head - NQ) * D)[i] = x;
+            }
+            if (flow && head >= NQ + NKV) head_done(head);      // (a value head's flag counts D rows)
+          } else {
+            T* kc = head < NQ ? nullptr : KC[l] + ((row * NKV + (head - NQ)) * CAP + wcol) * D;
+            if (lane < RB) {
+              if (head < NQ) qbuf[lane * QD + head * D + i] = x;
+              else kc[i] = T(x);
+            }
+            __syncwarp();
+            unsigned int old = 0;
+            if (lane == 0) old = mega_atom_add_acq_rel(pcnt + u, 1u);
+            old = __shfl_sync(0xffffffffu, old, 0);
+            __syncwarp();
+            if (old == 2u * (unsigned int)l + 1u) {     // the other row is in: rotate the pair
+              if (lane < RB) {
+                const int ip = i < HALF ? i + HALF : i - HALF;
+                const float y = head < NQ ? __ldcg(qbuf + lane * QD + head * D + ip) : mega_ldcg_t(kc + ip);
+                pair_out(u, lane, i < HALF ? x : y, i < HALF ? y : x);
+              }
+              if (flow) head_done(head);
+            }
+          }
         }
       } else {
         int k = 0;

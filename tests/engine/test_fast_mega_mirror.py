@@ -245,3 +245,84 @@ def test_a_skipped_preload_or_a_shared_slot_is_caught():
         check_pre(ev)
     with pytest.raises(AssertionError, match="overwritten"):
         check_pre(pre_events(2, 32, 8, 128, 4096, 14336, 128256, 1, 2112, 7, one_slot=True))
+
+
+def qrow_used(NQ: int, NKV: int, D: int, NW: int) -> bool:
+    """QROW's condition, as the kernel has it: rows take fewer rounds than pairs."""
+    npair = (NQ + 2 * NKV) * (D // 2)
+    return -(-2 * npair // NW) < 2 * -(-npair // NW)
+
+
+def qrow_layers(NQ: int, NKV: int, D: int, NW: int, L: int, seed: int, partner=None, second=None):
+    """QROW mirrored from the kernel (mega_qkv.py) over L layers: warp gw takes rows
+    t = gw, gw + NW, ... (FLOW order: r = (t + NQ D) % NROW); rows finish in a random order;
+    a q/k row leaves its value and adds 1 to its pair's counter (pcnt, kept over the layers);
+    the row that reads 2 l + 1 takes its partner's value and writes the rotated pair; a value row
+    and each rotated pair count up their head's flag. Returns per layer {pair: (x1, x2)} written
+    and the flags. `partner` / `second` replace the partner row / the counter test (negative
+    controls)."""
+    HALF, NROW = D // 2, 2 * (NQ + 2 * NKV) * (D // 2)
+    rng = np.random.default_rng(seed)
+    pcnt = [0] * ((NQ + NKV) * HALF)
+    partner = partner or (lambda i: i + HALF if i < HALF else i - HALF)
+    second = second or (lambda old, l: old == 2 * l + 1)
+    out = []
+    for l in range(L):
+        rows = [(t + NQ * D) % NROW for gw in range(NW) for t in range(gw, NROW, NW)]
+        assert sorted(rows) == list(range(NROW))
+        value = {r: float(1000 * l + r) for r in rows}     # the row's dot product, any distinct value
+        slot, written, flags = {}, {}, [0] * (NQ + 2 * NKV)
+        for r in rng.permutation(rows):
+            head, i = divmod(int(r), D)
+            if head >= NQ + NKV:
+                flags[head] += 1
+                continue
+            slot[(head, i)] = value[r]
+            u = head * HALF + i % HALF
+            old, pcnt[u] = pcnt[u], pcnt[u] + 1
+            if second(old, l):
+                y = slot.get((head, partner(i)))
+                assert y is not None, f"layer {l} pair {u}: the other row's value is not there yet"
+                x = value[r]
+                pair = (x, y) if i < HALF else (y, x)
+                assert u not in written, f"layer {l} pair {u} rotated twice"
+                written[u] = pair
+                flags[head] += 1
+        out.append((written, flags))
+    return out
+
+
+@pytest.mark.parametrize("NQ,NKV,D,NW,L", [(32, 8, 128, 2112, 3), (16, 16, 64, 64, 2), (32, 8, 128, 100, 2)])
+def test_qrow_rotates_every_pair_once_with_both_rows(NQ, NKV, D, NW, L):
+    """Every q/k pair rotated exactly once a layer, from its own two rows in order (row i, row
+    i + D/2), whatever order the rows finish in; the q and k flags reach D/2, the value flags D
+    (what an attention unit waits for with QROW)."""
+    HALF = D // 2
+    for seed in range(3):
+        for l, (written, flags) in enumerate(qrow_layers(NQ, NKV, D, NW, L, seed)):
+            assert sorted(written) == list(range((NQ + NKV) * HALF))
+            for u, (x1, x2) in written.items():
+                head, i = divmod(u, HALF)
+                assert (x1, x2) == (1000 * l + head * D + i, 1000 * l + head * D + i + HALF)
+            assert flags == [HALF] * (NQ + NKV) + [D] * NKV
+
+
+def test_qrow_negative_controls():
+    """A kernel that took the wrong partner row, or tested the counter without the layer's
+    offset (old == 1), fails the mirror."""
+    with pytest.raises(AssertionError):
+        for written, _ in qrow_layers(4, 2, 16, 8, 1, 0, partner=lambda i: (i + 1) % 16):
+            for u, (x1, x2) in written.items():
+                head, i = divmod(u, 8)
+                assert (x1, x2) == (head * 16 + i, head * 16 + i + 8)
+    with pytest.raises(AssertionError):
+        for _, flags in qrow_layers(4, 2, 16, 8, 2, 0, second=lambda old, l: old == 1):
+            assert flags == [8] * 6 + [16] * 2
+
+
+def test_qrow_where_it_takes_fewer_rounds():
+    """On 132 blocks of 16 warps: the 8B shape (3072 pairs: 2 rounds of pairs, 3 of rows) takes
+    QROW, the 1B shape (1536 pairs: 1 round) keeps pairs; the condition counts rows per round."""
+    assert qrow_used(32, 8, 128, 2112)
+    assert not qrow_used(32, 8, 64, 2112)
+    assert not qrow_used(32, 8, 128, 3072)          # (as many warps as pairs: one round)
