@@ -113,18 +113,26 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
             }
           } else {
             // the values for this lane's dims, VB columns' loads issued before they are used
-            constexpr int VB = DPL <= 2 ? 32 : 16;
+            // (STG, up to 4 values a lane: all 32 columns' loads at once, kept raw until used,
+            // in the registers 16 columns' floats took)
+            constexpr bool raw = STG != 0 && DPL > 2 && DPL <= 4;
+            constexpr int VB = DPL <= 2 || raw ? 32 : 16;
 #pragma unroll
             for (int j0 = 0; j0 < 32; j0 += VB) {
-              float vv[VB][DPL];
+              float vv[raw ? 1 : VB][DPL];
+              mega_vals<T, DPL> vw[raw ? VB : 1];
 #pragma unroll
-              for (int j = 0; j < VB; ++j)     // the lane's DPL contiguous values, one load
-                mega_ldcg_vec<T, DPL>(vb + (size_t)min(p0 + j0 + j, end - 1) * D + lane * DPL, vv[j]);
+              for (int j = 0; j < VB; ++j) {   // the lane's DPL contiguous values, one load
+                const T* src = vb + (size_t)min(p0 + j0 + j, end - 1) * D + lane * DPL;
+                if constexpr (raw) vw[j] = mega_ldcg_raw<T, DPL>(src);
+                else mega_ldcg_vec<T, DPL>(src, vv[j]);
+              }
 #pragma unroll
               for (int j = 0; j < VB; ++j) {
                 const float pjj = __shfl_sync(0xffffffffu, pj, j0 + j);
 #pragma unroll
-                for (int d = 0; d < DPL; ++d) o[d] += pjj * vv[j][d];
+                for (int d = 0; d < DPL; ++d)
+                  o[d] += pjj * (raw ? static_cast<float>(vw[raw ? j : 0].e[d]) : vv[raw ? 0 : j][d]);
               }
             }
           }
