@@ -3,10 +3,10 @@ A/B in one process, on a GPU: for each variant and prompt length, the step's pha
 (MLXP_MEGA_PROF, averaged over the timed steps), its wall time per step, and its logits
 against the first variant's on the same tokens (teacher-forced).
 
-A variant is `MASK` or `MASK:un1=N:un2=M:pre=P:kvt=1:stage=0` (pre: MLXP_MEGA_PRE, 1 the
+A variant is `MASK` or `MASK:un1=N:un2=M:pre=P:kvt=1:stage=1` (pre: MLXP_MEGA_PRE, 1 the
 kernel that copies each phase's first weight loads before the barrier, 2 also each next unit's;
-kvt: MLXP_MEGA_KVT, attention's value loads issued with its key loads; stage=0:
-MLXP_MEGA_STAGE=0, each phase's input vector read element by element as in 0.2.6; MASK a sum of
+kvt: MLXP_MEGA_KVT, attention's value loads issued with its key loads; stage=1:
+MLXP_MEGA_STAGE=1, each phase's input vector read with a thread's loads issued together; MASK a sum of
 engine.fast.mega.OPT_BITS:
 1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
 evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,

@@ -246,9 +246,10 @@ class MegaStep:
         self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
         # (another kernel) head sizes up to 64: a step's value loads issued with its key loads
         self.kvt = int(os.environ.get("MLXP_MEGA_KVT", "0") == "1")
-        # each phase's input vector read with a thread's loads issued together (0: the
-        # element-by-element loops of 0.2.6, another kernel, for A/B runs)
-        self.stg = int(os.environ.get("MLXP_MEGA_STAGE", "1") != "0")
+        # (another kernel, MLXP_MEGA_STAGE=1) each phase's input vector read with a thread's
+        # loads issued together, attention's value rows of a step asked for at once (head sizes
+        # up to 128) and the combine's outputs 16 chunks a round trip (head sizes up to 64)
+        self.stg = int(os.environ.get("MLXP_MEGA_STAGE", "0") == "1")
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
