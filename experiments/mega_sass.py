@@ -1,0 +1,135 @@
+"""How the one-kernel step's compiled code waits on L2, read from its SASS (no GPU needed).
+
+Compiles the kernel (engine.fast.mega_cuda, through experiments/check_kernels_nvcc.py's
+wrapper) for a preset's shapes with a local nvcc, disassembles it with `cuobjdump -sass`
+(the `nvidia-cuda-cuobjdump` wheel has one: pass --cuobjdump PATH), and reports
+
+- registers and spills (ptxas);
+- the batches of L2 reads (`LDG…STRONG.GPU`: `__ldcg` and the flag / counter loads): a batch is
+  the loads issued, in the instruction stream, before the first instruction that uses a value
+  one of them returned (or a branch). A batch of one is a round trip to L2 on its own; the
+  phases' input reads of the default kernel show up as runs of such batches.
+
+    python experiments/mega_sass.py --preset 8b [--env STG=1] [--cuobjdump PATH] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.fast import mega_cuda as MC  # noqa: E402
+from experiments import check_kernels_nvcc as CK  # noqa: E402
+
+PRESETS = {   # experiments/presets.py's shapes (H, NQ, NKV, D, I, L, V)
+    "1b": (2048, 32, 8, 64, 8192, 16, 128256),
+    "8b": (4096, 32, 8, 128, 14336, 32, 128256),
+}
+
+
+def kernel_source(preset: str, env: dict) -> str:
+    """The bf16 float-weight kernel of `preset`, one row, the settings in `env` (STG, PRE, KVT,
+    UN1, UN2 as check_kernels_nvcc takes them)."""
+    H, NQ, NKV, D, I, L, V = PRESETS[preset]
+    names = MC.input_names(L)
+
+    def ty(n):
+        if n in ("tok", "rpos", "col", "start_col", "opt"):
+            return "int32_t"
+        return "float" if n in ("inv_freq", "after") else "__nv_bfloat16"
+    args = ", ".join(f"const {ty(n)}* {n}" for n in names)
+    tm = dict(H=H, NQ=NQ, NKV=NKV, D=D, I=I, L=L, V=V, THREADS=MC.THREADS, MAXCH=MC.MAXCH, RB=1, ROW0=0,
+              EPS_NUM=10**7, SCALE_NUM=125000000, SHIFT=0, DROP=0, PROF=0,
+              UN1=int(env.get("UN1", 8)), UN2=int(env.get("UN2", 4)), QB=0, GS=64, QKN=0,
+              PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=1, KVT=int(env.get("KVT", 0)),
+              STG=int(env.get("STG", 0)))
+    return (CK.PRELUDE + "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
+            + f"__global__ void k_mega({args}, const __grid_constant__ Shape k_0_shape, "
+            "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
+            + "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())
+            + MC.source(L) + "\n}\n}\n")
+
+
+_REG = re.compile(r"\bR(\d+)\b")
+
+
+def _dest_regs(ins: str) -> set:
+    """Registers a load writes: its first operand, widened by the access size."""
+    m = re.match(r"\s*(?:@!?P\d\s+)?(\S+)\s+R(\d+)", ins)
+    if not m:
+        return set()
+    width = 4 if ".128" in m.group(1) else 2 if ".64" in m.group(1) else 1
+    return {int(m.group(2)) + k for k in range(width)}
+
+
+def l2_batches(sass: str) -> list:
+    """Sizes of the batches of L2 reads (see the module's doc) in instruction order."""
+    lines = [ln.split("*/", 1)[1].split(";")[0] for ln in sass.splitlines()
+             if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln) and "*/" in ln]
+    out, pending, size = [], set(), 0
+    for ins in lines:
+        op = ins.split()[0] if ins.split() else ""
+        if op.startswith("@"):
+            op = ins.split()[1]
+        is_l2 = op.startswith(("LDG", "LD.")) and "STRONG.GPU" in op
+        srcs = set(map(int, _REG.findall(ins)))
+        if not op.startswith(("ST", "RED", "ATOM")) and not is_l2:
+            first = _REG.search(ins.split(op, 1)[1]) if op else None
+            if first:                        # (the first register operand is written, not read)
+                srcs.discard(int(first.group(1)))
+        if size and (srcs & pending or op.startswith(("BRA", "EXIT", "BAR", "RET", "CALL"))):
+            out.append(size)
+            pending, size = set(), 0
+        if is_l2:
+            pending |= _dest_regs(ins)
+            size += 1
+    if size:
+        out.append(size)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="8b")
+    ap.add_argument("--env", nargs="*", default=[], help="settings: STG=1 PRE=1 KVT=1 UN1=16 UN2=8")
+    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None or not a.cuobjdump or not os.access(a.cuobjdump, os.X_OK):
+        print("mega_sass: needs nvcc on PATH and an executable cuobjdump (--cuobjdump PATH)", file=sys.stderr)
+        return 2
+    env = dict(kv.split("=", 1) for kv in a.env)
+    with tempfile.TemporaryDirectory() as d:
+        cu, cubin = Path(d) / "k.cu", Path(d) / "k.cubin"
+        cu.write_text(kernel_source(a.preset, env))
+        r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-cubin", str(cu),
+                            "-o", str(cubin), "-Xptxas", "-v"], capture_output=True, text=True)
+        if r.returncode:
+            print(r.stdout + r.stderr, file=sys.stderr)
+            return 1
+        sass = subprocess.run([a.cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"Used (\d+) registers", r.stderr + r.stdout)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr + r.stdout)
+    batches = l2_batches(sass)
+    res = {"preset": a.preset, "env": env, "registers": int(regs.group(1)) if regs else None,
+           "spill_bytes": int(spill.group(1)) if spill else None, "l2_read_batches": len(batches),
+           "l2_reads": sum(batches), "batches_by_size": dict(sorted(Counter(batches).items()))}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
