@@ -52,9 +52,13 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         if (flow) {     // the query head, its keys and its values out of phase A, then q here
           if (lane == 0) {
             const unsigned int* f = fcnt + l * (NQ + 2 * NKV);
-            mega_wait_at_least(f + NQ + g, HALF);
-            mega_wait_at_least(f + NQ + NKV + g, qrow ? D : HALF);   // (QROW: values count rows)
-            mega_wait_at_least(f + hq, HALF);
+            if constexpr (STG != 0) {     // (one flag: the query's, key's and value's pairs)
+              mega_wait_at_least(f + hq, 2 * HALF + (qrow ? D : HALF));
+            } else {
+              mega_wait_at_least(f + NQ + g, HALF);
+              mega_wait_at_least(f + NQ + NKV + g, qrow ? D : HALF);   // (QROW: values count rows)
+              mega_wait_at_least(f + hq, HALF);
+            }
           }
           __syncwarp();
           for (int d = lane; d < D; d += 32) qslot[warp][d] = __ldcg(qbuf + b * QD + hq * D + d);

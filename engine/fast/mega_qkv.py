@@ -64,10 +64,21 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
         }
       };
       // FLOW: one more pair of this q/k/v head is out (the lanes' writes before the release)
+      // (STG: one flag per query head, which its own pairs and those of its key and value
+      // heads count up: a key or value head's lanes add to each of its group's NQ/NKV flags, so
+      // that an attention unit waits on one flag, one round trip, not three)
       auto head_done = [&](int head) {
         __syncwarp();
-        if (lane == 0)
-          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + head) : "memory");
+        if constexpr (STG != 0) {
+          constexpr int G = NQ / NKV;
+          for (int j = lane; j < (head < NQ ? 1 : G); j += 32) {
+            const int t = head < NQ ? head : ((head - NQ) % NKV) * G + j;
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + t) : "memory");
+          }
+        } else {
+          if (lane == 0)
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + head) : "memory");
+        }
       };
       constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
       constexpr int PPB = WPB / 2;               // with QSPLIT: pairs a block takes per round

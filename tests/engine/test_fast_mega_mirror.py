@@ -326,3 +326,44 @@ def test_qrow_where_it_takes_fewer_rounds():
     assert qrow_used(32, 8, 128, 2112)
     assert not qrow_used(32, 8, 64, 2112)
     assert not qrow_used(32, 8, 128, 3072)          # (as many warps as pairs: one round)
+
+
+def one_flag_counts(NQ: int, NKV: int, D: int, qrow: bool, group=None):
+    """STG's FLOW flags mirrored from mega_qkv.py's head_done: one flag per query head; a q
+    head's pair adds to its own, a k or v head's pair (QROW: a v row) to each of the NQ/NKV
+    query heads of its group. Returns the flags after phase A (every pair / row counted once)."""
+    HALF, G = D // 2, NQ // NKV
+    group = group or (lambda h: (h - NQ) % NKV)
+    flags = [0] * NQ
+    for head in range(NQ + 2 * NKV):
+        count = D if (qrow and head >= NQ + NKV) else HALF
+        for _ in range(count):
+            if head < NQ:
+                flags[head] += 1
+            else:
+                for j in range(G):
+                    flags[group(head) * G + j] += 1
+    return flags
+
+
+@pytest.mark.parametrize("NQ,NKV,D", [(32, 8, 128), (32, 8, 64), (16, 16, 64), (64, 1, 64)])
+@pytest.mark.parametrize("qrow", [False, True])
+def test_one_flag_per_query_head_reaches_the_wait_target(NQ, NKV, D, qrow):
+    """Each query head's flag ends at what its attention units wait for (2 D/2 + D/2, QROW
+    2 D/2 + D), and only once its own, its key head's and its value head's pairs are all in:
+    leaving out any one pair of those heads keeps it short."""
+    HALF, G = D // 2, NQ // NKV
+    target = 2 * HALF + (D if qrow else HALF)
+    assert one_flag_counts(NQ, NKV, D, qrow) == [target] * NQ
+    # the heads a query head hq waits on, as the attention phase maps them (g = hq / G)
+    for hq in (0, NQ - 1):
+        g = hq // G
+        assert {hq, NQ + g, NQ + NKV + g} == {h for h in range(NQ + 2 * NKV)
+                                              if h == hq or (h >= NQ and (h - NQ) % NKV == g)}
+
+
+def test_one_flag_negative_control():
+    """A kernel that mapped a k/v head to the wrong group of query heads (its index divided by
+    NKV instead of taken modulo) leaves flags short of the target and others over it."""
+    flags = one_flag_counts(32, 8, 128, False, group=lambda h: (h - 32) // 8)
+    assert flags != [3 * 64] * 32
