@@ -30,11 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast import mega_cuda as MC  # noqa: E402
 from experiments import check_kernels_nvcc as CK  # noqa: E402
+from experiments import presets as P  # noqa: E402
 
-PRESETS = {   # experiments/presets.py's shapes (H, NQ, NKV, D, I, L, V)
-    "1b": (2048, 32, 8, 64, 8192, 16, 128256),
-    "8b": (4096, 32, 8, 128, 14336, 32, 128256),
-}
+def _shape(name: str) -> tuple:
+    """(H, NQ, NKV, D, I, L, V) of an experiments/presets.py preset."""
+    c = P.PRESETS[name]
+    return (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+            c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"])
+
+
+PRESETS = {name: _shape(name) for name in ("1b", "8b")}
 
 
 def kernel_source(preset: str, env: dict) -> str:
