@@ -39,7 +39,7 @@ from ..batch_cache import BatchKVCache
 from ..levers import Levers
 from . import kernels as K
 from . import mega as MG
-from .decode import CAPACITY_STEP, own_contiguous, why_not
+from .decode import CAPACITY_STEP, as_int32, own_contiguous, why_not
 from .merge import module_version
 from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
@@ -208,7 +208,7 @@ class FastBatchDecoder:
         fn, in_place = self._fn(B, cap)
         if in_place:                         # (the one-kernel step: contiguous buffers of our own)
             self._own = own_contiguous(caches, self._own)
-        out = fn(tokens.astype(mx.int32).reshape(-1), c0.offset, self._col,
+        out = fn(as_int32(tokens).reshape(-1), c0.offset, self._col,
                  c0.left_padding, *[c.keys for c in caches], *[c.values for c in caches])
         logits, pos, self._col = out[0], out[1], out[2]
         for i, c in enumerate(caches):

@@ -59,6 +59,14 @@ def own_contiguous(caches, own: list) -> list:
     return out
 
 
+def as_int32(tokens: mx.array) -> mx.array:
+    """Token ids as int32: the sampler's uint32 ids reinterpreted in place (ids are below
+    2^31; no copy operation a step), other dtypes converted."""
+    if tokens.dtype == mx.int32:
+        return tokens
+    return mx.view(tokens, mx.int32) if tokens.dtype == mx.uint32 else tokens.astype(mx.int32)
+
+
 def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
     """None if the fast step can run this model/caches, else the reason it cannot."""
     if getattr(model, "model_type", None) not in SUPPORTED_TYPES:
@@ -252,7 +260,7 @@ class FastDecoder:
         if in_place:                         # (the one-kernel step: contiguous buffers of our own)
             self._own = own_contiguous(caches, self._own)
         out = fn(
-            tokens.astype(mx.int32).reshape(-1), self._pos,
+            as_int32(tokens).reshape(-1), self._pos,
             *[c.keys for c in caches], *[c.values for c in caches])
         logits, self._pos = out[0], out[1]
         if in_place:                         # (the caches were written in place)

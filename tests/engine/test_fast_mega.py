@@ -257,3 +257,15 @@ def test_flow_on_the_solo_step_only_unless_asked_for(llama, monkeypatch):
     monkeypatch.setenv("MLXP_MEGA_OPT", str(MG.OPT_DEFAULT))
     step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
     assert step.opt_rows.item() == step.opt.item() == MG.OPT_DEFAULT
+
+
+def test_token_ids_reach_the_step_as_int32_without_a_copy():
+    """The sampler's uint32 ids are reinterpreted (mx.view), int32 ids passed as they are,
+    other integer dtypes converted; the values never change."""
+    from engine.fast.decode import as_int32
+    u = mx.array([0, 7, 2**31 - 1], dtype=mx.uint32)
+    for a in (u, u.astype(mx.int32), u.astype(mx.int64)):
+        b = as_int32(a)
+        assert b.dtype == mx.int32 and b.tolist() == [0, 7, 2**31 - 1]
+    i = mx.array([4], dtype=mx.int32)
+    assert as_int32(i) is i
