@@ -248,7 +248,7 @@ class MegaStep:
         self.kvt = int(os.environ.get("MLXP_MEGA_KVT", "0") == "1")
         # (another kernel, MLXP_MEGA_STAGE=1) each phase's input vector read with a thread's
         # loads issued together, attention's value rows of a step asked for at once (head sizes
-        # up to 128), the combine's outputs 16 chunks a round trip (head sizes up to 64) and
+        # up to 128), the combine's outputs 12-16 chunks a round trip (head sizes up to 128) and
         # FLOW's flags one per query head
         self.stg = int(os.environ.get("MLXP_MEGA_STAGE", "0") == "1")
         mask = opt_mask()

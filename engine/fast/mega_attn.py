@@ -7,7 +7,7 @@ and add up p_j * v_j, VB columns' value loads issued before they are used (one l
 values per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp
 to finish a (row, head)'s chunks (a counter each) combines them into the attention output,
 its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 8 chunks
-for the outputs; with STG 16 for head sizes up to 64).
+for the outputs; with STG 16 for head sizes up to 64, 12 up to 128).
 With `MEGA_OPT_FLOW` no grid barrier precedes the phase: a unit waits for the flags of its query
 head, key head and value head (phase A counts each head's pairs out), then reads its query
 head into the warp's slot of shared memory; the last warps take the first units.
@@ -161,7 +161,7 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           // lanes take chunks lane and lane + 32: the max and the weights in one round trip,
           // then every chunk's output (the lane's DPL values), CB chunks' loads at once
           const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
-          constexpr int CB = (STG != 0 && DPL <= 2) ? 16 : 8;
+          constexpr int CB = STG == 0 ? 8 : DPL <= 2 ? 16 : DPL <= 4 ? 12 : 8;
           float ov[CB][DPL];
           auto load_outputs = [&](int c0) {
 #pragma unroll
