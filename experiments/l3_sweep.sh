@@ -1,6 +1,6 @@
 #!/bin/bash
-# Device run: (CHECK2048=0 leaves out) experiments/mega_check.py on the 1b preset at the prompts
-# CHECK_PROMPTS (default 2048)
+# Device run: (CHECK2048=0 leaves out) experiments/mega_check.py on the presets CHECK_MODELS
+# (default 1b) at the prompts CHECK_PROMPTS (default 2048), with the settings CHECK_ENV
 # (the attention combine over 33+ chunks against L1); the one-kernel step's switches A/B
 # (experiments/mega_sweep.py) on the 8b preset
 # (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with BENCH1=N N runs of
@@ -20,10 +20,12 @@ stage build
 python3 -m experiments.presets 8b /tmp/m/8b
 python3 -m experiments.presets 1b /tmp/m/1b
 if [ "${CHECK2048:-1}" = 1 ]; then     # the kernel against L1 with more than 32 attention chunks
+  for M in ${CHECK_MODELS:-1b}; do    # (CHECK_ENV: settings for the kernel, e.g. MLXP_MEGA_STAGE=1)
   for P in ${CHECK_PROMPTS:-2048}; do
-    stage check-$P
-    run $(lim 60 90) python3 experiments/mega_check.py --model /tmp/m/1b --prompt $P --steps 8 \
-      --out "$OUT/mega_check_1b_$P.json"
+    stage check-$M-$P
+    run $(lim 60 90) env ${CHECK_ENV:-} python3 experiments/mega_check.py --model /tmp/m/$M --prompt $P \
+      --steps 8 --out "$OUT/mega_check_${M}_$P.json"
+  done
   done
 fi
 if [ "${OVERHEAD:-0}" = 1 ]; then      # what a step costs around the kernel (1b and 8b, prompt 128)
