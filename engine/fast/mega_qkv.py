@@ -8,8 +8,9 @@ into the cache at the position. With `MEGA_OPT_QSPLIT` two warps of a block take
 over half of H (added in shared memory), where that takes fewer rounds. With `MEGA_OPT_FLOW`
 the pairs of the keys and values come first and each pair counts up its head's flag (phase B
 waits on those instead of a barrier). With `MEGA_OPT_QROW`, where it takes fewer rounds (more
-pairs than warps), a warp per row instead: the second row of a pair to finish rotates both. With QKN, phase A leaves q and k unrotated; after a
-barrier a warp per head normalises, then rotates it (A2).
+pairs than warps), a warp per row instead: the second row of a pair to finish rotates both.
+With QKN, phase A leaves q and k unrotated; after a barrier a warp per head normalises, then
+rotates it (A2).
 """
 
 QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
