@@ -72,7 +72,8 @@ BODY = r"""
   unsigned int* fcnt = reinterpret_cast<unsigned int*>(kraw + RB * QD);   // FLOW: [L][NQ + 2 NKV]
   unsigned int* pcnt = fcnt + (L * 3 * NQ + 3) / 4 * 4;    // (room for NKV up to NQ)
   // QROW: [NQ + NKV][HALF] rows of each q/k rotation pair done, over the layers
-  unsigned int* prof = pcnt + QD;
+  unsigned int* dctr = pcnt + QD;                  // DYN: [L * 5 + 1][8] units handed out
+  unsigned int* prof = dctr + (L * 5 + 1) * 8;
   unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
@@ -105,6 +106,23 @@ BODY = r"""
   // rounds of loads (more pairs than warps: the 8B shapes); FLOW's value flags then count rows
   constexpr int NROW = 2 * NPAIR;
   const bool qrow = (OPT & MEGA_OPT_QROW) && (NROW + NW - 1) / NW < 2 * ((NPAIR + NW - 1) / NW);
+  // DYN (not with PRE 2, whose copies need a warp's next unit early): a phase's units [0, N) go
+  // gw, gw + NW, ... over its static part [0, NS) (all but its last one or two rounds, the first
+  // round at least), the rest from 8 counters (warp gw asks counter gw % 8, its j-th answer
+  // being unit NS + gw % 8 + 8 j), so the SMs that stream faster take more of the last units.
+  // A warp asks at the start of its last static unit and of each counted one, and reads the
+  // answer after the unit's work (the atomic's round trip overlaps it)
+  const bool dyn = (OPT & MEGA_OPT_DYN) && PRE != 2;
+  auto dyn_ns = [&](int N) { const int r = N / NW; return dyn ? min(N, max(r - 1, 1) * NW) : N; };
+  auto dyn_ask = [&](int n, int N, int NS, unsigned int* c) {
+    unsigned int got = 0u;
+    if (NS < N && n + NW >= NS && lane == 0) got = atomicAdd(c + (gw & 7), 1u);
+    return got;
+  };
+  auto dyn_next = [&](int n, int N, int NS, unsigned int got) {
+    if (!(NS < N && n + NW >= NS)) return n + NW;
+    return NS + (gw & 7) + 8 * (int)__shfl_sync(0xffffffffu, got, 0);
+  };
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
   // PRE (float weights, one row, a shared memory region PRESM for it): a warp's first loads of
   // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async);
@@ -213,10 +231,13 @@ __TABLES__
 
   // o_proj and down_proj: hbuf[b] += T(W . xt[b]) with the residual add rounded as the
   // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
-  auto proj_residual = [&](auto kk, const void* w, const T* ws_, const T* wb_, bool usepre) {
+  // (R1 is 1: a unit is a row; DYN: the counters dc)
+  auto proj_residual = [&](auto kk, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc) {
     constexpr int KK = decltype(kk)::value;
-    int k = 0;
-    for (int n0 = gw * R1; n0 < H; n0 += NW * R1, ++k) {
+    static_assert(R1 == 1, "a unit is one row");
+    const int NS = dyn_ns(H);
+    for (int n0 = gw, k = 0; n0 < H; ++k) {
+      const unsigned int got = dyn_ask(n0, H, NS, dc);
       int idx[R1];
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
@@ -233,6 +254,7 @@ __TABLES__
         for (int b = 0; b < RB; ++b)
           if (lane == r * RB + b && n0 + r < H)
             hbuf[b * H + n0 + r] = static_cast<float>(T(hres + static_cast<float>(T(acc[r * RB + b]))));
+      n0 = dyn_next(n0, H, NS, got);
     }
   };
 
@@ -258,7 +280,7 @@ __ATTENTION__
       if constexpr (STG != 0) mega_stage<T, RB * QD, THREADS>(obuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
-      proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l], preon);
+      proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l], preon, dctr + (l * 5 + 1) * 8);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
       if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, slot(0), pol);
     }
@@ -268,8 +290,9 @@ __ATTENTION__
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     {
       load_normed(LN2[l], false);
-      int k = 0;
-      for (int n = gw; n < I; n += NW, ++k) {
+      const int NS = dyn_ns(I);
+      for (int n = gw, k = 0; n < I; ++k) {
+        const unsigned int got = dyn_ask(n, I, NS, dctr + (l * 5 + 2) * 8);
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
         const bool more = n + NW < I;
@@ -284,6 +307,7 @@ __ATTENTION__
           const float s = static_cast<float>(T(g / (1.f + __expf(-g))));
           abuf[b * I + n] = static_cast<float>(T(s * up));
         }
+        n = dyn_next(n, I, NS, got);
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
       if (preon && gw < H) mega_preload<T, I, 1, UN1>(WD[l], gw, gw, lane, slot(0), pol);
@@ -296,7 +320,7 @@ __ATTENTION__
       if constexpr (STG != 0) mega_stage<T, RB * I, THREADS>(abuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
-      proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l], preon);
+      proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l], preon, dctr + (l * 5 + 3) * 8);
       if (l + 1 < L && gw < (qrow ? NROW : NPAIR)) {      // the next layer's first q/k/v pair (row)
         const int r1 = qkv_first_row();
         if (qrow) MEGA_PREFETCH(WQKV[l + 1], H, NROW, 1, 1, r1 - gw);
@@ -314,8 +338,9 @@ __ATTENTION__
   // --- the final norm and the output head (a warp per vocabulary row)
   {
     load_normed(fnorm, L == 0);
-    int k = 0;
-    for (int n0 = gw * R1; n0 < V; n0 += NW * R1, ++k) {
+    const int NS = dyn_ns(V);
+    for (int n0 = gw, k = 0; n0 < V; ++k) {
+      const unsigned int got = dyn_ask(n0, V, NS, dctr + L * 5 * 8);
       int idx[R1];
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
@@ -329,6 +354,7 @@ __ATTENTION__
 #pragma unroll
         for (int b = 0; b < RB; ++b)
           if (lane == r * RB + b && n0 + r < V) logits[(size_t)b * V + n0 + r] = T(acc[r * RB + b] * sinv[b]);
+      n0 = dyn_next(n0, V, NS, got);
     }
   }
   if (PROF) {                                      // the head's end: after every block is done
@@ -403,11 +429,11 @@ def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: 
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
     keys before their norm (q/k norms), the per-layer head flags (FLOW), the q/k pair counters
-    (QROW), then the PROF stamps and (`blocks` > 0, with PROF)
+    (QROW), the units handed out (DYN), then the PROF stamps and (`blocks` > 0, with PROF)
     each block's arrival at each phase's end."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
             + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
-            + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim
+            + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim + (n_layers * 5 + 1) * 8
             + 2 * n_stamps(n_layers) * (1 + blocks))
 
 

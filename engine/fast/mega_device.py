@@ -45,6 +45,8 @@ HEADER = r"""
                              // a flag, and a phase-B unit waits for its three heads' flags only
 #define MEGA_OPT_QROW 1024u  // phase A: a warp per q/k/v row where that takes fewer rounds than
                              // per pair; a pair's second row to finish rotates both
+#define MEGA_OPT_DYN 2048u   // each projection phase's last one or two rounds of units handed out
+                             // by counters (the faster SMs take more), not dealt in advance
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;

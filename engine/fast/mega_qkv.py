@@ -116,7 +116,9 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
         // in T) and counts up its pair (pcnt: 2 l before layer l); the pair's second row to
         // arrive reads the other's value and rotates both (the same sums and roundings as a
         // pair's warp: each row's dot product is the same loop over the same loads)
-        for (int t = gw; t < NROW; t += NW) {
+        const int NS = dyn_ns(NROW);
+        for (int t = gw; t < NROW;) {
+          const unsigned int got = dyn_ask(t, NROW, NS, dctr + l * 5 * 8);
           const int r = flow ? (t + QD) % NROW : t;
           const int head = r / D, i = r % D, u = head * HALF + i % HALF;
           const int idx[1] = {r};
@@ -153,10 +155,12 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
               if (flow) head_done(head);
             }
           }
+          t = dyn_next(t, NROW, NS, got);
         }
       } else {
-        int k = 0;
-        for (int u0 = gw; u0 < NPAIR; u0 += NW, ++k) {
+        const int NS = dyn_ns(NPAIR);
+        for (int u0 = gw, k = 0; u0 < NPAIR; ++k) {
+          const unsigned int got = dyn_ask(u0, NPAIR, NS, dctr + l * 5 * 8);
           const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
           const int r1 = (u / HALF) * D + u % HALF;
           const int idx[2] = {r1, r1 + HALF};
@@ -168,6 +172,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
                                                      p_, PRE == 2 && more);
           qkv_out(u, acc);
           if (flow) head_done(u / HALF);
+          u0 = dyn_next(u0, NPAIR, NS, got);
         }
       }
     }

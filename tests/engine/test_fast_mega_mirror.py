@@ -367,3 +367,66 @@ def test_one_flag_negative_control():
     NKV instead of taken modulo) leaves flags short of the target and others over it."""
     flags = one_flag_counts(32, 8, 128, False, group=lambda h: (h - 32) // 8)
     assert flags != [3 * 64] * 32
+
+
+def dyn_units(N: int, NW: int, seed: int, dyn: bool = True, offset=None):
+    """DYN mirrored from mega_cuda.py (dyn_ns / dyn_ask / dyn_next): warps of random speeds
+    (an event queue in time); a warp asks its counter (gw % 8) at the start of its last static
+    unit and of each counted one, in the order the asks reach the counters, and takes unit
+    NS + gw % 8 + 8 j for answer j. Returns the units each warp took, in order."""
+    import heapq
+    rng = np.random.default_rng(seed)
+    r = N // NW
+    NS = min(N, max(r - 1, 1) * NW) if dyn else N
+    offset = offset or (lambda gw, j: NS + gw % 8 + 8 * j)
+    ctr = [0] * 8
+    speed = rng.uniform(0.8, 1.25, NW)
+    taken = {gw: [] for gw in range(NW)}
+    queue = [(0.0, gw, gw) for gw in range(NW) if gw < N]      # (time, warp, its unit)
+    heapq.heapify(queue)
+    while queue:
+        t, gw, n = heapq.heappop(queue)
+        ask = NS < N and n + NW >= NS
+        got = None
+        if ask:
+            got, ctr[gw % 8] = ctr[gw % 8], ctr[gw % 8] + 1
+        taken[gw].append(n)
+        nxt = offset(gw, got) if ask else n + NW
+        if nxt < N:
+            heapq.heappush(queue, (t + speed[gw] * (1 + rng.random() * 0.1), gw, nxt))
+    return taken, NS
+
+
+@pytest.mark.parametrize("N,NW", [(14336, 2112), (4096, 2112), (128256, 2112), (2048, 2112),
+                                  (6144, 2112), (8192, 2112), (100, 16), (17, 16)])
+def test_dyn_takes_every_unit_once(N, NW):
+    """Every unit of a phase computed exactly once, the first round static (warp gw's first unit
+    is gw: the one the previous phase's prefetch and PRE copies are for), the static part whole
+    rounds; with DYN off every warp takes gw, gw + NW, ..."""
+    for seed in range(2):
+        taken, NS = dyn_units(N, NW, seed)
+        units = sorted(u for us in taken.values() for u in us)
+        assert units == list(range(N))
+        assert all(us[0] == gw for gw, us in taken.items() if us)
+        assert NS % NW == 0 or NS == N
+    off, _ = dyn_units(N, NW, 0, dyn=False)
+    assert all(us == list(range(gw, N, NW)) for gw, us in off.items())
+
+
+def test_dyn_balances_the_last_rounds():
+    """The warps that stream faster take more of the counted units (what DYN is for)."""
+    taken, NS = dyn_units(14336, 2112, 3)
+    rng = np.random.default_rng(3)
+    speed = rng.uniform(0.8, 1.25, 2112)
+    fast = [len(taken[g]) for g in range(2112) if speed[g] < 0.9]
+    slow = [len(taken[g]) for g in range(2112) if speed[g] > 1.15]
+    assert np.mean(fast) > np.mean(slow)
+
+
+def test_dyn_negative_control():
+    """Answers not offset by the counter's index (every counter handing out NS + 8 j) take some
+    units twice and leave others out."""
+    taken, NS = dyn_units(14336, 2112, 0, offset=lambda gw, j: 10560 + 8 * j)   # (NS = 5 rounds)
+    assert NS == 10560
+    units = sorted(u for us in taken.values() for u in us)
+    assert units != list(range(14336))
