@@ -13,7 +13,8 @@ evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one r
 32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
 128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
 started per head on flags instead of a barrier, 1024 q/k/v a warp per row where that takes
-fewer rounds, 2048 each phase's last rounds of units handed out by counters). Variants of one MASK share a compiled
+fewer rounds, 2048 each phase's last rounds of units handed out by counters, 4096 the
+prefetch of a warp's next unit capped at 16 KB). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \

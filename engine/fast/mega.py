@@ -48,7 +48,8 @@ def env_int(name: str, default: int) -> int:
 
 
 OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512, "qrow": 1024, "dyn": 2048}   # mega_device.py's MEGA_OPT_*
+            "nopfa": 128, "akpf": 256, "flow": 512, "qrow": 1024, "dyn": 2048,
+            "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
 # measured faster on the H200 (docs/l3.md); lean and flow leave the logits bit-identical
 OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
 

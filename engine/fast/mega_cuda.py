@@ -153,11 +153,14 @@ BODY = r"""
     const unsigned long long t_ = mega_now(); const size_t i_ = 2 * ((size_t)nstamp * gridDim.x + blockIdx.x); \
     arrive[i_] = (unsigned int)t_; arrive[i_ + 1] = (unsigned int)(t_ >> 32); } } } while (0)
   // before a barrier: the warp's first unit of the next phase (RL rows of K elements,
-  // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait
+  // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait (PFCAP: at
+  // most the first 16 KB of a unit, so that all warps' prefetches fit in L2 together: the 8B's
+  // down rows are 28 KB, 59 MB for the 2112 warps)
 #define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (gw < (NUNITS)) { \
+    const int cap_ = (OPT & MEGA_OPT_PFCAP) ? min((KK) * WBITS / 8, 16384 / (RL_)) : (KK) * WBITS / 8; \
     for (int r_ = 0; r_ < (RL_); ++r_) { \
       const char* b_ = reinterpret_cast<const char*>(Wp) + (size_t)((ROW0_) + gw + r_ * (OFF)) * (KK) * WBITS / 8; \
-      for (int o_ = lane * 128; o_ < (KK) * WBITS / 8; o_ += 32 * 128) \
+      for (int o_ = lane * 128; o_ < cap_; o_ += 32 * 128) \
         asm volatile("prefetch.global.L2 [%0];" :: "l"(b_ + o_)); } } } while (0)
   MEGA_STAMP();
 __TABLES__

@@ -47,6 +47,7 @@ HEADER = r"""
                              // per pair; a pair's second row to finish rotates both
 #define MEGA_OPT_DYN 2048u   // each projection phase's last one or two rounds of units handed out
                              // by counters (the faster SMs take more), not dealt in advance
+#define MEGA_OPT_PFCAP 4096u // a warp's L2 prefetch of its next unit at most 16 KB (all warps' fit)
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;

@@ -187,9 +187,9 @@ def test_kernel_switches_mask(monkeypatch):
     for ok in ("0", "5", str(sum(MG.OPT_BITS.values()))):
         monkeypatch.setenv("MLXP_MEGA_OPT", ok)
         assert MG.opt_mask() == int(ok)
-    for bad in ("4096", "-1", "pfo", "1.0"):
+    for bad in ("8192", "-1", "pfo", "1.0"):
         monkeypatch.setenv("MLXP_MEGA_OPT", bad)
-        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-4095"):
+        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-8191"):
             MG.opt_mask()
     # every switch is a bit the CUDA source defines
     src = C.source(2)
@@ -234,7 +234,7 @@ def test_settings_checked_where_the_levers_are_resolved():
     MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_QUANT": "0",
                        "MLXP_MEGA_PROF": "1", "MLXP_MEGA_BLOCKS": "132"})
     bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
-           "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "4096",
+           "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "8192",
            "MLXP_MEGA_PRE": "3", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
