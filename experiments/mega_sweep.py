@@ -172,6 +172,10 @@ def main(argv=None) -> int:
     vocab = model.args.vocab_size
     specs = a.variants.split(",")
     rows = []
+
+    def save():     # (after every variant: a kernel that stops the process keeps what came before)
+        if a.out:
+            Path(a.out).write_text(json.dumps({"device": str(mx.default_device()), "rows": rows}, indent=1))
     for plen in (int(p) for p in a.prompts.split(",")):
         prompt = [(7 * i + 3) % (vocab - 1) + 1 for i in range(plen)]
         seq = [(11 * i + 5) % (vocab - 1) + 1 for i in range(a.steps)]
@@ -182,14 +186,15 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001  (a variant that fails is reported, not fatal)
                 rows.append({"prompt": plen, "variant": spec, "error": f"{type(e).__name__}: {e}"})
                 print(json.dumps(rows[-1]), flush=True)
+                save()
                 continue
             if base is None:
                 base = lg
             rows.append({"prompt": plen, "variant": spec, "wall_ms": wall, "profile_us": prof,
                          "vs_first": _cmp(lg, base)})
             print(json.dumps(rows[-1]), flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps({"device": str(mx.default_device()), "rows": rows}, indent=1))
+            save()
+    save()
     return 0
 
 
