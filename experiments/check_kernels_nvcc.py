@@ -105,7 +105,8 @@ def source() -> str:
         tm = dict(H=32 * D, NQ=32, NKV=8, D=D, I=8192, L=16, V=128256, THREADS=512, MAXCH=16,
                   RB=int(os.environ.get('RB', 1)), ROW0=0, EPS_NUM=10**7, SCALE_NUM=125000000,
                   SHIFT=0, DROP=0, PROF=1, UN1=int(os.environ.get('UN1', 8)),
-                  UN2=int(os.environ.get('UN2', 4)), QB=qb, GS=64, QKN=qkn, PRE=int(os.environ.get('PRE', 0)), PRE_LOADS=8, PRESM=1,
+                  UN2=int(os.environ.get('UN2', 4)),
+                  UNO=int(os.environ.get('UNO', os.environ.get('UN1', 8))), QB=qb, GS=64, QKN=qkn, PRE=int(os.environ.get('PRE', 0)), PRE_LOADS=8, PRESM=1,
                   KVT=int(os.environ.get('KVT', 0)), STG=int(os.environ.get('STG', 0)))
         src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())
         src += MC.source(16, quantized=bool(qb), qk_norm=bool(qkn)) + "\n}\n"

@@ -55,7 +55,8 @@ def kernel_source(preset: str, env: dict) -> str:
     args = ", ".join(f"const {ty(n)}* {n}" for n in names)
     tm = dict(H=H, NQ=NQ, NKV=NKV, D=D, I=I, L=L, V=V, THREADS=MC.THREADS, MAXCH=MC.MAXCH, RB=1, ROW0=0,
               EPS_NUM=10**7, SCALE_NUM=125000000, SHIFT=0, DROP=0, PROF=0,
-              UN1=int(env.get("UN1", 8)), UN2=int(env.get("UN2", 4)), QB=0, GS=64, QKN=0,
+              UN1=int(env.get("UN1", 8)), UN2=int(env.get("UN2", 4)),
+              UNO=int(env.get("UNO", env.get("UN1", 8))), QB=0, GS=64, QKN=0,
               PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=1, KVT=int(env.get("KVT", 0)),
               STG=int(env.get("STG", 0)))
     return (CK.PRELUDE + "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"

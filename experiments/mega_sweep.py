@@ -3,7 +3,8 @@ A/B in one process, on a GPU: for each variant and prompt length, the step's pha
 (MLXP_MEGA_PROF, averaged over the timed steps), its wall time per step, and its logits
 against the first variant's on the same tokens (teacher-forced).
 
-A variant is `MASK` or `MASK:un1=N:un2=M:pre=P:kvt=1:stage=1` (pre: MLXP_MEGA_PRE, 1 the
+A variant is `MASK` or `MASK:un1=N:un2=M:uno=K:pre=P:kvt=1:stage=1` (uno: o_proj's loads in
+flight, MLXP_MEGA_UNO, default un1; pre: MLXP_MEGA_PRE, 1 the
 kernel that copies each phase's first weight loads before the barrier, 2 also each next unit's;
 kvt: MLXP_MEGA_KVT, attention's value loads issued with its key loads; stage=1:
 MLXP_MEGA_STAGE=1, each phase's input vector read with a thread's loads issued together; MASK a sum of
@@ -48,7 +49,7 @@ def parse_variant(spec: str) -> dict:
     env = {"MLXP_MEGA_OPT": str(int(mask))}
     for kv in rest:
         k, v = kv.split("=")
-        if k not in ("un1", "un2", "pre", "kvt", "stage"):
+        if k not in ("un1", "un2", "uno", "pre", "kvt", "stage"):
             raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
         env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
     return env

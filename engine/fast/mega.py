@@ -74,7 +74,8 @@ def check_settings(env=None) -> None:
     for name in SWITCHES:
         if env.get(name, "") not in ("", "0", "1"):
             raise ValueError(f"{name} must be 0 or 1, not {env[name]!r}")
-    for name, top in (("MLXP_MEGA_UN1", 32), ("MLXP_MEGA_UN2", 32), ("MLXP_MEGA_BLOCKS", 1 << 16)):
+    for name, top in (("MLXP_MEGA_UN1", 32), ("MLXP_MEGA_UN2", 32), ("MLXP_MEGA_UNO", 32),
+                      ("MLXP_MEGA_BLOCKS", 1 << 16)):
         raw = env.get(name, "")
         if raw and (not raw.isdigit() or not 1 <= int(raw) <= top):
             raise ValueError(f"{name} must be an integer 1-{top}, not {raw!r}")
@@ -241,6 +242,7 @@ class MegaStep:
         # 16-byte weight loads in flight per lane: single-row and paired-row phases
         self.un1 = env_int("MLXP_MEGA_UN1", 8)
         self.un2 = env_int("MLXP_MEGA_UN2", 4)
+        self.uno = env_int("MLXP_MEGA_UNO", self.un1)     # (o_proj's: its rows are short)
         # a warp's first weight loads of each phase issued before the barrier (another kernel)
         # (2: also the next unit's first loads while a unit runs)
         check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")})
@@ -288,7 +290,7 @@ class MegaStep:
                           ("SCALE_NUM", int(round(self.scale * 1e9))),
                           ("SHIFT", int(fault == "rope_pos_plus_one")),
                           ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
-                          ("UN1", self.un1), ("UN2", self.un2),
+                          ("UN1", self.un1), ("UN2", self.un2), ("UNO", self.uno),
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
                           ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg),

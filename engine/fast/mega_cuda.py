@@ -235,8 +235,8 @@ __TABLES__
   // o_proj and down_proj: hbuf[b] += T(W . xt[b]) with the residual add rounded as the
   // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
   // (R1 is 1: a unit is a row; DYN: the counters dc)
-  auto proj_residual = [&](auto kk, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc) {
-    constexpr int KK = decltype(kk)::value;
+  auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc) {
+    constexpr int KK = decltype(kk)::value, UNP = decltype(un)::value;   // (UNP: loads in flight)
     static_assert(R1 == 1, "a unit is one row");
     const int NS = dyn_ns(H);
     for (int n0 = gw, k = 0; n0 < H; ++k) {
@@ -250,7 +250,7 @@ __TABLES__
       // (R1 is 1: a unit is the row mega_preload fetched)
       const bool more = n0 + NW * R1 < H;
       const uint4* p_ = pre_next(kk, mega_int<1>{}, mega_int<UN1>{}, usepre, k, more, w, n0 + NW, n0 + NW);
-      mega_mat_dot<T, T, KK, R1, RB, UN1, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0, p_, PRE == 2 && more);
+      mega_mat_dot<T, T, KK, R1, RB, UNP, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0, p_, PRE == 2 && more);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -274,7 +274,8 @@ __QKV__
     if (!flow) mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
 __ATTENTION__
-    if (preon && gw < H) mega_preload<T, QD, 1, UN1>(WO[l], gw, gw, lane, slot(0), pol);
+    if (preon && UNO == UN1 && gw < H) mega_preload<T, QD, 1, UN1>(WO[l], gw, gw, lane, slot(0), pol);   // (PRE: o_proj's
+    // copies are UN1 loads: none where o_proj takes another count)
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
@@ -283,7 +284,7 @@ __ATTENTION__
       if constexpr (STG != 0) mega_stage<T, RB * QD, THREADS>(obuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
-      proj_residual(mega_int<QD>{}, WO[l], WO_S[l], WO_B[l], preon, dctr + (l * 5 + 1) * 8);
+      proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], preon && UNO == UN1, dctr + (l * 5 + 1) * 8);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
       if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, slot(0), pol);
     }
@@ -323,7 +324,7 @@ __ATTENTION__
       if constexpr (STG != 0) mega_stage<T, RB * I, THREADS>(abuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
-      proj_residual(mega_int<I>{}, WD[l], WD_S[l], WD_B[l], preon, dctr + (l * 5 + 3) * 8);
+      proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], preon, dctr + (l * 5 + 3) * 8);
       if (l + 1 < L && gw < (qrow ? NROW : NPAIR)) {      // the next layer's first q/k/v pair (row)
         const int r1 = qkv_first_row();
         if (qrow) MEGA_PREFETCH(WQKV[l + 1], H, NROW, 1, 1, r1 - gw);
