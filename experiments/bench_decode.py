@@ -26,6 +26,7 @@ import argparse
 import gc
 import io
 import json
+import os
 import re
 import statistics
 import sys
@@ -49,7 +50,12 @@ VIEWS = {"Broadcast", "Transpose", "Reshape", "Flatten", "Unflatten", "ExpandDim
 FIELDS = ["model", "prompt", "tier", "ours_tok_s", "mlx_lm_tok_s", "ratio", "vs_l1",
           "ours_prefill_tok_s", "mlx_lm_prefill_tok_s", "prefill_ratio",
           "ours_kernels_per_step", "mlx_lm_kernels_per_step", "ours_host_ms_per_step",
-          "mlx_lm_host_ms_per_step", "gen", "trials", "levers", "error"]
+          "mlx_lm_host_ms_per_step", "gen", "trials", "levers", "one_kernel", "error"]
+
+
+def mega_env() -> dict:
+    """The one-kernel step's settings in the environment (MLXP_MEGA_*): what a report records."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLXP_MEGA_")}
 
 
 def parse_tier(spec: str) -> Levers:
@@ -176,7 +182,10 @@ def bench(model_dir, tiers: list[str], lengths, gen, trials):
                    "mlx_lm_tok_s": ref_med["decode"], "mlx_lm_prefill_tok_s": ref_med["prefill"],
                    "mlx_lm_kernels_per_step": work["mlx_lm"][0],
                    "mlx_lm_host_ms_per_step": work["mlx_lm"][1],
-                   "levers": json.dumps(engines[spec][0].as_dict()), "error": errors.get(spec, "")}
+                   "levers": json.dumps(engines[spec][0].as_dict()),
+                   # (whether the step ran as the one kernel, engine.fast.mega)
+                   "one_kernel": bool(engines[spec][2] is not None and engines[spec][2].stats.mega),
+                   "error": errors.get(spec, "")}
             if o is not None:
                 row.update(ours_tok_s=o["decode"], ratio=o["decode"] / ref_med["decode"],
                            ours_prefill_tok_s=o["prefill"],
@@ -252,9 +261,11 @@ def main(argv=None):
     tag = a.tag or ("cpu-fixtures" if a.quick or not a.model else "custom")
     out = Path(a.out) if a.out else REPO / "reports" / "bench_decode" / engine.__version__ / tag
     cmd = "python experiments/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = " ".join(f"{k}={v}" for k, v in mega_env().items())
     write(rows, out, f"Device {mx.default_device()}, mlx {mx.__version__}. Median of {a.trials} "
                      f"trials, {a.gen} decode tokens; ratio = ours / mlx-lm decode tok/s in the same "
-                     f"trials. Reproduce: `{cmd.strip()}`")
+                     f"trials. One-kernel step settings: {env or 'the defaults'}. "
+                     f"Reproduce: `{(env + ' ' if env else '') + cmd.strip()}`")
     print(f"wrote {out}")
 
 
