@@ -195,6 +195,7 @@ def main(argv=None) -> int:
             res[m].append(timed(m, model, dec, caches, prompt, a.gen))
     out = {"model": Path(a.model).name, "prompt": a.prompt, "gen": a.gen, "trials": a.trials,
            "device": str(mx.default_device()), "mega": bool(dec.stats.mega),
+           "mega_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLXP_MEGA_")},
            "ms_per_token": {m: statistics.median(v) for m, v in res.items()},
            "kernel_ms": kernel_ms(model, caches, prompt, a.gen)}
     ms = out["ms_per_token"]
