@@ -77,6 +77,35 @@ struct Shape { int data_[8]; __device__ int operator[](int i) const { return dat
 """
 
 
+def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: int = MC.MAXCH,
+                prof: int = 0) -> str:
+    """The bf16 one-kernel step as a kernel `name` of the shapes (H, NQ, NKV, D, I, L, V), its
+    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, as
+    the MLXP_MEGA_* settings without the prefix). Needs MC.HEADER before it."""
+    H, NQ, NKV, D, I, L, V = shape
+    names = MC.input_names(L, quantized=bool(qb), qk_norm=bool(qkn))
+    mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(L)}
+
+    def ty(n):
+        if n in ("tok", "rpos", "col", "start_col", "opt"):
+            return "int32_t"
+        if n in ("inv_freq", "after"):
+            return "float"
+        return "uint32_t" if (qb and n in mats) else "__nv_bfloat16"
+    args = ", ".join(f"const {ty(n)}* {n}" for n in names)
+    un1 = int(env.get("UN1", 8))
+    tm = dict(H=H, NQ=NQ, NKV=NKV, D=D, I=I, L=L, V=V, THREADS=MC.THREADS, MAXCH=maxch,
+              RB=int(env.get("RB", 1)), ROW0=0, EPS_NUM=10**7, SCALE_NUM=125000000, SHIFT=0, DROP=0,
+              PROF=prof, UN1=un1, UN2=int(env.get("UN2", 4)), UNO=int(env.get("UNO", un1)), QB=qb, GS=64,
+              QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=1,
+              KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", 0)), DYN=int(env.get("DYN", 0)),
+              QROW=int(env.get("QROW", 0)))
+    return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
+            "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
+            + "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())
+            + MC.source(L, quantized=bool(qb), qk_norm=bool(qkn)) + "\n}\n")
+
+
 def source() -> str:
     src = PRELUDE + C.GEMV_HEADER
     for name, (body, ins, outs, tmpl) in SPECS.items():
@@ -90,26 +119,8 @@ def source() -> str:
     # redefines __global__ (launch bounds)
     src += "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
     for qb, qkn, D in ((0, 0, 64), (4, 0, 64), (8, 0, 64), (0, 1, 64), (0, 0, 128), (0, 0, 96)):
-        names = MC.input_names(16, quantized=bool(qb), qk_norm=bool(qkn))
-        mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(16)}
-
-        def ty(n):
-            if n in ("tok", "rpos", "col", "start_col", "opt"):
-                return "int32_t"
-            if n in ("inv_freq", "after"):
-                return "float"
-            return "uint32_t" if (qb and n in mats) else "__nv_bfloat16"
-        args = ", ".join(f"const {ty(n)}* {n}" for n in names)
-        src += (f"__global__ void k_mega_q{qb}_n{qkn}_d{D}_bf16({args}, const __grid_constant__ Shape k_0_shape, "
-                "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n")
-        tm = dict(H=32 * D, NQ=32, NKV=8, D=D, I=8192, L=16, V=128256, THREADS=512, MAXCH=16,
-                  RB=int(os.environ.get('RB', 1)), ROW0=0, EPS_NUM=10**7, SCALE_NUM=125000000,
-                  SHIFT=0, DROP=0, PROF=1, UN1=int(os.environ.get('UN1', 8)),
-                  UN2=int(os.environ.get('UN2', 4)),
-                  UNO=int(os.environ.get('UNO', os.environ.get('UN1', 8))), QB=qb, GS=64, QKN=qkn, PRE=int(os.environ.get('PRE', 0)), PRE_LOADS=8, PRESM=1,
-                  KVT=int(os.environ.get('KVT', 0)), STG=int(os.environ.get('STG', 0)))
-        src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())
-        src += MC.source(16, quantized=bool(qb), qk_norm=bool(qkn)) + "\n}\n"
+        src += mega_kernel(f"k_mega_q{qb}_n{qkn}_d{D}_bf16", (32 * D, 32, 8, D, 8192, 16, 128256), os.environ,
+                           qb=qb, qkn=qkn, maxch=16, prof=1)
     return src + "}\n"
 
 

@@ -44,26 +44,9 @@ PRESETS = {name: _shape(name) for name in ("1b", "8b")}
 
 def kernel_source(preset: str, env: dict) -> str:
     """The bf16 float-weight kernel of `preset`, one row, the settings in `env` (STG, PRE, KVT,
-    UN1, UN2 as check_kernels_nvcc takes them)."""
-    H, NQ, NKV, D, I, L, V = PRESETS[preset]
-    names = MC.input_names(L)
-
-    def ty(n):
-        if n in ("tok", "rpos", "col", "start_col", "opt"):
-            return "int32_t"
-        return "float" if n in ("inv_freq", "after") else "__nv_bfloat16"
-    args = ", ".join(f"const {ty(n)}* {n}" for n in names)
-    tm = dict(H=H, NQ=NQ, NKV=NKV, D=D, I=I, L=L, V=V, THREADS=MC.THREADS, MAXCH=MC.MAXCH, RB=1, ROW0=0,
-              EPS_NUM=10**7, SCALE_NUM=125000000, SHIFT=0, DROP=0, PROF=0,
-              UN1=int(env.get("UN1", 8)), UN2=int(env.get("UN2", 4)),
-              UNO=int(env.get("UNO", env.get("UN1", 8))), QB=0, GS=64, QKN=0,
-              PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=1, KVT=int(env.get("KVT", 0)),
-              STG=int(env.get("STG", 0)))
+    UN1, UN2, UNO as check_kernels_nvcc takes them)."""
     return (CK.PRELUDE + "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
-            + f"__global__ void k_mega({args}, const __grid_constant__ Shape k_0_shape, "
-            "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
-            + "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())
-            + MC.source(L) + "\n}\n}\n")
+            + CK.mega_kernel("k_mega", PRESETS[preset], env) + "}\n")
 
 
 _REG = re.compile(r"\bR(\d+)\b")

@@ -13,9 +13,9 @@ engine.fast.mega.OPT_BITS:
 evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
 32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
 128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
-started per head on flags instead of a barrier, 1024 q/k/v a warp per row where that takes
-fewer rounds, 2048 each phase's last rounds of units handed out by counters, 4096 the
-prefetch of a warp's next unit capped at 16 KB). Variants of one MASK share a compiled
+started per head on flags instead of a barrier, 4096 the prefetch of a warp's next unit capped
+at 16 KB); dyn=1: MLXP_MEGA_DYN=1, each projection phase's last rounds of units handed out by
+counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer rounds. Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
@@ -49,7 +49,7 @@ def parse_variant(spec: str) -> dict:
     env = {"MLXP_MEGA_OPT": str(int(mask))}
     for kv in rest:
         k, v = kv.split("=")
-        if k not in ("un1", "un2", "uno", "pre", "kvt", "stage"):
+        if k not in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow"):
             raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
         env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
     return env

@@ -48,8 +48,7 @@ def env_int(name: str, default: int) -> int:
 
 
 OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512, "qrow": 1024, "dyn": 2048,
-            "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
+            "nopfa": 128, "akpf": 256, "flow": 512, "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
 # measured faster on the H200 (docs/l3.md); lean and flow leave the logits bit-identical
 OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
 
@@ -62,7 +61,7 @@ def opt_mask() -> int:
 
 
 SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT",
-            "MLXP_MEGA_STAGE")
+            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW")
 
 
 def check_settings(env=None) -> None:
@@ -254,6 +253,11 @@ class MegaStep:
         # up to 128), the combine's outputs 12-16 chunks a round trip (head sizes up to 128) and
         # FLOW's flags one per query head
         self.stg = int(os.environ.get("MLXP_MEGA_STAGE", "0") == "1")
+        # (another kernel, MLXP_MEGA_DYN=1) each projection phase's last rounds of units handed
+        # out by counters instead of dealt in advance
+        self.dyn = int(os.environ.get("MLXP_MEGA_DYN", "0") == "1")
+        # (another kernel, MLXP_MEGA_QROW=1) q/k/v a warp per row where that takes fewer rounds
+        self.qrow = int(os.environ.get("MLXP_MEGA_QROW", "0") == "1")
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
@@ -293,7 +297,7 @@ class MegaStep:
                           ("UN1", self.un1), ("UN2", self.un2), ("UNO", self.uno),
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
-                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg),
+                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),

@@ -102,26 +102,32 @@ BODY = r"""
   const int nch = (max(aend, 1) + cs - 1) / cs;
   // FLOW (models without q/k norms): phase B starts per head, not after a barrier
   const bool flow = (OPT & MEGA_OPT_FLOW) && QKN == 0;
-  // QROW: phase A takes a warp per q/k/v row, not per rotation pair, where that takes fewer
+  // QROW (MLXP_MEGA_QROW=1, a compile-time choice: its registers would stay in the default
+  // kernel): phase A takes a warp per q/k/v row, not per rotation pair, where that takes fewer
   // rounds of loads (more pairs than warps: the 8B shapes); FLOW's value flags then count rows
   constexpr int NROW = 2 * NPAIR;
-  const bool qrow = (OPT & MEGA_OPT_QROW) && (NROW + NW - 1) / NW < 2 * ((NPAIR + NW - 1) / NW);
-  // DYN (not with PRE 2, whose copies need a warp's next unit early): a phase's units [0, N) go
+  const bool qrow = QROW != 0 && (NROW + NW - 1) / NW < 2 * ((NPAIR + NW - 1) / NW);
+  // DYN (MLXP_MEGA_DYN=1, a compile-time choice: its registers would stay in the default kernel;
+  // not with PRE 2, whose copies need a warp's next unit early): a phase's units [0, N) go
   // gw, gw + NW, ... over its static part [0, NS) (all but its last one or two rounds, the first
   // round at least), the rest from 8 counters (warp gw asks counter gw % 8, its j-th answer
   // being unit NS + gw % 8 + 8 j), so the SMs that stream faster take more of the last units.
   // A warp asks at the start of its last static unit and of each counted one, and reads the
   // answer after the unit's work (the atomic's round trip overlaps it)
-  const bool dyn = (OPT & MEGA_OPT_DYN) && PRE != 2;
+  constexpr bool dyn = DYN != 0 && PRE != 2;
   auto dyn_ns = [&](int N) { const int r = N / NW; return dyn ? min(N, max(r - 1, 1) * NW) : N; };
   auto dyn_ask = [&](int n, int N, int NS, unsigned int* c) {
     unsigned int got = 0u;
-    if (NS < N && n + NW >= NS && lane == 0) got = atomicAdd(c + (gw & 7), 1u);
+    if constexpr (dyn) {
+      if (NS < N && n + NW >= NS && lane == 0) got = atomicAdd(c + (gw & 7), 1u);
+    }
     return got;
   };
   auto dyn_next = [&](int n, int N, int NS, unsigned int got) {
-    if (!(NS < N && n + NW >= NS)) return n + NW;
-    return NS + (gw & 7) + 8 * (int)__shfl_sync(0xffffffffu, got, 0);
+    if constexpr (dyn) {
+      if (NS < N && n + NW >= NS) return NS + (gw & 7) + 8 * (int)__shfl_sync(0xffffffffu, got, 0);
+    }
+    return n + NW;
   };
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
   // PRE (float weights, one row, a shared memory region PRESM for it): a warp's first loads of

@@ -43,10 +43,6 @@ HEADER = r"""
 #define MEGA_OPT_AKPF 256u   // a phase-B unit first asks L2 for its chunk's keys and values
 #define MEGA_OPT_FLOW 512u   // no barrier between phases A and B: a q/k/v head's pairs count up
                              // a flag, and a phase-B unit waits for its three heads' flags only
-#define MEGA_OPT_QROW 1024u  // phase A: a warp per q/k/v row where that takes fewer rounds than
-                             // per pair; a pair's second row to finish rotates both
-#define MEGA_OPT_DYN 2048u   // each projection phase's last one or two rounds of units handed out
-                             // by counters (the faster SMs take more), not dealt in advance
 #define MEGA_OPT_PFCAP 4096u // a warp's L2 prefetch of its next unit at most 16 KB (all warps' fit)
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {

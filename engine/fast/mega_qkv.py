@@ -7,7 +7,7 @@ input in shared memory; lane b rotates row b's pair and writes q into the worksp
 into the cache at the position. With `MEGA_OPT_QSPLIT` two warps of a block take a pair, each
 over half of H (added in shared memory), where that takes fewer rounds. With `MEGA_OPT_FLOW`
 the pairs of the keys and values come first and each pair counts up its head's flag (phase B
-waits on those instead of a barrier). With `MEGA_OPT_QROW`, where it takes fewer rounds (more
+waits on those instead of a barrier). With QROW (MLXP_MEGA_QROW=1), where it takes fewer rounds (more
 pairs than warps), a warp per row instead: the second row of a pair to finish rotates both.
 With QKN, phase A leaves q and k unrotated; after a barrier a warp per head normalises, then
 rotates it (A2).

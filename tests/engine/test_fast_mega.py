@@ -189,7 +189,7 @@ def test_kernel_switches_mask(monkeypatch):
         assert MG.opt_mask() == int(ok)
     for bad in ("8192", "-1", "pfo", "1.0"):
         monkeypatch.setenv("MLXP_MEGA_OPT", bad)
-        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-8191"):
+        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-5119"):
             MG.opt_mask()
     # every switch is a bit the CUDA source defines
     src = C.source(2)
@@ -235,7 +235,8 @@ def test_settings_checked_where_the_levers_are_resolved():
                        "MLXP_MEGA_PROF": "1", "MLXP_MEGA_BLOCKS": "132"})
     bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
            "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "8192",
-           "MLXP_MEGA_PRE": "3", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x", "MLXP_MEGA_UNO": "33"}
+           "MLXP_MEGA_PRE": "3", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x", "MLXP_MEGA_UNO": "33",
+           "MLXP_MEGA_DYN": "2", "MLXP_MEGA_QROW": "on"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             MG.check_settings({name: value})

@@ -13,8 +13,9 @@ def test_variant_specs():
     assert mega_sweep.parse_variant("15:un1=16:un2=8") == {
         "MLXP_MEGA_OPT": "15", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_UN2": "8"}
     assert mega_sweep.parse_variant("596:pre=1") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_PRE": "1"}
-    assert mega_sweep.parse_variant("1620:stage=1") == {"MLXP_MEGA_OPT": "1620", "MLXP_MEGA_STAGE": "1"}
-    assert mega_sweep.parse_variant("1620:uno=16")["MLXP_MEGA_UNO"] == "16"
+    assert mega_sweep.parse_variant("596:stage=1:qrow=1") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_STAGE": "1",
+                                                           "MLXP_MEGA_QROW": "1"}
+    assert mega_sweep.parse_variant("596:uno=16")["MLXP_MEGA_UNO"] == "16"
     assert mega_sweep.parse_variant("596:kvt=1") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_KVT": "1"}
     with pytest.raises(ValueError, match="unknown setting"):
         mega_sweep.parse_variant("4:threads=256")
