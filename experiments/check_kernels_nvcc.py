@@ -80,7 +80,8 @@ struct Shape { int data_[8]; __device__ int operator[](int i) const { return dat
 def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: int = MC.MAXCH,
                 prof: int = 0) -> str:
     """The bf16 one-kernel step as a kernel `name` of the shapes (H, NQ, NKV, D, I, L, V), its
-    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, as
+    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP,
+    as
     the MLXP_MEGA_* settings without the prefix). Needs MC.HEADER before it."""
     H, NQ, NKV, D, I, L, V = shape
     names = MC.input_names(L, quantized=bool(qb), qk_norm=bool(qkn))
@@ -99,7 +100,7 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
               PROF=prof, UN1=un1, UN2=int(env.get("UN2", 4)), UNO=int(env.get("UNO", un1)), QB=qb, GS=64,
               QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=1,
               KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", 0)), DYN=int(env.get("DYN", 0)),
-              QROW=int(env.get("QROW", 0)))
+              QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)))
     return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
             + "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())

@@ -15,7 +15,9 @@ evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one r
 128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
 started per head on flags instead of a barrier, 4096 the prefetch of a warp's next unit capped
 at 16 KB); dyn=1: MLXP_MEGA_DYN=1, each projection phase's last rounds of units handed out by
-counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer rounds. Variants of one MASK share a compiled
+counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer rounds;
+ogrp=1: MLXP_MEGA_OGRP=1, o_proj by groups of heads as each group is done (changes the order of
+its additions). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
@@ -49,7 +51,7 @@ def parse_variant(spec: str) -> dict:
     env = {"MLXP_MEGA_OPT": str(int(mask))}
     for kv in rest:
         k, v = kv.split("=")
-        if k not in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow"):
+        if k not in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp"):
             raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
         env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
     return env

@@ -61,7 +61,7 @@ def opt_mask() -> int:
 
 
 SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT",
-            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW")
+            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
 
 
 def check_settings(env=None) -> None:
@@ -258,6 +258,8 @@ class MegaStep:
         self.dyn = int(os.environ.get("MLXP_MEGA_DYN", "0") == "1")
         # (another kernel, MLXP_MEGA_QROW=1) q/k/v a warp per row where that takes fewer rounds
         self.qrow = int(os.environ.get("MLXP_MEGA_QROW", "0") == "1")
+        # (another kernel, MLXP_MEGA_OGRP=1) o_proj by groups of heads, as each group is done
+        self.ogrp = int(os.environ.get("MLXP_MEGA_OGRP", "0") == "1")
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
@@ -297,7 +299,7 @@ class MegaStep:
                           ("UN1", self.un1), ("UN2", self.un2), ("UNO", self.uno),
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
-                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow),
+                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow), ("OGRP", self.ogrp),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),

@@ -192,8 +192,13 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
 #pragma unroll
           for (int d = 0; d < DPL; ++d)
             obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
+          if (ogrp) {                 // (OGRP: one more head of its group out, for o_proj's units)
+            __syncwarp();
+            if (lane == 0)
+              asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(gdone + l * NKV + hq / (NQ / NKV)) : "memory");
+          }
         }
       }
-      if (!(OPT & (MEGA_OPT_PFO | MEGA_OPT_NOPFA))) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
+      if (!ogrp && !(OPT & (MEGA_OPT_PFO | MEGA_OPT_NOPFA))) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
 """

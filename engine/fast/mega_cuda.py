@@ -32,6 +32,7 @@ count (`source(L)`).
 from __future__ import annotations
 
 from . import mega_attn as A
+from . import mega_ogrp as O
 from . import mega_qkv as Q
 from . import mega_device as D
 
@@ -73,7 +74,14 @@ BODY = r"""
   unsigned int* pcnt = fcnt + (L * 3 * NQ + 3) / 4 * 4;    // (room for NKV up to NQ)
   // QROW: [NQ + NKV][HALF] rows of each q/k rotation pair done, over the layers
   unsigned int* dctr = pcnt + QD;                  // DYN: [L * 5 + 1][8] units handed out
-  unsigned int* prof = dctr + (L * 5 + 1) * 8;
+  // OGRP: o_proj's partial sums [NKV][H], its row blocks' counters [L][H / ORO], each group's
+  // heads combined [L][NKV], the units handed out [L][8]
+  constexpr int ORO = 4;                           // (OGRP: rows a unit takes)
+  float* opart = reinterpret_cast<float*>(dctr + (L * 5 + 1) * 8);
+  unsigned int* rcnt = reinterpret_cast<unsigned int*>(opart + NQ * H);
+  unsigned int* gdone = rcnt + L * (H / ORO);
+  unsigned int* octr = gdone + L * NQ;             // [L][8]
+  unsigned int* prof = octr + L * 8;
   unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
@@ -136,6 +144,9 @@ BODY = r"""
   // into the other one
   // (the phase inputs' bytes: engine.fast.mega_cuda.input_bytes)
   constexpr int XBYTES = (RB * mega_cmax(mega_cmax(4 * H, 4 * QD), (int)sizeof(T) * I) + 15) / 16 * 16;
+  // OGRP (MLXP_MEGA_OGRP=1, a compile-time choice; with FLOW, one row, float weights, and room in
+  // the phase inputs' memory for each warp's copy of a group's outputs): engine.fast.mega_ogrp
+  const bool ogrp = OGRP != 0 && RB == 1 && QB == 0 && H % ORO == 0 && WPB * QD / NKV * (int)sizeof(T) <= XBYTES && flow;
   // (a compile-time choice, MLXP_MEGA_PRE: without it, none of this is in the kernel)
   constexpr bool preon = PRE != 0 && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
   const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
@@ -280,6 +291,10 @@ __QKV__
     if (!flow) mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
 __ATTENTION__
+    if (ogrp) {                  // (no barrier: each o_proj unit waits for its group of heads)
+      MEGA_STAMP();
+__OGRP__
+    } else {
     if (preon && UNO == UN1 && gw < H) mega_preload<T, QD, 1, UN1>(WO[l], gw, gw, lane, slot(0), pol);   // (PRE: o_proj's
     // copies are UN1 loads: none where o_proj takes another count)
     MEGA_ARRIVE();
@@ -293,6 +308,7 @@ __ATTENTION__
       proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], preon && UNO == UN1, dctr + (l * 5 + 1) * 8);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
       if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, slot(0), pol);
+    }
     }
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -431,7 +447,7 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
     else:
         tables += "  const T* EMB_S = nullptr; const T* EMB_B = nullptr;\n  const T* HEAD_S = nullptr; const T* HEAD_B = nullptr;\n"
     return (BODY.replace("__QKV__\n", Q.QKV).replace("__ATTENTION__\n", A.ATTENTION)
-            .replace("__TABLES__\n", tables))
+            .replace("__OGRP__\n", O.OGRP).replace("__TABLES__\n", tables))
 
 
 def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1,
@@ -439,11 +455,13 @@ def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: 
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
     keys before their norm (q/k norms), the per-layer head flags (FLOW), the q/k pair counters
-    (QROW), the units handed out (DYN), then the PROF stamps and (`blocks` > 0, with PROF)
+    (QROW), the units handed out (DYN), o_proj's partial sums and counters (OGRP), then the
+    PROF stamps and (`blocks` > 0, with PROF)
     each block's arrival at each phase's end."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
             + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
             + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim + (n_layers * 5 + 1) * 8
+            + n_heads * H + n_layers * (H // 4) + n_layers * n_heads + n_layers * 8
             + 2 * n_stamps(n_layers) * (1 + blocks))
 
 

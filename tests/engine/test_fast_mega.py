@@ -236,7 +236,8 @@ def test_settings_checked_where_the_levers_are_resolved():
     bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
            "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "8192",
            "MLXP_MEGA_PRE": "3", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x", "MLXP_MEGA_UNO": "33",
-           "MLXP_MEGA_DYN": "2", "MLXP_MEGA_QROW": "on"}
+           "MLXP_MEGA_DYN": "2", "MLXP_MEGA_QROW": "on",
+           "MLXP_MEGA_OGRP": "y"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             MG.check_settings({name: value})

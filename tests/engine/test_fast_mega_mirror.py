@@ -430,3 +430,47 @@ def test_dyn_negative_control():
     assert NS == 10560
     units = sorted(u for us in taken.values() for u in us)
     assert units != list(range(14336))
+
+
+def ogrp_units(NKV: int, H: int, NW: int, seed: int, RO: int = 4, last=None, counters: int = 8):
+    """MLXP_MEGA_OGRP's o_proj mirrored from mega_ogrp.py: warps ask counter gw % 8 (answer j is
+    unit gw % 8 + 8 j), unit u is (group u // NB, rows (u % NB) * RO ...), units finish in a random
+    order; each adds 1 to its row block's counter and the unit that reads NKV - 1 (`last`) adds
+    the NKV partials in group order. Returns {row block: groups it summed}, and the units taken."""
+    rng = np.random.default_rng(seed)
+    NB = H // RO
+    NU = NKV * NB
+    ctr = [0] * counters
+    taken = []
+    for gw in rng.permutation(NW):            # the warps ask in some order, each until it runs out
+        while True:
+            u = gw % counters + counters * ctr[gw % counters]
+            ctr[gw % counters] += 1
+            if u >= NU:
+                break
+            taken.append(u)
+    last = last or (lambda old: old == NKV - 1)
+    rcnt, parts, summed = [0] * NB, {}, {}
+    for u in rng.permutation(taken):
+        g, blk = divmod(int(u), NB)
+        parts[(g, blk)] = True
+        old, rcnt[blk] = rcnt[blk], rcnt[blk] + 1
+        if last(old):
+            assert all((gg, blk) in parts for gg in range(NKV)), f"block {blk} summed before group"
+            summed[blk] = list(range(NKV))
+    return summed, taken
+
+
+@pytest.mark.parametrize("NKV,H,NW", [(8, 4096, 2112), (8, 2048, 2112), (1, 64, 16), (4, 256, 100)])
+def test_ogrp_covers_every_unit_once_and_sums_every_row_block(NKV, H, NW):
+    for seed in range(2):
+        summed, taken = ogrp_units(NKV, H, NW, seed)
+        assert sorted(taken) == list(range(NKV * H // 4))
+        assert sorted(summed) == list(range(H // 4))
+        assert all(v == list(range(NKV)) for v in summed.values())
+
+
+def test_ogrp_negative_control():
+    """A completing test off by one (old == NKV) never adds a block's partials."""
+    summed, _ = ogrp_units(8, 256, 64, 0, last=lambda old: old == 8)
+    assert not summed
