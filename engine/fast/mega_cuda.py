@@ -144,9 +144,10 @@ BODY = r"""
   // into the other one
   // (the phase inputs' bytes: engine.fast.mega_cuda.input_bytes)
   constexpr int XBYTES = (RB * mega_cmax(mega_cmax(4 * H, 4 * QD), (int)sizeof(T) * I) + 15) / 16 * 16;
-  // OGRP (MLXP_MEGA_OGRP=1, a compile-time choice; with FLOW, one row, float weights, and room in
-  // the phase inputs' memory for each warp's copy of a group's outputs): engine.fast.mega_ogrp
-  const bool ogrp = OGRP != 0 && RB == 1 && QB == 0 && H % ORO == 0 && WPB * QD / NKV * (int)sizeof(T) <= XBYTES && flow;
+  // OGRP (MLXP_MEGA_OGRP=1, a compile-time choice; with FLOW, one row, float weights; each warp's
+  // copy of a group's outputs in ogx): engine.fast.mega_ogrp
+  const bool ogrp = OGRP != 0 && RB == 1 && QB == 0 && H % ORO == 0 && flow;
+  __shared__ __align__(16) T ogx[OGRP != 0 && RB == 1 ? WPB * QD / NKV : 8];   // (OGRP: a group per warp)
   // (a compile-time choice, MLXP_MEGA_PRE: without it, none of this is in the kernel)
   constexpr bool preon = PRE != 0 && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
   const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT) && !qrow;

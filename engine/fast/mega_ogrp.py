@@ -10,13 +10,17 @@ the last heads' attention is still running instead of after a grid barrier. A un
 sums (float) go to the workspace; the unit that completes a block of rows (a counter each) adds
 the NKV partials in group order, rounds the sum to the model's dtype and adds the residual as
 the model rounds it. The partial sums change the order of the additions, so its logits differ
-from the default kernel's in the last bits (an L3 difference, gated like the rest).
+from the default kernel's in the last bits (an L3 difference, gated like the rest). With
+MLXP_MEGA_PROF=1 the attention phase ends when block 0 is done with its own attention units (no
+barrier marks it) and the blocks' arrivals at its end are not recorded (left at 0).
 """
 
 OGRP = r"""    // --- C (OGRP): o_proj by groups of query heads, each unit waiting for its group only
     {
       constexpr int G = NQ / NKV, QG = G * D, RO = ORO, NB = H / RO, NU = NKV * NB;
-      T* xs = xt + warp * QG;                 // this warp's copy of its unit's group outputs
+      // this warp's copy of its unit's group outputs (not in the phase inputs' memory: with FLOW
+      // other warps of the block may still be reading phase A's input there)
+      T* xs = ogx + warp * QG;
       int have = -1;                          // the group in xs
       // (8 counters, warp gw asking counter gw % 8: its j-th answer is unit gw % 8 + 8 j)
       unsigned int* oc = octr + l * 8 + (gw & 7);
