@@ -32,15 +32,19 @@ count (`source(L)`).
 from __future__ import annotations
 
 from . import mega_attn as A
+from . import mega_layout as L_
 from . import mega_ogrp as O
 from . import mega_qkv as Q
 from . import mega_device as D
 
 THREADS = 512
-WPB = THREADS // 32
-MAXCH = 64          # chunks of the cache per query head in phase B (at most)
-PRE_LOADS = 8       # 16-byte loads per lane a warp issues ahead with PRE (the one-row kernel)
-PRE_BYTES = WPB * PRE_LOADS * 32 * 16     # a slot per warp (MLXP_MEGA_PRE=2: two)
+# (mega_layout.WPB is THREADS // 32)
+WPB = L_.WPB
+MAXCH, PRE_LOADS, PRE_BYTES = L_.MAXCH, L_.PRE_LOADS, L_.PRE_BYTES
+# the workspace's and shared memory's sizes (engine.fast.mega_layout)
+workspace_floats, n_stamps, input_bytes = L_.workspace_floats, L_.n_stamps, L_.input_bytes
+pre_region, shared_bytes, rows_per_call = L_.pre_region, L_.shared_bytes, L_.rows_per_call
+SHARED_MAX, MAX_ROWS = L_.SHARED_MAX, L_.MAX_ROWS
 
 HEADER = D.HEADER     # the device functions (engine.fast.mega_device)
 
@@ -81,7 +85,9 @@ BODY = r"""
   unsigned int* rcnt = reinterpret_cast<unsigned int*>(opart + NQ * H);
   unsigned int* gdone = rcnt + L * (H / ORO);
   unsigned int* octr = gdone + L * NQ;             // [L][8]
-  unsigned int* prof = octr + L * 8;
+  float* hbuf2 = reinterpret_cast<float*>(octr + L * 8);   // [H]: h after o_proj (apart from the
+  // h that blocks still in phase A may be reading)
+  unsigned int* prof = reinterpret_cast<unsigned int*>(hbuf2 + H);
   unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
@@ -199,7 +205,8 @@ __TABLES__
   // as sum-scale: xf[b] = x[b] * w; sinv[b] = rsqrt(mean(x[b]^2) + eps)
   // (STG, after the first layer's: a thread's loads of a row issued together before any is
   // used; the same elements per thread, added in the same order)
-  auto load_normed = [&](const T* nw, bool first) {
+  // (hin: where x is, hbuf unless said)
+  auto load_normed = [&](const T* nw, bool first, const float* hin) {
     float s[RB];
 #pragma unroll
     for (int b = 0; b < RB; ++b) s[b] = 0.f;
@@ -213,7 +220,7 @@ __TABLES__
       for (int b = 0; b < RB; ++b) {
         float v[PT];
 #pragma unroll
-        for (int j = 0; j < PT; ++j) v[j] = __ldcg(hbuf + b * H + min(threadIdx.x + j * THREADS, H - 1));
+        for (int j = 0; j < PT; ++j) v[j] = __ldcg(hin + b * H + min(threadIdx.x + j * THREADS, H - 1));
 #pragma unroll
         for (int j = 0; j < PT; ++j) {
           const int k = threadIdx.x + j * THREADS;
@@ -228,7 +235,7 @@ __TABLES__
         const float w = static_cast<float>(nw[k]);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
-          const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hbuf + b * H + k);
+          const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hin + b * H + k);
           if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
           s[b] += v * v;
           xn[swn(b * H + k)] = XN(v * w);
@@ -253,7 +260,9 @@ __TABLES__
   // o_proj and down_proj: hbuf[b] += T(W . xt[b]) with the residual add rounded as the
   // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
   // (R1 is 1: a unit is a row; DYN: the counters dc)
-  auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc) {
+  // (the residual read from hin, the sum written to hbuf)
+  auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc,
+                           const float* hin) {
     constexpr int KK = decltype(kk)::value, UNP = decltype(un)::value;   // (UNP: loads in flight)
     static_assert(R1 == 1, "a unit is one row");
     const int NS = dyn_ns(H);
@@ -264,7 +273,7 @@ __TABLES__
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
       float acc[R1 * RB], hres = 0.f;
       // the residual this lane adds to, asked for before the dot so its latency is hidden
-      if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hbuf + (lane % RB) * H + n0 + lane / RB);
+      if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hin + (lane % RB) * H + n0 + lane / RB);
       // (R1 is 1: a unit is the row mega_preload fetched)
       const bool more = n0 + NW * R1 < H;
       const uint4* p_ = pre_next(kk, mega_int<1>{}, mega_int<UN1>{}, usepre, k, more, w, n0 + NW, n0 + NW);
@@ -306,7 +315,8 @@ __OGRP__
       if constexpr (STG != 0) mega_stage<T, RB * QD, THREADS>(obuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
-      proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], preon && UNO == UN1, dctr + (l * 5 + 1) * 8);
+      proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], preon && UNO == UN1, dctr + (l * 5 + 1) * 8,
+                    hbuf);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
       if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, slot(0), pol);
     }
@@ -316,7 +326,7 @@ __OGRP__
     MEGA_STAMP();
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     {
-      load_normed(LN2[l], false);
+      load_normed(LN2[l], false, ogrp ? hbuf2 : hbuf);
       const int NS = dyn_ns(I);
       for (int n = gw, k = 0; n < I; ++k) {
         const unsigned int got = dyn_ask(n, I, NS, dctr + (l * 5 + 2) * 8);
@@ -347,7 +357,8 @@ __OGRP__
       if constexpr (STG != 0) mega_stage<T, RB * I, THREADS>(abuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
-      proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], preon, dctr + (l * 5 + 3) * 8);
+      proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], preon, dctr + (l * 5 + 3) * 8,
+                    ogrp ? hbuf2 : hbuf);
       if (l + 1 < L && gw < (qrow ? NROW : NPAIR)) {      // the next layer's first q/k/v pair (row)
         const int r1 = qkv_first_row();
         if (qrow) MEGA_PREFETCH(WQKV[l + 1], H, NROW, 1, 1, r1 - gw);
@@ -364,7 +375,7 @@ __OGRP__
   }
   // --- the final norm and the output head (a warp per vocabulary row)
   {
-    load_normed(fnorm, L == 0);
+    load_normed(fnorm, L == 0, hbuf);
     const int NS = dyn_ns(V);
     for (int n0 = gw, k = 0; n0 < V; ++k) {
       const unsigned int got = dyn_ask(n0, V, NS, dctr + L * 5 * 8);
@@ -449,54 +460,3 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
         tables += "  const T* EMB_S = nullptr; const T* EMB_B = nullptr;\n  const T* HEAD_S = nullptr; const T* HEAD_B = nullptr;\n"
     return (BODY.replace("__QKV__\n", Q.QKV).replace("__ATTENTION__\n", A.ATTENTION)
             .replace("__OGRP__\n", O.OGRP).replace("__TABLES__\n", tables))
-
-
-def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1,
-                     blocks: int = 0) -> int:
-    """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
-    SiLU·up output, attention output; per-layer chunk counters, attention partials, the
-    keys before their norm (q/k norms), the per-layer head flags (FLOW), the q/k pair counters
-    (QROW), the units handed out (DYN), o_proj's partial sums and counters (OGRP), then the
-    PROF stamps and (`blocks` > 0, with PROF)
-    each block's arrival at each phase's end."""
-    return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
-            + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
-            + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim + (n_layers * 5 + 1) * 8
-            + n_heads * H + n_layers * (H // 4) + n_layers * n_heads + n_layers * 8
-            + 2 * n_stamps(n_layers) * (1 + blocks))
-
-
-def n_stamps(n_layers: int) -> int:
-    """PROF time stamps: the start, the end of each of a layer's 5 phases, the head's end."""
-    return 2 + 5 * n_layers
-
-
-def input_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1) -> int:
-    """Shared memory for the phase inputs of `rows` rows (the largest of them; the kernel's XBYTES)."""
-    return (rows * max(4 * H, 4 * n_heads * head_dim, itemsize * inter) + 15) // 16 * 16
-
-
-def pre_region(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
-               pre: int = 1) -> bool:
-    """Whether the kernel of `rows` rows gets the PRE slots (`pre` 1 or 2 slots a warp asked for,
-    one row, room for them)."""
-    return (pre > 0 and rows == 1
-            and input_bytes(H, n_heads, head_dim, inter, itemsize) + pre * PRE_BYTES <= SHARED_MAX)
-
-
-def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
-                 pre: int = 0) -> int:
-    """Dynamic shared memory of the kernel of `rows` rows: the phase inputs, then (with `pre`,
-    one row, where it fits) every warp's PRE slots."""
-    extra = pre * PRE_BYTES if pre_region(H, n_heads, head_dim, inter, itemsize, rows, pre) else 0
-    return input_bytes(H, n_heads, head_dim, inter, itemsize, rows) + extra
-
-
-SHARED_MAX = 200 * 1024     # dynamic shared memory a block may ask for (H100/H200: 227 KB)
-MAX_ROWS = 8                # rows per kernel call (more: several calls, one per group)
-
-
-def rows_per_call(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int) -> int:
-    """Rows one call takes: at most MAX_ROWS, and what SHARED_MAX holds."""
-    per = input_bytes(H, n_heads, head_dim, inter, itemsize)
-    return max(0, min(MAX_ROWS, SHARED_MAX // per))

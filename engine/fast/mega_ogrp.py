@@ -9,7 +9,8 @@ handed out by 8 counters in group order, each waiting for its group only, so o_p
 the last heads' attention is still running instead of after a grid barrier. A unit's partial
 sums (float) go to the workspace; the unit that completes a block of rows (a counter each) adds
 the NKV partials in group order, rounds the sum to the model's dtype and adds the residual as
-the model rounds it. The partial sums change the order of the additions, so its logits differ
+the model rounds it, into a second residual buffer (blocks still in phase A's norm may be reading
+the first; gate_up's norm and down's residual read the second). The partial sums change the order of the additions, so its logits differ
 from the default kernel's in the last bits (an L3 difference, gated like the rest). With
 MLXP_MEGA_PROF=1 the attention phase ends when block 0 is done with its own attention units (no
 barrier marks it) and the blocks' arrivals at its end are not recorded (left at 0).
@@ -63,7 +64,8 @@ OGRP = r"""    // --- C (OGRP): o_proj by groups of query heads, each unit waiti
           float s = 0.f;
           for (int gg = 0; gg < NKV; ++gg) s += __ldcg(opart + gg * H + n0 + lane);
           const float h = __ldcg(hbuf + n0 + lane);
-          hbuf[n0 + lane] = static_cast<float>(T(h + static_cast<float>(T(s))));
+          // (into hbuf2: blocks still in phase A's norm may be reading hbuf)
+          hbuf2[n0 + lane] = static_cast<float>(T(h + static_cast<float>(T(s))));
         }
         u = (int)__shfl_sync(0xffffffffu, nxt, 0);
       }

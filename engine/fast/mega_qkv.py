@@ -28,7 +28,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           }
         }
       }
-      load_normed(LN1[l], l == 0);
+      load_normed(LN1[l], l == 0, hbuf);
       // lane b (< RB) writes row b's rotation pair u (rows i and i + HALF of its head) from
       // their two values (each the projection's output rounded to T)
       auto pair_out = [&](int u, int b, float x1, float x2) {

@@ -1,0 +1,60 @@
+"""Sizes of the one-kernel step's workspace and shared memory (engine.fast.mega_cuda's BODY
+lays them out; engine.fast.mega asks for them)."""
+
+from __future__ import annotations
+
+MAXCH = 64          # chunks of the cache per query head in phase B (at most)
+WPB = 512 // 32     # warps a block (mega_cuda.THREADS)
+PRE_LOADS = 8       # 16-byte loads per lane a warp issues ahead with PRE (the one-row kernel)
+PRE_BYTES = WPB * PRE_LOADS * 32 * 16     # a slot per warp (MLXP_MEGA_PRE=2: two)
+
+
+def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1,
+                     blocks: int = 0) -> int:
+    """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
+    SiLU·up output, attention output; per-layer chunk counters, attention partials, the
+    keys before their norm (q/k norms), the per-layer head flags (FLOW), the q/k pair counters
+    (QROW), the units handed out (DYN), o_proj's partial sums and counters (OGRP), then the
+    PROF stamps and (`blocks` > 0, with PROF)
+    each block's arrival at each phase's end."""
+    return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
+            + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
+            + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim + (n_layers * 5 + 1) * 8
+            + n_heads * H + n_layers * (H // 4) + n_layers * n_heads + n_layers * 8 + H
+            + 2 * n_stamps(n_layers) * (1 + blocks))
+
+
+def n_stamps(n_layers: int) -> int:
+    """PROF time stamps: the start, the end of each of a layer's 5 phases, the head's end."""
+    return 2 + 5 * n_layers
+
+
+def input_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1) -> int:
+    """Shared memory for the phase inputs of `rows` rows (the largest of them; the kernel's XBYTES)."""
+    return (rows * max(4 * H, 4 * n_heads * head_dim, itemsize * inter) + 15) // 16 * 16
+
+
+def pre_region(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
+               pre: int = 1) -> bool:
+    """Whether the kernel of `rows` rows gets the PRE slots (`pre` 1 or 2 slots a warp asked for,
+    one row, room for them)."""
+    return (pre > 0 and rows == 1
+            and input_bytes(H, n_heads, head_dim, inter, itemsize) + pre * PRE_BYTES <= SHARED_MAX)
+
+
+def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
+                 pre: int = 0) -> int:
+    """Dynamic shared memory of the kernel of `rows` rows: the phase inputs, then (with `pre`,
+    one row, where it fits) every warp's PRE slots."""
+    extra = pre * PRE_BYTES if pre_region(H, n_heads, head_dim, inter, itemsize, rows, pre) else 0
+    return input_bytes(H, n_heads, head_dim, inter, itemsize, rows) + extra
+
+
+SHARED_MAX = 200 * 1024     # dynamic shared memory a block may ask for (H100/H200: 227 KB)
+MAX_ROWS = 8                # rows per kernel call (more: several calls, one per group)
+
+
+def rows_per_call(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int) -> int:
+    """Rows one call takes: at most MAX_ROWS, and what SHARED_MAX holds."""
+    per = input_bytes(H, n_heads, head_dim, inter, itemsize)
+    return max(0, min(MAX_ROWS, SHARED_MAX // per))
