@@ -57,9 +57,17 @@ def parse_variant(spec: str) -> dict:
     return env
 
 
+# the kernel settings a variant names; the others are unset while it runs, whatever the
+# environment holds, so that a variant is the kernel it names
+SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
+            "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
+
+
 def run_variant(model, prompt, seq, env: dict, warm: int = 3):
     """(logits [steps, V], mean phase µs, wall ms per step) of one variant."""
-    saved = {k: os.environ.get(k) for k in env}
+    saved = {k: os.environ.get(k) for k in (*SETTINGS, *env)}
+    for k in SETTINGS:
+        os.environ.pop(k, None)
     os.environ.update(env)
     try:
         dec = FastDecoder(model, resolve("l3", env={}))

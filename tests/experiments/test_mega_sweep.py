@@ -79,3 +79,28 @@ def test_step_overhead_runs_off_a_gpu(tmp_path):
     assert step_overhead.main(["--from-json", str(out), "--report", str(tmp_path / "rep")]) == 0
     md = (tmp_path / "rep" / "overhead.md").read_text()
     assert "around_kernel_ms" in md and "| llama" in md and (tmp_path / "rep" / "overhead.png").stat().st_size > 0
+
+
+def test_a_variant_is_the_kernel_it_names(monkeypatch):
+    """Settings in the environment that a variant does not name are unset while it runs (and put
+    back after): every setting a variant can name is in the list that run_variant clears."""
+    named = {f"MLXP_MEGA_{k.upper()}" for k in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp")}
+    assert named | {"MLXP_MEGA_OPT"} == set(mega_sweep.SETTINGS)
+    for k in named:
+        assert mega_sweep.parse_variant(f"596:{k[10:].lower()}=1")[k] == "1"
+    import os
+
+    seen = {}
+
+    class Probe:                 # stands for the decoder: records the settings it would see
+        def __init__(self, *a, **k):
+            seen.update({k: v for k, v in os.environ.items() if k in mega_sweep.SETTINGS})
+            raise RuntimeError("probe")
+    monkeypatch.setattr(mega_sweep, "FastDecoder", Probe)
+    monkeypatch.setenv("MLXP_MEGA_STAGE", "1")
+    monkeypatch.setenv("MLXP_MEGA_UN1", "16")
+    with pytest.raises(RuntimeError, match="probe"):
+        mega_sweep.run_variant(None, [1], [2], mega_sweep.parse_variant("596:qrow=1"))
+    assert seen == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_QROW": "1"}
+    assert os.environ["MLXP_MEGA_STAGE"] == "1" and os.environ["MLXP_MEGA_UN1"] == "16"
+    assert "MLXP_MEGA_QROW" not in os.environ
