@@ -90,7 +90,8 @@ def l2_batches(sass: str) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="8b")
-    ap.add_argument("--env", nargs="*", default=[], help="settings: STG=1 PRE=1 KVT=1 UN1=16 UN2=8")
+    ap.add_argument("--env", nargs="*", default=[],
+                    help="settings: STG=1 (or MLXP_MEGA_STAGE=1) QROW=1 DYN=1 OGRP=1 PRE=1 KVT=1 UN1=16 UN2=8 UNO=16")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -98,7 +99,8 @@ def main() -> int:
     if nvcc is None or not a.cuobjdump or not os.access(a.cuobjdump, os.X_OK):
         print("mega_sass: needs nvcc on PATH and an executable cuobjdump (--cuobjdump PATH)", file=sys.stderr)
         return 2
-    env = dict(kv.split("=", 1) for kv in a.env)
+    # (the settings as check_kernels_nvcc names them: MLXP_MEGA_STAGE=1 or STAGE=1 is STG=1)
+    env = {k.removeprefix("MLXP_MEGA_").replace("STAGE", "STG"): v for k, v in (kv.split("=", 1) for kv in a.env)}
     with tempfile.TemporaryDirectory() as d:
         cu, cubin = Path(d) / "k.cu", Path(d) / "k.cubin"
         cu.write_text(kernel_source(a.preset, env))
