@@ -11,6 +11,7 @@ wrapper) for a preset's shapes with a local nvcc, disassembles it with `cuobjdum
   phases' input reads of the default kernel show up as runs of such batches.
 
     python experiments/mega_sass.py --preset 8b [--env STG=1] [--cuobjdump PATH] [--out FILE.json]
+    python experiments/mega_sass.py --report DIR [--cuobjdump PATH]   # every preset x REPORT_ENVS
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.fast import mega_cuda as MC  # noqa: E402
 from experiments import check_kernels_nvcc as CK  # noqa: E402
 from experiments import presets as P  # noqa: E402
+from experiments._common import md_table  # noqa: E402
 
 def _shape(name: str) -> tuple:
     """(H, NQ, NKV, D, I, L, V) of an experiments/presets.py preset."""
@@ -87,35 +89,82 @@ def l2_batches(sass: str) -> list:
     return out
 
 
-def main() -> int:
+def analyse(preset: str, env: dict, cuobjdump: str) -> dict:
+    """Compile the kernel of `preset` with `env`, disassemble it, count its batches of L2 reads."""
+    with tempfile.TemporaryDirectory() as d:
+        cu, cubin = Path(d) / "k.cu", Path(d) / "k.cubin"
+        cu.write_text(kernel_source(preset, env))
+        r = subprocess.run([shutil.which("nvcc"), "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-cubin",
+                            str(cu), "-o", str(cubin), "-Xptxas", "-v"], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(r.stdout + r.stderr)
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"Used (\d+) registers", r.stderr + r.stdout)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr + r.stdout)
+    batches = l2_batches(sass)
+    return {"preset": preset, "env": env, "registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) if spill else None, "l2_read_batches": len(batches),
+            "l2_reads": sum(batches), "batches_by_size": dict(sorted(Counter(batches).items()))}
+
+
+# the kernels a report compares: the default and the opt-in choices (check_kernels_nvcc's names)
+REPORT_ENVS = ({}, {"STG": "1"}, {"STG": "1", "QROW": "1"}, {"STG": "1", "QROW": "1", "DYN": "1"},
+               {"STG": "1", "QROW": "1", "OGRP": "1"}, {"PRE": "1"}, {"STG": "1", "PRE": "1"})
+
+
+def report(results: list, out: Path) -> None:
+    """sass.md (pandas: one row per kernel) and sass.png (matplotlib: its L2-read batches by size)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"preset": r["preset"], "kernel": " ".join(f"{k}={v}" for k, v in r["env"].items()) or "default",
+             "registers": r["registers"], "spill_bytes": r["spill_bytes"], "l2_read_batches": r["l2_read_batches"],
+             "single_loads": r["batches_by_size"].get(1, r["batches_by_size"].get("1", 0)),
+             "l2_reads": r["l2_reads"]} for r in results]
+    df = pd.DataFrame(rows)
+    (out / "sass.json").write_text(json.dumps(results, indent=1) + "\n")
+    cmd = "python experiments/mega_sass.py --report " + str(out) + " --cuobjdump PATH"
+    (out / "sass.md").write_text(
+        "# The one-kernel step's SASS: batches of L2 reads\n\n"
+        "A batch: the L2 reads (`LDG…STRONG.GPU`) issued before the first instruction that uses one of "
+        "their values (or a branch); a single load is a round trip on its own. Static counts (a loop's "
+        f"body once). `nvcc -arch=sm_90`, bf16 float weights, one row. Reproduce: `{cmd}`.\n\n"
+        + md_table(list(df.columns), df.values.tolist()) + "\n")
+    fig, axes = plt.subplots(1, len(df["preset"].unique()), figsize=(11, 4), squeeze=False)
+    for ax, (preset, part) in zip(axes[0], df.groupby("preset")):
+        ax.barh(part["kernel"], part["single_loads"], label="single loads")
+        ax.barh(part["kernel"], part["l2_read_batches"] - part["single_loads"], left=part["single_loads"],
+                label="batches of several")
+        ax.set_title(f"{preset}: L2-read batches", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "sass.png", dpi=110)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="8b")
     ap.add_argument("--env", nargs="*", default=[],
                     help="settings: STG=1 (or MLXP_MEGA_STAGE=1) QROW=1 DYN=1 OGRP=1 PRE=1 KVT=1 UN1=16 UN2=8 UNO=16")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "")
     ap.add_argument("--out")
-    a = ap.parse_args()
-    nvcc = shutil.which("nvcc")
-    if nvcc is None or not a.cuobjdump or not os.access(a.cuobjdump, os.X_OK):
+    ap.add_argument("--report", help="compile every preset with each of REPORT_ENVS; sass.md/.png/.json here")
+    a = ap.parse_args(argv)
+    if shutil.which("nvcc") is None or not a.cuobjdump or not os.access(a.cuobjdump, os.X_OK):
         print("mega_sass: needs nvcc on PATH and an executable cuobjdump (--cuobjdump PATH)", file=sys.stderr)
         return 2
+    if a.report:
+        results = [analyse(p, dict(e), a.cuobjdump) for p in sorted(PRESETS) for e in REPORT_ENVS]
+        report(results, Path(a.report))
+        print(f"wrote {a.report}")
+        return 0
     # (the settings as check_kernels_nvcc names them: MLXP_MEGA_STAGE=1 or STAGE=1 is STG=1)
     env = {k.removeprefix("MLXP_MEGA_").replace("STAGE", "STG"): v for k, v in (kv.split("=", 1) for kv in a.env)}
-    with tempfile.TemporaryDirectory() as d:
-        cu, cubin = Path(d) / "k.cu", Path(d) / "k.cubin"
-        cu.write_text(kernel_source(a.preset, env))
-        r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-cubin", str(cu),
-                            "-o", str(cubin), "-Xptxas", "-v"], capture_output=True, text=True)
-        if r.returncode:
-            print(r.stdout + r.stderr, file=sys.stderr)
-            return 1
-        sass = subprocess.run([a.cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    regs = re.search(r"Used (\d+) registers", r.stderr + r.stdout)
-    spill = re.search(r"(\d+) bytes spill stores", r.stderr + r.stdout)
-    batches = l2_batches(sass)
-    res = {"preset": a.preset, "env": env, "registers": int(regs.group(1)) if regs else None,
-           "spill_bytes": int(spill.group(1)) if spill else None, "l2_read_batches": len(batches),
-           "l2_reads": sum(batches), "batches_by_size": dict(sorted(Counter(batches).items()))}
+    res = analyse(a.preset, env, a.cuobjdump)
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
