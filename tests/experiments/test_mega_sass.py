@@ -44,3 +44,15 @@ def test_the_source_is_built_for_every_preset():
     for p in PRESETS:
         src = kernel_source(p, {"STG": "1"})
         assert "constexpr int STG = 1;" in src and "k_mega(" in src
+
+
+def test_report_writes_table_plot_and_results(tmp_path):
+    from experiments.mega_sass import report
+    results = [{"preset": p, "env": env, "registers": 128, "spill_bytes": 4, "l2_read_batches": n,
+                "l2_reads": 2 * n, "batches_by_size": {1: n // 2, 4: n - n // 2}}
+               for p in ("1b", "8b") for env, n in (({}, 52), ({"STG": "1"}, 30))]
+    report(results, tmp_path)
+    md = (tmp_path / "sass.md").read_text()
+    assert "| 8b | STG=1 | 128 | 4 | 30 | 15 | 60 |" in md and "| 1b | default |" in md
+    assert (tmp_path / "sass.png").stat().st_size > 0
+    assert (tmp_path / "sass.json").exists()
