@@ -203,14 +203,14 @@ __TABLES__
   };
   // each row's x (hbuf, or its embedding row for the first layer) RMS-normalised into xf
   // as sum-scale: xf[b] = x[b] * w; sinv[b] = rsqrt(mean(x[b]^2) + eps)
-  // (STG, after the first layer's: a thread's loads of a row issued together before any is
-  // used; the same elements per thread, added in the same order)
+  // (STG: a thread's loads of a row issued together before any is used; the same elements
+  // per thread, added in the same order)
   // (hin: where x is, hbuf unless said)
   auto load_normed = [&](const T* nw, bool first, const float* hin) {
     float s[RB];
 #pragma unroll
     for (int b = 0; b < RB; ++b) s[b] = 0.f;
-    if (STG != 0 && !first) {
+    if (STG != 0) {
       constexpr int PT = (H + THREADS - 1) / THREADS;   // elements a thread takes
       // (loads unconditional, past the end clamped to the last element)
       float w[PT];
@@ -218,13 +218,18 @@ __TABLES__
       for (int j = 0; j < PT; ++j) w[j] = static_cast<float>(nw[min(threadIdx.x + j * THREADS, H - 1)]);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
+        const int t = first ? tok[ROW0 + b] : 0;
         float v[PT];
 #pragma unroll
-        for (int j = 0; j < PT; ++j) v[j] = __ldcg(hin + b * H + min(threadIdx.x + j * THREADS, H - 1));
+        for (int j = 0; j < PT; ++j) {
+          const int k = min(threadIdx.x + j * THREADS, H - 1);
+          v[j] = first ? emb_at(t, k) : __ldcg(hin + b * H + k);
+        }
 #pragma unroll
         for (int j = 0; j < PT; ++j) {
           const int k = threadIdx.x + j * THREADS;
           if (k < H) {
+            if (first && blockIdx.x == 0) hbuf[b * H + k] = v[j];
             s[b] += v[j] * v[j];
             xn[swn(b * H + k)] = XN(v[j] * w[j]);
           }
