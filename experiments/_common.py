@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -63,6 +64,11 @@ def md_table(headers: list, rows: list) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def mega_env() -> dict:
+    """The one-kernel step's settings in the environment (MLXP_MEGA_*): what a report records."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLXP_MEGA_")}
 
 
 def dump_json(path: Path, obj):

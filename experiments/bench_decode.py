@@ -26,7 +26,6 @@ import argparse
 import gc
 import io
 import json
-import os
 import re
 import statistics
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, str(REPO))
 import engine  # noqa: E402
 from engine.fast.apply import decoder_for  # noqa: E402
 from engine.levers import LeverError, Levers, parse_spec  # noqa: E402
+from experiments._common import mega_env  # noqa: E402
 from engine.loader import load_model as load_ours  # noqa: E402
 from engine.stepper import generate_step as ours_step  # noqa: E402
 
@@ -52,10 +52,6 @@ FIELDS = ["model", "prompt", "tier", "ours_tok_s", "mlx_lm_tok_s", "ratio", "vs_
           "ours_kernels_per_step", "mlx_lm_kernels_per_step", "ours_host_ms_per_step",
           "mlx_lm_host_ms_per_step", "gen", "trials", "levers", "one_kernel", "error"]
 
-
-def mega_env() -> dict:
-    """The one-kernel step's settings in the environment (MLXP_MEGA_*): what a report records."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLXP_MEGA_")}
 
 
 def parse_tier(spec: str) -> Levers:

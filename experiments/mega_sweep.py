@@ -45,22 +45,22 @@ from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
 
+# the kernel settings a variant names; the others are unset while it runs, whatever the
+# environment holds, so that a variant is the kernel it names
+SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
+            "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
+
+
 def parse_variant(spec: str) -> dict:
     """'15:un1=16' -> {'MLXP_MEGA_OPT': '15', 'MLXP_MEGA_UN1': '16'}."""
     mask, *rest = spec.split(":")
     env = {"MLXP_MEGA_OPT": str(int(mask))}
     for kv in rest:
         k, v = kv.split("=")
-        if k not in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp"):
+        if f"MLXP_MEGA_{k.upper()}" not in SETTINGS[1:]:
             raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
         env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
     return env
-
-
-# the kernel settings a variant names; the others are unset while it runs, whatever the
-# environment holds, so that a variant is the kernel it names
-SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
-            "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
 
 
 def run_variant(model, prompt, seq, env: dict, warm: int = 3):

@@ -47,7 +47,7 @@ from engine.fast.decode import FastDecoder  # noqa: E402
 from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.stepper import generate_step  # noqa: E402
-from experiments._common import md_table  # noqa: E402
+from experiments._common import md_table, mega_env  # noqa: E402
 
 MODES = ("fixed", "chain", "chain_lse", "stepper")
 
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
             res[m].append(timed(m, model, dec, caches, prompt, a.gen))
     out = {"model": Path(a.model).name, "prompt": a.prompt, "gen": a.gen, "trials": a.trials,
            "device": str(mx.default_device()), "mega": bool(dec.stats.mega),
-           "mega_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLXP_MEGA_")},
+           "mega_env": mega_env(),
            "ms_per_token": {m: statistics.median(v) for m, v in res.items()},
            "kernel_ms": kernel_ms(model, caches, prompt, a.gen)}
     ms = out["ms_per_token"]

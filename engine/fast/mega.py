@@ -64,6 +64,12 @@ SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_
             "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
 
 
+def switch_on(name: str) -> int:
+    """1 if the 0/1 setting `name` (one of SWITCHES) is set to 1, else 0 (a compile-time choice
+    of the kernel: its template value)."""
+    return int(os.environ.get(name, "0") == "1")
+
+
 def check_settings(env=None) -> None:
     """Every MLXP_MEGA_* setting in `env` (default: the environment) valid, else a ValueError
     that names it: the 0/1 switches, the positive counts (loads in flight at most 32) and the
@@ -247,19 +253,19 @@ class MegaStep:
         check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")})
         self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
         # (another kernel) head sizes up to 64: a step's value loads issued with its key loads
-        self.kvt = int(os.environ.get("MLXP_MEGA_KVT", "0") == "1")
+        self.kvt = switch_on("MLXP_MEGA_KVT")
         # (another kernel, MLXP_MEGA_STAGE=1) each phase's input vector read with a thread's
         # loads issued together, attention's value rows of a step asked for at once (head sizes
         # up to 128), the combine's outputs 12-16 chunks a round trip (head sizes up to 128) and
         # FLOW's flags one per query head
-        self.stg = int(os.environ.get("MLXP_MEGA_STAGE", "0") == "1")
+        self.stg = switch_on("MLXP_MEGA_STAGE")
         # (another kernel, MLXP_MEGA_DYN=1) each projection phase's last rounds of units handed
         # out by counters instead of dealt in advance
-        self.dyn = int(os.environ.get("MLXP_MEGA_DYN", "0") == "1")
+        self.dyn = switch_on("MLXP_MEGA_DYN")
         # (another kernel, MLXP_MEGA_QROW=1) q/k/v a warp per row where that takes fewer rounds
-        self.qrow = int(os.environ.get("MLXP_MEGA_QROW", "0") == "1")
+        self.qrow = switch_on("MLXP_MEGA_QROW")
         # (another kernel, MLXP_MEGA_OGRP=1) o_proj by groups of heads, as each group is done
-        self.ogrp = int(os.environ.get("MLXP_MEGA_OGRP", "0") == "1")
+        self.ogrp = switch_on("MLXP_MEGA_OGRP")
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
