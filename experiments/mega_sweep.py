@@ -113,6 +113,10 @@ def _cmp(a, b) -> dict:
     return {"mean_kl": kl, "top1": top1, "rel_err": rel, "identical": bool(mx.array_equal(a, b).item())}
 
 
+# errors after which the process's CUDA context is unusable (a kernel that trapped: the spin
+# guard of a flag that never came, 10 s; a bad address)
+STICKY = ("illegal instruction", "illegal memory access", "misaligned address", "unspecified launch failure")
+
 PHASES = ("qkv_rope", "attention", "o_proj", "gate_up", "down", "head")
 
 
@@ -198,6 +202,10 @@ def main(argv=None) -> int:
                 rows.append({"prompt": plen, "variant": spec, "error": f"{type(e).__name__}: {e}"})
                 print(json.dumps(rows[-1]), flush=True)
                 save()
+                if any(m in str(e) for m in STICKY):   # the CUDA context is lost: nothing after runs
+                    print(f"mega_sweep: stopped after {spec!r} at prompt {plen} (the GPU context is lost);"
+                          " run the variants after it in another process", flush=True)
+                    return 3
                 continue
             if base is None:
                 base = lg

@@ -274,7 +274,8 @@ class MegaStep:
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):
-        smem = C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, self.pre)
+        smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, self.pre),
+                               C.static_bytes(self.NQ, self.D, self.NKV, self.dtype.size, rows, bool(self.ogrp)))
         q, n = bool(self.quant), int(self.qkn)
         return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}",
                              C.input_names(self.L, q, self.qkn), ["logits", "ws"],

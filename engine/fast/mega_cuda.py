@@ -45,6 +45,7 @@ MAXCH, PRE_LOADS, PRE_BYTES = L_.MAXCH, L_.PRE_LOADS, L_.PRE_BYTES
 workspace_floats, n_stamps, input_bytes = L_.workspace_floats, L_.n_stamps, L_.input_bytes
 pre_region, shared_bytes, rows_per_call = L_.pre_region, L_.shared_bytes, L_.rows_per_call
 SHARED_MAX, MAX_ROWS = L_.SHARED_MAX, L_.MAX_ROWS
+static_bytes, launch_shared = L_.static_bytes, L_.launch_shared
 
 HEADER = D.HEADER     # the device functions (engine.fast.mega_device)
 

@@ -50,6 +50,28 @@ def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int,
     return input_bytes(H, n_heads, head_dim, inter, itemsize, rows) + extra
 
 
+def static_bytes(n_heads: int, head_dim: int, n_kv: int, itemsize: int, rows: int = 1,
+                 ogrp: bool = False) -> int:
+    """Static shared memory of the kernel of `rows` rows (its __shared__ arrays: the block's
+    sums, the FLOW query slots, with `ogrp` each warp's copy of a group of heads' outputs),
+    rounded up to the next KB for the compiler's own."""
+    n = 4 * (WPB * rows + rows + WPB * rows + WPB * head_dim)
+    n += itemsize * WPB * n_heads * head_dim // n_kv if ogrp and rows == 1 else 16
+    return (n + 1024 + 1023) // 1024 * 1024
+
+
+ATTR_MIN = 48000    # MLX raises a kernel's dynamic shared memory limit only for requests above this
+
+
+def launch_shared(dynamic: int, static: int) -> int:
+    """The dynamic shared memory to ask for: `dynamic`, or where static and dynamic together
+    pass the 48 KB a launch gets without a raised limit while `dynamic` alone would not make MLX
+    raise it, just over ATTR_MIN (the launch would fail: invalid argument)."""
+    if dynamic + static > 48 * 1024 and dynamic <= ATTR_MIN:
+        return (ATTR_MIN + 16) // 16 * 16
+    return dynamic
+
+
 SHARED_MAX = 200 * 1024     # dynamic shared memory a block may ask for (H100/H200: 227 KB)
 MAX_ROWS = 8                # rows per kernel call (more: several calls, one per group)
 

@@ -15,6 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def _mega_spills(env: dict) -> dict:
     """Compile every kernel (`env` on top of the environment: check_kernels_nvcc's settings) and
     return the bytes spilled by the bf16 one-kernel step at the 1B and 8B head sizes."""
+    return {k: v[0] for k, v in _mega_compile(env).items()}
+
+
+def _mega_compile(env: dict) -> dict:
+    """(bytes spilled, bytes of static shared memory) of the bf16 one-kernel step at the 1B and
+    8B head sizes, compiled with `env`."""
     import os
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "check_kernels_nvcc.py")],
                        capture_output=True, text=True, timeout=600, env={**os.environ, **env})
@@ -25,8 +31,9 @@ def _mega_spills(env: dict) -> dict:
         for key in ("k_mega_q0_n0_d64", "k_mega_q0_n0_d128"):
             if key in name:
                 spill = re.search(r"(\d+) bytes spill stores", b)
-                assert spill is not None, b[:400]
-                out[key] = int(spill.group(1))
+                smem = re.search(r"(\d+) bytes smem", b)
+                assert spill is not None and smem is not None, b[:400]
+                out[key] = (int(spill.group(1)), int(smem.group(1)))
     assert len(out) == 2, out
     return out
 
@@ -54,3 +61,18 @@ def test_the_preloading_kernel_compiles():
                            capture_output=True, text=True, timeout=600, env={**os.environ, **env})
         assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout[-3000:] + r.stderr[-2000:]
     assert "cp.async" in __import__("engine.fast.mega_device", fromlist=["HEADER"]).HEADER
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_static_shared_memory_is_what_the_launch_counts_on():
+    """engine.fast.mega_layout.static_bytes bounds the kernel's static shared memory (with and
+    without OGRP's per-warp copies), so that launch_shared asks for a raised limit where static
+    and dynamic together pass 48 KB (without it the 8B's OGRP kernel failed to launch on an H200:
+    invalid argument)."""
+    from engine.fast import mega_layout as ML
+    for env, og in (({}, False), ({"STG": "1", "OGRP": "1"}, True)):
+        got = _mega_compile(env)
+        for key, D in (("k_mega_q0_n0_d64", 64), ("k_mega_q0_n0_d128", 128)):
+            est = ML.static_bytes(32, D, 8, 2, 1, og)
+            assert got[key][1] <= est, (env, key, got[key], est)
+            assert est - got[key][1] < 4096, (env, key, got[key], est)   # (not a loose bound)
