@@ -104,3 +104,25 @@ def test_a_variant_is_the_kernel_it_names(monkeypatch):
     assert seen == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_QROW": "1"}
     assert os.environ["MLXP_MEGA_STAGE"] == "1" and os.environ["MLXP_MEGA_UN1"] == "16"
     assert "MLXP_MEGA_QROW" not in os.environ
+
+
+def test_a_lost_gpu_context_stops_the_sweep(tmp_path, monkeypatch):
+    """After an error that leaves the process's CUDA context unusable (a kernel that trapped),
+    the sweep saves what it has and stops (exit 3) instead of recording every later variant as
+    failing with the same error; other errors stay one error row each."""
+    from parity.fixtures.models import ensure_fixture
+    calls = []
+
+    def fake(model, prompt, seq, env, warm=3):
+        calls.append(env.get("MLXP_MEGA_PRE"))
+        if env.get("MLXP_MEGA_PRE") == "1":
+            raise RuntimeError("cudaGetLastError() failed: an illegal instruction was encountered")
+        raise RuntimeError("the one-kernel step did not run: test")
+    monkeypatch.setattr(mega_sweep, "run_variant", fake)
+    out = tmp_path / "s.json"
+    rc = mega_sweep.main(["--model", str(ensure_fixture("llama", "bfloat16")), "--variants",
+                          "596,596:pre=1,596:pre=2", "--prompts", "8,16", "--steps", "2", "--out", str(out)])
+    assert rc == 3
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["596", "596:pre=1"] and calls == [None, "1"]
+    assert "illegal instruction" in rows[1]["error"]
