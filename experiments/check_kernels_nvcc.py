@@ -61,6 +61,7 @@ SPECS["gemv_rope"] = (C.SPLIT_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO, _ROPE_T)
 SPECS["gemv_rope_warp"] = (C.WARP_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO,
                            {**_ROPE_T, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 2})
 from engine.fast import mega_cuda as MC  # noqa: E402
+from engine.fast.mega import SWITCH_DEFAULTS  # noqa: E402
 from experiments import mma_probe  # noqa: E402
 
 # the tensor-core GEMV probe (experiments/mma_probe.py; bf16 only, compiled for every T here)
@@ -99,7 +100,7 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
               RB=int(env.get("RB", 1)), ROW0=0, EPS_NUM=10**7, SCALE_NUM=125000000, SHIFT=0, DROP=0,
               PROF=prof, UN1=un1, UN2=int(env.get("UN2", 4)), UNO=int(env.get("UNO", un1)), QB=qb, GS=64,
               QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=1,
-              KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", 0)), DYN=int(env.get("DYN", 0)),
+              KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", SWITCH_DEFAULTS.get("MLXP_MEGA_STAGE", "0"))), DYN=int(env.get("DYN", 0)),
               QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)))
     return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"

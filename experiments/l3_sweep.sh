@@ -48,10 +48,10 @@ fi
 if [ "${SWEEPS:-1}" = 1 ]; then
 stage sweep-8b
 run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b \
-  --variants "${VARIANTS8:-596,596:stage=1,596:stage=1:ogrp=1,4692:stage=1}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
+  --variants "${VARIANTS8:-596:stage=0,596,596:ogrp=1,4692}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
 stage sweep-1b
 run $(lim 30 ${SW1_S:-120}) python3 experiments/mega_sweep.py --model /tmp/m/1b \
-  --variants "${VARIANTS1:-596,596:stage=1,596:stage=1:kvt=1,596:stage=1:ogrp=1,596:stage=1:kvt=1:ogrp=1}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
+  --variants "${VARIANTS1:-596:stage=0,596,596:kvt=1,596:ogrp=1,596:kvt=1:ogrp=1}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
 fi
 if [ "${BATCHCHK:-0}" = 1 ]; then      # the batch lane (8 and 32 rows) against BatchGenerator
   stage batch

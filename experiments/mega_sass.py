@@ -108,8 +108,8 @@ def analyse(preset: str, env: dict, cuobjdump: str) -> dict:
 
 
 # the kernels a report compares: the default and the opt-in choices (check_kernels_nvcc's names)
-REPORT_ENVS = ({}, {"STG": "1"}, {"STG": "1", "QROW": "1"}, {"STG": "1", "QROW": "1", "DYN": "1"},
-               {"STG": "1", "QROW": "1", "OGRP": "1"}, {"PRE": "1"}, {"STG": "1", "PRE": "1"})
+REPORT_ENVS = ({"STG": "0"}, {"STG": "1"}, {"STG": "1", "QROW": "1"}, {"STG": "1", "QROW": "1", "DYN": "1"},
+               {"STG": "1", "QROW": "1", "OGRP": "1"}, {"STG": "0", "PRE": "1"}, {"STG": "1", "PRE": "1"})
 
 
 def report(results: list, out: Path) -> None:

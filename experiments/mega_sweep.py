@@ -6,8 +6,9 @@ against the first variant's on the same tokens (teacher-forced).
 A variant is `MASK` or `MASK:un1=N:un2=M:uno=K:pre=P:kvt=1:stage=1` (uno: o_proj's loads in
 flight, MLXP_MEGA_UNO, default un1; pre: MLXP_MEGA_PRE, 1 the
 kernel that copies each phase's first weight loads before the barrier, 2 also each next unit's;
-kvt: MLXP_MEGA_KVT, attention's value loads issued with its key loads; stage=1:
-MLXP_MEGA_STAGE=1, each phase's input vector read with a thread's loads issued together; MASK a sum of
+kvt: MLXP_MEGA_KVT, attention's value loads issued with its key loads; stage=0:
+MLXP_MEGA_STAGE=0, the kernel before 0.2.8, whose phases read their input vector one load after
+another (on by default: a variant that does not name it has it); MASK a sum of
 engine.fast.mega.OPT_BITS:
 1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
 evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
@@ -182,7 +183,19 @@ def main(argv=None) -> int:
         return 0
     if not a.model:
         ap.error("--model DIR (on a GPU), or --from-json FILE --report DIR")
-    os.environ["MLXP_MEGA_PROF"] = "1"
+    old = os.environ.get("MLXP_MEGA_PROF")
+    os.environ["MLXP_MEGA_PROF"] = "1"       # (the phase timer; put back after, as it was)
+    try:
+        return sweep(a)
+    finally:
+        if old is None:
+            os.environ.pop("MLXP_MEGA_PROF", None)
+        else:
+            os.environ["MLXP_MEGA_PROF"] = old
+
+
+def sweep(a) -> int:
+    """The variants x prompts of the parsed arguments `a`, with the phase timer on."""
     model = load_model(a.model)[0]
     vocab = model.args.vocab_size
     specs = a.variants.split(",")

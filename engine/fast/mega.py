@@ -64,10 +64,15 @@ SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_
             "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
 
 
+# the switches on unless set to 0: MLXP_MEGA_STAGE from 0.2.8 (on the H200 the step 4.2% (8b) and
+# 5.0% (1b) shorter, logits identical: reports/l3_profile/0.2.7/h200-sweep-stage)
+SWITCH_DEFAULTS = {"MLXP_MEGA_STAGE": "1"}
+
+
 def switch_on(name: str) -> int:
-    """1 if the 0/1 setting `name` (one of SWITCHES) is set to 1, else 0 (a compile-time choice
-    of the kernel: its template value)."""
-    return int(os.environ.get(name, "0") == "1")
+    """1 if the 0/1 setting `name` (one of SWITCHES) is 1 (unset: its SWITCH_DEFAULTS value, else
+    0), else 0 (a compile-time choice of the kernel: its template value)."""
+    return int(os.environ.get(name, SWITCH_DEFAULTS.get(name, "0")) == "1")
 
 
 def check_settings(env=None) -> None:
