@@ -4,7 +4,7 @@
 # (the attention combine over 33+ chunks against L1); the one-kernel step's switches A/B
 # (experiments/mega_sweep.py) on the 8b preset
 # (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with BENCH1=N N runs of
-# bench_decode l1,l3 on the 1b preset (defaults), with BENCH8=1
+# bench_decode l1,l3 on the 1b preset (defaults), with BENCH8=N N runs of
 # bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with MMA=1 the
 # tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
 # (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set); the benches run before the sweeps (SWEEPS=0
@@ -40,11 +40,11 @@ for R in $(seq 1 "${BENCH1:-0}"); do    # BENCH1=N: N bench runs on the 1b prese
   run $(lim 40 130) python3 experiments/bench_decode.py --model /tmp/m/1b \
     --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-1b-r$R --out "$OUT/bench-1b-r$R"
 done
-if [ "${BENCH8:-0}" = 1 ]; then
-  stage bench-8b
+for R in $(seq 1 "${BENCH8:-0}"); do    # BENCH8=N: N bench runs on the 8b preset
+  stage bench-8b-$R
   MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-opt${BENCH_OPT:-} --out "$OUT/bench-8b"
-fi
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT} --out "$OUT/bench-8b-r$R"
+done
 if [ "${SWEEPS:-1}" = 1 ]; then
 stage sweep-8b
 run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b \
