@@ -99,7 +99,7 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
     tm = dict(H=H, NQ=NQ, NKV=NKV, D=D, I=I, L=L, V=V, THREADS=MC.THREADS, MAXCH=maxch,
               RB=int(env.get("RB", 1)), ROW0=0, EPS_NUM=10**7, SCALE_NUM=125000000, SHIFT=0, DROP=0,
               PROF=prof, UN1=un1, UN2=int(env.get("UN2", 4)), UNO=int(env.get("UNO", un1)), QB=qb, GS=64,
-              QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=1,
+              QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=int(int(env.get("PRE", 0)) in (1, 2)),
               KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", SWITCH_DEFAULTS.get("MLXP_MEGA_STAGE", "0"))), DYN=int(env.get("DYN", 0)),
               QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)))
     return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "

@@ -89,8 +89,8 @@ def check_settings(env=None) -> None:
         raw = env.get(name, "")
         if raw and (not raw.isdigit() or not 1 <= int(raw) <= top):
             raise ValueError(f"{name} must be an integer 1-{top}, not {raw!r}")
-    if env.get("MLXP_MEGA_PRE", "") not in ("", "0", "1", "2"):
-        raise ValueError(f"MLXP_MEGA_PRE must be 0, 1 or 2, not {env['MLXP_MEGA_PRE']!r}")
+    if env.get("MLXP_MEGA_PRE", "") not in ("", "0", "1", "2", "3"):
+        raise ValueError(f"MLXP_MEGA_PRE must be 0-3, not {env['MLXP_MEGA_PRE']!r}")
     raw = env.get("MLXP_MEGA_OPT", "")
     if raw and (not raw.isdigit() or int(raw) > sum(OPT_BITS.values())):
         raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
@@ -254,7 +254,7 @@ class MegaStep:
         self.un2 = env_int("MLXP_MEGA_UN2", 4)
         self.uno = env_int("MLXP_MEGA_UNO", self.un1)     # (o_proj's: its rows are short)
         # a warp's first weight loads of each phase issued before the barrier (another kernel)
-        # (2: also the next unit's first loads while a unit runs)
+        # (2: also the next unit's first loads while a unit runs; 3: into registers, not shared memory)
         check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")})
         self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
         # (another kernel) head sizes up to 64: a step's value loads issued with its key loads

@@ -156,8 +156,12 @@ BODY = r"""
   const bool ogrp = OGRP != 0 && RB == 1 && QB == 0 && H % ORO == 0 && flow;
   __shared__ __align__(16) T ogx[OGRP != 0 && RB == 1 ? WPB * QD / NKV : 8];   // (OGRP: a group per warp)
   // (a compile-time choice, MLXP_MEGA_PRE: without it, none of this is in the kernel)
-  constexpr bool preon = PRE != 0 && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
-  const bool preA = preon && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
+  constexpr bool preon = (PRE == 1 || PRE == 2) && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
+  // PRE 3: the same first loads into the warp's registers (preg) instead, no shared memory
+  constexpr bool rgon = PRE == 3 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
+  constexpr bool anyp = preon || rgon;
+  uint4 preg[rgon ? PRE_LOADS : 1];
+  const bool preA = anyp && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
   uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;
   auto slot = [&](int k) { return pre + (PRE == 2 ? (k & 1) : 0) * PRE_LOADS * 32; };
   // the copies a warp's k-th unit of a phase uses (none: null), and (PRE 2) those of its next
@@ -166,8 +170,15 @@ BODY = r"""
     if constexpr (PRE == 2) {
       if (on && more) mega_preload<T, decltype(kk)::value, decltype(rl)::value, decltype(un)::value>(w, r0, r1, lane, slot(k + 1), pol);
     }
-    return on && (k == 0 || PRE == 2) ? slot(k) : nullptr;
+    return preon && on && (k == 0 || PRE == 2) ? slot(k) : nullptr;
   };
+  // a phase's first loads of a warp's first unit of the next phase asked for (rows r0, r1 of a
+  // matrix of KK columns; RL_ rows, UN_ loads a row): shared memory or registers
+#define MEGA_ISSUE(KK, RL_, UN_, W_, R0_, R1_) do { \
+    if constexpr (rgon) mega_preload_reg<T, KK, RL_, UN_>(W_, R0_, R1_, lane, preg, pol); \
+    else mega_preload<T, KK, RL_, UN_>(W_, R0_, R1_, lane, slot(0), pol); } while (0)
+  // (a unit's extra arguments to mega_mat_dot: the registers, taken by a phase's first unit)
+#define MEGA_RG(ON_, K_) preg, rgon && (ON_) && (K_) == 0
   unsigned int target = 0;
   // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
 #define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
@@ -283,7 +294,8 @@ __TABLES__
       // (R1 is 1: a unit is the row mega_preload fetched)
       const bool more = n0 + NW * R1 < H;
       const uint4* p_ = pre_next(kk, mega_int<1>{}, mega_int<UN1>{}, usepre, k, more, w, n0 + NW, n0 + NW);
-      mega_mat_dot<T, T, KK, R1, RB, UNP, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0, p_, PRE == 2 && more);
+      mega_mat_dot<T, T, KK, R1, RB, UNP, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0, p_, PRE == 2 && more,
+                                                  MEGA_RG(usepre, k));
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
@@ -300,7 +312,7 @@ __TABLES__
     const int p = flow ? (gw + NQ * HALF) % NPAIR : gw;
     return (p / HALF) * D + p % HALF;
   };
-  if (preA && gw < NPAIR) { const int r1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[0], r1, r1 + HALF, lane, slot(0), pol); }
+  if (preA && gw < NPAIR) { const int r1 = qkv_first_row(); MEGA_ISSUE(H, 2, UN2, WQKV[0], r1, r1 + HALF); }
   for (int l = 0; l < L; ++l) {
 __QKV__
     MEGA_ARRIVE();
@@ -311,7 +323,7 @@ __ATTENTION__
       MEGA_STAMP();
 __OGRP__
     } else {
-    if (preon && UNO == UN1 && gw < H) mega_preload<T, QD, 1, UN1>(WO[l], gw, gw, lane, slot(0), pol);   // (PRE: o_proj's
+    if (anyp && UNO == UN1 && gw < H) MEGA_ISSUE(QD, 1, UN1, WO[l], gw, gw);   // (PRE: o_proj's
     // copies are UN1 loads: none where o_proj takes another count)
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -321,10 +333,10 @@ __OGRP__
       if constexpr (STG != 0) mega_stage<T, RB * QD, THREADS>(obuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
-      proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], preon && UNO == UN1, dctr + (l * 5 + 1) * 8,
+      proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], anyp && UNO == UN1, dctr + (l * 5 + 1) * 8,
                     hbuf);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
-      if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, slot(0), pol);
+      if (anyp && gw < I) MEGA_ISSUE(H, 2, UN2, WGU[l], gw, I + gw);
     }
     }
     MEGA_ARRIVE();
@@ -341,7 +353,7 @@ __OGRP__
         const bool more = n + NW < I;
         const uint4* p_ = pre_next(mega_int<H>{}, mega_int<2>{}, mega_int<UN2>{}, preon, k, more, WGU[l], n + NW, I + n + NW);
         mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol, 0,
-                                                   p_, PRE == 2 && more);
+                                                   p_, PRE == 2 && more, MEGA_RG(anyp, k));
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -353,7 +365,7 @@ __OGRP__
         n = dyn_next(n, I, NS, got);
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-      if (preon && gw < H) mega_preload<T, I, 1, UN1>(WD[l], gw, gw, lane, slot(0), pol);
+      if (anyp && gw < H) MEGA_ISSUE(I, 1, UN1, WD[l], gw, gw);
     }
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -363,16 +375,16 @@ __OGRP__
       if constexpr (STG != 0) mega_stage<T, RB * I, THREADS>(abuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
-      proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], preon, dctr + (l * 5 + 3) * 8,
+      proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], anyp, dctr + (l * 5 + 3) * 8,
                     ogrp ? hbuf2 : hbuf);
       if (l + 1 < L && gw < (qrow ? NROW : NPAIR)) {      // the next layer's first q/k/v pair (row)
         const int r1 = qkv_first_row();
         if (qrow) MEGA_PREFETCH(WQKV[l + 1], H, NROW, 1, 1, r1 - gw);
         else MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
-        if (preA) { const int q1 = qkv_first_row(); mega_preload<T, H, 2, UN2>(WQKV[l + 1], q1, q1 + HALF, lane, slot(0), pol); }
+        if (preA) { const int q1 = qkv_first_row(); MEGA_ISSUE(H, 2, UN2, WQKV[l + 1], q1, q1 + HALF); }
       } else if (l + 1 == L) {
         MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-        if (preon && gw < V) mega_preload<T, H, 1, UN1>(headw, gw, gw, lane, slot(0), pol);
+        if (anyp && gw < V) MEGA_ISSUE(H, 1, UN1, headw, gw, gw);
       }
     }
     MEGA_ARRIVE();
@@ -392,7 +404,7 @@ __OGRP__
       const bool more = n0 + NW * R1 < V;
       const uint4* p_ = pre_next(mega_int<H>{}, mega_int<1>{}, mega_int<UN1>{}, preon, k, more, headw, n0 + NW, n0 + NW);
       mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol, 0,
-                                                  p_, PRE == 2 && more);
+                                                  p_, PRE == 2 && more, MEGA_RG(anyp, k));
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll

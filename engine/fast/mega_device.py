@@ -16,7 +16,8 @@
   per element);
 - `mega_mat_dot`: either, by the kernel's QB (0: float weights);
 - `mega_preload`: a warp's first weight loads of a later unit copied into its shared memory
-  (`cp.async`), which `mega_dot` then takes instead of loading (MLXP_MEGA_PRE);
+  (`cp.async`), which `mega_dot` then takes instead of loading (MLXP_MEGA_PRE 1, 2);
+  `mega_preload_reg`: the same into the warp's registers (MLXP_MEGA_PRE=3);
 - `mega_wait_at_least` / `mega_atom_add_acq_rel`: the per-head flags of FLOW and the chunk
   counters of the attention phase (acquire / release ordering).
 
@@ -214,7 +215,8 @@ __device__ __forceinline__ int mega_sw(int i) {
 template <typename T, typename X, int K, int RL, int RB, int UN, int KT>
 __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int koff, int lane,
                                          float* acc, unsigned long long pol,
-                                         const uint4* pre = nullptr, bool newer = false) {
+                                         const uint4* pre = nullptr, bool newer = false,
+                                         const uint4* rg = nullptr, bool use_rg = false) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = K / (32 * VEC);
 #pragma unroll
@@ -257,6 +259,11 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
       for (int u = 0; u < UN; ++u)
 #pragma unroll
         for (int r = 0; r < RL; ++r) wv[u][r] = pre[(u * RL + r) * 32 + lane];
+    } else if (i0 == 0 && use_rg) {   // (PRE 3: the first UN iterations loaded into registers earlier)
+#pragma unroll
+      for (int u = 0; u < UN; ++u)
+#pragma unroll
+        for (int r = 0; r < RL; ++r) wv[u][r] = rg[u * RL + r];
     } else {
       load(i0, wv);
     }
@@ -285,6 +292,21 @@ __device__ __forceinline__ void mega_preload(const void* w, int r0, int r1, int 
                      :: "r"(sa), "l"(rows[r] + (u * 32 + lane) * VEC), "l"(pol) : "memory");
       }
   asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// PRE 3: the same first loads into the warp's registers (rg[u * RL + r], a local array of the
+// caller's that the loads fill while it goes on: through the barrier, nothing waits for them)
+template <typename T, int K, int RL, int UN>
+__device__ __forceinline__ void mega_preload_reg(const void* w, int r0, int r1, int lane, uint4* rg,
+                                                 unsigned long long pol) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int IT = K / (32 * VEC);
+  const T* rows[2] = {reinterpret_cast<const T*>(w) + (size_t)r0 * K,
+                      reinterpret_cast<const T*>(w) + (size_t)r1 * K};
+#pragma unroll
+  for (int u = 0; u < UN; ++u)
+    if (u < IT)
+#pragma unroll
+      for (int r = 0; r < RL; ++r) rg[u * RL + r] = mega_ld_w(rows[r] + (u * 32 + lane) * VEC, pol);
 }
 // The same for MLX's affine-quantized rows (BITS 4 or 8, groups of GS): row r's packed
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
@@ -351,12 +373,13 @@ template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS,
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
                                              const X* xs, int lane, float* acc,
                                              unsigned long long pol, int koff = 0,
-                                             const uint4* pre = nullptr, bool newer = false) {
+                                             const uint4* pre = nullptr, bool newer = false,
+                                             const uint4* rg = nullptr, bool use_rg = false) {
   if constexpr (QB == 0) {
     const T* rows[RL];
 #pragma unroll
     for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * KT + koff;
-    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol, pre, newer);
+    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol, pre, newer, rg, use_rg);
   } else {
     const unsigned int* rows[RL];
     const T* sr[RL];

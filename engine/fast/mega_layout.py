@@ -36,9 +36,10 @@ def input_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, 
 
 def pre_region(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
                pre: int = 1) -> bool:
-    """Whether the kernel of `rows` rows gets the PRE slots (`pre` 1 or 2 slots a warp asked for,
+    """Whether the kernel of `rows` rows gets the PRE slots (`pre` 1 or 2 slots a warp asked for;
+    3 keeps its copies in registers, no slots;
     one row, room for them)."""
-    return (pre > 0 and rows == 1
+    return (pre in (1, 2) and rows == 1
             and input_bytes(H, n_heads, head_dim, inter, itemsize) + pre * PRE_BYTES <= SHARED_MAX)
 
 

@@ -70,6 +70,6 @@ OGRP = r"""    // --- C (OGRP): o_proj by groups of query heads, each unit waiti
         u = (int)__shfl_sync(0xffffffffu, nxt, 0);
       }
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
-      if (preon && gw < I) mega_preload<T, H, 2, UN2>(WGU[l], gw, I + gw, lane, slot(0), pol);
+      if (anyp && gw < I) MEGA_ISSUE(H, 2, UN2, WGU[l], gw, I + gw);
     }
 """

@@ -169,7 +169,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           const int un = flow ? (u0 + NW + NQ * HALF) % NPAIR : u0 + NW, rn = (un / HALF) * D + un % HALF;
           const uint4* p_ = pre_next(mega_int<H>{}, mega_int<2>{}, mega_int<UN2>{}, preA, k, more, WQKV[l], rn, rn + HALF);
           mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol, 0,
-                                                     p_, PRE == 2 && more);
+                                                     p_, PRE == 2 && more, MEGA_RG(preA, k));
           qkv_out(u, acc);
           if (flow) head_done(u / HALF);
           u0 = dyn_next(u0, NPAIR, NS, got);

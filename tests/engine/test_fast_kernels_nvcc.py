@@ -57,13 +57,14 @@ def test_every_kernel_compiles_without_spilling_much():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_the_preloading_kernel_compiles():
-    """MLXP_MEGA_PRE=1 and =2's kernels (each phase's first weight loads copied into shared
-    memory before the barrier; 2: also each next unit's while a unit runs) and MLXP_MEGA_KVT=1's
+    """MLXP_MEGA_PRE=1, =2 and =3's kernels (each phase's first weight loads copied into shared
+    memory before the barrier; 2: also each next unit's while a unit runs; 3: into registers)
+    and MLXP_MEGA_KVT=1's
     (attention's value loads issued with its key loads) and MLXP_MEGA_OGRP=1's (o_proj by groups of
     heads) compile too; they are opt-in, so their
     registers are not held to a limit."""
     import os
-    for env in ({"PRE": "1"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"}):
+    for env in ({"PRE": "3"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"}):
         r = subprocess.run([sys.executable, str(ROOT / "experiments" / "check_kernels_nvcc.py")],
                            capture_output=True, text=True, timeout=600, env={**os.environ, **env})
         assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout[-3000:] + r.stderr[-2000:]

@@ -28,6 +28,9 @@ def test_preload_slots_in_shared_memory():
     assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=1) == one + C.PRE_BYTES
     assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=2) == one + 2 * C.PRE_BYTES
     assert C.shared_bytes(4096, 32, 128, 14336, 2, rows=2, pre=2) == 2 * one
+    # PRE 3 holds its copies in registers: no slots
+    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=3) == one
+    assert not C.pre_region(4096, 32, 128, 14336, 2, pre=3)
     assert not C.pre_region(4096, 32, 128, 100000, 2, pre=1)      # 195 KB of inputs: no room
     assert C.rows_per_call(4096, 32, 128, 14336, 2) == 7
 
@@ -231,11 +234,11 @@ def test_settings_checked_where_the_levers_are_resolved():
     import argparse
 
     from engine.levers import LeverError, levers_from_args
-    MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_QUANT": "0",
+    MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PRE": "3",
                        "MLXP_MEGA_PROF": "1", "MLXP_MEGA_BLOCKS": "132"})
     bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
            "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "8192",
-           "MLXP_MEGA_PRE": "3", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x", "MLXP_MEGA_UNO": "33",
+           "MLXP_MEGA_PRE": "4", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x", "MLXP_MEGA_UNO": "33",
            "MLXP_MEGA_DYN": "2", "MLXP_MEGA_QROW": "on",
            "MLXP_MEGA_OGRP": "y"}
     for name, value in bad.items():

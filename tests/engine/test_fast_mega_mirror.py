@@ -222,14 +222,15 @@ def check_pre(ev) -> None:
     assert not held, held
 
 
-@pytest.mark.parametrize("pre", [1, 2])
+@pytest.mark.parametrize("pre", [1, 2, 3])
 @pytest.mark.parametrize("gw", [0, 5, 959, 960, 2047, 2111])
 def test_preloads_are_used_by_the_units_they_were_for(pre, gw):
     # 8b shape (32 q heads of 128, 8 kv heads, H 4096, I 14336) on 132 blocks of 16 warps
     ev = pre_events(pre, 32, 8, 128, 4096, 14336, 128256, 2, 2112, gw)
     check_pre(ev)
     uses = [e for e in ev if e[0] == "use"]
-    if pre == 1:                     # the first unit of each phase from the copy, the rest loaded
+    if pre in (1, 3):                # the first unit of each phase from the copy, the rest loaded
+                                     # (3: the copy in registers, one set as 1's one slot)
         assert all((e[1] is None) == (i > 0) for i, e in
                    enumerate([e for e in uses if e[2] == "gu0"]))
     else:                            # every unit from a copy
