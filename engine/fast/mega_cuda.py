@@ -175,7 +175,7 @@ BODY = r"""
   // a phase's first loads of a warp's first unit of the next phase asked for (rows r0, r1 of a
   // matrix of KK columns; RL_ rows, UN_ loads a row): shared memory or registers
 #define MEGA_ISSUE(KK, RL_, UN_, W_, R0_, R1_) do { \
-    if constexpr (rgon) mega_preload_reg<T, KK, RL_, UN_>(W_, R0_, R1_, lane, preg, pol); \
+    if constexpr (rgon) mega_preload<T, KK, RL_, UN_, true>(W_, R0_, R1_, lane, preg, pol); \
     else mega_preload<T, KK, RL_, UN_>(W_, R0_, R1_, lane, slot(0), pol); } while (0)
   // (a unit's extra arguments to mega_mat_dot: the registers, taken by a phase's first unit)
 #define MEGA_RG(ON_, K_) preg, rgon && (ON_) && (K_) == 0

@@ -17,7 +17,7 @@
 - `mega_mat_dot`: either, by the kernel's QB (0: float weights);
 - `mega_preload`: a warp's first weight loads of a later unit copied into its shared memory
   (`cp.async`), which `mega_dot` then takes instead of loading (MLXP_MEGA_PRE 1, 2);
-  `mega_preload_reg`: the same into the warp's registers (MLXP_MEGA_PRE=3);
+  with REG, into the warp's registers instead (MLXP_MEGA_PRE=3);
 - `mega_wait_at_least` / `mega_atom_add_acq_rel`: the per-head flags of FLOW and the chunk
   counters of the attention phase (acquire / release ordering).
 
@@ -273,9 +273,10 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
 // the first UN 16-byte loads of weight rows r0 (and, RL 2, r1) of K elements copied into the
-// warp's shared memory (cp.async, no registers held), for a mega_dot given `pre` later:
-// issued before a barrier, they stream while the blocks wait
-template <typename T, int K, int RL, int UN>
+// warp's shared memory at pre (cp.async, no registers held), for a mega_dot given `pre` later:
+// issued before a barrier, they stream while the blocks wait. REG (PRE 3): loaded into the
+// caller's local array pre[u * RL + r] instead (registers; nothing waits for them until used)
+template <typename T, int K, int RL, int UN, bool REG = false>
 __device__ __forceinline__ void mega_preload(const void* w, int r0, int r1, int lane, uint4* pre,
                                              unsigned long long pol) {
   constexpr int VEC = 16 / sizeof(T);
@@ -287,26 +288,15 @@ __device__ __forceinline__ void mega_preload(const void* w, int r0, int r1, int 
     if (u < IT)
 #pragma unroll
       for (int r = 0; r < RL; ++r) {
-        const unsigned int sa = static_cast<unsigned int>(__cvta_generic_to_shared(pre + (u * RL + r) * 32 + lane));
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-                     :: "r"(sa), "l"(rows[r] + (u * 32 + lane) * VEC), "l"(pol) : "memory");
+        if constexpr (REG) {
+          pre[u * RL + r] = mega_ld_w(rows[r] + (u * 32 + lane) * VEC, pol);
+        } else {
+          const unsigned int sa = static_cast<unsigned int>(__cvta_generic_to_shared(pre + (u * RL + r) * 32 + lane));
+          asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                       :: "r"(sa), "l"(rows[r] + (u * 32 + lane) * VEC), "l"(pol) : "memory");
+        }
       }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-// PRE 3: the same first loads into the warp's registers (rg[u * RL + r], a local array of the
-// caller's that the loads fill while it goes on: through the barrier, nothing waits for them)
-template <typename T, int K, int RL, int UN>
-__device__ __forceinline__ void mega_preload_reg(const void* w, int r0, int r1, int lane, uint4* rg,
-                                                 unsigned long long pol) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int IT = K / (32 * VEC);
-  const T* rows[2] = {reinterpret_cast<const T*>(w) + (size_t)r0 * K,
-                      reinterpret_cast<const T*>(w) + (size_t)r1 * K};
-#pragma unroll
-  for (int u = 0; u < UN; ++u)
-    if (u < IT)
-#pragma unroll
-      for (int r = 0; r < RL; ++r) rg[u * RL + r] = mega_ld_w(rows[r] + (u * 32 + lane) * VEC, pol);
+  if constexpr (!REG) asm volatile("cp.async.commit_group;" ::: "memory");
 }
 // The same for MLX's affine-quantized rows (BITS 4 or 8, groups of GS): row r's packed
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
