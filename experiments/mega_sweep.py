@@ -18,7 +18,8 @@ started per head on flags instead of a barrier, 4096 the prefetch of a warp's ne
 at 16 KB); dyn=1: MLXP_MEGA_DYN=1, each projection phase's last rounds of units handed out by
 counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer rounds;
 ogrp=1: MLXP_MEGA_OGRP=1, o_proj by groups of heads as each group is done (changes the order of
-its additions). Variants of one MASK share a compiled
+its additions); blocks=N: MLXP_MEGA_BLOCKS, the grid's size (default one block per SM; 128 on
+an H200's 132 SMs makes the 8B's o_proj, gate/up and down whole rounds of 2048 warps). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
@@ -49,7 +50,8 @@ from engine.loader import load_model  # noqa: E402
 # the kernel settings a variant names; the others are unset while it runs, whatever the
 # environment holds, so that a variant is the kernel it names
 SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
-            "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
+            "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP",
+            "MLXP_MEGA_BLOCKS")
 
 
 def parse_variant(spec: str) -> dict:

@@ -17,6 +17,7 @@ def test_variant_specs():
                                                            "MLXP_MEGA_QROW": "1"}
     assert mega_sweep.parse_variant("596:uno=16")["MLXP_MEGA_UNO"] == "16"
     assert mega_sweep.parse_variant("596:kvt=1") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_KVT": "1"}
+    assert mega_sweep.parse_variant("596:blocks=128") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_BLOCKS": "128"}
     with pytest.raises(ValueError, match="unknown setting"):
         mega_sweep.parse_variant("4:threads=256")
     with pytest.raises(ValueError):
@@ -84,7 +85,8 @@ def test_step_overhead_runs_off_a_gpu(tmp_path):
 def test_a_variant_is_the_kernel_it_names(monkeypatch):
     """Settings in the environment that a variant does not name are unset while it runs (and put
     back after): every setting a variant can name is in the list that run_variant clears."""
-    named = {f"MLXP_MEGA_{k.upper()}" for k in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp")}
+    named = {f"MLXP_MEGA_{k.upper()}" for k in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp",
+                                                 "blocks")}
     assert named | {"MLXP_MEGA_OPT"} == set(mega_sweep.SETTINGS)
     for k in named:
         assert mega_sweep.parse_variant(f"596:{k[10:].lower()}=1")[k] == "1"
