@@ -8,7 +8,7 @@
 # bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with BENCH8B=N N more with
 # MLXP_MEGA_BLOCKS=$BENCH_BLOCKS (default 128), with MMA=1 the
 # tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
-# (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set); the benches run before the sweeps (SWEEPS=0
+# (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set); DEV (default h200) begins the benches' tags; the benches run before the sweeps (SWEEPS=0
 # leaves them out), BATCHCHK=1 then checks the batch lane; OVERHEAD=1 (before the benches)
 # times what a step costs around the kernel (experiments/step_overhead.py). Results under $OUT.
 #   OUT=/tmp/sw BUDGET=540 bash experiments/l3_sweep.sh
@@ -39,17 +39,17 @@ fi
 for R in $(seq 1 "${BENCH1:-0}"); do    # BENCH1=N: N bench runs on the 1b preset, defaults
   stage bench-1b-$R
   run $(lim 40 130) python3 experiments/bench_decode.py --model /tmp/m/1b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-1b-r$R --out "$OUT/bench-1b-r$R"
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-1b-r$R --out "$OUT/bench-1b-r$R"
 done
 for R in $(seq 1 "${BENCH8:-0}"); do    # BENCH8=N: N bench runs on the 8b preset
   stage bench-8b-$R
   MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT} --out "$OUT/bench-8b-r$R"
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT} --out "$OUT/bench-8b-r$R"
 done
 for R in $(seq 1 "${BENCH8B:-0}"); do   # BENCH8B=N: N more on the 8b preset, grid of BENCH_BLOCKS blocks
   stage bench-8b-blocks-$R
   MLXP_MEGA_BLOCKS=${BENCH_BLOCKS:-128} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-8b-r$R-blocks${BENCH_BLOCKS:-128} \
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R-blocks${BENCH_BLOCKS:-128} \
     --out "$OUT/bench-8b-blocks-r$R"
 done
 if [ "${SWEEPS:-1}" = 1 ]; then
