@@ -60,6 +60,7 @@ _ROPE_T = dict(K=2048, NOUT=3072, B=4, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV
 SPECS["gemv_rope"] = (C.SPLIT_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO, _ROPE_T)
 SPECS["gemv_rope_warp"] = (C.WARP_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO,
                            {**_ROPE_T, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 2})
+from engine.fast import mega_chd as MCH  # noqa: E402
 from engine.fast import mega_cuda as MC  # noqa: E402
 from engine.fast.mega import SWITCH_DEFAULTS  # noqa: E402
 from experiments import mma_probe  # noqa: E402
@@ -81,7 +82,7 @@ struct Shape { int data_[8]; __device__ int operator[](int i) const { return dat
 def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: int = MC.MAXCH,
                 prof: int = 0) -> str:
     """The bf16 one-kernel step as a kernel `name` of the shapes (H, NQ, NKV, D, I, L, V), its
-    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP,
+    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP, CHK,
     as
     the MLXP_MEGA_* settings without the prefix). Needs MC.HEADER before it."""
     H, NQ, NKV, D, I, L, V = shape
@@ -101,7 +102,8 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
               PROF=prof, UN1=un1, UN2=int(env.get("UN2", 4)), UNO=int(env.get("UNO", un1)), QB=qb, GS=64,
               QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=int(int(env.get("PRE", 0)) in (1, 2)),
               KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", SWITCH_DEFAULTS.get("MLXP_MEGA_STAGE", "0"))), DYN=int(env.get("DYN", 0)),
-              QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)))
+              QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)),
+              CHK=int(env.get("CHK", MCH.split_column(I, 132, MC.WPB))) if int(env.get("RB", 1)) == 1 else 0)
     return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
             + "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())

@@ -14,7 +14,8 @@ engine.fast.mega.OPT_BITS:
 evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
 32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
 128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
-started per head on flags instead of a barrier, 4096 the prefetch of a warp's next unit capped
+started per head on flags instead of a barrier, 1024 down started on the gate/up rounds already
+done instead of after a barrier (engine.fast.mega_chd), 4096 the prefetch of a warp's next unit capped
 at 16 KB); dyn=1: MLXP_MEGA_DYN=1, each projection phase's last rounds of units handed out by
 counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer rounds;
 ogrp=1: MLXP_MEGA_OGRP=1, o_proj by groups of heads as each group is done (changes the order of

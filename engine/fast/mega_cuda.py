@@ -32,6 +32,7 @@ count (`source(L)`).
 from __future__ import annotations
 
 from . import mega_attn as A
+from . import mega_chd as CH
 from . import mega_layout as L_
 from . import mega_ogrp as O
 from . import mega_qkv as Q
@@ -88,7 +89,8 @@ BODY = r"""
   unsigned int* octr = gdone + L * NQ;             // [L][8]
   float* hbuf2 = reinterpret_cast<float*>(octr + L * 8);   // [H]: h after o_proj (apart from the
   // h that blocks still in phase A may be reading)
-  unsigned int* prof = reinterpret_cast<unsigned int*>(hbuf2 + H);
+  unsigned int* dcnt = reinterpret_cast<unsigned int*>(hbuf2 + H);   // CHD: [L][4] (mega_chd)
+  unsigned int* prof = dcnt + 4 * L;
   unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
@@ -160,6 +162,8 @@ BODY = r"""
   // PRE 3: the same first loads into the warp's registers (preg) instead, no shared memory
   constexpr bool rgon = PRE == 3 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
   constexpr bool anyp = preon || rgon;
+  // CHD (engine.fast.mega_chd): no barrier between gate/up and down (CHK: the split column)
+  const bool chd = CHK > 0 && RB == 1 && QB == 0 && !anyp && !dyn && (OPT & MEGA_OPT_CHD);
   uint4 preg[rgon ? PRE_LOADS : 1];
   const bool preA = anyp && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
   uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;
@@ -278,12 +282,13 @@ __TABLES__
   // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
   // (R1 is 1: a unit is a row; DYN: the counters dc)
   // (the residual read from hin, the sum written to hbuf)
+  // (n_first: the warp's first row, gw unless CHD took it)
   auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc,
-                           const float* hin) {
+                           const float* hin, int n_first) {
     constexpr int KK = decltype(kk)::value, UNP = decltype(un)::value;   // (UNP: loads in flight)
     static_assert(R1 == 1, "a unit is one row");
     const int NS = dyn_ns(H);
-    for (int n0 = gw, k = 0; n0 < H; ++k) {
+    for (int n0 = n_first, k = 0; n0 < H; ++k) {
       const unsigned int got = dyn_ask(n0, H, NS, dc);
       int idx[R1];
 #pragma unroll
@@ -334,7 +339,7 @@ __OGRP__
       else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
       proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], anyp && UNO == UN1, dctr + (l * 5 + 1) * 8,
-                    hbuf);
+                    hbuf, gw);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
       if (anyp && gw < I) MEGA_ISSUE(H, 2, UN2, WGU[l], gw, I + gw);
     }
@@ -362,21 +367,26 @@ __OGRP__
           const float s = static_cast<float>(T(g / (1.f + __expf(-g))));
           abuf[b * I + n] = static_cast<float>(T(s * up));
         }
+__CHD_D__
         n = dyn_next(n, I, NS, got);
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
       if (anyp && gw < H) MEGA_ISSUE(I, 1, UN1, WD[l], gw, gw);
     }
+    // --- E: down_proj + residual (a warp per hidden row; CHD: after no barrier, mega_chd)
+__CHD_E__
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
-    // --- E: down_proj + residual (a warp per hidden row)
     {
       if constexpr (STG != 0) mega_stage<T, RB * I, THREADS>(abuf, xt, swt);
       else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
       proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], anyp, dctr + (l * 5 + 3) * 8,
-                    ogrp ? hbuf2 : hbuf);
+                    ogrp ? hbuf2 : hbuf, gw);
+    }
+    }
+    {
       if (l + 1 < L && gw < (qrow ? NROW : NPAIR)) {      // the next layer's first q/k/v pair (row)
         const int r1 = qkv_first_row();
         if (qrow) MEGA_PREFETCH(WQKV[l + 1], H, NROW, 1, 1, r1 - gw);
@@ -477,4 +487,5 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
     else:
         tables += "  const T* EMB_S = nullptr; const T* EMB_B = nullptr;\n  const T* HEAD_S = nullptr; const T* HEAD_B = nullptr;\n"
     return (BODY.replace("__QKV__\n", Q.QKV).replace("__ATTENTION__\n", A.ATTENTION)
+            .replace("__CHD_D__\n", CH.CHD_D).replace("__CHD_E__\n", CH.CHD_E)
             .replace("__OGRP__\n", O.OGRP).replace("__TABLES__\n", tables))

@@ -44,6 +44,8 @@ HEADER = r"""
 #define MEGA_OPT_AKPF 256u   // a phase-B unit first asks L2 for its chunk's keys and values
 #define MEGA_OPT_FLOW 512u   // no barrier between phases A and B: a q/k/v head's pairs count up
                              // a flag, and a phase-B unit waits for its three heads' flags only
+#define MEGA_OPT_CHD 1024u   // no barrier between gate/up and down: down starts on the rounds of
+                             // gate/up units already done, the last round's columns added after
 #define MEGA_OPT_PFCAP 4096u // a warp's L2 prefetch of its next unit at most 16 KB (all warps' fit)
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
@@ -212,15 +214,20 @@ __device__ __forceinline__ int mega_sw(int i) {
 // pre (not null) the first UN loads of each row were issued earlier into the warp's shared
 // memory (`mega_preload`: pre[(u * RL + r) * 32 + lane]; `newer`: one more group of copies
 // was committed after those).
-template <typename T, typename X, int K, int RL, int RB, int UN, int KT>
+// (INIT false: the sums go on from acc, a lane's own of an earlier part of the same rows; FIN
+// false: acc left as the lane's own sums, not yet added across the warp: a dot split at a
+// multiple of 32 * VEC columns adds every lane's products in the order of the whole one)
+template <typename T, typename X, int K, int RL, int RB, int UN, int KT, bool INIT = true, bool FIN = true>
 __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int koff, int lane,
                                          float* acc, unsigned long long pol,
                                          const uint4* pre = nullptr, bool newer = false,
                                          const uint4* rg = nullptr, bool use_rg = false) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = K / (32 * VEC);
+  if constexpr (INIT) {
 #pragma unroll
-  for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
+    for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
+  }
   auto load = [&](int i0, uint4 (&wv)[UN][RL]) {
 #pragma unroll
     for (int u = 0; u < UN; ++u) {
@@ -269,8 +276,10 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
     }
     consume(i0, wv);
   }
+  if constexpr (FIN) {
 #pragma unroll
-  for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
+    for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
+  }
 }
 // the first UN 16-byte loads of weight rows r0 (and, RL 2, r1) of K elements copied into the
 // warp's shared memory at pre (cp.async, no registers held), for a mega_dot given `pre` later:
@@ -357,9 +366,10 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
 // rows idx[0..RL) of a weight matrix of KT columns, its columns koff .. koff + K: float
-// (QB 0: w is T*) or affine-quantized (QB bits: w packed words, s / b the group scales and
-// biases; koff a multiple of the group size)
-template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int KT = K>
+// (QB 0: w is T*; INIT / FIN as mega_dot's) or affine-quantized (QB bits: w packed words,
+// s / b the group scales and biases; koff a multiple of the group size; whole dots only)
+template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int KT = K,
+          bool INIT = true, bool FIN = true>
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
                                              const X* xs, int lane, float* acc,
                                              unsigned long long pol, int koff = 0,
@@ -369,7 +379,7 @@ __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T*
     const T* rows[RL];
 #pragma unroll
     for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * KT + koff;
-    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol, pre, newer, rg, use_rg);
+    mega_dot<T, X, K, RL, RB, UN, KT, INIT, FIN>(rows, xs, koff, lane, acc, pol, pre, newer, rg, use_rg);
   } else {
     const unsigned int* rows[RL];
     const T* sr[RL];

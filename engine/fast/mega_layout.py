@@ -14,13 +14,13 @@ def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: 
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
     keys before their norm (q/k norms), the per-layer head flags (FLOW), the q/k pair counters
-    (QROW), the units handed out (DYN), o_proj's partial sums and counters (OGRP), then the
-    PROF stamps and (`blocks` > 0, with PROF)
+    (QROW), the units handed out (DYN), o_proj's partial sums and counters (OGRP), the
+    gate/up counts (CHD), then the PROF stamps and (`blocks` > 0, with PROF)
     each block's arrival at each phase's end."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
             + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
             + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim + (n_layers * 5 + 1) * 8
-            + n_heads * H + n_layers * (H // 4) + n_layers * n_heads + n_layers * 8 + H
+            + n_heads * H + n_layers * (H // 4) + n_layers * n_heads + n_layers * 8 + H + 4 * n_layers
             + 2 * n_stamps(n_layers) * (1 + blocks))
 
 
