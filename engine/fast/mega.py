@@ -49,7 +49,7 @@ def env_int(name: str, default: int) -> int:
 
 
 OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512, "chd": 1024, "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
+            "nopfa": 128, "akpf": 256, "flow": 512, "chd": 1024, "chc": 2048, "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
 # measured faster on the H200 (docs/l3.md); lean and flow leave the logits bit-identical
 OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
 
@@ -318,6 +318,7 @@ class MegaStep:
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
                           ("CHK", CH.split_column(self.I, self.blocks, C.WPB) if rb == 1 else 0),
+                          ("CCK", CH.split_rows(self.H, self.blocks, C.WPB, C.THREADS) if rb == 1 else 0),
                           ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow), ("OGRP", self.ogrp),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],

@@ -1,4 +1,4 @@
-"""CUDA source of the one-kernel step's hand-off from gate/up to down without a grid barrier
+"""CUDA source of the one-kernel step's hand-offs without a grid barrier: gate/up to down
 (`MLXP_MEGA_OPT` value 1024, CHD), spliced into engine.fast.mega_cuda's BODY where `__CHD_D__`
 (the end of each gate/up unit) and `__CHD_E__` (the start of phase E) stand.
 
@@ -17,6 +17,20 @@ having a unit below CHK, the first counter's total also says every block is past
 input norm, whose residual down then writes. One row a call, float weights, without PRE or
 DYN (elsewhere the barrier stays). With MLXP_MEGA_PROF=1 gate/up ends when block 0 is done
 with its own units.
+
+The same for the hand-off from o_proj to gate/up (`MLXP_MEGA_OPT` value 2048, CHC; `__CHC_D__`
+in the BODY, where the barrier before phase D stands): o_proj's rows are dealt in rounds as
+well, `CCK` (`split_rows`) is the largest multiple of 512 (a block's threads x whole 16-byte
+loads) inside the rounds before the last, and the warps count their rows below and above it
+on two more counters of the layer. A block whose warps are done with o_proj waits for the
+first count, stages the residual's first CCK elements times the norm's weights (each thread its
+elements, in the order of the whole norm, adding their squares) and adds its first gate/up
+pair's products over them; then it waits for the second count, stages the rest, completes the
+sum of squares and the norm's scale as the whole norm does, and finishes the pair. Gate/up's
+input changes nothing o_proj still reads, so the rounds alone decide the split. The same
+values in the same order again: logits bit-identical. One row, float weights, the inputs read
+together (`MLXP_MEGA_STAGE`, the default), without PRE, DYN or OGRP. With MLXP_MEGA_PROF=1 o_proj
+ends when block 0 is done with its own rows.
 """
 
 from __future__ import annotations
@@ -58,9 +72,101 @@ CHD_E = r"""    if (chd) {
         if (lane == 0) hbuf[gw] = static_cast<float>(T(hres_ + static_cast<float>(T(acc_[0]))));
       }
       proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], false, dctr + (l * 5 + 3) * 8,
-                    ogrp ? hbuf2 : hbuf, gw + NW);
+                    ogrp ? hbuf2 : hbuf, gw + NW, nullptr);
     } else {
 """
+
+# phase D's first pair in two parts (instead of the barrier and the norm), then its other pairs
+CHC_D = r"""    if (chc) {
+      MEGA_ARRIVE();
+      MEGA_STAMP();
+      __syncthreads();                  // (this block's warps are done with o_proj's input)
+      if (threadIdx.x == 0) mega_wait_at_least(dcnt + 4 * l + 2, CCK);
+      __syncthreads();
+      // (CCK 0, no CHC: placeholders that compile for any H)
+      constexpr int PT_ = mega_cmax(H / THREADS, 2), P1_ = CCK > 0 ? CCK / THREADS : 1;
+      float s_ = 0.f;
+      // a thread's elements threadIdx.x + j * THREADS, j in [j0, j1): x * w staged, x^2 added
+      auto part_ = [&](auto j0, auto j1) {
+        constexpr int A_ = decltype(j0)::value, B_ = decltype(j1)::value;
+        float w_[mega_cmax(B_ - A_, 1)], v_[mega_cmax(B_ - A_, 1)];
+#pragma unroll
+        for (int j = A_; j < B_; ++j) w_[j - A_] = static_cast<float>(LN2[l][threadIdx.x + j * THREADS]);
+#pragma unroll
+        for (int j = A_; j < B_; ++j) v_[j - A_] = __ldcg(hbuf + threadIdx.x + j * THREADS);
+#pragma unroll
+        for (int j = A_; j < B_; ++j) {
+          s_ += v_[j - A_] * v_[j - A_];
+          xn[threadIdx.x + j * THREADS] = XN(v_[j - A_] * w_[j - A_]);
+        }
+      };
+      part_(mega_int<0>{}, mega_int<P1_>{});
+      __syncthreads();
+      float acc_[2] = {0.f, 0.f};
+      const int idx_[2] = {gw, I + gw};
+      if (gw < I)
+        mega_mat_dot<T, XN, (CCK > 0 ? CCK : 256), 2, 1, UN2, 0, GS, H, true, false>(WGU[l], WGU_S[l], WGU_B[l], idx_,
+                                                                                    xn, lane, acc_, pol, 0);
+      if (threadIdx.x == 0) mega_wait_at_least(dcnt + 4 * l + 3, H - CCK);
+      __syncthreads();
+      part_(mega_int<P1_>{}, mega_int<PT_>{});
+      s_ = mega_warp_sum(s_);
+      if (lane == 0) red[warp][0] = s_;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float tot = 0.f;
+#pragma unroll
+        for (int w = 0; w < WPB; ++w) tot += red[w][0];
+        sinv[0] = rsqrtf(tot / H + eps);
+      }
+      __syncthreads();
+      if (gw < I) {
+        mega_mat_dot<T, XN, (CCK > 0 ? H - CCK : 256), 2, 1, UN2, 0, GS, H, false, true>(WGU[l], WGU_S[l], WGU_B[l],
+                                                                                        idx_, xn, lane, acc_, pol, CCK);
+        if (lane == 0) {
+          const float g = static_cast<float>(T(acc_[0] * sinv[0]));
+          const float up = static_cast<float>(T(acc_[1] * sinv[0]));
+          const float sg = static_cast<float>(T(g / (1.f + __expf(-g))));
+          abuf[gw] = static_cast<float>(T(sg * up));
+        }
+        const int n = gw, k = 0;
+""" + CHD_D + r"""      }
+    } else {
+      MEGA_ARRIVE();
+      mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
+      MEGA_STAMP();
+      load_normed(LN2[l], false, ogrp ? hbuf2 : hbuf);
+    }
+"""
+
+# o_proj's rows (proj_residual with counters cc): the first count as the warp's next row is past
+# CCK, the rest after its last row
+CHC_C = r"""      if (cc != nullptr && lane == 0 && n0 < CCK && n0 + NW >= CCK)
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(cc), "r"(k + 1) : "memory");
+"""
+CHC_C_END = r"""    if (cc != nullptr && lane == 0 && n_first < H) {
+      const int all_ = (H - n_first + NW - 1) / NW, below_ = n_first < CCK ? (CCK - n_first + NW - 1) / NW : 0;
+      if (all_ > below_)
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(cc + 1), "r"(all_ - below_) : "memory");
+    }
+"""
+
+ROW_COLUMNS = 512       # a CHC split is a multiple of this (a block's threads; 32 lanes x 16 bytes)
+
+
+def split_rows(hidden: int, blocks: int, warps_per_block: int, threads: int = 512) -> int:
+    """CCK for o_proj's `hidden` rows dealt over blocks x warps_per_block warps: the largest
+    multiple of ROW_COLUMNS (and of `threads`) inside the rounds before the last (0: none — a
+    single round, or `hidden` not a multiple of them)."""
+    nw, step = blocks * warps_per_block, max(ROW_COLUMNS, threads)
+    if nw <= 0 or hidden % step or step % min(ROW_COLUMNS, threads):
+        return 0
+    rounds = -(-hidden // nw)
+    if rounds < 2:
+        return 0
+    ks = min(nw * (rounds - 1), hidden) // step * step
+    return ks if 0 < ks < hidden else 0
+
 
 VEC_COLUMNS = 256       # a split column is a multiple of this (32 lanes x 16 bytes of bf16/fp16)
 

@@ -164,6 +164,8 @@ BODY = r"""
   constexpr bool anyp = preon || rgon;
   // CHD (engine.fast.mega_chd): no barrier between gate/up and down (CHK: the split column)
   const bool chd = CHK > 0 && RB == 1 && QB == 0 && !anyp && !dyn && (OPT & MEGA_OPT_CHD);
+  // CHC: none between o_proj and gate/up (CCK: the split row; the inputs staged as with STG)
+  const bool chc = CCK > 0 && RB == 1 && QB == 0 && STG != 0 && !anyp && !dyn && !ogrp && (OPT & MEGA_OPT_CHC);
   uint4 preg[rgon ? PRE_LOADS : 1];
   const bool preA = anyp && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
   uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;
@@ -282,9 +284,9 @@ __TABLES__
   // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
   // (R1 is 1: a unit is a row; DYN: the counters dc)
   // (the residual read from hin, the sum written to hbuf)
-  // (n_first: the warp's first row, gw unless CHD took it)
+  // (n_first: the warp's first row, gw unless CHD took it; cc: CHC's counts, or null)
   auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc,
-                           const float* hin, int n_first) {
+                           const float* hin, int n_first, unsigned int* cc) {
     constexpr int KK = decltype(kk)::value, UNP = decltype(un)::value;   // (UNP: loads in flight)
     static_assert(R1 == 1, "a unit is one row");
     const int NS = dyn_ns(H);
@@ -307,8 +309,10 @@ __TABLES__
         for (int b = 0; b < RB; ++b)
           if (lane == r * RB + b && n0 + r < H)
             hbuf[b * H + n0 + r] = static_cast<float>(T(hres + static_cast<float>(T(acc[r * RB + b]))));
+__CHC_C__
       n0 = dyn_next(n0, H, NS, got);
     }
+__CHC_C_END__
   };
 
   // the first q/k/v pair (QROW: row) a warp computes in layer l (FLOW: keys and values first)
@@ -339,19 +343,17 @@ __OGRP__
       else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
       __syncthreads();
       proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], anyp && UNO == UN1, dctr + (l * 5 + 1) * 8,
-                    hbuf, gw);
+                    hbuf, gw, chc ? dcnt + 4 * l + 2 : nullptr);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
       if (anyp && gw < I) MEGA_ISSUE(H, 2, UN2, WGU[l], gw, I + gw);
     }
     }
-    MEGA_ARRIVE();
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
-    MEGA_STAMP();
-    // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
+    // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows; CHC: after no
+    // barrier, its first pair in two parts, mega_chd)
+__CHC_D__
     {
-      load_normed(LN2[l], false, ogrp ? hbuf2 : hbuf);
       const int NS = dyn_ns(I);
-      for (int n = gw, k = 0; n < I; ++k) {
+      for (int n = chc ? gw + NW : gw, k = chc ? 1 : 0; n < I; ++k) {
         const unsigned int got = dyn_ask(n, I, NS, dctr + (l * 5 + 2) * 8);
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
@@ -383,7 +385,7 @@ __CHD_E__
       else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
       __syncthreads();
       proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], anyp, dctr + (l * 5 + 3) * 8,
-                    ogrp ? hbuf2 : hbuf, gw);
+                    ogrp ? hbuf2 : hbuf, gw, nullptr);
     }
     }
     {
@@ -487,5 +489,6 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
     else:
         tables += "  const T* EMB_S = nullptr; const T* EMB_B = nullptr;\n  const T* HEAD_S = nullptr; const T* HEAD_B = nullptr;\n"
     return (BODY.replace("__QKV__\n", Q.QKV).replace("__ATTENTION__\n", A.ATTENTION)
-            .replace("__CHD_D__\n", CH.CHD_D).replace("__CHD_E__\n", CH.CHD_E)
+            .replace("__CHD_D__\n", CH.CHD_D).replace("__CHD_E__\n", CH.CHD_E).replace("__CHC_D__\n", CH.CHC_D)
+            .replace("__CHC_C__\n", CH.CHC_C).replace("__CHC_C_END__\n", CH.CHC_C_END)
             .replace("__OGRP__\n", O.OGRP).replace("__TABLES__\n", tables))

@@ -1,5 +1,5 @@
-"""The one-kernel step's hand-off from gate/up to down without a barrier (CHD,
-engine.fast.mega_chd), mirrored: the split column, the two counts the warps add (each reaches its
+"""The one-kernel step's hand-offs without a barrier (gate/up to down, CHD, and o_proj to
+gate/up, CHC: engine.fast.mega_chd), mirrored: the split columns, the two counts the warps add (each reaches its
 target exactly, and only once every column it stands for is written), and the split dot (every
 lane adds the same products in the same order as over the whole row, so the result's bits do not
 move). Each with a negative control."""
@@ -66,6 +66,28 @@ def test_counts_reach_their_targets_only_when_the_columns_are_out(I, blocks):
         assert ok == [True, True]
     # every warp has a unit below CHK: the first count says every block is past the norm
     assert all(gw < CHK for gw in range(NW))
+
+
+@pytest.mark.parametrize("H,blocks,want", [(4096, 132, 2048), (2048, 132, 0), (4096, 114, 3584), (8192, 132, 6144),
+                                           (5120, 132, 4096), (4000, 132, 0), (4096, 300, 0)])
+def test_split_rows(H, blocks, want):
+    ks = CH.split_rows(H, blocks, L_.WPB, 512)
+    assert ks == want
+    if ks:
+        nw = blocks * L_.WPB
+        assert ks % 512 == 0 and ks <= nw * (-(-H // nw) - 1) < H
+
+
+@pytest.mark.parametrize("H,blocks", [(4096, 132), (4096, 114), (8192, 132), (5120, 132)])
+def test_chc_counts_reach_their_targets_only_when_the_rows_are_out(H, blocks):
+    """o_proj's rows counted as gate/up's units are (CHC_C / CHC_C_END: the same two adds)."""
+    NW = blocks * L_.WPB
+    CCK = CH.split_rows(H, blocks, L_.WPB, 512)
+    for seed in range(3):
+        c, ok = chd_counts(H, NW, CCK, seed)
+        assert c == [CCK, H - CCK] and ok == [True, True]
+    c, ok = chd_counts(H, NW, CCK, 0, fault="add_before_write")
+    assert ok[0] is False
 
 
 def test_counts_negative_controls():
