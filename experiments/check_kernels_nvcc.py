@@ -82,7 +82,7 @@ struct Shape { int data_[8]; __device__ int operator[](int i) const { return dat
 def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: int = MC.MAXCH,
                 prof: int = 0) -> str:
     """The bf16 one-kernel step as a kernel `name` of the shapes (H, NQ, NKV, D, I, L, V), its
-    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP, CHK, CCK,
+    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP, CHD, CHC,
     as
     the MLXP_MEGA_* settings without the prefix). Needs MC.HEADER before it."""
     H, NQ, NKV, D, I, L, V = shape
@@ -103,8 +103,8 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
               QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=int(int(env.get("PRE", 0)) in (1, 2)),
               KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", SWITCH_DEFAULTS.get("MLXP_MEGA_STAGE", "0"))), DYN=int(env.get("DYN", 0)),
               QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)),
-              CHK=int(env.get("CHK", MCH.split_column(I, 132, MC.WPB))) if int(env.get("RB", 1)) == 1 else 0,
-              CCK=int(env.get("CCK", MCH.split_rows(H, 132, MC.WPB, MC.THREADS))) if int(env.get("RB", 1)) == 1 else 0)
+              CHK=MCH.split_column(I, 132, MC.WPB) if env.get("CHD") == "1" and int(env.get("RB", 1)) == 1 else 0,
+              CCK=MCH.split_rows(H, 132, MC.WPB, MC.THREADS) if env.get("CHC") == "1" and int(env.get("RB", 1)) == 1 else 0)
     return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
             + "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())

@@ -15,10 +15,11 @@ evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one r
 32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
 128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
 started per head on flags instead of a barrier, 1024 down started on the gate/up rounds already
-done instead of after a barrier (engine.fast.mega_chd), 4096 the prefetch of a warp's next unit capped
+4096 the prefetch of a warp's next unit capped
 at 16 KB); dyn=1: MLXP_MEGA_DYN=1, each projection phase's last rounds of units handed out by
 counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer rounds;
-ogrp=1: MLXP_MEGA_OGRP=1, o_proj by groups of heads as each group is done (changes the order of
+chd=1 / chc=1: MLXP_MEGA_CHD=1 / MLXP_MEGA_CHC=1, down / gate/up started on the rounds of the
+phase before already done instead of after a barrier (engine.fast.mega_chd); ogrp=1: MLXP_MEGA_OGRP=1, o_proj by groups of heads as each group is done (changes the order of
 its additions); blocks=N: MLXP_MEGA_BLOCKS, the grid's size (default one block per SM; 128 on
 an H200's 132 SMs makes the 8B's o_proj, gate/up and down whole rounds of 2048 warps). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
@@ -52,7 +53,7 @@ from engine.loader import load_model  # noqa: E402
 # environment holds, so that a variant is the kernel it names
 SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
             "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP",
-            "MLXP_MEGA_BLOCKS")
+            "MLXP_MEGA_BLOCKS", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC")
 
 
 def parse_variant(spec: str) -> dict:

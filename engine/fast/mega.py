@@ -49,7 +49,7 @@ def env_int(name: str, default: int) -> int:
 
 
 OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512, "chd": 1024, "chc": 2048, "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
+            "nopfa": 128, "akpf": 256, "flow": 512, "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
 # measured faster on the H200 (docs/l3.md); lean and flow leave the logits bit-identical
 OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
 
@@ -62,7 +62,7 @@ def opt_mask() -> int:
 
 
 SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT",
-            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP")
+            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC")
 
 
 # the switches on unless set to 0: MLXP_MEGA_STAGE from 0.2.8 (on the H200 the step 4.2% (8b) and
@@ -277,6 +277,9 @@ class MegaStep:
         self.qrow = switch_on("MLXP_MEGA_QROW")
         # (another kernel, MLXP_MEGA_OGRP=1) o_proj by groups of heads, as each group is done
         self.ogrp = switch_on("MLXP_MEGA_OGRP")
+        # (other kernels, MLXP_MEGA_CHD=1 / MLXP_MEGA_CHC=1) no barrier between gate/up and down /
+        # between o_proj and gate/up: the next phase starts on the rounds already done (mega_chd)
+        self.chd, self.chc = switch_on("MLXP_MEGA_CHD"), switch_on("MLXP_MEGA_CHC")
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
@@ -317,8 +320,8 @@ class MegaStep:
                           ("UN1", self.un1), ("UN2", self.un2), ("UNO", self.uno),
                           ("QB", self.quant[0] if self.quant else 0),
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
-                          ("CHK", CH.split_column(self.I, self.blocks, C.WPB) if rb == 1 else 0),
-                          ("CCK", CH.split_rows(self.H, self.blocks, C.WPB, C.THREADS) if rb == 1 else 0),
+                          ("CHK", CH.split_column(self.I, self.blocks, C.WPB) if rb == 1 and self.chd else 0),
+                          ("CCK", CH.split_rows(self.H, self.blocks, C.WPB, C.THREADS) if rb == 1 and self.chc else 0),
                           ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow), ("OGRP", self.ogrp),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],

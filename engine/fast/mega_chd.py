@@ -1,5 +1,5 @@
 """CUDA source of the one-kernel step's hand-offs without a grid barrier: gate/up to down
-(`MLXP_MEGA_OPT` value 1024, CHD), spliced into engine.fast.mega_cuda's BODY where `__CHD_D__`
+(`MLXP_MEGA_CHD=1`, a compile-time choice: another kernel), spliced into engine.fast.mega_cuda's BODY where `__CHD_D__`
 (the end of each gate/up unit) and `__CHD_E__` (the start of phase E) stand.
 
 Gate/up's units are dealt in rounds: unit n (the n-th SiLU·up output) goes to warp n mod NW in
@@ -18,7 +18,7 @@ input norm, whose residual down then writes. One row a call, float weights, with
 DYN (elsewhere the barrier stays). With MLXP_MEGA_PROF=1 gate/up ends when block 0 is done
 with its own units.
 
-The same for the hand-off from o_proj to gate/up (`MLXP_MEGA_OPT` value 2048, CHC; `__CHC_D__`
+The same for the hand-off from o_proj to gate/up (`MLXP_MEGA_CHC=1`; `__CHC_D__`
 in the BODY, where the barrier before phase D stands): o_proj's rows are dealt in rounds as
 well, `CCK` (`split_rows`) is the largest multiple of 512 (a block's threads x whole 16-byte
 loads) inside the rounds before the last, and the warps count their rows below and above it
@@ -36,13 +36,15 @@ ends when block 0 is done with its own rows.
 from __future__ import annotations
 
 # the end of a gate/up unit n (the k-th of this warp, lane 0 wrote it): its counts
-CHD_D = r"""        if (chd && lane == 0 && n < CHK && n + NW >= CHK)
-          asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(dcnt + 4 * l), "r"(k + 1) : "memory");
+CHD_D = r"""        if constexpr (chd) {
+          if (lane == 0 && n < CHK && n + NW >= CHK)
+            asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(dcnt + 4 * l), "r"(k + 1) : "memory");
+        }
 """
 
 # after gate/up's loop: the warp's units past CHK; then (instead of the barrier) phase E's
 # first row in two parts
-CHD_E = r"""    if (chd) {
+CHD_E = r"""    if constexpr (chd) {
       if (lane == 0 && gw < I) {
         const int all_ = (I - gw + NW - 1) / NW, below_ = gw < CHK ? (CHK - gw + NW - 1) / NW : 0;
         if (all_ > below_)
@@ -77,7 +79,7 @@ CHD_E = r"""    if (chd) {
 """
 
 # phase D's first pair in two parts (instead of the barrier and the norm), then its other pairs
-CHC_D = r"""    if (chc) {
+CHC_D = r"""    if constexpr (chc) {
       MEGA_ARRIVE();
       MEGA_STAMP();
       __syncthreads();                  // (this block's warps are done with o_proj's input)
@@ -141,13 +143,17 @@ CHC_D = r"""    if (chc) {
 
 # o_proj's rows (proj_residual with counters cc): the first count as the warp's next row is past
 # CCK, the rest after its last row
-CHC_C = r"""      if (cc != nullptr && lane == 0 && n0 < CCK && n0 + NW >= CCK)
-        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(cc), "r"(k + 1) : "memory");
+CHC_C = r"""      if constexpr (chc) {
+        if (cc != nullptr && lane == 0 && n0 < CCK && n0 + NW >= CCK)
+          asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(cc), "r"(k + 1) : "memory");
+      }
 """
-CHC_C_END = r"""    if (cc != nullptr && lane == 0 && n_first < H) {
-      const int all_ = (H - n_first + NW - 1) / NW, below_ = n_first < CCK ? (CCK - n_first + NW - 1) / NW : 0;
-      if (all_ > below_)
-        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(cc + 1), "r"(all_ - below_) : "memory");
+CHC_C_END = r"""    if constexpr (chc) {
+      if (cc != nullptr && lane == 0 && n_first < H) {
+        const int all_ = (H - n_first + NW - 1) / NW, below_ = n_first < CCK ? (CCK - n_first + NW - 1) / NW : 0;
+        if (all_ > below_)
+          asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(cc + 1), "r"(all_ - below_) : "memory");
+      }
     }
 """
 

@@ -162,10 +162,12 @@ BODY = r"""
   // PRE 3: the same first loads into the warp's registers (preg) instead, no shared memory
   constexpr bool rgon = PRE == 3 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
   constexpr bool anyp = preon || rgon;
-  // CHD (engine.fast.mega_chd): no barrier between gate/up and down (CHK: the split column)
-  const bool chd = CHK > 0 && RB == 1 && QB == 0 && !anyp && !dyn && (OPT & MEGA_OPT_CHD);
-  // CHC: none between o_proj and gate/up (CCK: the split row; the inputs staged as with STG)
-  const bool chc = CCK > 0 && RB == 1 && QB == 0 && STG != 0 && !anyp && !dyn && !ogrp && (OPT & MEGA_OPT_CHC);
+  // CHD (MLXP_MEGA_CHD=1, a compile-time choice: engine.fast.mega_chd): no barrier between
+  // gate/up and down (CHK: the split column; 0 without it)
+  constexpr bool chd = CHK > 0 && RB == 1 && QB == 0 && !anyp && !dyn;
+  // CHC (MLXP_MEGA_CHC=1): none between o_proj and gate/up (CCK: the split row; the inputs
+  // staged as with STG)
+  constexpr bool chc = CCK > 0 && RB == 1 && QB == 0 && STG != 0 && !anyp && !dyn && OGRP == 0;
   uint4 preg[rgon ? PRE_LOADS : 1];
   const bool preA = anyp && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
   uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;

@@ -44,10 +44,6 @@ HEADER = r"""
 #define MEGA_OPT_AKPF 256u   // a phase-B unit first asks L2 for its chunk's keys and values
 #define MEGA_OPT_FLOW 512u   // no barrier between phases A and B: a q/k/v head's pairs count up
                              // a flag, and a phase-B unit waits for its three heads' flags only
-#define MEGA_OPT_CHD 1024u   // no barrier between gate/up and down: down starts on the rounds of
-                             // gate/up units already done, the last round's columns added after
-#define MEGA_OPT_CHC 2048u   // no barrier between o_proj and gate/up: gate/up's first pair starts
-                             // on the rounds of o_proj rows already done
 #define MEGA_OPT_PFCAP 4096u // a warp's L2 prefetch of its next unit at most 16 KB (all warps' fit)
 
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {

@@ -192,7 +192,7 @@ def test_kernel_switches_mask(monkeypatch):
         assert MG.opt_mask() == int(ok)
     for bad in ("8192", "-1", "pfo", "1.0"):
         monkeypatch.setenv("MLXP_MEGA_OPT", bad)
-        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-8191"):
+        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-5119"):
             MG.opt_mask()
     # every switch is a bit the CUDA source defines
     src = C.source(2)
