@@ -76,13 +76,11 @@ def switch_on(name: str) -> int:
     return int(os.environ.get(name, SWITCH_DEFAULTS.get(name, "0")) == "1")
 
 
-def check_settings(env=None, faulty_ok: bool = False) -> None:
+def check_settings(env=None) -> None:
     """Every MLXP_MEGA_* setting in `env` (default: the environment) valid, else a ValueError
     that names it: the 0/1 switches, the positive counts (loads in flight at most 32) and the
     OPT mask. Called where the levers are resolved, so a bad value stops a CLI at start
-    rather than the first decode step. MLXP_MEGA_PRE 1 and 2 are refused there too (their
-    kernel stops with a CUDA error on the H100 and H200); `faulty_ok` (the decoder itself,
-    for the sweeps that study them) lets them through."""
+    rather than the first decode step."""
     env = os.environ if env is None else env
     for name in SWITCHES:
         if env.get(name, "") not in ("", "0", "1"):
@@ -94,9 +92,6 @@ def check_settings(env=None, faulty_ok: bool = False) -> None:
             raise ValueError(f"{name} must be an integer 1-{top}, not {raw!r}")
     if env.get("MLXP_MEGA_PRE", "") not in ("", "0", "1", "2", "3"):
         raise ValueError(f"MLXP_MEGA_PRE must be 0-3, not {env['MLXP_MEGA_PRE']!r}")
-    if env.get("MLXP_MEGA_PRE", "") in ("1", "2") and not faulty_ok:
-        raise ValueError(f"MLXP_MEGA_PRE={env['MLXP_MEGA_PRE']} stops the kernel with a CUDA error "
-                         "(illegal instruction) on the H100 and H200; use 0 (default) or 3")
     raw = env.get("MLXP_MEGA_OPT", "")
     if raw and (not raw.isdigit() or int(raw) > sum(OPT_BITS.values())):
         raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
@@ -261,7 +256,7 @@ class MegaStep:
         self.uno = env_int("MLXP_MEGA_UNO", self.un1)     # (o_proj's: its rows are short)
         # a warp's first weight loads of each phase issued before the barrier (another kernel)
         # (2: also the next unit's first loads while a unit runs; 3: into registers, not shared memory)
-        check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")}, faulty_ok=True)
+        check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")})
         self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
         # (another kernel) head sizes up to 64: a step's value loads issued with its key loads
         self.kvt = switch_on("MLXP_MEGA_KVT")

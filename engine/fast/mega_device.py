@@ -299,8 +299,10 @@ __device__ __forceinline__ void mega_preload(const void* w, int r0, int r1, int 
           pre[u * RL + r] = mega_ld_w(rows[r] + (u * 32 + lane) * VEC, pol);
         } else {
           const unsigned int sa = static_cast<unsigned int>(__cvta_generic_to_shared(pre + (u * RL + r) * 32 + lane));
-          asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-                       :: "r"(sa), "l"(rows[r] + (u * 32 + lane) * VEC), "l"(pol) : "memory");
+          // (no L2::cache_hint operand: with it the copy was an illegal instruction on the H100
+          // and H200, compute-sanitizer at the kernel's first copies)
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                       :: "r"(sa), "l"(rows[r] + (u * 32 + lane) * VEC) : "memory");
         }
       }
   if constexpr (!REG) asm volatile("cp.async.commit_group;" ::: "memory");
