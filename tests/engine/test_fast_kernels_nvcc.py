@@ -50,7 +50,7 @@ def test_every_kernel_compiles_without_spilling_much():
     """The bf16 one-kernel step (1B and 8B head sizes) keeps its registers, at most a few bytes
     spilled: the default kernel (MLXP_MEGA_STAGE on), 0.2.7's (STAGE off), and the opt-in kernels
     that are candidates for the default (MLXP_MEGA_QROW=1 and MLXP_MEGA_DYN=1)."""
-    for env in ({}, {"STG": "0"}, {"QROW": "1", "DYN": "1"}):
+    for env in ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"}):
         spills = _mega_spills(env)
         assert all(v <= 16 for v in spills.values()), (env, spills)
 
@@ -60,11 +60,14 @@ def test_the_preloading_kernel_compiles():
     """MLXP_MEGA_PRE=1, =2 and =3's kernels (each phase's first weight loads copied into shared
     memory before the barrier; 2: also each next unit's while a unit runs; 3: into registers)
     and MLXP_MEGA_KVT=1's
-    (attention's value loads issued with its key loads) and MLXP_MEGA_OGRP=1's (o_proj by groups of
-    heads) compile too; they are opt-in, so their
+    (attention's value loads issued with its key loads), MLXP_MEGA_OGRP=1's (o_proj by groups of
+    heads) and MLXP_MEGA_CHD=1 MLXP_MEGA_CHC=1's (hand-offs without a barrier) compile too; they
+    are opt-in, so their
     registers are not held to a limit."""
     import os
-    for env in ({"PRE": "3"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"}):
+    for env in ({"PRE": "3"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"},
+                {"CHD": "1", "CHC": "1"}):
+        env["MEGA_ONLY"] = "1"      # (the float one-kernel steps at head sizes 64 and 128 only)
         r = subprocess.run([sys.executable, str(ROOT / "experiments" / "check_kernels_nvcc.py")],
                            capture_output=True, text=True, timeout=600, env={**os.environ, **env})
         assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout[-3000:] + r.stderr[-2000:]
@@ -78,7 +81,7 @@ def test_static_shared_memory_is_what_the_launch_counts_on():
     and dynamic together pass 48 KB (without it the 8B's OGRP kernel failed to launch on an H200:
     invalid argument)."""
     from engine.fast import mega_layout as ML
-    for env, og in (({}, False), ({"STG": "1", "OGRP": "1"}, True)):
+    for env, og in (({}, False), ({"STG": "1", "OGRP": "1", "MEGA_ONLY": "1"}, True)):
         got = _mega_compile(env)
         for key, D in (("k_mega_q0_n0_d64", 64), ("k_mega_q0_n0_d128", 128)):
             est = ML.static_bytes(32, D, 8, 2, 1, og)
