@@ -158,35 +158,33 @@ CHC_C_END = r"""    if constexpr (chc) {
 """
 
 ROW_COLUMNS = 512       # a CHC split is a multiple of this (a block's threads; 32 lanes x 16 bytes)
+VEC_COLUMNS = 256       # a CHD split is a multiple of this (32 lanes x 16 bytes of bf16/fp16)
+
+
+def _split(n: int, nw: int, step: int, lowest: int) -> int:
+    """The largest multiple of `step` inside the rounds before the last of `n` units dealt over
+    `nw` warps, if it is at least `lowest` (0: none — a single round, `n` not a multiple of
+    `step`, or no such multiple)."""
+    if nw <= 0 or step <= 0 or n % step:
+        return 0
+    rounds = -(-n // nw)
+    if rounds < 2:
+        return 0
+    ks = min(nw * (rounds - 1), n) // step * step
+    return ks if max(lowest, 1) <= ks < n else 0
 
 
 def split_rows(hidden: int, blocks: int, warps_per_block: int, threads: int = 512) -> int:
     """CCK for o_proj's `hidden` rows dealt over blocks x warps_per_block warps: the largest
-    multiple of ROW_COLUMNS (and of `threads`) inside the rounds before the last (0: none — a
-    single round, or `hidden` not a multiple of them)."""
-    nw, step = blocks * warps_per_block, max(ROW_COLUMNS, threads)
-    if nw <= 0 or hidden % step or step % min(ROW_COLUMNS, threads):
+    multiple of ROW_COLUMNS (and of `threads`) inside the rounds before the last (0: none)."""
+    if max(ROW_COLUMNS, threads) % min(ROW_COLUMNS, threads):
         return 0
-    rounds = -(-hidden // nw)
-    if rounds < 2:
-        return 0
-    ks = min(nw * (rounds - 1), hidden) // step * step
-    return ks if 0 < ks < hidden else 0
-
-
-VEC_COLUMNS = 256       # a split column is a multiple of this (32 lanes x 16 bytes of bf16/fp16)
+    return _split(hidden, blocks * warps_per_block, max(ROW_COLUMNS, threads), 1)
 
 
 def split_column(inter: int, blocks: int, warps_per_block: int) -> int:
     """CHK for gate/up's `inter` units dealt over blocks x warps_per_block warps: the largest
-    multiple of VEC_COLUMNS inside the rounds before the last (0: no such split — a single
-    round, or `inter` not a multiple of VEC_COLUMNS)."""
+    multiple of VEC_COLUMNS inside the rounds before the last, past every warp's first unit (the
+    first count then says every block is past the norm; 0: none)."""
     nw = blocks * warps_per_block
-    if nw <= 0 or inter % VEC_COLUMNS:
-        return 0
-    rounds = -(-inter // nw)
-    if rounds < 2:
-        return 0
-    ks = min(nw * (rounds - 1), inter) // VEC_COLUMNS * VEC_COLUMNS
-    # (every warp's first unit below it: the first count then says every block is past the norm)
-    return ks if nw <= ks < inter else 0
+    return _split(inter, nw, VEC_COLUMNS, nw)
