@@ -62,6 +62,7 @@ SPECS["gemv_rope_warp"] = (C.WARP_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO,
                            {**_ROPE_T, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 2})
 from engine.fast import mega_chd as MCH  # noqa: E402
 from engine.fast import mega_cuda as MC  # noqa: E402
+from engine.fast import mega_device as MD  # noqa: E402
 from engine.fast.mega import SWITCH_DEFAULTS  # noqa: E402
 from experiments import mma_probe  # noqa: E402
 
@@ -82,7 +83,7 @@ struct Shape { int data_[8]; __device__ int operator[](int i) const { return dat
 def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: int = MC.MAXCH,
                 prof: int = 0) -> str:
     """The bf16 one-kernel step as a kernel `name` of the shapes (H, NQ, NKV, D, I, L, V), its
-    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP, CHD, CHC,
+    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP, CHD, CHC, PROD,
     as
     the MLXP_MEGA_* settings without the prefix). Needs MC.HEADER before it."""
     H, NQ, NKV, D, I, L, V = shape
@@ -103,6 +104,7 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
               QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=int(int(env.get("PRE", 0)) in (1, 2)),
               KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", SWITCH_DEFAULTS.get("MLXP_MEGA_STAGE", "0"))), DYN=int(env.get("DYN", 0)),
               QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)),
+              PROD=int(env.get("PROD", 0)) if not qb and int(env.get("RB", 1)) == 1 else 0,
               CHK=MCH.split_column(I, 132, MC.WPB) if env.get("CHD") == "1" and int(env.get("RB", 1)) == 1 else 0,
               CCK=MCH.split_rows(H, 132, MC.WPB, MC.THREADS) if env.get("CHC") == "1" and int(env.get("RB", 1)) == 1 else 0)
     return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
@@ -125,9 +127,13 @@ def source() -> str:
     # the one-kernel step (1B shapes, 16 layers): float, 4-bit and 8-bit weights, float with
     # q/k norms, and float with 8B's head size (128) and an odd multiple of 32 (96); its header
     # redefines __global__ (launch bounds)
-    src += "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
+    # (PROD=KB: the kernels with a producer warp, engine.fast.mega_prod: float weights only)
+    prod = int(os.environ.get("PROD", 0))
+    src += "}\n" + MD.header(prod) + "namespace mlx::core::cu {\n"
     shapes = ((0, 0, 64), (0, 0, 128)) if mega_only else ((0, 0, 64), (4, 0, 64), (8, 0, 64), (0, 1, 64),
                                                            (0, 0, 128), (0, 0, 96))
+    if prod:
+        shapes = tuple(s for s in shapes if s[0] == 0)
     for qb, qkn, D in shapes:
         src += mega_kernel(f"k_mega_q{qb}_n{qkn}_d{D}_bf16", (32 * D, 32, 8, D, 8192, 16, 128256), os.environ,
                            qb=qb, qkn=qkn, maxch=16, prof=1)

@@ -21,7 +21,9 @@ counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer 
 chd=1 / chc=1: MLXP_MEGA_CHD=1 / MLXP_MEGA_CHC=1, down / gate/up started on the rounds of the
 phase before already done instead of after a barrier (engine.fast.mega_chd); ogrp=1: MLXP_MEGA_OGRP=1, o_proj by groups of heads as each group is done (changes the order of
 its additions); blocks=N: MLXP_MEGA_BLOCKS, the grid's size (default one block per SM; 128 on
-an H200's 132 SMs makes the 8B's o_proj, gate/up and down whole rounds of 2048 warps). Variants of one MASK share a compiled
+an H200's 132 SMs makes the 8B's o_proj, gate/up and down whole rounds of 2048 warps); prod=KB:
+MLXP_MEGA_PROD, a producer warp per block streaming the weights into L2 up to KB ahead of the
+block's other warps (engine.fast.mega_prod). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
@@ -53,7 +55,7 @@ from engine.loader import load_model  # noqa: E402
 # environment holds, so that a variant is the kernel it names
 SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
             "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP",
-            "MLXP_MEGA_BLOCKS", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC")
+            "MLXP_MEGA_BLOCKS", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC", "MLXP_MEGA_PROD")
 
 
 def parse_variant(spec: str) -> dict:

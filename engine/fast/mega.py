@@ -35,6 +35,7 @@ from . import gemv as G
 from . import kernels as K
 from . import mega_chd as CH
 from . import mega_cuda as C
+from . import mega_device as MD
 from .merge import merged_of
 
 
@@ -90,6 +91,9 @@ def check_settings(env=None) -> None:
         raw = env.get(name, "")
         if raw and (not raw.isdigit() or not 1 <= int(raw) <= top):
             raise ValueError(f"{name} must be an integer 1-{top}, not {raw!r}")
+    raw = env.get("MLXP_MEGA_PROD", "")
+    if raw and (not raw.isdigit() or int(raw) > 4096):
+        raise ValueError(f"MLXP_MEGA_PROD must be an integer 0-4096 (KB), not {raw!r}")
     if env.get("MLXP_MEGA_PRE", "") not in ("", "0", "1", "2", "3"):
         raise ValueError(f"MLXP_MEGA_PRE must be 0-3, not {env['MLXP_MEGA_PRE']!r}")
     raw = env.get("MLXP_MEGA_OPT", "")
@@ -275,6 +279,13 @@ class MegaStep:
         # (other kernels, MLXP_MEGA_CHD=1 / MLXP_MEGA_CHC=1) no barrier between gate/up and down /
         # between o_proj and gate/up: the next phase starts on the rounds already done (mega_chd)
         self.chd, self.chc = switch_on("MLXP_MEGA_CHD"), switch_on("MLXP_MEGA_CHC")
+        # (another kernel, MLXP_MEGA_PROD=KB) a producer warp per block streams the weights into
+        # L2 up to KB ahead of the block's other warps (engine.fast.mega_prod); one row a call,
+        # float weights, without the other compile-time choices
+        check_settings({"MLXP_MEGA_PROD": os.environ.get("MLXP_MEGA_PROD", "")})
+        self.prod = int(os.environ.get("MLXP_MEGA_PROD") or 0)
+        if self.quant or self.pre or self.dyn or self.qrow or self.ogrp or self.chd or self.chc:
+            self.prod = 0
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
@@ -285,10 +296,10 @@ class MegaStep:
     def _kernel(self, rows: int):
         smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, self.pre),
                                C.static_bytes(self.NQ, self.D, self.NKV, self.dtype.size, rows, bool(self.ogrp)))
-        q, n = bool(self.quant), int(self.qkn)
-        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}",
+        q, n, prod = bool(self.quant), int(self.qkn), self.prod if rows == 1 else 0
+        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}_p{prod}",
                              C.input_names(self.L, q, self.qkn), ["logits", "ws"],
-                             C.source(self.L, q, self.qkn), C.HEADER, shared_memory=smem)
+                             C.source(self.L, q, self.qkn), MD.header(prod), shared_memory=smem)
 
     def groups(self, B: int) -> list:
         """(first row, rows) of each kernel call for B rows."""
@@ -318,6 +329,7 @@ class MegaStep:
                           ("CHK", CH.split_column(self.I, self.blocks, C.WPB) if rb == 1 and self.chd else 0),
                           ("CCK", CH.split_rows(self.H, self.blocks, C.WPB, C.THREADS) if rb == 1 and self.chc else 0),
                           ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow), ("OGRP", self.ogrp),
+                          ("PROD", self.prod if rb == 1 else 0),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),

@@ -34,9 +34,9 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         }
       }
       if (!flow) {
-        if constexpr (STG != 0) mega_stage<float, RB * QD, THREADS>(qbuf, xf, [](int i) { return i; });
-        else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xf[k] = __ldcg(qbuf + k);
-        __syncthreads();
+        if constexpr (STG != 0) mega_stage<float, RB * QD, CT>(qbuf, xf, [](int i) { return i; });
+        else for (int k = threadIdx.x; k < RB * QD; k += CT) xf[k] = __ldcg(qbuf + k);
+        MEGA_SYNC();
       }
       const T* kcache = KC[l];
       const T* vcache = VC[l];

@@ -52,11 +52,11 @@ CHD_E = r"""    if constexpr (chd) {
       }
       MEGA_ARRIVE();
       MEGA_STAMP();
-      __syncthreads();                  // (this block's warps are done with gate/up's input)
+      MEGA_SYNC();                  // (this block's warps are done with gate/up's input)
       if (threadIdx.x == 0) mega_wait_at_least(dcnt + 4 * l, CHK);
-      __syncthreads();
+      MEGA_SYNC();
       mega_stage<T, (CHK > 0 ? CHK : 4), THREADS>(abuf, xt, swt);
-      __syncthreads();
+      MEGA_SYNC();
       float acc_[1] = {0.f}, hres_ = 0.f;
       const int idx_[1] = {gw};
       if (gw < H) {
@@ -65,9 +65,9 @@ CHD_E = r"""    if constexpr (chd) {
                                                                                    lane, acc_, pol, 0);
       }
       if (threadIdx.x == 0) mega_wait_at_least(dcnt + 4 * l + 1, I - CHK);
-      __syncthreads();
+      MEGA_SYNC();
       mega_stage<T, (CHK > 0 ? I - CHK : 4), THREADS>(abuf + CHK, xt + CHK, swt);
-      __syncthreads();
+      MEGA_SYNC();
       if (gw < H) {
         mega_mat_dot<T, T, (CHK > 0 ? I - CHK : 256), 1, 1, UN1, 0, GS, I, false, true>(WD[l], WD_S[l], WD_B[l], idx_,
                                                                                        xt, lane, acc_, pol, CHK);
@@ -82,9 +82,9 @@ CHD_E = r"""    if constexpr (chd) {
 CHC_D = r"""    if constexpr (chc) {
       MEGA_ARRIVE();
       MEGA_STAMP();
-      __syncthreads();                  // (this block's warps are done with o_proj's input)
+      MEGA_SYNC();                  // (this block's warps are done with o_proj's input)
       if (threadIdx.x == 0) mega_wait_at_least(dcnt + 4 * l + 2, CCK);
-      __syncthreads();
+      MEGA_SYNC();
       // (CCK 0, no CHC: placeholders that compile for any H)
       constexpr int PT_ = mega_cmax(H / THREADS, 2), P1_ = CCK > 0 ? CCK / THREADS : 1;
       float s_ = 0.f;
@@ -103,25 +103,25 @@ CHC_D = r"""    if constexpr (chc) {
         }
       };
       part_(mega_int<0>{}, mega_int<P1_>{});
-      __syncthreads();
+      MEGA_SYNC();
       float acc_[2] = {0.f, 0.f};
       const int idx_[2] = {gw, I + gw};
       if (gw < I)
         mega_mat_dot<T, XN, (CCK > 0 ? CCK : 256), 2, 1, UN2, 0, GS, H, true, false>(WGU[l], WGU_S[l], WGU_B[l], idx_,
                                                                                     xn, lane, acc_, pol, 0);
       if (threadIdx.x == 0) mega_wait_at_least(dcnt + 4 * l + 3, H - CCK);
-      __syncthreads();
+      MEGA_SYNC();
       part_(mega_int<P1_>{}, mega_int<PT_>{});
       s_ = mega_warp_sum(s_);
       if (lane == 0) red[warp][0] = s_;
-      __syncthreads();
+      MEGA_SYNC();
       if (threadIdx.x == 0) {
         float tot = 0.f;
 #pragma unroll
         for (int w = 0; w < WPB; ++w) tot += red[w][0];
         sinv[0] = rsqrtf(tot / H + eps);
       }
-      __syncthreads();
+      MEGA_SYNC();
       if (gw < I) {
         mega_mat_dot<T, XN, (CCK > 0 ? H - CCK : 256), 2, 1, UN2, 0, GS, H, false, true>(WGU[l], WGU_S[l], WGU_B[l],
                                                                                         idx_, xn, lane, acc_, pol, CCK);

@@ -35,6 +35,7 @@ from . import mega_attn as A
 from . import mega_chd as CH
 from . import mega_layout as L_
 from . import mega_ogrp as O
+from . import mega_prod as P
 from . import mega_qkv as Q
 from . import mega_device as D
 
@@ -55,7 +56,9 @@ BODY = r"""
   // rows ROW0 .. ROW0 + RB - 1 of the batch; row b: token tok[ROW0 + b], RoPE position
   // rpos[ROW0 + b], keys and values written at column col[0] of cache row ROW0 + b,
   // attention over columns [start[ROW0 + b], col[0]] (the solo step: one row, start 0)
-  constexpr int WPB = THREADS / 32;
+  // (PROD: the last warp streams weights into L2 (engine.fast.mega_prod): WPB warps and CT
+  // threads of a block compute)
+  constexpr int WPB = THREADS / 32 - (PROD > 0 ? 1 : 0), CT = 32 * WPB;
   constexpr int QD = NQ * D, HALF = D / 2, DPL = D / 32;
   constexpr int NPAIR = (NQ + 2 * NKV) * HALF;
   constexpr int PSTR = D + 4;                      // a partial: D outputs, max, sum (16-byte rows)
@@ -193,14 +196,14 @@ BODY = r"""
     unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); \
     prof[2 * nstamp] = (unsigned int)t_; prof[2 * nstamp + 1] = (unsigned int)(t_ >> 32); } ++nstamp; } while (0)
   // PROF: each block stamps when all its warps are done with the phase (before the barrier)
-#define MEGA_ARRIVE() do { if (PROF) { __syncthreads(); if (threadIdx.x == 0) { \
+#define MEGA_ARRIVE() do { if (PROF) { MEGA_SYNC(); if (threadIdx.x == 0) { \
     const unsigned long long t_ = mega_now(); const size_t i_ = 2 * ((size_t)nstamp * gridDim.x + blockIdx.x); \
     arrive[i_] = (unsigned int)t_; arrive[i_ + 1] = (unsigned int)(t_ >> 32); } } } while (0)
   // before a barrier: the warp's first unit of the next phase (RL rows of K elements,
   // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait (PFCAP: at
   // most the first 16 KB of a unit, so that all warps' prefetches fit in L2 together: the 8B's
   // down rows are 28 KB, 59 MB for the 2112 warps)
-#define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (gw < (NUNITS)) { \
+#define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (PROD == 0 && gw < (NUNITS)) { \
     const int cap_ = (OPT & MEGA_OPT_PFCAP) ? min((KK) * WBITS / 8, 16384 / (RL_)) : (KK) * WBITS / 8; \
     for (int r_ = 0; r_ < (RL_); ++r_) { \
       const char* b_ = reinterpret_cast<const char*>(Wp) + (size_t)((ROW0_) + gw + r_ * (OFF)) * (KK) * WBITS / 8; \
@@ -209,6 +212,7 @@ BODY = r"""
   MEGA_STAMP();
 __TABLES__
   constexpr int WBITS = QB ? QB : 8 * (int)sizeof(T);     // bits a weight element takes
+__PRODUCER__
   // element k of the embedding row of token t (dequantized as MLX does, to T)
   auto emb_at = [&](int t, int k) -> float {
     if constexpr (QB == 0) {
@@ -231,23 +235,23 @@ __TABLES__
 #pragma unroll
     for (int b = 0; b < RB; ++b) s[b] = 0.f;
     if (STG != 0) {
-      constexpr int PT = (H + THREADS - 1) / THREADS;   // elements a thread takes
+      constexpr int PT = (H + CT - 1) / CT;   // elements a thread takes
       // (loads unconditional, past the end clamped to the last element)
       float w[PT];
 #pragma unroll
-      for (int j = 0; j < PT; ++j) w[j] = static_cast<float>(nw[min(threadIdx.x + j * THREADS, H - 1)]);
+      for (int j = 0; j < PT; ++j) w[j] = static_cast<float>(nw[min(threadIdx.x + j * CT, H - 1)]);
 #pragma unroll
       for (int b = 0; b < RB; ++b) {
         const int t = first ? tok[ROW0 + b] : 0;
         float v[PT];
 #pragma unroll
         for (int j = 0; j < PT; ++j) {
-          const int k = min(threadIdx.x + j * THREADS, H - 1);
+          const int k = min(threadIdx.x + j * CT, H - 1);
           v[j] = first ? emb_at(t, k) : __ldcg(hin + b * H + k);
         }
 #pragma unroll
         for (int j = 0; j < PT; ++j) {
-          const int k = threadIdx.x + j * THREADS;
+          const int k = threadIdx.x + j * CT;
           if (k < H) {
             if (first && blockIdx.x == 0) hbuf[b * H + k] = v[j];
             s[b] += v[j] * v[j];
@@ -256,7 +260,7 @@ __TABLES__
         }
       }
     } else {
-      for (int k = threadIdx.x; k < H; k += THREADS) {
+      for (int k = threadIdx.x; k < H; k += CT) {
         const float w = static_cast<float>(nw[k]);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
@@ -272,14 +276,14 @@ __TABLES__
       s[b] = mega_warp_sum(s[b]);
       if (lane == 0) red[warp][b] = s[b];
     }
-    __syncthreads();
+    MEGA_SYNC();
     if (threadIdx.x < RB) {
       float tot = 0.f;
 #pragma unroll
       for (int w = 0; w < WPB; ++w) tot += red[w][threadIdx.x];
       sinv[threadIdx.x] = rsqrtf(tot / H + eps);
     }
-    __syncthreads();
+    MEGA_SYNC();
   };
 
   // o_proj and down_proj: hbuf[b] += T(W . xt[b]) with the residual add rounded as the
@@ -341,9 +345,9 @@ __OGRP__
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
     {
-      if constexpr (STG != 0) mega_stage<T, RB * QD, THREADS>(obuf, xt, swt);
-      else for (int k = threadIdx.x; k < RB * QD; k += THREADS) xt[swt(k)] = T(__ldcg(obuf + k));
-      __syncthreads();
+      if constexpr (STG != 0) mega_stage<T, RB * QD, CT>(obuf, xt, swt);
+      else for (int k = threadIdx.x; k < RB * QD; k += CT) xt[swt(k)] = T(__ldcg(obuf + k));
+      MEGA_SYNC();
       proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], anyp && UNO == UN1, dctr + (l * 5 + 1) * 8,
                     hbuf, gw, chc ? dcnt + 4 * l + 2 : nullptr);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
@@ -383,9 +387,9 @@ __CHD_E__
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
     {
-      if constexpr (STG != 0) mega_stage<T, RB * I, THREADS>(abuf, xt, swt);
-      else for (int k = threadIdx.x; k < RB * I; k += THREADS) xt[swt(k)] = T(__ldcg(abuf + k));
-      __syncthreads();
+      if constexpr (STG != 0) mega_stage<T, RB * I, CT>(abuf, xt, swt);
+      else for (int k = threadIdx.x; k < RB * I; k += CT) xt[swt(k)] = T(__ldcg(abuf + k));
+      MEGA_SYNC();
       proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], anyp, dctr + (l * 5 + 3) * 8,
                     ogrp ? hbuf2 : hbuf, gw, nullptr);
     }
@@ -493,4 +497,4 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
     return (BODY.replace("__QKV__\n", Q.QKV).replace("__ATTENTION__\n", A.ATTENTION)
             .replace("__CHD_D__\n", CH.CHD_D).replace("__CHD_E__\n", CH.CHD_E).replace("__CHC_D__\n", CH.CHC_D)
             .replace("__CHC_C__\n", CH.CHC_C).replace("__CHC_C_END__\n", CH.CHC_C_END)
-            .replace("__OGRP__\n", O.OGRP).replace("__TABLES__\n", tables))
+            .replace("__OGRP__\n", O.OGRP).replace("__PRODUCER__\n", P.PRODUCER).replace("__TABLES__\n", tables))

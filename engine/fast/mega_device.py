@@ -31,6 +31,17 @@ from __future__ import annotations
 HEADER = r"""
 #undef __global__
 #define __global__ __attribute__((global)) __launch_bounds__(512, 1)
+// PROD (MLXP_MEGA_PROD, engine.fast.mega_prod): the last warp of each block streams the block's
+// weights into L2 ahead of the others, which count the bytes they have asked for in mega_pdone;
+// the other 15 warps meet at named barrier 1 (480 threads), not at the block's barrier
+#ifdef MEGA_PRODUCER
+#define MEGA_SYNC() asm volatile("bar.sync 1, 480;" ::: "memory")
+__shared__ unsigned int mega_pdone;
+#define MEGA_PCOUNT(BYTES_) do { if ((threadIdx.x & 31) == 0) atomicAdd(&mega_pdone, (unsigned int)(BYTES_)); } while (0)
+#else
+#define MEGA_SYNC() __syncthreads()
+#define MEGA_PCOUNT(BYTES_) do { } while (0)
+#endif
 // the kernel's switches (its `opt` input), for A/B runs of one compiled kernel
 #define MEGA_OPT_PFO 1u      // phase B prefetches the warp's o_proj rows of phase C into L2
 #define MEGA_OPT_KVPF 2u     // phase A prefetches the layer's cached keys and values into L2
@@ -71,7 +82,7 @@ __device__ __forceinline__ void mega_wait_at_least(const unsigned int* p, unsign
 // mega_wait_at_least)
 __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target, bool rel,
                                                bool lean = false) {
-  __syncthreads();
+  MEGA_SYNC();
   target += gridDim.x;
   if (threadIdx.x == 0) {
     if (rel) {
@@ -83,7 +94,7 @@ __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& 
     mega_wait_at_least(ctr, target);
     if (!lean) __threadfence();     // (the acquire load already orders what follows)
   }
-  __syncthreads();
+  MEGA_SYNC();
 }
 // an L2 eviction policy for the weight loads: evict-first or normal
 __device__ __forceinline__ unsigned long long mega_policy(bool evict_first) {
@@ -271,6 +282,7 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
         for (int r = 0; r < RL; ++r) wv[u][r] = rg[u * RL + r];
     } else {
       load(i0, wv);
+      MEGA_PCOUNT((IT - i0 < UN ? IT - i0 : UN) * RL * 512);   // (PROD: the bytes asked for)
     }
     consume(i0, wv);
   }
@@ -394,3 +406,9 @@ __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T*
   }
 }
 """
+
+
+def header(prod: int = 0) -> str:
+    """HEADER, for a kernel with a producer warp (`prod`: MLXP_MEGA_PROD's window) with
+    MEGA_PRODUCER defined first."""
+    return ("#define MEGA_PRODUCER 1\n" if prod else "") + HEADER

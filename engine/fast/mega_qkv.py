@@ -21,7 +21,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
         for (int b = 0; b < RB; ++b) {
           const size_t lo = (size_t)start_col[ROW0 + b] * RBY / 128 * 128, hi = (size_t)wcol * RBY;
           const int nl = hi > lo ? (int)((hi - lo + 127) / 128) : 0;
-          for (int j = (int)(blockIdx.x * THREADS + threadIdx.x); j < 2 * NKV * nl; j += (int)(gridDim.x * THREADS)) {
+          for (int j = (int)(blockIdx.x * CT + threadIdx.x); j < 2 * NKV * nl; j += (int)(gridDim.x * CT)) {
             const int g = (j / nl) % NKV;
             const T* base = ((j / nl) < NKV ? KC[l] : VC[l]) + ((size_t)(ROW0 + b) * NKV + g) * CAP * D;
             asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(base) + lo + (size_t)(j % nl) * 128));
@@ -84,7 +84,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
       constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
       constexpr int PPB = WPB / 2;               // with QSPLIT: pairs a block takes per round
       // (split only where the half-length rounds take less time than the whole ones)
-      const bool split = HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)
+      const bool split = PROD == 0 && HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)
           && (NPAIR + (int)gridDim.x * PPB - 1) / ((int)gridDim.x * PPB) < 2 * ((NPAIR + NW - 1) / NW);
       if (split) {
         const int pr = warp % PPB, half = warp / PPB;
@@ -100,14 +100,14 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
 #pragma unroll
               for (int j = 0; j < 2 * RB; ++j) part2[pr][j] = acc[j];
           }
-          __syncthreads();
+          MEGA_SYNC();
           if (half == 0 && u < NPAIR) {
 #pragma unroll
             for (int j = 0; j < 2 * RB; ++j) acc[j] += part2[pr][j];
             qkv_out(u, acc);
             if (flow) head_done(u / HALF);
           }
-          __syncthreads();
+          MEGA_SYNC();
         }
       } else if (qrow) {
         // QROW: a warp per row r of the 2 NPAIR (FLOW: the keys and values first). A value row

@@ -61,12 +61,13 @@ def test_the_preloading_kernel_compiles():
     memory before the barrier; 2: also each next unit's while a unit runs; 3: into registers)
     and MLXP_MEGA_KVT=1's
     (attention's value loads issued with its key loads), MLXP_MEGA_OGRP=1's (o_proj by groups of
-    heads) and MLXP_MEGA_CHD=1 MLXP_MEGA_CHC=1's (hand-offs without a barrier) compile too; they
+    heads), MLXP_MEGA_CHD=1 MLXP_MEGA_CHC=1's (hand-offs without a barrier) and MLXP_MEGA_PROD's
+    (a producer warp streaming the weights into L2) compile too; they
     are opt-in, so their
     registers are not held to a limit."""
     import os
     for env in ({"PRE": "3"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"},
-                {"CHD": "1", "CHC": "1"}):
+                {"CHD": "1", "CHC": "1"}, {"PROD": "128"}):
         env["MEGA_ONLY"] = "1"      # (the float one-kernel steps at head sizes 64 and 128 only)
         r = subprocess.run([sys.executable, str(ROOT / "experiments" / "check_kernels_nvcc.py")],
                            capture_output=True, text=True, timeout=600, env={**os.environ, **env})
