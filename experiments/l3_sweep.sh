@@ -44,7 +44,7 @@ done
 for R in $(seq 1 "${BENCH8:-0}"); do    # BENCH8=N: N bench runs on the 8b preset
   stage bench-8b-$R
   MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT} --out "$OUT/bench-8b-r$R"
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT}${MLXP_MEGA_PROD:+-prod$MLXP_MEGA_PROD} --out "$OUT/bench-8b-r$R"
 done
 for R in $(seq 1 "${BENCH8B:-0}"); do   # BENCH8B=N: N more on the 8b preset, grid of BENCH_BLOCKS blocks
   stage bench-8b-blocks-$R

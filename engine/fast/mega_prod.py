@@ -10,7 +10,10 @@ at most PROD KB ahead of what those warps have asked for so far (they add the by
 batch of weight loads to `mega_pdone` in shared memory). It never waits for a barrier, so the
 weights of the next phase stream from memory while the warps wait at one, stage the phase's
 input and run attention, and the warps' own loads then find them in L2. The warps' products
-and their order are those of the kernel without it (its logits are the same).
+and their order are those of the kernel without it (its logits are the same). With
+`MEGA_OPT_KVPF` (MLXP_MEGA_OPT value 2) the producers, not phase A's threads, also ask L2 for
+the layer's cached keys and values once its q/k/v rows are asked for (the lines dealt across the
+blocks, outside the window's count).
 """
 
 PRODUCER = r"""#ifdef MEGA_PRODUCER
@@ -46,6 +49,16 @@ PRODUCER = r"""#ifdef MEGA_PRODUCER
           const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;
           return wqkv + (size_t)((u / HALF) * D + u % HALF + k * HALF) * H * TB;
         });
+        if (OPT & MEGA_OPT_KVPF) {    // the layer's cached keys and values (not counted: no
+          // warp counts them), the lines dealt across the blocks
+          const size_t lo = (size_t)start_col[ROW0] * D * TB / 128 * 128, hi = (size_t)wcol * D * TB;
+          const int nl = hi > lo ? (int)((hi - lo + 127) / 128) : 0;
+          for (int j = (int)blockIdx.x * 32 + lane; j < 2 * NKV * nl; j += (int)gridDim.x * 32) {
+            const int g = (j / nl) % NKV;
+            const T* base = ((j / nl) < NKV ? KC[l] : VC[l]) + ((size_t)ROW0 * NKV + g) * CAP * D;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(base) + lo + (size_t)(j % nl) * 128));
+          }
+        }
         const char* wo = reinterpret_cast<const char*>(WO[l]);
         stream(H, 1, QD * TB, [&](int u0, int k) { return wo + (size_t)u0 * QD * TB; });
         const char* wgu = reinterpret_cast<const char*>(WGU[l]);

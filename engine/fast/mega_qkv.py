@@ -16,7 +16,8 @@ rotates it (A2).
 QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
     // QSPLIT two warps of a block per pair, each over half of H, added in shared memory)
     {
-      if (OPT & MEGA_OPT_KVPF) {      // the layer's cached keys and values into L2
+      if (PROD == 0 && (OPT & MEGA_OPT_KVPF)) {   // the layer's cached keys and values into L2
+        // (PROD: the producer warp asks for them: engine.fast.mega_prod)
         constexpr int RBY = D * (int)sizeof(T);
         for (int b = 0; b < RB; ++b) {
           const size_t lo = (size_t)start_col[ROW0 + b] * RBY / 128 * 128, hi = (size_t)wcol * RBY;
