@@ -105,6 +105,7 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
               KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", SWITCH_DEFAULTS.get("MLXP_MEGA_STAGE", "0"))), DYN=int(env.get("DYN", 0)),
               QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)),
               PROD=int(env.get("PROD", 0)) if not qb and int(env.get("RB", 1)) == 1 else 0,
+              PBULK=int(env.get("PBULK", 0)),
               CHK=MCH.split_column(I, 132, MC.WPB) if env.get("CHD") == "1" and int(env.get("RB", 1)) == 1 else 0,
               CCK=MCH.split_rows(H, 132, MC.WPB, MC.THREADS) if env.get("CHC") == "1" and int(env.get("RB", 1)) == 1 else 0)
     return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "

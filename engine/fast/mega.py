@@ -63,7 +63,8 @@ def opt_mask() -> int:
 
 
 SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT",
-            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC")
+            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC",
+            "MLXP_MEGA_PBULK")
 
 
 # the switches on unless set to 0: MLXP_MEGA_STAGE from 0.2.8 (on the H200 the step 4.2% (8b) and
@@ -286,6 +287,9 @@ class MegaStep:
         self.prod = int(os.environ.get("MLXP_MEGA_PROD") or 0)
         if self.quant or self.pre or self.dyn or self.qrow or self.ogrp or self.chd or self.chc:
             self.prod = 0
+        # (with PROD, MLXP_MEGA_PBULK=1) its requests are 1 KB bulk prefetches (the copy engine's
+        # cp.async.bulk.prefetch.L2) instead of a 128-byte line per lane
+        self.pbulk = switch_on("MLXP_MEGA_PBULK") if self.prod else 0
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
@@ -297,7 +301,7 @@ class MegaStep:
         smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, self.pre),
                                C.static_bytes(self.NQ, self.D, self.NKV, self.dtype.size, rows, bool(self.ogrp)))
         q, n, prod = bool(self.quant), int(self.qkn), self.prod if rows == 1 else 0
-        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}_p{prod}",
+        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}_p{prod}{'b' if prod and self.pbulk else ''}",
                              C.input_names(self.L, q, self.qkn), ["logits", "ws"],
                              C.source(self.L, q, self.qkn), MD.header(prod), shared_memory=smem)
 
@@ -329,7 +333,7 @@ class MegaStep:
                           ("CHK", CH.split_column(self.I, self.blocks, C.WPB) if rb == 1 and self.chd else 0),
                           ("CCK", CH.split_rows(self.H, self.blocks, C.WPB, C.THREADS) if rb == 1 and self.chc else 0),
                           ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow), ("OGRP", self.ogrp),
-                          ("PROD", self.prod if rb == 1 else 0),
+                          ("PROD", self.prod if rb == 1 else 0), ("PBULK", self.pbulk if rb == 1 else 0),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),

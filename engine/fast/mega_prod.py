@@ -6,7 +6,8 @@ the last warp of each block computes nothing: it walks through the same units th
 other 15 warps take — q/k/v pairs, o_proj rows, gate/up pairs, down rows over the layers,
 then the head's rows — and asks L2 for their weights (`prefetch.global.L2`, a 128-byte line
 of each of the round's rows at a time, the rows' lines in the order the warps read them),
-at most PROD KB ahead of what those warps have asked for so far (they add the bytes of each
+(PBULK: 1 KB bulk prefetches through the copy engine, `cp.async.bulk.prefetch.L2`, sm_90
+and later), at most PROD KB ahead of what those warps have asked for so far (they add the bytes of each
 batch of weight loads to `mega_pdone` in shared memory). It never waits for a barrier, so the
 weights of the next phase stream from memory while the warps wait at one, stage the phase's
 input and run attention, and the warps' own loads then find them in L2. The warps' products
@@ -22,6 +23,11 @@ PRODUCER = r"""#ifdef MEGA_PRODUCER
     __syncthreads();                  // (every warp, the producer too: the count starts at 0)
     if (warp == WPB) {
       constexpr int WIN = PROD * 1024;
+#if __CUDA_ARCH__ >= 900
+      constexpr bool bulk = PBULK != 0;
+#else
+      constexpr bool bulk = false;      // (bulk prefetches need sm_90)
+#endif
       const volatile unsigned int* pdone = &mega_pdone;
       unsigned int issued = 0u;
       // lane j: row j / WPB of the unit warp j % WPB takes in each round
@@ -35,10 +41,19 @@ PRODUCER = r"""#ifdef MEGA_PRODUCER
           const unsigned int act = __popc(__ballot_sync(0xffffffffu, on));
           if (act == 0u) break;
           const char* p = on ? rowp(u0, pk) : nullptr;
-          for (int off = 0; off < RBY; off += 128) {
-            while ((int)(issued - *pdone) > WIN) __nanosleep(64);
-            if (on) asm volatile("prefetch.global.L2 [%0];" :: "l"(p + off));
-            issued += act * 128u;
+          if constexpr (bulk) {   // (PBULK: 1 KB a request, through the copy engine)
+            for (int off = 0; off < RBY; off += 1024) {
+              const int n = RBY - off < 1024 ? RBY - off : 1024;
+              while ((int)(issued - *pdone) > WIN) __nanosleep(64);
+              if (on) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p + off), "r"(n) : "memory");
+              issued += act * (unsigned int)n;
+            }
+          } else {
+            for (int off = 0; off < RBY; off += 128) {
+              while ((int)(issued - *pdone) > WIN) __nanosleep(64);
+              if (on) asm volatile("prefetch.global.L2 [%0];" :: "l"(p + off));
+              issued += act * 128u;
+            }
           }
         }
       };

@@ -47,7 +47,7 @@ def _compiled(items: tuple) -> dict:
 
 # every setting the tests below compile (MEGA_ONLY: the float one-kernel steps only)
 _OPT_IN = ({"PRE": "3"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"},
-           {"CHD": "1", "CHC": "1"}, {"PROD": "128"})
+           {"CHD": "1", "CHC": "1"}, {"PROD": "128"}, {"PROD": "128", "PBULK": "1"})
 _ALL = ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"},
         {"STG": "1", "OGRP": "1", "MEGA_ONLY": "1"}) + tuple({**e, "MEGA_ONLY": "1"} for e in _OPT_IN)
 

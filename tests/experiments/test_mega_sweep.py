@@ -85,7 +85,7 @@ def test_step_overhead_runs_off_a_gpu(tmp_path):
 def test_a_variant_is_the_kernel_it_names(monkeypatch):
     """Settings in the environment that a variant does not name are unset while it runs (and put
     back after): every setting a variant can name is in the list that run_variant clears."""
-    named = {f"MLXP_MEGA_{k.upper()}" for k in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp", "chd", "chc", "prod",
+    named = {f"MLXP_MEGA_{k.upper()}" for k in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp", "chd", "chc", "prod", "pbulk",
                                                  "blocks")}
     assert named | {"MLXP_MEGA_OPT"} == set(mega_sweep.SETTINGS)
     for k in named:
