@@ -4,10 +4,10 @@ engine.fast.mega_cuda's BODY where `__PRODUCER__` stands.
 With PROD > 0 (one row a call, float weights, none of the other compile-time kernel choices)
 the last warp of each block computes nothing: it walks through the same units the block's
 other 15 warps take — q/k/v pairs, o_proj rows, gate/up pairs, down rows over the layers,
-then the head's rows — and asks L2 for their weights (`prefetch.global.L2`, a 128-byte line
-of each of the round's rows at a time, the rows' lines in the order the warps read them),
-(PBULK: 1 KB bulk prefetches through the copy engine, `cp.async.bulk.prefetch.L2`, sm_90
-and later), at most PROD KB ahead of what those warps have asked for so far (they add the bytes of each
+then the head's rows — and asks L2 for their weights, a 128-byte line of each of the round's
+rows at a time (`prefetch.global.L2`; with PBULK a 1 KB bulk prefetch through the copy engine,
+`cp.async.bulk.prefetch.L2`, sm_90 and later), the rows' lines in the order the warps read them,
+at most PROD KB ahead of what those warps have asked for so far (they add the bytes of each
 batch of weight loads to `mega_pdone` in shared memory). It never waits for a barrier, so the
 weights of the next phase stream from memory while the warps wait at one, stage the phase's
 input and run attention, and the warps' own loads then find them in L2. The warps' products
@@ -65,7 +65,8 @@ PRODUCER = r"""#ifdef MEGA_PRODUCER
           return wqkv + (size_t)((u / HALF) * D + u % HALF + k * HALF) * H * TB;
         });
         if (OPT & MEGA_OPT_KVPF) {    // the layer's cached keys and values (not counted: no
-          // warp counts them), the lines dealt across the blocks
+          // warp counts them), the lines dealt across the blocks (phase A's loop in mega_qkv with
+          // the producer's lanes; not shared through a function: that moved the default kernel's code)
           const size_t lo = (size_t)start_col[ROW0] * D * TB / 128 * 128, hi = (size_t)wcol * D * TB;
           const int nl = hi > lo ? (int)((hi - lo + 127) / 128) : 0;
           for (int j = (int)blockIdx.x * 32 + lane; j < 2 * NKV * nl; j += (int)gridDim.x * 32) {
