@@ -174,6 +174,12 @@ class FastDecoder:
             return {}
         return self._mega.profile(self._mega_ws)
 
+    def mega_block_arrivals(self) -> dict:
+        """The last step's per-block phase arrivals (MLXP_MEGA_PROF=1; MegaStep.block_arrivals), else {}."""
+        if self._mega is None or self._mega_ws is None:
+            return {}
+        return self._mega.block_arrivals(self._mega_ws)
+
     def tune(self, rows: int) -> dict:
         """Measure, for each projection shape of this model at `rows` rows, whether the
         fused GEMV kernel or the stock ops run faster on this device, and use the faster

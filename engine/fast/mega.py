@@ -70,6 +70,8 @@ SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_
 # the switches on unless set to 0: MLXP_MEGA_STAGE from 0.2.8 (on the H200 the step 4.2% (8b) and
 # 5.0% (1b) shorter, logits identical: reports/l3_profile/0.2.7/h200-sweep-stage)
 SWITCH_DEFAULTS = {"MLXP_MEGA_STAGE": "1"}
+# the step's phases as the PROF stamps name them (a layer's five, then the head)
+PHASES = ("qkv_rope", "attention", "o_proj", "gate_up", "down", "head")
 
 
 def switch_on(name: str) -> int:
@@ -353,24 +355,36 @@ class MegaStep:
         (`min`), the median one and the last (`max`). A phase whose median is far below its
         max waits on a few slow blocks; what lies between max and the phase time is the
         barrier itself."""
+        t, per = self._stamps(ws)
+        n = len(t)
+        d = [(t[i + 1] - t[i]) / 1e3 for i in range(n - 1)]
+        out = {ph: round(sum(d[5 * l + j] for l in range(self.L)), 2) for j, ph in enumerate(PHASES[:5])}
+        out["head"] = round(d[-1], 2)
+        out["total"] = round((t[-1] - t[0]) / 1e3, 2)
+        if per:
+            out["arrive"] = {}
+            for k, rows in per.items():
+                spreads = [(min(a), sorted(a)[len(a) // 2], max(a)) for a in rows]
+                sums = [sum(q) for q in zip(*spreads)]
+                out["arrive"][k] = {q: round(v, 2) for q, v in zip(("min", "median", "max"), sums)}
+        return out
+
+    def block_arrivals(self, ws: mx.array) -> dict:
+        """With MLXP_MEGA_PROF=1 (and the blocks' stamps): for each phase, one list per layer
+        (the head: one list) of the µs after the phase's start at which each block (by index)
+        had finished its share."""
+        return self._stamps(ws)[1]
+
+    def _stamps(self, ws: mx.array):
         n, nb = C.n_stamps(self.L), self.blocks
         raw = mx.view(ws[-2 * n * (1 + nb):], mx.uint32).tolist()
         t = [raw[2 * i] + (raw[2 * i + 1] << 32) for i in range(n)]
         arr = raw[2 * n:]
-        d = [(t[i + 1] - t[i]) / 1e3 for i in range(n - 1)]
-        names = ("qkv_rope", "attention", "o_proj", "gate_up", "down")
-        out = {ph: round(sum(d[5 * l + j] for l in range(self.L)), 2) for j, ph in enumerate(names)}
-        out["head"] = round(d[-1], 2)
-        out["total"] = round((t[-1] - t[0]) / 1e3, 2)
+        per = {}
         if nb and len(arr) == 2 * n * nb:
-            def spread(i):      # the blocks' arrivals at stamp i, µs after stamp i - 1
-                a = sorted(((arr[2 * (i * nb + b)] + (arr[2 * (i * nb + b) + 1] << 32)) - t[i - 1]) / 1e3
-                           for b in range(nb))
-                return a[0], a[len(a) // 2], a[-1]
-            kinds = {ph: [1 + 5 * l + j for l in range(self.L)] for j, ph in enumerate(names)}
-            kinds["head"] = [n - 1]
-            out["arrive"] = {}
-            for k, idx in kinds.items():
-                sums = [sum(q) for q in zip(*(spread(i) for i in idx))]
-                out["arrive"][k] = {q: round(v, 2) for q, v in zip(("min", "median", "max"), sums)}
-        return out
+            def at(i):      # the blocks' arrivals at stamp i, µs after stamp i - 1
+                return [((arr[2 * (i * nb + b)] + (arr[2 * (i * nb + b) + 1] << 32)) - t[i - 1]) / 1e3
+                        for b in range(nb)]
+            per = {ph: [at(1 + 5 * l + j) for l in range(self.L)] for j, ph in enumerate(PHASES[:5])}
+            per["head"] = [at(n - 1)]
+        return t, per

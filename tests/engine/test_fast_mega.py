@@ -126,6 +126,10 @@ def test_groups_and_profile_arithmetic(llama):
     assert prof["arrive"]["head"] == {"min": 0.1, "median": 0.2, "max": 0.3}
     assert prof["arrive"]["down"] == {"min": round(0.1 * step.L, 2), "median": round(0.2 * step.L, 2),
                                       "max": round(0.3 * step.L, 2)}
+    per = step.block_arrivals(ws)
+    assert set(per) == {"qkv_rope", "attention", "o_proj", "gate_up", "down", "head"}
+    assert len(per["down"]) == step.L and len(per["head"]) == 1
+    assert all(row == [0.1, 0.2, 0.3] for rows in per.values() for row in rows)
     assert C.workspace_floats(64, 4, 16, 128, step.L, 1, 3) - C.workspace_floats(64, 4, 16, 128, step.L) == 6 * n
 
 
