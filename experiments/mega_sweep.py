@@ -24,7 +24,8 @@ its additions); blocks=N: MLXP_MEGA_BLOCKS, the grid's size (default one block p
 an H200's 132 SMs makes the 8B's o_proj, gate/up and down whole rounds of 2048 warps); prod=KB:
 MLXP_MEGA_PROD, a producer warp per block streaming the weights into L2 up to KB ahead of the
 block's other warps (engine.fast.mega_prod); pbulk=1: MLXP_MEGA_PBULK=1, its requests 1 KB bulk
-prefetches. Variants of one MASK share a compiled
+prefetches; bal=FILE: MLXP_MEGA_BAL=FILE, each phase's last rounds shared out by the blocks'
+speeds experiments/mega_blocks.py measured (engine.fast.mega_bal). Variants of one MASK share a compiled
 kernel (the mask is an input); other loads in flight compile another.
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
@@ -57,7 +58,7 @@ from engine.loader import load_model  # noqa: E402
 SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
             "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP",
             "MLXP_MEGA_BLOCKS", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC", "MLXP_MEGA_PROD",
-            "MLXP_MEGA_PBULK")
+            "MLXP_MEGA_PBULK", "MLXP_MEGA_BAL")
 
 
 def parse_variant(spec: str) -> dict:
@@ -68,7 +69,7 @@ def parse_variant(spec: str) -> dict:
         k, v = kv.split("=")
         if f"MLXP_MEGA_{k.upper()}" not in SETTINGS[1:]:
             raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
-        env[f"MLXP_MEGA_{k.upper()}"] = str(int(v))
+        env[f"MLXP_MEGA_{k.upper()}"] = v if k == "bal" else str(int(v))
     return env
 
 

@@ -33,6 +33,7 @@ from ..levers import Levers
 from ..models.base import silu_gate
 from . import gemv as G
 from . import kernels as K
+from . import mega_bal as BL
 from . import mega_chd as CH
 from . import mega_cuda as C
 from . import mega_device as MD
@@ -97,6 +98,9 @@ def check_settings(env=None) -> None:
     raw = env.get("MLXP_MEGA_PROD", "")
     if raw and (not raw.isdigit() or int(raw) > 4096):
         raise ValueError(f"MLXP_MEGA_PROD must be an integer 0-4096 (KB), not {raw!r}")
+    raw = env.get("MLXP_MEGA_BAL", "")
+    if raw and not os.path.isfile(raw):
+        raise ValueError(f"MLXP_MEGA_BAL must name the file experiments/mega_blocks.py wrote, not {raw!r}")
     if env.get("MLXP_MEGA_PRE", "") not in ("", "0", "1", "2", "3"):
         raise ValueError(f"MLXP_MEGA_PRE must be 0-3, not {env['MLXP_MEGA_PRE']!r}")
     raw = env.get("MLXP_MEGA_OPT", "")
@@ -292,6 +296,16 @@ class MegaStep:
         # (with PROD, MLXP_MEGA_PBULK=1) its requests are 1 KB bulk prefetches (the copy engine's
         # cp.async.bulk.prefetch.L2) instead of a 128-byte line per lane
         self.pbulk = switch_on("MLXP_MEGA_PBULK") if self.prod else 0
+        # (another kernel, MLXP_MEGA_BAL=FILE) each projection phase's last rounds shared out as
+        # the blocks' speeds measured on this GPU say (engine.fast.mega_bal; one row a call, float
+        # weights, without the other compile-time choices)
+        self.bal = None
+        bal = os.environ.get("MLXP_MEGA_BAL", "")
+        if bal and not (self.quant or self.pre or self.dyn or self.qrow or self.ogrp or self.chd or self.chc):
+            sizes = {"pairs": (self.NQ + 2 * self.NKV) * self.D // 2, "hidden": self.H, "inter": self.I, "vocab": self.V}
+            tab = BL.load_table(bal, sizes, self.blocks, C.WPB)
+            self.bal = mx.view(mx.array(tab, dtype=mx.int32), mx.float32)
+            self.dyn, self.prod = 2, 0
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
@@ -321,7 +335,7 @@ class MegaStep:
         logits, wss = [], []
         for row0, rb in self.groups(B):
             lg, ws = self._kernel(rb)(
-                inputs=ins + [wss[-1] if wss else self._first],
+                inputs=ins + [wss[-1] if wss else self.bal if (self.bal is not None and rb == 1) else self._first],
                 template=[("T", self.dtype), ("H", self.H), ("NQ", self.NQ), ("NKV", self.NKV),
                           ("D", self.D), ("I", self.I), ("L", self.L), ("V", self.V),
                           ("THREADS", C.THREADS), ("MAXCH", C.MAXCH), ("RB", rb), ("ROW0", row0),
@@ -334,7 +348,7 @@ class MegaStep:
                           ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
                           ("CHK", CH.split_column(self.I, self.blocks, C.WPB) if rb == 1 and self.chd else 0),
                           ("CCK", CH.split_rows(self.H, self.blocks, C.WPB, C.THREADS) if rb == 1 and self.chc else 0),
-                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", self.dyn), ("QROW", self.qrow), ("OGRP", self.ogrp),
+                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", int(self.dyn) if self.dyn != 2 or rb == 1 else 0), ("QROW", self.qrow), ("OGRP", self.ogrp),
                           ("PROD", self.prod if rb == 1 else 0), ("PBULK", self.pbulk if rb == 1 else 0),
                           ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
                                                      self.pre)))],

@@ -32,6 +32,7 @@ count (`source(L)`).
 from __future__ import annotations
 
 from . import mega_attn as A
+from . import mega_bal as B
 from . import mega_chd as CH
 from . import mega_layout as L_
 from . import mega_ogrp as O
@@ -127,28 +128,7 @@ BODY = r"""
   // rounds of loads (more pairs than warps: the 8B shapes); FLOW's value flags then count rows
   constexpr int NROW = 2 * NPAIR;
   const bool qrow = QROW != 0 && (NROW + NW - 1) / NW < 2 * ((NPAIR + NW - 1) / NW);
-  // DYN (MLXP_MEGA_DYN=1, a compile-time choice: its registers would stay in the default kernel;
-  // not with PRE 2, whose copies need a warp's next unit early): a phase's units [0, N) go
-  // gw, gw + NW, ... over its static part [0, NS) (all but its last one or two rounds, the first
-  // round at least), the rest from 8 counters (warp gw asks counter gw % 8, its j-th answer
-  // being unit NS + gw % 8 + 8 j), so the SMs that stream faster take more of the last units.
-  // A warp asks at the start of its last static unit and of each counted one, and reads the
-  // answer after the unit's work (the atomic's round trip overlaps it)
-  constexpr bool dyn = DYN != 0 && PRE != 2;
-  auto dyn_ns = [&](int N) { const int r = N / NW; return dyn ? min(N, max(r - 1, 1) * NW) : N; };
-  auto dyn_ask = [&](int n, int N, int NS, unsigned int* c) {
-    unsigned int got = 0u;
-    if constexpr (dyn) {
-      if (NS < N && n + NW >= NS && lane == 0) got = atomicAdd(c + (gw & 7), 1u);
-    }
-    return got;
-  };
-  auto dyn_next = [&](int n, int N, int NS, unsigned int got) {
-    if constexpr (dyn) {
-      if (NS < N && n + NW >= NS) return NS + (gw & 7) + 8 * (int)__shfl_sync(0xffffffffu, got, 0);
-    }
-    return n + NW;
-  };
+__DYN__
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
   // PRE (float weights, one row, a shared memory region PRESM for it): a warp's first loads of
   // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async);
@@ -497,4 +477,4 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
     return (BODY.replace("__QKV__\n", Q.QKV).replace("__ATTENTION__\n", A.ATTENTION)
             .replace("__CHD_D__\n", CH.CHD_D).replace("__CHD_E__\n", CH.CHD_E).replace("__CHC_D__\n", CH.CHC_D)
             .replace("__CHC_C__\n", CH.CHC_C).replace("__CHC_C_END__\n", CH.CHC_C_END)
-            .replace("__OGRP__\n", O.OGRP).replace("__PRODUCER__\n", P.PRODUCER).replace("__TABLES__\n", tables))
+            .replace("__OGRP__\n", O.OGRP).replace("__PRODUCER__\n", P.PRODUCER).replace("__DYN__\n", B.DYN).replace("__TABLES__\n", tables))

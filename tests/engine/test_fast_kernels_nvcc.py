@@ -48,7 +48,7 @@ def _compiled(items: tuple) -> dict:
 # every setting the tests below compile (MEGA_ONLY: the float one-kernel steps only)
 _OPT_IN = ({"PRE": "3"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"},
            {"CHD": "1", "CHC": "1"}, {"PROD": "128"}, {"PROD": "128", "PBULK": "1"})
-_ALL = ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"},
+_ALL = ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"}, {"DYN": "2", "MEGA_ONLY": "1"},
         {"STG": "1", "OGRP": "1", "MEGA_ONLY": "1"}) + tuple({**e, "MEGA_ONLY": "1"} for e in _OPT_IN)
 
 
@@ -68,8 +68,10 @@ def _compile_together():
 def test_every_kernel_compiles_without_spilling_much():
     """The bf16 one-kernel step (1B and 8B head sizes) keeps its registers, at most a few bytes
     spilled: the default kernel (MLXP_MEGA_STAGE on), 0.2.7's (STAGE off), and the opt-in kernels
-    that are candidates for the default (MLXP_MEGA_QROW=1 and MLXP_MEGA_DYN=1)."""
-    for env in ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"}):
+    that are candidates for the default (MLXP_MEGA_QROW=1 and MLXP_MEGA_DYN=1; MLXP_MEGA_BAL's
+    plan-following kernel, DYN 2)."""
+    for env in ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"},
+                {"DYN": "2", "MEGA_ONLY": "1"}):
         spills = _mega_spills(env)
         assert all(v <= 16 for v in spills.values()), (env, spills)
 

@@ -86,10 +86,11 @@ def test_a_variant_is_the_kernel_it_names(monkeypatch):
     """Settings in the environment that a variant does not name are unset while it runs (and put
     back after): every setting a variant can name is in the list that run_variant clears."""
     named = {f"MLXP_MEGA_{k.upper()}" for k in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp", "chd", "chc", "prod", "pbulk",
-                                                 "blocks")}
+                                                 "blocks", "bal")}
     assert named | {"MLXP_MEGA_OPT"} == set(mega_sweep.SETTINGS)
     for k in named:
         assert mega_sweep.parse_variant(f"596:{k[10:].lower()}=1")[k] == "1"
+    assert mega_sweep.parse_variant("596:bal=/tmp/b.json")["MLXP_MEGA_BAL"] == "/tmp/b.json"   # a path
     import os
 
     seen = {}
