@@ -48,6 +48,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast.decode import FastDecoder  # noqa: E402
+from engine.fast.mega import PHASES  # noqa: E402
 from experiments._common import md_table  # noqa: E402
 from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -127,7 +128,6 @@ def _cmp(a, b) -> dict:
 # guard of a flag that never came, 10 s; a bad address)
 STICKY = ("illegal instruction", "illegal memory access", "misaligned address", "unspecified launch failure")
 
-PHASES = ("qkv_rope", "attention", "o_proj", "gate_up", "down", "head")
 
 
 def report(files: list, out: Path) -> None:
