@@ -5,7 +5,7 @@
 # one-kernel step with that plan against the default and DYN (experiments/mega_sweep.py), then
 # a same-run bench against mlx-lm (experiments/bench_decode.py, 5 trials) of each choice whose
 # profiled step at prompt 128 was at least 1% shorter than the default's: the best producer
-# window (MLXP_MEGA_PROD) and the plan. DEV begins the benches' tags. Results under $OUT.
+# window (MLXP_MEGA_PROD) and the plan (neither: the default kernel). DEV begins the benches' tags. Results under $OUT.
 #   SW=/tmp/sw OUT=/tmp/win DEV=h200 BUDGET=300 bash experiments/l3_winners.sh
 set -u
 OUT=${OUT:-/tmp/win}
@@ -45,5 +45,6 @@ P=$(pick "$SW/sweep_8b.json" "596:prod=" 2>/dev/null)
 echo "winners: prod=${P:-none} bal=${BAL:+yes}"
 [ -n "$P" ] && bench r1-prod$P MLXP_MEGA_PROD=$P
 [ -n "$BAL" ] && bench r1-bal MLXP_MEGA_BAL=$OUT/blocks_8b.json
+[ -z "$P$BAL" ] && bench r1      # (neither: the default kernel against mlx-lm)
 stage done
 } 2>&1 | tee "$OUT/winners.log"
