@@ -191,7 +191,15 @@ def _rank_lost(run, pid1, no_eos):
         assert "choices" in first
         t = threading.Thread(target=anthropic)
         t.start()
-        time.sleep(0.5)
+        # both requests inside the server before the kill (on a loaded machine the thread's
+        # request could otherwise connect only after rank 0 had exited: connection refused)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            q = httpx.get(url + "/stats", timeout=10).json()["queue"]
+            if q["active"] + q["queued"] >= 2:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
         os.kill(pid1, signal.SIGKILL)
         t0 = time.monotonic()
         frames = [line for line in lines if line.startswith("data: ")]
