@@ -286,26 +286,24 @@ class MegaStep:
         # (other kernels, MLXP_MEGA_CHD=1 / MLXP_MEGA_CHC=1) no barrier between gate/up and down /
         # between o_proj and gate/up: the next phase starts on the rounds already done (mega_chd)
         self.chd, self.chc = switch_on("MLXP_MEGA_CHD"), switch_on("MLXP_MEGA_CHC")
-        # (another kernel, MLXP_MEGA_PROD=KB) a producer warp per block streams the weights into
-        # L2 up to KB ahead of the block's other warps (engine.fast.mega_prod); one row a call,
-        # float weights, without the other compile-time choices
-        check_settings({"MLXP_MEGA_PROD": os.environ.get("MLXP_MEGA_PROD", "")})
-        self.prod = int(os.environ.get("MLXP_MEGA_PROD") or 0)
-        if self.quant or self.pre or self.dyn or self.qrow or self.ogrp or self.chd or self.chc:
-            self.prod = 0
-        # (with PROD, MLXP_MEGA_PBULK=1) its requests are 1 KB bulk prefetches (the copy engine's
-        # cp.async.bulk.prefetch.L2) instead of a 128-byte line per lane
-        self.pbulk = switch_on("MLXP_MEGA_PBULK") if self.prod else 0
+        # (PROD and BAL below: one row a call, float weights, none of the choices above)
+        other = bool(self.quant or self.pre or self.dyn or self.qrow or self.ogrp or self.chd or self.chc)
         # (another kernel, MLXP_MEGA_BAL=FILE) each projection phase's last rounds shared out as
-        # the blocks' speeds measured on this GPU say (engine.fast.mega_bal; one row a call, float
-        # weights, without the other compile-time choices)
+        # the blocks' speeds measured on this GPU say (engine.fast.mega_bal)
         self.bal = None
         bal = os.environ.get("MLXP_MEGA_BAL", "")
-        if bal and not (self.quant or self.pre or self.dyn or self.qrow or self.ogrp or self.chd or self.chc):
+        if bal and not other:
             sizes = {"pairs": (self.NQ + 2 * self.NKV) * self.D // 2, "hidden": self.H, "inter": self.I, "vocab": self.V}
             tab = BL.load_table(bal, sizes, self.blocks, C.WPB)
             self.bal = mx.view(mx.array(tab, dtype=mx.int32), mx.float32)
-            self.dyn, self.prod = 2, 0
+            self.dyn = 2
+        # (another kernel, MLXP_MEGA_PROD=KB) a producer warp per block streams the weights into
+        # L2 up to KB ahead of the block's other warps (engine.fast.mega_prod); not with BAL
+        check_settings({"MLXP_MEGA_PROD": os.environ.get("MLXP_MEGA_PROD", "")})
+        self.prod = 0 if other or self.bal is not None else int(os.environ.get("MLXP_MEGA_PROD") or 0)
+        # (with PROD, MLXP_MEGA_PBULK=1) its requests are 1 KB bulk prefetches (the copy engine's
+        # cp.async.bulk.prefetch.L2) instead of a 128-byte line per lane
+        self.pbulk = switch_on("MLXP_MEGA_PBULK") if self.prod else 0
         mask = opt_mask()
         self.opt = mx.array([mask], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
