@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.2.9"
+__version__ = "0.2.10"
 
 from .core import Engine  # noqa: E402
 from .loader import load  # noqa: E402
