@@ -10,8 +10,10 @@ rows at a time (`prefetch.global.L2`; with PBULK a 1 KB bulk prefetch through th
 at most PROD KB ahead of what those warps have asked for so far (they add the bytes of each
 batch of weight loads to `mega_pdone` in shared memory). It never waits for a barrier, so the
 weights of the next phase stream from memory while the warps wait at one, stage the phase's
-input and run attention, and the warps' own loads then find them in L2. The warps' products
-and their order are those of the kernel without it (its logits are the same). With
+input and run attention, and the warps' own loads then find them in L2. The projections'
+products and their order are those of the kernel without it, but the RMSNorm's sum of squares
+strides by the 480 computing threads, so the logits differ slightly (measured on an H200, where
+the kernel was also slower: reports/l3_profile/0.2.9/h200-prod-bal). With
 `MEGA_OPT_KVPF` (MLXP_MEGA_OPT value 2) the producers, not phase A's threads, also ask L2 for
 the layer's cached keys and values once its q/k/v rows are asked for (the lines dealt across the
 blocks, outside the window's count).
