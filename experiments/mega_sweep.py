@@ -129,7 +129,6 @@ def _cmp(a, b) -> dict:
 STICKY = ("illegal instruction", "illegal memory access", "misaligned address", "unspecified launch failure")
 
 
-
 def report(files: list, out: Path) -> None:
     """sweep.md (one row per file, prompt, variant: phase µs, total, wall, top-1 against the
     file's first variant) and sweep.png (stacked phases per variant)."""
