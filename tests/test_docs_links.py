@@ -1,6 +1,6 @@
 """The user docs stay navigable and short.
 
-Every relative link in docs/*.md and README.md points to a file that exists (and, with a
+Every relative link in docs/*.md, README.md and reports/*/JOURNAL.md points to a file that exists (and, with a
 `#fragment` into a markdown page, to a heading that exists); every `reports/...` path a page
 names exists; no page is longer than MAX_LINES; no page speaks of how the project is organised
 (issues, sessions, shared notes) rather than of what it does.
@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+JOURNALS = sorted((ROOT / "reports").glob("*/JOURNAL.md"))  # lab notes: their links must hold too
 MAX_LINES = 300
 # Pages allowed past MAX_LINES, each with its reason. docs/l3.md is being cut to <= 250 lines
 # separately; it is the only one.
@@ -92,12 +93,12 @@ def _missing_reports(page: Path) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_rel)
+@pytest.mark.parametrize("page", PAGES + JOURNALS, ids=_rel)
 def test_relative_links_resolve(page):
     assert _broken_links(page) == [], f"{_rel(page)} links to what is not there"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_rel)
+@pytest.mark.parametrize("page", PAGES + JOURNALS, ids=_rel)
 def test_report_paths_exist(page):
     assert _missing_reports(page) == [], f"{_rel(page)} names reports that do not exist"
 
