@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     out = sys.stdout
     if args.tensor_parallel:
         import mlx.core as mx
-        from engine.sharding import agreed_seed
+        from engine.distributed import agreed_seed
         if mx.distributed.init().rank() != 0:  # every rank computes, rank 0 prints
             out = open(os.devnull, "w")
         if args.seed is None:  # sampling ranks must draw the same tokens

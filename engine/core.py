@@ -122,21 +122,35 @@ class Engine:
     @classmethod
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
              memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: int = 0,
-             tensor_parallel: bool = False, **kw):
+             tensor_parallel: bool = False, tp_timeout: Optional[float] = 60.0, **kw):
         """Load a model directory; memory admission on (budget: 75% of RAM by default).
-        `tensor_parallel=True` shards it over `mx.distributed` ranks (see `engine.load`)."""
-        from .admission import Admission
+
+        `tensor_parallel=True` (under `mlx.launch`): every rank loads its shard (see
+        `engine.load`) and builds the same Engine (rank 0's memory budget). On rank 0
+        this returns an `engine.distributed.Leader` with the Engine's interface, which
+        makes every call on every rank; on the other ranks it does not return: they
+        replay rank 0's calls until rank 0 closes it (or exits), then the process ends
+        (`engine.distributed.coordinate`). `tp_timeout`: seconds a step may take on
+        rank 0 before the ranks are given up (None: no limit)."""
+        from .admission import Admission, default_budget
         from .loader import load
         from .prompt_cache import PromptCache
 
         from .adapters import AdapterRegistry
 
         model, tokenizer = load(path, adapter_path=adapter_path, tensor_parallel=tensor_parallel)
+        if tensor_parallel:
+            from .distributed import sharding
+            if memory_budget_bytes is None:     # every rank admits what rank 0 admits
+                memory_budget_bytes = sharding.broadcast_json(default_budget())
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         eng = cls(model, tokenizer, max_batch=max_batch, prompt_cache=cache,
                   adapters=AdapterRegistry(model, cache), **kw)
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
+        if tensor_parallel:
+            from .distributed import coordinate
+            return coordinate(eng, tp_timeout)
         return eng
 
     # --- requests -----------------------------------------------------------------

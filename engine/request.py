@@ -190,6 +190,15 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+CLIENT_ERRORS: tuple = (ValueError, TypeError, KeyError)
+
+
+def client_error(out: RequestOutput) -> bool:
+    """A failed output whose cause is the request (raised before any token)."""
+    return (out.finish_reason == "error" and not out.started
+            and isinstance(out.error, CLIENT_ERRORS))
+
+
 # --- prompts ------------------------------------------------------------------------
 
 

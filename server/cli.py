@@ -5,7 +5,7 @@
                  [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
                  [--adapter DIR] [--api-key KEY] [--batch N] [--adapter-dir DIR ...]
                  [--cors-origins ORIGIN ...] [--max-body-mb MB] [--max-prompt-chars N]
-                 [--tensor-parallel [--tp-timeout S]]   (under mlx.launch: server/tp.py)
+                 [--tensor-parallel [--tp-timeout S]]   (under mlx.launch: docs/distributed.md)
 
 Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
@@ -263,14 +263,14 @@ def main(argv=None) -> int:
     config = config_from_args(args)
     security = security_from_args(args, config)
     if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
-        from . import tp, tp_follow
+        from . import tp
         why = tp.refusal(args, config)
         if why:
             print(f"engine-serve: {why}", file=sys.stderr)
             return 2
         import mlx.core as mx
         if mx.distributed.init().rank() != 0:
-            return tp_follow.follow(config, args.tp_timeout)
+            return tp.follow(config, args.tp_timeout)
     if not config.api_key and not is_loopback(config.host):
         print(f"engine-serve: warning: listening on {config.host} without --api-key: anyone "
               "who can reach this address can use the server", file=sys.stderr)

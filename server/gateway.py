@@ -39,17 +39,9 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from engine.request import RequestOutput
+from engine.request import RequestOutput, client_error
 
 log = logging.getLogger("engine-serve")
-
-CLIENT_ERRORS: tuple = (ValueError, TypeError, KeyError)
-
-
-def client_error(out: RequestOutput) -> bool:
-    """A failed output whose cause is the request (raised before any token)."""
-    return (out.finish_reason == "error" and not out.started
-            and isinstance(out.error, CLIENT_ERRORS))
 
 
 class GenerationJob:
@@ -189,7 +181,7 @@ class Gateway:
         self.cancelled = 0
         self.failed = 0
         self.last_generation: Optional[dict] = None
-        # while idle, `on_tick()` runs on the worker every `tick_s` seconds (server.tp's
+        # while idle, `on_tick()` runs on the worker every `tick_s` seconds (the tensor-parallel
         # heartbeat to the other ranks)
         self.tick_s: Optional[float] = None
         self.on_tick: Optional[Callable] = None

@@ -54,7 +54,7 @@ class ServerConfig:
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
-    tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py)
+    tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py, engine/distributed)
 
 
 def default_max_queue(batch: int) -> int:
