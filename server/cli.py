@@ -98,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
       help="grant the --cors-origins the admin routes too (/v1/adapters, /stats)")
     a("--allowed-hosts", nargs="*", default=None, metavar="HOST",
       help="Host header names answered (default: localhost, 127.0.0.1, ::1 when bound to "
-      "loopback, any otherwise; * = any)")
+      "loopback; otherwise IP addresses, loopback and this machine's names without --api-key, "
+      "any with it; * = any)")
     a("--adapter-dir", action="append", default=None, metavar="DIR",
       help="directory POST /v1/adapters may mount from (repeatable; default "
       "~/.cache/mlx-parity/adapters)")

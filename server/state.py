@@ -220,7 +220,7 @@ class ServerState:
         g = self.gateway.stats()
         return {
             "server": {"owner": self.config.owner, "model": self.model_id,
-                       "started_at": self.started_at, "model_path": self.model_dir,
+                       "started_at": self.started_at,
                        "model_type": self.model_type},
             "prompt_cache": prompt_cache,
             "response_store": self.store.stats(),
