@@ -117,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
     a("--max-header-kb", type=int, default=16, metavar="KB",
       help="request line + headers limit in KiB (16)")
     a("--shutdown-timeout", type=float, default=10.0, metavar="S",
-      help="on SIGTERM/SIGINT, running requests get S seconds to finish (10)")
+      help="on SIGTERM/SIGINT, queued requests get 503 at once; running ones get S seconds "
+      "to finish, then a 503 error (a stream's final error event) (10)")
     a("--stream-interval-ms", type=float, default=25.0, metavar="MS",
       help="coalesce streamed deltas into at most one write per MS while decoding (default "
       "25, as mlx-bun; 0 = a write per token; the first and last tokens are never delayed)")
@@ -321,6 +322,8 @@ def main(argv=None) -> int:
                             header_timeout_s=args.header_timeout,
                             max_header_bytes=args.max_header_kb * 1024,
                             shutdown_timeout_s=args.shutdown_timeout)
+    from . import shutdown
+    shutdown.install(server, state.gateway, args.shutdown_timeout)   # SIGTERM answers everyone
     leader = tp.lead(state, args.tp_timeout, app, server) if config.tensor_parallel else None
     url = url_of(sock)
 
