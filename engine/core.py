@@ -44,7 +44,8 @@ import mlx.core as mx
 from .batch import BatchRequest, BatchScheduler, RowEvent
 from .kv_quant import make_policy
 from .request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
-                      encode_prompt, model_context, token_logprob)
+                      check_token_ids, encode_prompt, model_context, model_vocab_size,
+                      token_logprob)
 from .stepper import generate_step, prefill_chunk
 
 __all__ = ["Engine"]
@@ -89,6 +90,7 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         # tokens a request may span (prompt + generated): the model's own context by default
         self.max_context = max_context if max_context is not None else model_context(model)
+        self.vocab_size = model_vocab_size(model)   # prompt ids are checked against it
         self.policy = make_policy(model, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   quantized_kv_start=quantized_kv_start, kv_config=kv_config)
         self.eos = set(tokenizer.eos_token_ids)
@@ -151,6 +153,7 @@ class Engine:
         ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
+        check_token_ids(ids, self.vocab_size)
         self.check_context(len(ids))
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)

@@ -130,3 +130,25 @@ def test_quantized_kv_runs_solo_and_equals_generate(qwen):
     assert [got[r]["ids"] for r in rids] == want
     # one at a time: never more than one row decoding
     assert eng.stats()["solo_reasons"] == {"kv_quant": 2} and eng.stats()["peak_rows"] == 1
+
+
+@pytest.mark.parametrize("bad", [1024, 10 ** 9, -1])
+def test_prompt_ids_outside_the_vocabulary_are_a_value_error(qwen, bad):
+    """Every way in (Engine lanes, generate, stream_generate, an mx.array prompt) refuses
+    an id the embedding has no row for, naming it and the vocabulary size, before any
+    compute (the gather does not check its indices: a far id crashed the process)."""
+    import mlx.core as mx
+
+    model, tok = qwen
+    assert model.args.vocab_size == 1024
+    ids = [1, 2, bad, 3]
+    msg = rf"token id {bad} is outside the vocabulary \(size 1024\)"
+    for eng in (Engine(model, tok), Engine(model, tok, max_batch=4)):
+        with pytest.raises(ValueError, match=msg):
+            eng.submit(ids, SamplingParams(max_tokens=2))
+        assert not eng.has_unfinished()
+    with pytest.raises(ValueError, match=msg):
+        engine.generate(model, tok, ids, max_tokens=2)
+    with pytest.raises(ValueError, match=msg):
+        list(engine.stream_generate(model, tok, mx.array(ids), max_tokens=2))
+    assert engine.generate(model, tok, [1, 2, 1023], max_tokens=1).token_ids
