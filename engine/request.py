@@ -286,6 +286,7 @@ class RequestState:
         self.tic = time.perf_counter()
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
+        self.prefix = None                # solo: caches holding the context before `ids`
         self.uid: Optional[int] = None    # batch row id
         self.steps = None                 # solo: the generate_step iterator (once prefilled)
         self.caches = None                # solo: its caches
