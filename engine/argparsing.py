@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import re
 
 
@@ -29,6 +30,17 @@ def parse_bool(v: str) -> bool:
     if s in ("0", "false", "no", "off", "f"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+def json_dict(v: str) -> dict:
+    """argparse type for a JSON object flag."""
+    try:
+        d = json.loads(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return d
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

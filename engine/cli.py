@@ -20,11 +20,10 @@ model built offline into the fixture cache (no download).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from .argparsing import CliParser, DefaultsHelpFormatter, parse_bool  # noqa: F401 (re-export)
+from .argparsing import CliParser, DefaultsHelpFormatter, json_dict, parse_bool
 
 # mlx_lm.generate's sampling defaults (it does not read generation_config.json)
 MLX_LM_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
@@ -44,17 +43,6 @@ def default_model_dir() -> str:
     return built_in()
 
 
-def _json_dict(v: str) -> dict:
-    import argparse
-    try:
-        d = json.loads(v)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return d
-
-
 def parser() -> CliParser:
     """Flags named like mlx_lm.generate's (the project's other names as aliases)."""
     p = CliParser(prog="engine-generate", description="Generate text with mlx-parity",
@@ -72,7 +60,7 @@ def parser() -> CliParser:
     a("--chat", action="store_true", help="require the chat template (the default when the "
       "model has one)")
     a("--chat-template-config", "--chat-template-args", dest="chat_template_args",
-      type=_json_dict, default=None, metavar="JSON",
+      type=json_dict, default=None, metavar="JSON",
       help='JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'')
     a("--thinking", type=parse_bool, metavar="true|false", default=None,
       help="the template's enable_thinking")
