@@ -65,6 +65,21 @@ class CliParser(argparse.ArgumentParser):
         error naming it, instead of "unrecognized arguments"."""
         self._unsupported.update(flags)
 
+    def parse_args(self, args=None, namespace=None):
+        # A misspelt flag is the error to report, even when a required flag is missing too
+        # (argparse would complain about the required one first).
+        required = [a for a in self._actions if a.required]
+        for a in required:
+            a.required = False
+        try:
+            _, extras = super().parse_known_args(args, None)
+        finally:
+            for a in required:
+                a.required = True
+        if extras:
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return super().parse_args(args, namespace)
+
     def known_flags(self) -> list[str]:
         return [s for a in self._actions if a.help is not argparse.SUPPRESS
                 for s in a.option_strings]
