@@ -359,6 +359,10 @@ def parser() -> argparse.ArgumentParser:
     a("--revision", help="hub revision (branch, tag or commit) for a repo id")
     a("--max-shard-gb", type=float, default=DEFAULT_SHARD_GB,
       help=f"largest weight file in GiB (default {DEFAULT_SHARD_GB})")
+    a("--trust-remote-code", action="store_true",
+      help="accepted for mlx-lm compatibility (no model code is downloaded)")
+    p.unsupported({"--upload-repo": "uploading to the Hugging Face Hub is not implemented; "
+                                    "upload DST with `hf upload`"})
     return p
 
 

@@ -60,6 +60,11 @@ def test_mlx_lm_flags_we_do_not_implement_are_named(capsys, flag, why):
     assert f"{flag} is not supported by engine-generate: {why}" in err
 
 
+def test_convert_names_upload_repo(capsys):
+    err = _error(capsys, convert_parser, ["--hf-path", "x", "--upload-repo", "me/m"])
+    assert "--upload-repo is not supported by engine-convert" in err
+
+
 def test_other_argparse_errors_stay_one_line(capsys):
     assert "invalid float value" in _error(capsys, generate_parser, ["--temp", "hot"])
     assert "invalid choice" in _error(capsys, convert_parser, ["--hf-path", "x", "--q-mode", "z"])
