@@ -25,7 +25,7 @@ import logging
 import sys
 import time
 
-from engine.cli import parse_bool as _bool
+from engine.argparsing import CliParser, json_dict as _json_dict, parse_bool as _bool
 
 from .listen import BackgroundServer, bind, uvicorn_server, url_of  # noqa: F401  (re-exported)
 from .security import is_loopback
@@ -33,18 +33,8 @@ from .security import is_loopback
 NOT_YET = "continuous batching is not available"
 
 
-def _json_dict(v: str) -> dict:
-    try:
-        d = json.loads(v)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return d
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
+    p = CliParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", help="model directory or Hugging Face repo id (default: the built-in tiny "
@@ -250,13 +240,17 @@ def ready_line(state, url: str) -> str:
               f"{adm.budget_bytes / 1e9:.2f} GB budget (RAM x 0.75)")
     extra = f", adapter {'+'.join(state.default_adapters)}" if state.default_adapters else ""
     auth = "on" if state.config.api_key else "off"
+    context = (f" of the model's {state.max_position}-token context" if state.max_position
+               else "")
     return (f"engine-serve ready: {url} model={state.model_id} "
-            f"admission ceiling={state.ceiling} tokens ({budget}; kv {state.kv_mode}{extra}) "
-            f"auth={auth}")
+            f"admission ceiling={state.ceiling} tokens{context} ({budget}; kv {state.kv_mode}"
+            f"{extra}) auth={auth}")
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    from .first_run import note_kernel_cache
+    note_kernel_cache()     # before loading the model compiles anything
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     if args.draft_model:
         print("engine-serve: --draft-model (speculative decoding) is not supported",
