@@ -3,7 +3,7 @@ fault with a tool around it, e.g. compute-sanitizer (which names the faulting in
 offset and threads), where a sweep would only see the CUDA error.
 
     compute-sanitizer --tool memcheck python experiments/mega_first_step.py --model DIR \
-        [--prompt 8] [--env MLXP_MEGA_PRE=1 ...]
+        [--prompt 8] [--env MLXP_MEGA_OPT=596 ...]
 
 Prints when the prompt was processed, then `ok SECONDS` (the step ran; the seconds include
 compiling the kernel) or `ERR SECONDS MESSAGE`; exit status 0 or 1.

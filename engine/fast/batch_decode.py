@@ -154,11 +154,9 @@ class FastBatchDecoder:
         if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = MG.why_not(self.model, self.levers) if self._mega_freq is not None else "no RoPE kernel"
-            if (reason is None and rows > MG.rows_per_call(self.model)
-                    and os.environ.get("MLXP_MEGA_MULTI", "0") != "1"):
+            if reason is None and rows > MG.rows_per_call(self.model):
                 # (several calls a step, each reading every weight: measured slower on the
-                # H200 at 32 rows than the step of separate kernels; MLXP_MEGA_MULTI=1
-                # measures it)
+                # H200 at 32 rows than the step of separate kernels: reports/l3/JOURNAL.md)
                 reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega

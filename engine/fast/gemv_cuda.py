@@ -1,45 +1,29 @@
-"""CUDA sources of the fused GEMV (engine.fast.gemv): two main loops, one epilogue.
+"""CUDA sources of the fused GEMV (engine.fast.gemv): one main loop, two epilogues.
 
-- `WARP_MAIN` (the default, `MLXP_GEMV_KERNEL=warp`): KSPLIT warps (1, 2 or 4) per output
-  row (a gate row and its up row together for SiLU·up, the two rows of a rotation pair for
-  RoPE), WARPS_PB warps a block; lane l reads the 16-byte vectors k = (it*32 + l)*VEC of
-  its rows, UNROLL iterations' loads issued before their products (the weights are read
-  once, streamed past L1: `ld.global.nc.L1::no_allocate`); a warp-shuffle reduction, then
-  across the row's warps in shared memory. Splitting K keeps enough loads in flight when a
-  projection has few rows (o_proj, down_proj).
-- `SPLIT_MAIN` (`MLXP_GEMV_KERNEL=split`): a block of 4 warps per output row splitting K,
-  the weights staged through shared memory with cp.async.
+`WARP_MAIN`: KSPLIT warps (1, 2 or 4) per output row (a gate row and its up row together for
+SiLU·up, the two rows of a rotation pair for RoPE), WARPS_PB warps a block; lane l reads the
+16-byte vectors k = (it*32 + l)*VEC of its rows, UNROLL iterations' loads issued before their
+products (the weights are read once, streamed past L1: `ld.global.nc.L1::no_allocate`); a
+warp-shuffle reduction, then across the row's warps in shared memory. Splitting K keeps enough
+loads in flight when a projection has few rows (o_proj, down_proj).
 
-Both leave every lane of the warp that finishes a row with `acc[r][b]` (row r's sum for
-input row b; rows R.. are the up rows) and `ss[b]` (sum of squares of input row b, for
-the norm), and `n0` the first output row: `GEMV_EPILOGUE` (shared with engine.fast.qgemv)
-or `ROPE_EPILOGUE` writes the outputs.
+It leaves every lane of the warp that finishes a row with `acc[r][b]` (row r's sum for input
+row b; rows R.. are the up rows) and `ss[b]` (sum of squares of input row b, for the norm), and
+`n0` the first output row: `GEMV_EPILOGUE` or `ROPE_EPILOGUE` writes the outputs.
 """
 
 from __future__ import annotations
 
-# The weight vectors go through shared memory with cp.async (sm_80+): all of a chunk's
-# copies are in flight at once whatever the compiler's schedule (plain loads into
-# registers get interleaved with the arithmetic, leaving ~2 loads in flight), and the
-# next chunk is copied while the current one is multiplied.
 GEMV_HEADER = r"""
-__device__ __forceinline__ void mlxp_cp16(void* smem, const void* gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
-}
 __device__ __forceinline__ uint4 mlxp_ld_stream(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-__device__ __forceinline__ void mlxp_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void mlxp_cp_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
 """
 
-# shared by both main loops, inside their loop over K: the norm weights at k, then every
+# inside the main loop over K: the norm weights at k, then every
 # input row's 16 bytes at k (squares summed for the norm) times the staged weight vectors
 NORM_LOAD = r"""      float nw[VEC];
       if (NORM) {
@@ -74,103 +58,8 @@ def products(w: str) -> str:
 """ % w
 
 
-SPLIT_MAIN = r"""
-  // a block of WARPS warps per R output rows (R gate rows and their R up rows for the
-  // SiLU epilogue); the warps split K: warp w takes the 32*VEC-element slices
-  // it = w, w + WARPS, ...; lane l owns the 16-byte vector at k = (it * 32 + l) * VEC.
-  // A chunk (U slices of every row) is copied to shared memory in one go, the next
-  // chunk while the current one is multiplied; the warps' sums meet in shared memory.
-  constexpr int WARPS = 4;
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int IT = (K + 32 * VEC - 1) / (32 * VEC);
-  constexpr int ITW = (IT + WARPS - 1) / WARPS;
-  constexpr int RL = EPI == 2 ? 2 * R : R;
-  constexpr int U0 = 8 / RL > 0 ? 8 / RL : 1;
-  constexpr int U = U0 < ITW ? U0 : ITW;
-  constexpr int NCH = (ITW + U - 1) / U;
-  constexpr int NB = NCH > 1 ? 2 : 1;
-  __shared__ uint4 sw[WARPS][NB][RL * U][32];
-  __shared__ float red[WARPS][RL * B + B];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // ROPE_D (the RoPE epilogue, R = 2): block j owns the pair of rows (i, i + D/2) of
-  // head j / (D/2), i = j % (D/2); otherwise rows n0 .. n0 + R - 1
-  const int n0 = ROPE_D ? (int)blockIdx.x : (int)blockIdx.x * R;
-  if (n0 >= (ROPE_D ? NOUT / 2 : NOUT)) return;
-  auto issue = [&](int c, int buf) {
-#pragma unroll
-    for (int r = 0; r < RL; ++r) {
-      const int o = ROPE_D ? (n0 / (ROPE_D / 2)) * ROPE_D + n0 % (ROPE_D / 2) + r * (ROPE_D / 2)
-                           : min(n0 + (r % R), NOUT - 1);   // (a row past the end: read, not written)
-      const size_t row = (EPI == 2 && r >= R) ? (size_t)(NOUT + o) : (size_t)o;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int it = warp + WARPS * (c + u);
-        int k = (it * 32 + lane) * VEC;
-        if (it >= IT || k >= K) k = 0;               // (past the end: read, not used)
-        mlxp_cp16(&sw[warp][buf][r * U + u][lane], W + row * K + k);
-      }
-    }
-    mlxp_cp_commit();
-  };
-  float acc[RL][B], ss[B];
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-    ss[b] = 0.f;
-#pragma unroll
-    for (int r = 0; r < RL; ++r) acc[r][b] = 0.f;
-  }
-  issue(0, 0);
-  for (int ci = 0; ci < NCH; ++ci) {
-    const int c = ci * U, buf = ci % NB;
-    if (ci + 1 < NCH) { issue(c + U, (ci + 1) % NB); mlxp_cp_wait<1>(); }
-    else { mlxp_cp_wait<0>(); }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int it = warp + WARPS * (c + u);
-      const int k = (it * 32 + lane) * VEC;
-      if (it >= IT || k >= K) break;
-""" + NORM_LOAD + r"""      uint4 wv[RL];
-#pragma unroll
-      for (int r = 0; r < RL; ++r) wv[r] = sw[warp][buf][r * U + u][lane];
-""" + products("wv[r]") + r"""    }
-  }
-  // reduction: over the lanes (shuffles), then over the warps (shared memory); warp 0
-  // ends with every sum in every lane, and lane r * B + b writes that output
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      if (NORM) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
-#pragma unroll
-      for (int r = 0; r < RL; ++r) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
-    }
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      red[warp][RL * B + b] = ss[b];
-#pragma unroll
-      for (int r = 0; r < RL; ++r) red[warp][r * B + b] = acc[r][b];
-    }
-  }
-  __syncthreads();
-  if (warp != 0) return;
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-    ss[b] = 0.f;
-#pragma unroll
-    for (int r = 0; r < RL; ++r) acc[r][b] = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      ss[b] += red[w][RL * B + b];
-#pragma unroll
-      for (int r = 0; r < RL; ++r) acc[r][b] += red[w][r * B + b];
-    }
-  }
-"""
-
 # the epilogue (after the sums are reduced: every lane of the first warp holds them all;
-# lane r * B + b writes output (r, b)), shared with engine.fast.qgemv
+# lane r * B + b writes output (r, b))
 GEMV_EPILOGUE = r"""
 #pragma unroll
   for (int r = 0; r < R; ++r) {

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 FAULTS = ("attn_drop_last_key", "rope_pos_plus_one")
 _fault: Optional[str] = None
-KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "qgemv", "mega")
+KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega")
 # kernels switched off (their reference ops run instead), e.g. after a failed check:
 # $MLXP_DISABLE_KERNELS=rope_qkv,attention
 DISABLED: set = {k for k in os.environ.get("MLXP_DISABLE_KERNELS", "").split(",") if k}

@@ -32,21 +32,17 @@ count (`source(L)`).
 from __future__ import annotations
 
 from . import mega_attn as A
-from . import mega_bal as B
-from . import mega_chd as CH
 from . import mega_layout as L_
-from . import mega_ogrp as O
-from . import mega_prod as P
 from . import mega_qkv as Q
 from . import mega_device as D
 
 THREADS = 512
 # (mega_layout.WPB is THREADS // 32)
 WPB = L_.WPB
-MAXCH, PRE_LOADS, PRE_BYTES = L_.MAXCH, L_.PRE_LOADS, L_.PRE_BYTES
+MAXCH = L_.MAXCH
 # the workspace's and shared memory's sizes (engine.fast.mega_layout)
 workspace_floats, n_stamps, input_bytes = L_.workspace_floats, L_.n_stamps, L_.input_bytes
-pre_region, shared_bytes, rows_per_call = L_.pre_region, L_.shared_bytes, L_.rows_per_call
+shared_bytes, rows_per_call = L_.shared_bytes, L_.rows_per_call
 SHARED_MAX, MAX_ROWS = L_.SHARED_MAX, L_.MAX_ROWS
 static_bytes, launch_shared = L_.static_bytes, L_.launch_shared
 
@@ -57,9 +53,7 @@ BODY = r"""
   // rows ROW0 .. ROW0 + RB - 1 of the batch; row b: token tok[ROW0 + b], RoPE position
   // rpos[ROW0 + b], keys and values written at column col[0] of cache row ROW0 + b,
   // attention over columns [start[ROW0 + b], col[0]] (the solo step: one row, start 0)
-  // (PROD: the last warp streams weights into L2 (engine.fast.mega_prod): WPB warps and CT
-  // threads of a block compute)
-  constexpr int WPB = THREADS / 32 - (PROD > 0 ? 1 : 0), CT = 32 * WPB;
+  constexpr int WPB = THREADS / 32, CT = 32 * WPB;
   constexpr int QD = NQ * D, HALF = D / 2, DPL = D / 32;
   constexpr int NPAIR = (NQ + 2 * NKV) * HALF;
   constexpr int PSTR = D + 4;                      // a partial: D outputs, max, sum (16-byte rows)
@@ -81,20 +75,10 @@ BODY = r"""
   float* part = obuf + RB * QD + (L * RB * NQ + 3) / 4 * 4;   // [RB][NQ][MAXCH][PSTR]
   float* kraw = part + (size_t)RB * NQ * MAXCH * PSTR;   // [RB][NKV * D] keys before their norm
   unsigned int* fcnt = reinterpret_cast<unsigned int*>(kraw + RB * QD);   // FLOW: [L][NQ + 2 NKV]
-  unsigned int* pcnt = fcnt + (L * 3 * NQ + 3) / 4 * 4;    // (room for NKV up to NQ)
-  // QROW: [NQ + NKV][HALF] rows of each q/k rotation pair done, over the layers
-  unsigned int* dctr = pcnt + QD;                  // DYN: [L * 5 + 1][8] units handed out
-  // OGRP: o_proj's partial sums [NKV][H], its row blocks' counters [L][H / ORO], each group's
-  // heads combined [L][NKV], the units handed out [L][8]
-  constexpr int ORO = 4;                           // (OGRP: rows a unit takes)
-  float* opart = reinterpret_cast<float*>(dctr + (L * 5 + 1) * 8);
-  unsigned int* rcnt = reinterpret_cast<unsigned int*>(opart + NQ * H);
-  unsigned int* gdone = rcnt + L * (H / ORO);
-  unsigned int* octr = gdone + L * NQ;             // [L][8]
-  float* hbuf2 = reinterpret_cast<float*>(octr + L * 8);   // [H]: h after o_proj (apart from the
-  // h that blocks still in phase A may be reading)
-  unsigned int* dcnt = reinterpret_cast<unsigned int*>(hbuf2 + H);   // CHD: [L][4] (mega_chd)
-  unsigned int* prof = dcnt + 4 * L;
+  // (room for NKV up to NQ) then, unused, the regions of variants since taken out of the kernel
+  // (kept so that the workspace's layout, and the compiled kernel, stay as they were)
+  constexpr int UNUSED = QD + (L * 5 + 1) * 8 + NQ * H + L * (H / 4) + L * NQ + L * 8 + H + 4 * L;
+  unsigned int* prof = fcnt + (L * 3 * NQ + 3) / 4 * 4 + UNUSED;
   unsigned int* arrive = prof + 2 * (2 + 5 * L);   // PROF: [stamp][block] when it reached the barrier
   int nstamp = 0;
   extern __shared__ __align__(16) unsigned char xraw[];
@@ -123,53 +107,7 @@ BODY = r"""
   const int nch = (max(aend, 1) + cs - 1) / cs;
   // FLOW (models without q/k norms): phase B starts per head, not after a barrier
   const bool flow = (OPT & MEGA_OPT_FLOW) && QKN == 0;
-  // QROW (MLXP_MEGA_QROW=1, a compile-time choice: its registers would stay in the default
-  // kernel): phase A takes a warp per q/k/v row, not per rotation pair, where that takes fewer
-  // rounds of loads (more pairs than warps: the 8B shapes); FLOW's value flags then count rows
-  constexpr int NROW = 2 * NPAIR;
-  const bool qrow = QROW != 0 && (NROW + NW - 1) / NW < 2 * ((NPAIR + NW - 1) / NW);
-__DYN__
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
-  // PRE (float weights, one row, a shared memory region PRESM for it): a warp's first loads of
-  // the next phase copied into its PRE_LOADS x 32 16-byte slots before the barrier (cp.async);
-  // PRE 2: two slots, and while a unit runs the first loads of the warp's next unit are copied
-  // into the other one
-  // (the phase inputs' bytes: engine.fast.mega_cuda.input_bytes)
-  constexpr int XBYTES = (RB * mega_cmax(mega_cmax(4 * H, 4 * QD), (int)sizeof(T) * I) + 15) / 16 * 16;
-  // OGRP (MLXP_MEGA_OGRP=1, a compile-time choice; with FLOW, one row, float weights; each warp's
-  // copy of a group's outputs in ogx): engine.fast.mega_ogrp
-  const bool ogrp = OGRP != 0 && RB == 1 && QB == 0 && H % ORO == 0 && flow;
-  __shared__ __align__(16) T ogx[OGRP != 0 && RB == 1 ? WPB * QD / NKV : 8];   // (OGRP: a group per warp)
-  // (a compile-time choice, MLXP_MEGA_PRE: without it, none of this is in the kernel)
-  constexpr bool preon = (PRE == 1 || PRE == 2) && PRESM != 0 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
-  // PRE 3: the same first loads into the warp's registers (preg) instead, no shared memory
-  constexpr bool rgon = PRE == 3 && QB == 0 && RB == 1 && UN1 == 2 * UN2 && UN1 <= PRE_LOADS;
-  constexpr bool anyp = preon || rgon;
-  // CHD (MLXP_MEGA_CHD=1, a compile-time choice: engine.fast.mega_chd): no barrier between
-  // gate/up and down (CHK: the split column; 0 without it)
-  constexpr bool chd = CHK > 0 && RB == 1 && QB == 0 && !anyp && !dyn;
-  // CHC (MLXP_MEGA_CHC=1): none between o_proj and gate/up (CCK: the split row; the inputs
-  // staged as with STG)
-  constexpr bool chc = CCK > 0 && RB == 1 && QB == 0 && STG != 0 && !anyp && !dyn && OGRP == 0;
-  uint4 preg[rgon ? PRE_LOADS : 1];
-  const bool preA = anyp && !(OPT & MEGA_OPT_QSPLIT) && !qrow;
-  uint4* pre = reinterpret_cast<uint4*>(xraw + XBYTES) + warp * PRE * PRE_LOADS * 32;
-  auto slot = [&](int k) { return pre + (PRE == 2 ? (k & 1) : 0) * PRE_LOADS * 32; };
-  // the copies a warp's k-th unit of a phase uses (none: null), and (PRE 2) those of its next
-  // unit (rows r0, r1 of a matrix of K columns) asked for first; `on`: the phase takes PRE
-  auto pre_next = [&](auto kk, auto rl, auto un, bool on, int k, bool more, const void* w, int r0, int r1) {
-    if constexpr (PRE == 2) {
-      if (on && more) mega_preload<T, decltype(kk)::value, decltype(rl)::value, decltype(un)::value>(w, r0, r1, lane, slot(k + 1), pol);
-    }
-    return preon && on && (k == 0 || PRE == 2) ? slot(k) : nullptr;
-  };
-  // a phase's first loads of a warp's first unit of the next phase asked for (rows r0, r1 of a
-  // matrix of KK columns; RL_ rows, UN_ loads a row): shared memory or registers
-#define MEGA_ISSUE(KK, RL_, UN_, W_, R0_, R1_) do { \
-    if constexpr (rgon) mega_preload<T, KK, RL_, UN_, true>(W_, R0_, R1_, lane, preg, pol); \
-    else mega_preload<T, KK, RL_, UN_>(W_, R0_, R1_, lane, slot(0), pol); } while (0)
-  // (a unit's extra arguments to mega_mat_dot: the registers, taken by a phase's first unit)
-#define MEGA_RG(ON_, K_) preg, rgon && (ON_) && (K_) == 0
   unsigned int target = 0;
   // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
 #define MEGA_STAMP() do { if (PROF && blockIdx.x == 0 && threadIdx.x == 0) { \
@@ -183,7 +121,7 @@ __DYN__
   // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait (PFCAP: at
   // most the first 16 KB of a unit, so that all warps' prefetches fit in L2 together: the 8B's
   // down rows are 28 KB, 59 MB for the 2112 warps)
-#define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (PROD == 0 && gw < (NUNITS)) { \
+#define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (gw < (NUNITS)) { \
     const int cap_ = (OPT & MEGA_OPT_PFCAP) ? min((KK) * WBITS / 8, 16384 / (RL_)) : (KK) * WBITS / 8; \
     for (int r_ = 0; r_ < (RL_); ++r_) { \
       const char* b_ = reinterpret_cast<const char*>(Wp) + (size_t)((ROW0_) + gw + r_ * (OFF)) * (KK) * WBITS / 8; \
@@ -192,7 +130,6 @@ __DYN__
   MEGA_STAMP();
 __TABLES__
   constexpr int WBITS = QB ? QB : 8 * (int)sizeof(T);     // bits a weight element takes
-__PRODUCER__
   // element k of the embedding row of token t (dequantized as MLX does, to T)
   auto emb_at = [&](int t, int k) -> float {
     if constexpr (QB == 0) {
@@ -207,47 +144,33 @@ __PRODUCER__
   };
   // each row's x (hbuf, or its embedding row for the first layer) RMS-normalised into xf
   // as sum-scale: xf[b] = x[b] * w; sinv[b] = rsqrt(mean(x[b]^2) + eps)
-  // (STG: a thread's loads of a row issued together before any is used; the same elements
-  // per thread, added in the same order)
+  // (a thread's loads of a row issued together before any is used)
   // (hin: where x is, hbuf unless said)
   auto load_normed = [&](const T* nw, bool first, const float* hin) {
     float s[RB];
 #pragma unroll
     for (int b = 0; b < RB; ++b) s[b] = 0.f;
-    if (STG != 0) {
-      constexpr int PT = (H + CT - 1) / CT;   // elements a thread takes
-      // (loads unconditional, past the end clamped to the last element)
-      float w[PT];
+    constexpr int PT = (H + CT - 1) / CT;   // elements a thread takes
+    // (loads unconditional, past the end clamped to the last element)
+    float w[PT];
 #pragma unroll
-      for (int j = 0; j < PT; ++j) w[j] = static_cast<float>(nw[min(threadIdx.x + j * CT, H - 1)]);
+    for (int j = 0; j < PT; ++j) w[j] = static_cast<float>(nw[min(threadIdx.x + j * CT, H - 1)]);
 #pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        const int t = first ? tok[ROW0 + b] : 0;
-        float v[PT];
+    for (int b = 0; b < RB; ++b) {
+      const int t = first ? tok[ROW0 + b] : 0;
+      float v[PT];
 #pragma unroll
-        for (int j = 0; j < PT; ++j) {
-          const int k = min(threadIdx.x + j * CT, H - 1);
-          v[j] = first ? emb_at(t, k) : __ldcg(hin + b * H + k);
-        }
-#pragma unroll
-        for (int j = 0; j < PT; ++j) {
-          const int k = threadIdx.x + j * CT;
-          if (k < H) {
-            if (first && blockIdx.x == 0) hbuf[b * H + k] = v[j];
-            s[b] += v[j] * v[j];
-            xn[swn(b * H + k)] = XN(v[j] * w[j]);
-          }
-        }
+      for (int j = 0; j < PT; ++j) {
+        const int k = min(threadIdx.x + j * CT, H - 1);
+        v[j] = first ? emb_at(t, k) : __ldcg(hin + b * H + k);
       }
-    } else {
-      for (int k = threadIdx.x; k < H; k += CT) {
-        const float w = static_cast<float>(nw[k]);
 #pragma unroll
-        for (int b = 0; b < RB; ++b) {
-          const float v = first ? emb_at(tok[ROW0 + b], k) : __ldcg(hin + b * H + k);
-          if (first && blockIdx.x == 0) hbuf[b * H + k] = v;
-          s[b] += v * v;
-          xn[swn(b * H + k)] = XN(v * w);
+      for (int j = 0; j < PT; ++j) {
+        const int k = threadIdx.x + j * CT;
+        if (k < H) {
+          if (first && blockIdx.x == 0) hbuf[b * H + k] = v[j];
+          s[b] += v[j] * v[j];
+          xn[swn(b * H + k)] = XN(v[j] * w[j]);
         }
       }
     }
@@ -267,86 +190,54 @@ __PRODUCER__
   };
 
   // o_proj and down_proj: hbuf[b] += T(W . xt[b]) with the residual add rounded as the
-  // model rounds it; a warp per R1 hidden rows; KK (a mega_int) the matrix's columns
-  // (R1 is 1: a unit is a row; DYN: the counters dc)
-  // (the residual read from hin, the sum written to hbuf)
-  // (n_first: the warp's first row, gw unless CHD took it; cc: CHC's counts, or null)
-  auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_, bool usepre, unsigned int* dc,
-                           const float* hin, int n_first, unsigned int* cc) {
-    constexpr int KK = decltype(kk)::value, UNP = decltype(un)::value;   // (UNP: loads in flight)
+  // model rounds it; a warp per R1 hidden rows (R1 is 1: a unit is a row); KK (a mega_int)
+  // the matrix's columns, UNP (a mega_int) the loads in flight
+  auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_) {
+    constexpr int KK = decltype(kk)::value, UNP = decltype(un)::value;
     static_assert(R1 == 1, "a unit is one row");
-    const int NS = dyn_ns(H);
-    for (int n0 = n_first, k = 0; n0 < H; ++k) {
-      const unsigned int got = dyn_ask(n0, H, NS, dc);
+    for (int n0 = gw; n0 < H; n0 += NW) {
       int idx[R1];
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, H - 1);
       float acc[R1 * RB], hres = 0.f;
       // the residual this lane adds to, asked for before the dot so its latency is hidden
-      if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hin + (lane % RB) * H + n0 + lane / RB);
-      // (R1 is 1: a unit is the row mega_preload fetched)
-      const bool more = n0 + NW * R1 < H;
-      const uint4* p_ = pre_next(kk, mega_int<1>{}, mega_int<UN1>{}, usepre, k, more, w, n0 + NW, n0 + NW);
-      mega_mat_dot<T, T, KK, R1, RB, UNP, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol, 0, p_, PRE == 2 && more,
-                                                  MEGA_RG(usepre, k));
+      if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hbuf + (lane % RB) * H + n0 + lane / RB);
+      mega_mat_dot<T, T, KK, R1, RB, UNP, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
         for (int b = 0; b < RB; ++b)
           if (lane == r * RB + b && n0 + r < H)
             hbuf[b * H + n0 + r] = static_cast<float>(T(hres + static_cast<float>(T(acc[r * RB + b]))));
-__CHC_C__
-      n0 = dyn_next(n0, H, NS, got);
     }
-__CHC_C_END__
   };
 
-  // the first q/k/v pair (QROW: row) a warp computes in layer l (FLOW: keys and values first)
-  auto qkv_first_row = [&]() {
-    if (qrow) return flow ? (gw + QD) % NROW : gw;
-    const int p = flow ? (gw + NQ * HALF) % NPAIR : gw;
-    return (p / HALF) * D + p % HALF;
-  };
-  if (preA && gw < NPAIR) { const int r1 = qkv_first_row(); MEGA_ISSUE(H, 2, UN2, WQKV[0], r1, r1 + HALF); }
   for (int l = 0; l < L; ++l) {
 __QKV__
     MEGA_ARRIVE();
     if (!flow) mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
 __ATTENTION__
-    if (ogrp) {                  // (no barrier: each o_proj unit waits for its group of heads)
-      MEGA_STAMP();
-__OGRP__
-    } else {
-    if (anyp && UNO == UN1 && gw < H) MEGA_ISSUE(QD, 1, UN1, WO[l], gw, gw);   // (PRE: o_proj's
-    // copies are UN1 loads: none where o_proj takes another count)
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
     // --- C: o_proj + residual (a warp per hidden row)
     {
-      if constexpr (STG != 0) mega_stage<T, RB * QD, CT>(obuf, xt, swt);
-      else for (int k = threadIdx.x; k < RB * QD; k += CT) xt[swt(k)] = T(__ldcg(obuf + k));
+      mega_stage<T, RB * QD, CT>(obuf, xt, swt);
       MEGA_SYNC();
-      proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l], anyp && UNO == UN1, dctr + (l * 5 + 1) * 8,
-                    hbuf, gw, chc ? dcnt + 4 * l + 2 : nullptr);
+      proj_residual(mega_int<QD>{}, mega_int<UNO>{}, WO[l], WO_S[l], WO_B[l]);
       MEGA_PREFETCH(WGU[l], H, I, 2, I, 0);
-      if (anyp && gw < I) MEGA_ISSUE(H, 2, UN2, WGU[l], gw, I + gw);
     }
-    }
-    // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows; CHC: after no
-    // barrier, its first pair in two parts, mega_chd)
-__CHC_D__
+    // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
+    MEGA_ARRIVE();
+    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
+    MEGA_STAMP();
+    load_normed(LN2[l], false, hbuf);
     {
-      const int NS = dyn_ns(I);
-      for (int n = chc ? gw + NW : gw, k = chc ? 1 : 0; n < I; ++k) {
-        const unsigned int got = dyn_ask(n, I, NS, dctr + (l * 5 + 2) * 8);
+      for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        const bool more = n + NW < I;
-        const uint4* p_ = pre_next(mega_int<H>{}, mega_int<2>{}, mega_int<UN2>{}, preon, k, more, WGU[l], n + NW, I + n + NW);
-        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol, 0,
-                                                   p_, PRE == 2 && more, MEGA_RG(anyp, k));
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           if (lane != b) continue;
@@ -355,35 +246,23 @@ __CHC_D__
           const float s = static_cast<float>(T(g / (1.f + __expf(-g))));
           abuf[b * I + n] = static_cast<float>(T(s * up));
         }
-__CHD_D__
-        n = dyn_next(n, I, NS, got);
       }
       MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-      if (anyp && gw < H) MEGA_ISSUE(I, 1, UN1, WD[l], gw, gw);
     }
-    // --- E: down_proj + residual (a warp per hidden row; CHD: after no barrier, mega_chd)
-__CHD_E__
+    // --- E: down_proj + residual (a warp per hidden row)
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
     MEGA_STAMP();
     {
-      if constexpr (STG != 0) mega_stage<T, RB * I, CT>(abuf, xt, swt);
-      else for (int k = threadIdx.x; k < RB * I; k += CT) xt[swt(k)] = T(__ldcg(abuf + k));
+      mega_stage<T, RB * I, CT>(abuf, xt, swt);
       MEGA_SYNC();
-      proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l], anyp, dctr + (l * 5 + 3) * 8,
-                    ogrp ? hbuf2 : hbuf, gw, nullptr);
+      proj_residual(mega_int<I>{}, mega_int<UN1>{}, WD[l], WD_S[l], WD_B[l]);
     }
-    }
-    {
-      if (l + 1 < L && gw < (qrow ? NROW : NPAIR)) {      // the next layer's first q/k/v pair (row)
-        const int r1 = qkv_first_row();
-        if (qrow) MEGA_PREFETCH(WQKV[l + 1], H, NROW, 1, 1, r1 - gw);
-        else MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, r1 - gw);
-        if (preA) { const int q1 = qkv_first_row(); MEGA_ISSUE(H, 2, UN2, WQKV[l + 1], q1, q1 + HALF); }
-      } else if (l + 1 == L) {
-        MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-        if (anyp && gw < V) MEGA_ISSUE(H, 1, UN1, headw, gw, gw);
-      }
+    if (l + 1 < L && gw < NPAIR) {      // the next layer's first q/k/v pair
+      const int u = flow ? (gw + NQ * HALF) % NPAIR : gw;   // (FLOW: keys and values first)
+      MEGA_PREFETCH(WQKV[l + 1], H, NPAIR, 2, HALF, (u / HALF) * D + u % HALF - gw);
+    } else if (l + 1 == L) {
+      MEGA_PREFETCH(headw, H, (V + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
     MEGA_ARRIVE();
     mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
@@ -392,23 +271,17 @@ __CHD_E__
   // --- the final norm and the output head (a warp per vocabulary row)
   {
     load_normed(fnorm, L == 0, hbuf);
-    const int NS = dyn_ns(V);
-    for (int n0 = gw, k = 0; n0 < V; ++k) {
-      const unsigned int got = dyn_ask(n0, V, NS, dctr + L * 5 * 8);
+    for (int n0 = gw; n0 < V; n0 += NW) {
       int idx[R1];
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
       float acc[R1 * RB];
-      const bool more = n0 + NW * R1 < V;
-      const uint4* p_ = pre_next(mega_int<H>{}, mega_int<1>{}, mega_int<UN1>{}, preon, k, more, headw, n0 + NW, n0 + NW);
-      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol, 0,
-                                                  p_, PRE == 2 && more, MEGA_RG(anyp, k));
+      mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
 #pragma unroll
         for (int b = 0; b < RB; ++b)
           if (lane == r * RB + b && n0 + r < V) logits[(size_t)b * V + n0 + r] = T(acc[r * RB + b] * sinv[b]);
-      n0 = dyn_next(n0, V, NS, got);
     }
   }
   if (PROF) {                                      // the head's end: after every block is done
@@ -475,6 +348,4 @@ def source(n_layers: int, quantized: bool = False, qk_norm: bool = False) -> str
     else:
         tables += "  const T* EMB_S = nullptr; const T* EMB_B = nullptr;\n  const T* HEAD_S = nullptr; const T* HEAD_B = nullptr;\n"
     return (BODY.replace("__QKV__\n", Q.QKV).replace("__ATTENTION__\n", A.ATTENTION)
-            .replace("__CHD_D__\n", CH.CHD_D).replace("__CHD_E__\n", CH.CHD_E).replace("__CHC_D__\n", CH.CHC_D)
-            .replace("__CHC_C__\n", CH.CHC_C).replace("__CHC_C_END__\n", CH.CHC_C_END)
-            .replace("__OGRP__\n", O.OGRP).replace("__PRODUCER__\n", P.PRODUCER).replace("__DYN__\n", B.DYN).replace("__TABLES__\n", tables))
+            .replace("__TABLES__\n", tables))

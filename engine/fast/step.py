@@ -107,14 +107,14 @@ def gemv_ok(model, levers: Levers) -> bool:
 def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], use_kernels: bool):
     """q [B,H,1,D], k and v [B,Hkv,1,D] from the residual stream h: RMSNorm, the merged
     q/k/v projection and RoPE at pos ([1] or [B]) in one kernel where the RoPE kernel is in
-    use (and not tuned away), else the GEMV and the layer's own q/k norms and RoPE."""
+    use, else the GEMV and the layer's own q/k norms and RoPE."""
     attn, ln = layer.self_attn, layer.input_layernorm
     B = h.shape[0]
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
     shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
     if (inv_freq is not None and "rope_qkv" not in K.DISABLED and B <= G.MAX_ROWS
-            and G.is_float(merged) and G.qkv_rope_preferred(merged, B)):
+            and G.is_float(merged)):
         return G.qkv_rope(merged, h, (ln.weight, ln.eps), inv_freq, pos, H, Hkv, D, shift)
     qkv = G.linear(merged, h, norm=(ln.weight, ln.eps), use_kernel=use_kernels)
     if inv_freq is not None:                 # (quantized q/k/v: the RoPE kernel after the GEMV)

@@ -19,19 +19,12 @@ from engine.loader import load_model
 from parity.fixtures.models import ensure_fixture
 
 
-def test_preload_slots_in_shared_memory():
-    """MLXP_MEGA_PRE: 1 or 2 slots of 8 x 32 16-byte loads per warp after the phase inputs, in
-    the one-row kernel only, where they fit; the rows a call takes do not change."""
+def test_shared_memory_holds_the_phase_inputs():
+    """The kernel's dynamic shared memory is the phase inputs of its rows (the largest of them)."""
     one = C.input_bytes(4096, 32, 128, 14336, 2)
-    assert one == 28672 and C.PRE_BYTES == 16 * 8 * 32 * 16
+    assert one == 28672
     assert C.shared_bytes(4096, 32, 128, 14336, 2) == one
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=1) == one + C.PRE_BYTES
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=2) == one + 2 * C.PRE_BYTES
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, rows=2, pre=2) == 2 * one
-    # PRE 3 holds its copies in registers: no slots
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=3) == one
-    assert not C.pre_region(4096, 32, 128, 14336, 2, pre=3)
-    assert not C.pre_region(4096, 32, 128, 100000, 2, pre=1)      # 195 KB of inputs: no room
+    assert C.shared_bytes(4096, 32, 128, 14336, 2, rows=2) == 2 * one
     assert C.rows_per_call(4096, 32, 128, 14336, 2) == 7
 
 
@@ -204,17 +197,6 @@ def test_kernel_switches_mask(monkeypatch):
         assert f"#define MEGA_OPT_{name.upper()} {bit}u" in C.HEADER and f"MEGA_OPT_{name.upper()}" in src
 
 
-def test_settings_must_be_positive_integers(monkeypatch):
-    monkeypatch.setenv("MLXP_MEGA_UN1", "16")
-    assert MG.env_int("MLXP_MEGA_UN1", 8) == 16
-    monkeypatch.delenv("MLXP_MEGA_UN1")
-    assert MG.env_int("MLXP_MEGA_UN1", 8) == 8
-    for bad in ("0", "-2", "eight", "1.5"):
-        monkeypatch.setenv("MLXP_MEGA_BLOCKS", bad)
-        with pytest.raises(ValueError, match="MLXP_MEGA_BLOCKS must be a positive integer"):
-            MG.env_int("MLXP_MEGA_BLOCKS", 0)
-
-
 def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
     """The batch lane keeps one trace per shape; whether a trace writes the buffers in
     place (the one-kernel step) is its own, not the last-built trace's: a shape that
@@ -238,16 +220,9 @@ def test_settings_checked_where_the_levers_are_resolved():
     import argparse
 
     from engine.levers import LeverError, levers_from_args
-    MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PRE": "3",
-                       "MLXP_MEGA_PROF": "1", "MLXP_MEGA_BLOCKS": "132"})
-    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
-           "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "8192",
-           "MLXP_MEGA_PRE": "4", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x", "MLXP_MEGA_UNO": "33",
-           "MLXP_MEGA_DYN": "2", "MLXP_MEGA_QROW": "on",
-           "MLXP_MEGA_OGRP": "y", "MLXP_MEGA_CHD": "2", "MLXP_MEGA_CHC": "on"}
-    # (PRE 1 and 2 run since their copies dropped the L2 cache hint, the illegal instruction)
-    for pre in ("1", "2"):
-        assert levers_from_args(argparse.Namespace(tier="l3"), env={"MLXP_MEGA_PRE": pre}).perf_kernel
+    MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1"})
+    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_OPT": "8192",
+           "MLXP_MEGA_PROF": "on"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             MG.check_settings({name: value})
@@ -281,13 +256,3 @@ def test_token_ids_reach_the_step_as_int32_without_a_copy():
         assert b.dtype == mx.int32 and b.tolist() == [0, 7, 2**31 - 1]
     i = mx.array([4], dtype=mx.int32)
     assert as_int32(i) is i
-
-
-def test_preload_copies_without_a_cache_hint():
-    """MLXP_MEGA_PRE 1/2's cp.async copies take no L2 cache-policy operand: that form was an
-    illegal instruction on the H100 and H200 (compute-sanitizer, reports/l3_profile/0.2.9/
-    h100-pre-fixed/), while the plain form runs with the default kernel's logits."""
-    import re
-    copies = re.findall(r'"(cp\.async\.[^"]*)"', C.HEADER)
-    assert any(c.startswith("cp.async.cg.shared.global [") for c in copies), copies
-    assert not any("cache_hint" in c for c in copies if c.startswith("cp.async.cg")), copies
