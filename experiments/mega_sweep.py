@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -53,33 +52,24 @@ def parse_variant(spec: str) -> dict:
 
 def run_variant(model, prompt, seq, env: dict, warm: int = 3):
     """(logits [steps, V], mean phase µs, wall ms per step) of one variant."""
-    saved = {k: os.environ.get(k) for k in (*SETTINGS, *env)}
-    for k in SETTINGS:
-        os.environ.pop(k, None)
-    os.environ.update(env)
-    try:
-        dec = FastDecoder(model, resolve("l3", env={}))
-        caches = model.make_cache()
-        mx.eval(model(mx.array(prompt)[None], cache=caches))
-        y = mx.array([prompt[-1]])
-        out, profs, walls = [], [], []
-        for i, t in enumerate(seq):
-            t0 = time.perf_counter()
-            lg = dec(y, caches)
-            mx.eval(lg)
-            walls.append(time.perf_counter() - t0)
-            out.append(lg.reshape(-1))
-            if i >= warm and dec.mega_profile():
-                profs.append(dec.mega_profile())
-            y = mx.array([t])
-        if not dec.stats.mega:
-            raise RuntimeError(f"the one-kernel step did not run: {dec.stats.mega_reason}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # (only the variant's settings and the phase timer, whatever the environment holds)
+    levers = resolve("l3", env={"MLXP_MEGA_PROF": "1", **env})
+    dec = FastDecoder(model, levers)
+    caches = model.make_cache()
+    mx.eval(model(mx.array(prompt)[None], cache=caches))
+    y = mx.array([prompt[-1]])
+    out, profs, walls = [], [], []
+    for i, t in enumerate(seq):
+        t0 = time.perf_counter()
+        lg = dec(y, caches)
+        mx.eval(lg)
+        walls.append(time.perf_counter() - t0)
+        out.append(lg.reshape(-1))
+        if i >= warm and dec.mega_profile():
+            profs.append(dec.mega_profile())
+        y = mx.array([t])
+    if not dec.stats.mega:
+        raise RuntimeError(f"the one-kernel step did not run: {dec.stats.mega_reason}")
     prof = _mean(profs) if profs else {}
     wall = sorted(walls[warm:])[len(walls[warm:]) // 2] * 1e3
     return mx.stack(out), prof, round(wall, 3)
@@ -168,15 +158,7 @@ def main(argv=None) -> int:
         return 0
     if not a.model:
         ap.error("--model DIR (on a GPU), or --from-json FILE --report DIR")
-    old = os.environ.get("MLXP_MEGA_PROF")
-    os.environ["MLXP_MEGA_PROF"] = "1"       # (the phase timer; put back after, as it was)
-    try:
-        return sweep(a)
-    finally:
-        if old is None:
-            os.environ.pop("MLXP_MEGA_PROF", None)
-        else:
-            os.environ["MLXP_MEGA_PROF"] = old
+    return sweep(a)
 
 
 def sweep(a) -> int:

@@ -110,6 +110,7 @@ class FastDecoder:
         kc = KernelChoice.for_model(model, levers)
         self.use_kernels, self.use_attn_kernel, self._inv_freq, self._mega_freq = (
             kc.use_kernels, kc.use_attn_kernel, kc.inv_freq, kc.mega_freq)
+        self._add_rms, self._rope_kernel = kc.add_rms, kc.rope_kernel
         self._fns: dict = {}
         self._version = module_version(model)
         self._pos: Optional[mx.array] = None
@@ -123,7 +124,7 @@ class FastDecoder:
     # --- the step, as a pure function of (tokens, position, buffers) ----------------
 
     def _attention(self, attn, x, pos, keys, values):
-        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq)
+        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq, self._rope_kernel)
         keys = mx.slice_update(keys, k, pos, axes=(2,))
         values = mx.slice_update(values, v, pos, axes=(2,))
         o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
@@ -136,7 +137,7 @@ class FastDecoder:
         def attend(i, attn, x):
             a, ks[i], vs[i] = self._attention(attn, x, pos, ks[i], vs[i])
             return a
-        logits = layer_stack(self.model, tokens, attend, self.use_kernels)
+        logits = layer_stack(self.model, tokens, attend, self._add_rms)
         return (logits, pos + 1, *ks, *vs)
 
     # --- the step with every projection through engine.fast.gemv ----------------------
@@ -151,7 +152,8 @@ class FastDecoder:
         ks, vs = list(buffers[:n]), list(buffers[n:])
         length = pos + 1
         attend = cached_attention(ks, vs, pos, length, self.use_attn_kernel)
-        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
+        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels,
+                            self._rope_kernel)
         return (logits, length, *ks, *vs)
 
     # --- the step as one kernel (engine.fast.mega) -----------------------------------
@@ -159,7 +161,7 @@ class FastDecoder:
     def _forward_mega(self, tokens, pos, *buffers):
         n = len(self.model.layers)
         if self._mega is None:
-            self._mega = MG.MegaStep(self.model, self._mega_freq)
+            self._mega = MG.MegaStep(self.model, self._mega_freq, self.levers.fast)
         logits, wss = self._mega(tokens, pos, pos, self._zero, buffers[:n], buffers[n:])
         # (the buffers are written in place, and stay the caches); the workspace holds
         # the phase timer's stamps with MLXP_MEGA_PROF=1

@@ -21,7 +21,6 @@ control of the L3 gate: a gate that passes a broken kernel would prove nothing.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Optional
 
@@ -29,10 +28,6 @@ import mlx.core as mx
 
 FAULTS = ("attn_drop_last_key", "rope_pos_plus_one")
 _fault: Optional[str] = None
-KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega")
-# kernels switched off (their reference ops run instead), e.g. after a failed check:
-# $MLXP_DISABLE_KERNELS=rope_qkv,attention
-DISABLED: set = {k for k in os.environ.get("MLXP_DISABLE_KERNELS", "").split(",") if k}
 
 
 @contextmanager
@@ -131,7 +126,7 @@ ADD_RMS_SOURCE = r"""
 
 def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float, use_kernel: bool):
     """(x + r, rms_norm(x + r) * w) over the last axis."""
-    if not use_kernel or "add_rms" in DISABLED:
+    if not use_kernel:
         h = x + r
         return h, mx.fast.rms_norm(h, w, eps)
     D = x.shape[-1]
@@ -185,7 +180,7 @@ def rope_qkv(qkv: mx.array, inv_freq: mx.array, pos: mx.array, n_heads: int, n_k
     if pos.size not in (1, B):
         raise ValueError(f"pos must hold 1 or {B} positions, got {pos.size}")
     shift = 1 if _fault == "rope_pos_plus_one" else 0
-    if not use_kernel or "rope_qkv" in DISABLED:
+    if not use_kernel:
         q, k, v = mx.split(qkv, [n_heads * head_dim, (n_heads + n_kv) * head_dim], axis=-1)
         q = q.reshape(B, 1, n_heads, head_dim).transpose(0, 2, 1, 3)
         k = k.reshape(B, 1, n_kv, head_dim).transpose(0, 2, 1, 3)
@@ -332,7 +327,7 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
     drop = 1 if _fault == "attn_drop_last_key" else 0
     B, H, _, D = q.shape
     Hkv, cap = keys.shape[1], keys.shape[2]
-    if not use_kernel or "attention" in DISABLED:
+    if not use_kernel:
         cols = mx.arange(cap)
         valid = cols < (length - drop)
         if start is None:

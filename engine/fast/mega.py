@@ -9,12 +9,12 @@ layer), so a step is a handful of operations whatever the layer count.
 
 It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the batch, up
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
-`perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
-model (or qwen3, whose per-head q/k norms the kernel applies; MLXP_MEGA_QKNORM=0 keeps it
-off) with merged q/k/v and gate/up projections, float weights without
-bias or affine 4-bit weights of one group size (8-bit opt-in with MLXP_MEGA_QUANT=1, its speed
-not yet measured; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating
-and shapes the kernel's vector loads divide. Otherwise the step of engine.fast.decode runs
+`perf_kernel` on, the `mega` kernel not disabled (`FastConfig.disabled`), a llama model (or
+qwen3, whose per-head q/k norms the kernel applies, unless `FastConfig.qk_norm` is off) with
+merged q/k/v and gate/up projections, float weights without bias or affine 4-bit weights of
+one group size (8-bit with `FastConfig.quant` True, its speed not yet measured; False keeps
+quantized models off it: `quantization`), SiLU gating and shapes the kernel's vector loads
+divide. Otherwise the step of engine.fast.decode runs
 as before. The grid is one block per SM (the count read from the CUDA driver).
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import Optional
 
 import mlx.core as mx
@@ -34,43 +33,14 @@ from . import gemv as G
 from . import kernels as K
 from . import mega_cuda as C
 from . import mega_device as MD
+from .config import OPT_BITS, OPT_DEFAULT, FastConfig  # noqa: F401  (OPT_*: re-exported)
 from .merge import merged_of
 
-
-OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512, "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
-# measured faster on the H200 (docs/l3.md); lean and flow leave the logits bit-identical
-OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
-
-
-def opt_mask() -> int:
-    """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS; unset: OPT_DEFAULT)."""
-    raw = os.environ.get("MLXP_MEGA_OPT", "")
-    check_settings({"MLXP_MEGA_OPT": raw})
-    return int(raw) if raw else OPT_DEFAULT
-
-
-SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM")
 # 16-byte weight loads in flight per lane: one-row phases (o_proj too), paired-row phases
 # (16 and 8 measured no faster on the H200: reports/l3/JOURNAL.md)
 UN1, UN2 = 8, 4
 # the step's phases as the PROF stamps name them (a layer's five, then the head)
 PHASES = ("qkv_rope", "attention", "o_proj", "gate_up", "down", "head")
-
-
-def check_settings(env=None) -> None:
-    """Every MLXP_MEGA_* setting in `env` (default: the environment) valid, else a ValueError
-    that names it: the 0/1 switches, the positive counts (loads in flight at most 32) and the
-    OPT mask. Called where the levers are resolved, so a bad value stops a CLI at start
-    rather than the first decode step."""
-    env = os.environ if env is None else env
-    for name in SWITCHES:
-        if env.get(name, "") not in ("", "0", "1"):
-            raise ValueError(f"{name} must be 0 or 1, not {env[name]!r}")
-    raw = env.get("MLXP_MEGA_OPT", "")
-    if raw and (not raw.isdigit() or int(raw) > sum(OPT_BITS.values())):
-        raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
-                         f"(a sum of {OPT_BITS}), not {raw!r}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,16 +75,15 @@ def _parts(model):
 
 def why_not(model, levers: Levers) -> Optional[str]:
     """None if `MegaStep` can run this model's decode step, else why not."""
-    if not levers.perf_kernel or "mega" in K.DISABLED:
+    if not levers.perf_kernel or "mega" in levers.fast.disabled:
         return "the mega kernel is off (perf_kernel off or MLXP_DISABLE_KERNELS=mega)"
     if not K.cuda_available() or sm_count() <= 0:
         return "no CUDA device"
     if getattr(model, "model_type", None) not in ("llama", "qwen3"):
         return "llama and qwen3 models only"
     a0 = model.layers[0].self_attn
-    if hasattr(a0, "q_norm"):
-        if os.environ.get("MLXP_MEGA_QKNORM", "1") == "0":
-            return "q/k norms in the kernel are off (MLXP_MEGA_QKNORM=0)"
+    if hasattr(a0, "q_norm") and not levers.fast.qk_norm:
+        return "q/k norms in the kernel are off (MLXP_MEGA_QKNORM=0)"
     parts = _parts(model)
     if parts is None:
         return "q/k/v and gate/up must be merged (merged_proj)"
@@ -122,7 +91,7 @@ def why_not(model, levers: Levers) -> Optional[str]:
         return "SiLU gating only"
     norm, head = model.head_parts()
     mods = [m for p in parts for m in (p[1], p[2], p[4], p[5])] + [head, model.model.embed_tokens]
-    qz = quantization(model)
+    qz = quantization(model, levers.fast.quant)
     if qz is None and not all(G.is_float(m) for m in mods):
         return ("float weights, or affine 4-bit weights of one group size without bias "
                 "(8-bit: MLXP_MEGA_QUANT=1; MLXP_MEGA_QUANT=0: float weights only)")
@@ -157,13 +126,12 @@ def weight_dtype(module):
     return module.scales.dtype if hasattr(module, "scales") else module.weight.dtype
 
 
-def quantization(model) -> Optional[tuple]:
+def quantization(model, quant: Optional[bool] = None) -> Optional[tuple]:
     """(bits, group size) when every matrix of the step (the embedding and the head too)
     is an affine 4-bit QuantizedLinear / QuantizedEmbedding of one group size without
-    bias (8-bit too with MLXP_MEGA_QUANT=1: not yet run on a GPU; none with
-    MLXP_MEGA_QUANT=0); else None."""
-    opt = os.environ.get("MLXP_MEGA_QUANT", "")
-    if opt == "0":
+    bias (8-bit too with `quant` True, `FastConfig.quant`: not yet timed on a GPU; none with
+    `quant` False); else None."""
+    if quant is False:
         return None
     parts = _parts(model)
     if parts is None:
@@ -179,7 +147,7 @@ def quantization(model) -> Optional[tuple]:
     if len(kinds) != 1:
         return None
     bits, gs = kinds.pop()
-    if bits == 8 and opt != "1":
+    if bits == 8 and quant is not True:
         return None
     epl = 4 * (32 // bits) if bits in (4, 8) else 0
     return (bits, gs) if epl and gs % epl == 0 and model.args.hidden_size % gs == 0 else None
@@ -199,7 +167,7 @@ class MegaStep:
     each layer's cache buffer [B, Hkv, capacity, D] (in place) and attends over columns
     [start[b], col[0]]. The solo step is B = 1 with rpos = col = the position, start 0."""
 
-    def __init__(self, model, inv_freq: mx.array):
+    def __init__(self, model, inv_freq: mx.array, config: FastConfig = FastConfig()):
         parts = _parts(model)
         a0 = model.layers[0].self_attn
         norm, head = model.head_parts()
@@ -209,7 +177,7 @@ class MegaStep:
         self.I = _inter(parts)
         self.V = head.weight.shape[0]
         self.dtype = weight_dtype(head)
-        self.quant = quantization(model)          # (bits, group size), or None: float weights
+        self.quant = quantization(model, config.quant)   # (bits, group size), or None: float weights
         self.eps = norm.eps
         self.scale = a0.scale
         self.blocks = sm_count()
@@ -223,12 +191,10 @@ class MegaStep:
         if self.qkn:
             self.layers += [w for layer in model.layers
                             for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
-        self.prof = os.environ.get("MLXP_MEGA_PROF", "0") == "1"
-        mask = opt_mask()
-        self.opt = mx.array([mask], dtype=mx.int32)
+        self.prof = config.prof
+        self.opt = mx.array([config.mask(1)], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
-        rows_mask = mask if os.environ.get("MLXP_MEGA_OPT") else mask & ~OPT_BITS["flow"]
-        self.opt_rows = mx.array([rows_mask], dtype=mx.int32)
+        self.opt_rows = mx.array([config.mask(2)], dtype=mx.int32)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
 
     def _kernel(self, rows: int):
@@ -274,7 +240,7 @@ class MegaStep:
         return (logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)), wss
 
     def profile(self, ws: mx.array) -> dict:
-        """With MLXP_MEGA_PROF=1, from a call's workspace: microseconds of its phases (the
+        """With the phase timer on (`FastConfig.prof`), from a call's workspace: microseconds of its phases (the
         GPU's global timer as block 0 leaves each barrier), summed over the layers, and the
         total; and `arrive`: for each phase, when the blocks had finished their share,
         counted from the phase's start and summed over the layers — the first block
@@ -296,7 +262,7 @@ class MegaStep:
         return out
 
     def block_arrivals(self, ws: mx.array) -> dict:
-        """With MLXP_MEGA_PROF=1 (and the blocks' stamps): for each phase, one list per layer
+        """With the phase timer on (and the blocks' stamps): for each phase, one list per layer
         (the head: one list) of the µs after the phase's start at which each block (by index)
         had finished its share."""
         return self._stamps(ws)[1]

@@ -12,6 +12,7 @@ import pytest
 from engine.fast import kernels as K
 from engine.fast import mega as MG
 from engine.fast import mega_cuda as C
+from engine.fast.config import FastConfig
 from engine.fast.decode import FastDecoder, own_contiguous
 from engine.fast.merge import merge_projections
 from engine.levers import resolve
@@ -60,16 +61,14 @@ def test_inputs_tables_and_workspace_layout():
 
 
 def test_qwen3_q_k_norms_in_the_kernel_by_default(monkeypatch):
-    """qwen3's per-head q/k norms run inside the kernel unless MLXP_MEGA_QKNORM=0; its norm
-    weights then follow the layers' inputs."""
+    """qwen3's per-head q/k norms run inside the kernel unless MLXP_MEGA_QKNORM=0 (FastConfig's
+    qk_norm off); its norm weights then follow the layers' inputs."""
     q3 = load_model(str(ensure_fixture("qwen3", "bfloat16")))[0]
     merge_projections(q3)
     monkeypatch.setattr(K, "cuda_available", lambda: True)
     monkeypatch.setattr(MG, "sm_count", lambda: 132)
     levers = resolve("l3", env={})
-    monkeypatch.setenv("MLXP_MEGA_QKNORM", "0")
-    assert "MLXP_MEGA_QKNORM=0" in MG.why_not(q3, levers)
-    monkeypatch.delenv("MLXP_MEGA_QKNORM")
+    assert "MLXP_MEGA_QKNORM=0" in MG.why_not(q3, resolve("l3", env={"MLXP_MEGA_QKNORM": "0"}))
     # past the q/k norm check: the tiny fixture's widths are what stops it now
     assert "vector loads" in MG.why_not(q3, levers)
     a0 = q3.layers[0].self_attn
@@ -162,14 +161,12 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     merge_projections(q4)
     q8 = load_model(str(ensure_fixture("llama", "q8")))[0]
     merge_projections(q8)
-    monkeypatch.setenv("MLXP_MEGA_QUANT", "0")
-    assert MG.quantization(q4) is None and MG.quantization(q8) is None
-    monkeypatch.delenv("MLXP_MEGA_QUANT", raising=False)
+    off = resolve("l3", env={"MLXP_MEGA_QUANT": "0"}).fast.quant
+    assert MG.quantization(q4, off) is None and MG.quantization(q8, off) is None
     assert MG.quantization(q8) is None
     bits, gs = MG.quantization(q4)
     assert bits == 4 and gs == q4.layers[0].mlp.down_proj.group_size
-    monkeypatch.setenv("MLXP_MEGA_QUANT", "1")
-    assert MG.quantization(q8)[0] == 8
+    assert MG.quantization(q8, resolve("l3", env={"MLXP_MEGA_QUANT": "1"}).fast.quant)[0] == 8
     a0 = q4.layers[0].self_attn
     step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
     names = C.input_names(step.L, quantized=True)
@@ -180,17 +177,16 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
 
 
-def test_kernel_switches_mask(monkeypatch):
+def test_kernel_switches_mask():
     """MLXP_MEGA_OPT: the one-kernel step's switches as a bit mask, 0 to all of them."""
-    monkeypatch.delenv("MLXP_MEGA_OPT", raising=False)
-    assert MG.opt_mask() == MG.OPT_DEFAULT
+    assert resolve("l3", env={}).fast.mask() == MG.OPT_DEFAULT
     for ok in ("0", "5", str(sum(MG.OPT_BITS.values()))):
-        monkeypatch.setenv("MLXP_MEGA_OPT", ok)
-        assert MG.opt_mask() == int(ok)
+        assert resolve("l3", env={"MLXP_MEGA_OPT": ok}).fast.mask() == int(ok)
     for bad in ("8192", "-1", "pfo", "1.0"):
-        monkeypatch.setenv("MLXP_MEGA_OPT", bad)
         with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-5119"):
-            MG.opt_mask()
+            resolve("l3", env={"MLXP_MEGA_OPT": bad})
+    with pytest.raises(ValueError, match="opt"):
+        FastConfig(opt=8192)
     # every switch is a bit the CUDA source defines
     src = C.source(2)
     for name, bit in MG.OPT_BITS.items():
@@ -220,29 +216,31 @@ def test_settings_checked_where_the_levers_are_resolved():
     import argparse
 
     from engine.levers import LeverError, levers_from_args
-    MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1"})
+    ok = {"MLXP_MEGA_OPT": "20", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1",
+          "MLXP_DISABLE_KERNELS": "gemv,mega"}
+    assert levers_from_args(argparse.Namespace(tier="l3"), env=ok).fast == FastConfig(
+        opt=20, quant=False, prof=True, disabled=frozenset({"gemv", "mega"}))
     bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_OPT": "8192",
-           "MLXP_MEGA_PROF": "on"}
+           "MLXP_MEGA_PROF": "on", "MLXP_DISABLE_KERNELS": "qgemv"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
-            MG.check_settings({name: value})
+            FastConfig.from_env({name: value})
         with pytest.raises(LeverError, match=name):
             levers_from_args(argparse.Namespace(tier="l3"), env={name: value})
         assert not levers_from_args(argparse.Namespace(tier="l1"), env={name: value}).perf_kernel
 
 
-def test_flow_on_the_solo_step_only_unless_asked_for(llama, monkeypatch):
+def test_flow_on_the_solo_step_only_unless_asked_for(llama):
     """FLOW (attention started per head on flags) is a default of the one-row step; calls of
     several rows get the default without it, unless MLXP_MEGA_OPT names it."""
     merge_projections(llama)
     a0 = llama.layers[0].self_attn
-    monkeypatch.delenv("MLXP_MEGA_OPT", raising=False)
-    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
+    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)), resolve("l3", env={}).fast)
     flow = MG.OPT_BITS["flow"]
     assert MG.OPT_DEFAULT & flow and step.opt.item() == MG.OPT_DEFAULT
     assert step.opt_rows.item() == MG.OPT_DEFAULT & ~flow
-    monkeypatch.setenv("MLXP_MEGA_OPT", str(MG.OPT_DEFAULT))
-    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
+    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)),
+                       resolve("l3", env={"MLXP_MEGA_OPT": str(MG.OPT_DEFAULT)}).fast)
     assert step.opt_rows.item() == step.opt.item() == MG.OPT_DEFAULT
 
 

@@ -78,22 +78,20 @@ def test_step_overhead_runs_off_a_gpu(tmp_path):
 
 
 def test_a_variant_is_the_kernel_it_names(monkeypatch):
-    """A mask in the environment that a variant does not name is unset while it runs (and put
-    back after)."""
-    import os
-
+    """A variant runs with its own mask and the phase timer, whatever the environment holds
+    (the settings reach the decoder in its levers, not through the environment)."""
     seen = {}
 
-    class Probe:                 # stands for the decoder: records the settings it would see
-        def __init__(self, *a, **k):
-            seen.update({k: v for k, v in os.environ.items() if k in mega_sweep.SETTINGS})
+    class Probe:                 # stands for the decoder: records the settings it is given
+        def __init__(self, model, levers):
+            seen["fast"] = levers.fast
             raise RuntimeError("probe")
     monkeypatch.setattr(mega_sweep, "FastDecoder", Probe)
     monkeypatch.setenv("MLXP_MEGA_OPT", "20")
+    monkeypatch.setenv("MLXP_MEGA_QUANT", "0")
     with pytest.raises(RuntimeError, match="probe"):
         mega_sweep.run_variant(None, [1], [2], mega_sweep.parse_variant("596"))
-    assert seen == {"MLXP_MEGA_OPT": "596"}
-    assert os.environ["MLXP_MEGA_OPT"] == "20"
+    assert seen["fast"].opt == 596 and seen["fast"].prof is True and seen["fast"].quant is None
 
 
 def test_a_lost_gpu_context_stops_the_sweep(tmp_path, monkeypatch):
