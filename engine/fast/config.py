@@ -66,7 +66,7 @@ class FastConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "FastConfig":
-        """The settings named in `env` (a mapping: the caller decides whether it is os.environ);
+        """The settings named in `env` (a mapping: the caller decides whether it is the process environment);
         a bad value is a FastConfigError that names the variable."""
         def switch(name):
             raw = env.get(name, "")
