@@ -1,6 +1,6 @@
 """How the one-kernel step's compiled code waits on L2, read from its SASS (no GPU needed).
 
-Compiles the kernel (engine.fast.mega_cuda, through experiments/check_kernels_nvcc.py's
+Compiles the kernel (engine/fast/cuda/mega_step.cu, through experiments/check_kernels_nvcc.py's
 wrapper) for a preset's shapes with a local nvcc, disassembles it with `cuobjdump -sass`
 (the `nvidia-cuda-cuobjdump` wheel has one: pass --cuobjdump PATH), and reports
 
@@ -29,7 +29,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fast import mega_cuda as MC  # noqa: E402
 from experiments import check_kernels_nvcc as CK  # noqa: E402
 from experiments import presets as P  # noqa: E402
 from experiments._common import md_table  # noqa: E402
@@ -47,7 +46,7 @@ PRESETS = {name: _shape(name) for name in ("1b", "8b")}
 def kernel_source(preset: str, env: dict) -> str:
     """The bf16 float-weight kernel of `preset`, with the settings in `env` (RB: rows a call,
     as check_kernels_nvcc takes them)."""
-    return (CK.PRELUDE + "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
+    return (CK.PRELUDE + "}\n" + CK.inc("mega_device.cuh") + "namespace mlx::core::cu {\n"
             + CK.mega_kernel("k_mega", PRESETS[preset], env) + "}\n")
 
 
@@ -94,8 +93,8 @@ def analyse(preset: str, env: dict, cuobjdump: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cu, cubin = Path(d) / "k.cu", Path(d) / "k.cubin"
         cu.write_text(kernel_source(preset, env))
-        r = subprocess.run([shutil.which("nvcc"), "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-cubin",
-                            str(cu), "-o", str(cubin), "-Xptxas", "-v"], capture_output=True, text=True)
+        r = subprocess.run(CK.nvcc_command(shutil.which("nvcc"), cu, cubin, "-cubin", "-Xptxas", "-v"),
+                           capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(r.stdout + r.stderr)
         sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout

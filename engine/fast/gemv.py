@@ -10,7 +10,7 @@ per row) and optionally folds in what surrounds a projection in a decoder layer:
   returns `silu(gate) * up`, shape [.., I].
 
 On an NVIDIA GPU (`use_kernel=True`) this is one CUDA kernel (`mx.fast.cuda_kernel`,
-compiled at run time; sources in engine.fast.gemv_cuda): one to four warps compute one
+compiled at run time; sources engine/fast/cuda/gemv*.cu): one to four warps compute one
 output row (a gate row and its up row together for the SiLU epilogue), 8 warps a block: its
 lanes stream 16-byte vectors of the row, several iterations' loads in flight before their
 products, and reduce with shuffles; for a batch each weight vector read serves every input
@@ -32,7 +32,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gemv_cuda as C
+from .sources import source
 
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
 # warps per block and loads in flight per lane (the fastest of experiments/gemv_sweep.py's layouts)
@@ -45,10 +45,10 @@ MIN_WARPS = 6144    # warps a projection should keep busy (H200: 132 SMs x ~48 r
 def _get_kernel(rope: bool = False):
     from . import kernels as K            # (built there, so that K.empty_kernels covers it)
     if rope:
-        return K.cuda_kernel("mlxp_gemv_rope_warp", ["W", "x", "norm_w", "inv_freq", "pos"],
-                             ["q", "k", "v"], C.WARP_MAIN + C.ROPE_EPILOGUE, C.GEMV_HEADER)
+        return K.cuda_kernel("mlxp_gemv_rope_warp", ["W", "x", "norm_w", "inv_freq", "pos"], ["q", "k", "v"],
+                             source("gemv_main.cu") + source("gemv_rope_epilogue.cu"), source("gemv.cuh"))
     return K.cuda_kernel("mlxp_gemv_warp", ["W", "x", "norm_w", "residual"], ["out"],
-                         C.WARP_MAIN + C.GEMV_EPILOGUE, C.GEMV_HEADER)
+                         source("gemv_main.cu") + source("gemv_epilogue.cu"), source("gemv.cuh"))
 
 
 def ksplit_for(units: int, K: int, itemsize: int) -> int:
@@ -137,9 +137,10 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
 
 
 def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.array, pos: mx.array,
-             n_heads: int, n_kv: int, head_dim: int, shift: int = 0):
+             n_heads: int, n_kv: int, head_dim: int):
     """The merged q/k/v projection of the RMS-normalised x, with RoPE at position pos[0]
-    (pos of shape [1]) or pos[b] for row b (pos of shape [B]) (+ shift) applied to q and k,
+    (pos of shape [1]) or pos[b] for row b (pos of shape [B]) applied to q and k (one position
+    more inside `kernels.inject_fault("rope_pos_plus_one")`: engine.fast.kernels.cuda_kernel),
     as one kernel (CUDA only; the caller keeps the stock path elsewhere): returns
     q [B, H, 1, D], k and v [B, Hkv, 1, D]."""
     K = x.shape[-1]
@@ -153,7 +154,7 @@ def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.arr
     q, k, v = _get_kernel(rope=True)(
         inputs=[W, x.astype(dt).reshape(rows, K), norm[0].astype(dt), inv_freq, pos.astype(mx.int32)],
         template=[("T", dt), ("K", K), ("NOUT", N), ("B", rows), *extra, ("NORM", 1), ("EPI", 0),
-                  ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv), ("SHIFT", shift),
+                  ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv),
                   ("PER_ROW", int(pos.size > 1)),
                   ("EPS_NUM", int(round(norm[1] * 1e12)))],
         grid=grid, threadgroup=tg,

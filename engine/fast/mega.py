@@ -4,8 +4,8 @@ On the H200 the fused step of engine.fast.decode (about 7 kernels a layer) measu
 slow with its kernels emptied as with them running (experiments/l3_overhead.py): the
 time goes to building, encoding and launching each operation, not to the GPU's work.
 `MegaStep` runs the whole step of a llama-family model, one sequence, as one persistent
-kernel (engine.fast.mega_cuda: one block per SM, grid barriers between the phases of a
-layer), so a step is a handful of operations whatever the layer count.
+kernel (engine/fast/cuda/mega_step.cu, built by engine.fast.mega_cuda: one block per SM,
+grid barriers between the phases of a layer), so a step is a handful of operations whatever the layer count.
 
 It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the batch, up
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
@@ -32,7 +32,6 @@ from ..models.base import silu_gate
 from . import gemv as G
 from . import kernels as K
 from . import mega_cuda as C
-from . import mega_device as MD
 from .config import OPT_BITS, OPT_DEFAULT, FastConfig  # noqa: F401  (OPT_*: re-exported)
 from .merge import merged_of
 
@@ -196,21 +195,25 @@ class MegaStep:
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
         self.opt_rows = mx.array([config.mask(2)], dtype=mx.int32)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
+        # the build's constants (the generated header; the kernel's template: T, RB, ROW0)
+        self.params = C.MegaParams(
+            H=self.H, NQ=self.NQ, NKV=self.NKV, D=self.D, I=self.I, L=self.L, V=self.V,
+            EPS_NUM=int(round(self.eps * 1e12)), SCALE_NUM=int(round(self.scale * 1e9)),
+            QB=self.quant[0] if self.quant else 0, GS=self.quant[1] if self.quant else 32,
+            QKN=int(self.qkn), UN1=UN1, UN2=UN2, UNO=UN1, PROF=int(self.prof))
 
     def _kernel(self, rows: int):
         smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows),
                                C.static_bytes(self.D, rows))
-        q, n = bool(self.quant), int(self.qkn)
-        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}",
-                             C.input_names(self.L, q, self.qkn), ["logits", "ws"],
-                             C.source(self.L, q, self.qkn), MD.HEADER, shared_memory=smem)
+        return K.cuda_kernel(C.build_name(self.params, rows, smem),
+                             C.input_names(self.L, bool(self.quant), self.qkn), ["logits", "ws"],
+                             C.body(), C.header() + C.config_header(self.params), shared_memory=smem)
 
     def groups(self, B: int) -> list:
         """(first row, rows) of each kernel call for B rows."""
         return [(r, min(self.max_rows, B - r)) for r in range(0, B, self.max_rows)]
 
     def __call__(self, tokens: mx.array, rpos: mx.array, col: mx.array, start: mx.array, keys, values):
-        fault = K.active_fault()
         B = tokens.size
         ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
                col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B),
@@ -220,16 +223,7 @@ class MegaStep:
         for row0, rb in self.groups(B):
             lg, ws = self._kernel(rb)(
                 inputs=ins + [wss[-1] if wss else self._first],
-                template=[("T", self.dtype), ("H", self.H), ("NQ", self.NQ), ("NKV", self.NKV),
-                          ("D", self.D), ("I", self.I), ("L", self.L), ("V", self.V),
-                          ("THREADS", C.THREADS), ("MAXCH", C.MAXCH), ("RB", rb), ("ROW0", row0),
-                          ("EPS_NUM", int(round(self.eps * 1e12))),
-                          ("SCALE_NUM", int(round(self.scale * 1e9))),
-                          ("SHIFT", int(fault == "rope_pos_plus_one")),
-                          ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
-                          ("UN1", UN1), ("UN2", UN2), ("UNO", UN1),
-                          ("QB", self.quant[0] if self.quant else 0),
-                          ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn))],
+                template=[("T", self.dtype), ("RB", rb), ("ROW0", row0)],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb,

@@ -1,4 +1,4 @@
-"""Sizes of the one-kernel step's workspace and shared memory (engine.fast.mega_cuda's BODY
+"""Sizes of the one-kernel step's workspace and shared memory (engine/fast/cuda/mega_step.cu
 lays them out; engine.fast.mega asks for them)."""
 
 from __future__ import annotations

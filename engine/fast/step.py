@@ -121,7 +121,7 @@ def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], us
     shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
     if (inv_freq is not None and rope_kernel and B <= G.MAX_ROWS
             and G.is_float(merged)):
-        return G.qkv_rope(merged, h, (ln.weight, ln.eps), inv_freq, pos, H, Hkv, D, shift)
+        return G.qkv_rope(merged, h, (ln.weight, ln.eps), inv_freq, pos, H, Hkv, D)
     qkv = G.linear(merged, h, norm=(ln.weight, ln.eps), use_kernel=use_kernels)
     if inv_freq is not None:                 # (the RoPE step after the GEMV)
         return K.rope_qkv(qkv, inv_freq, pos, H, Hkv, D, attn.rope, rope_kernel)

@@ -22,7 +22,8 @@ from gemv_mirror import epilogue_mirror, round_to, to_np
 
 
 def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None, ksplit=1):
-    """engine.fast.gemv_cuda in numpy: returns [B, NOUT] float32 (values representable in dt).
+    """engine/fast/cuda/gemv_main.cu + gemv_epilogue.cu in numpy: returns [B, NOUT] float32
+    (values representable in dt).
     `ksplit` warps per row, warp slice s taking iterations s, s + ksplit, ... (lane l of
     iteration it: the vector at k = (it * 32 + l) * VEC)."""
     N, K = W.shape
@@ -122,7 +123,7 @@ def test_standin_off_gpu_and_errors():
 
 
 def qkv_rope_mirror(W, x, nw, eps, inv_freq, pos, H, Hkv, D, dt):
-    """GEMV_ROPE_SOURCE in numpy: warp w -> rows (head*D + i, head*D + i + D/2) of head
+    """gemv_main.cu + gemv_rope_epilogue.cu in numpy: warp w -> rows (head*D + i, head*D + i + D/2) of head
     w // (D/2), i = w % (D/2); normalised dot products, rounded, then rotated."""
     K = W.shape[1]
     half = D // 2

@@ -64,3 +64,51 @@ def test_static_shared_memory_is_what_the_launch_counts_on():
         est = ML.static_bytes(D, 1)
         assert got[key][1] <= est, (key, got[key], est)
         assert est - got[key][1] < 4096, (key, got[key], est)   # (not a loose bound)
+
+
+def _wrapper_includes() -> set:
+    """The engine/fast/cuda files experiments/check_kernels_nvcc.py's translation unit includes,
+    directly or through other files of that folder."""
+    import importlib.util
+    from engine.fast.sources import DIR
+    spec = importlib.util.spec_from_file_location("ck", ROOT / "experiments" / "check_kernels_nvcc.py")
+    ck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ck)
+    todo, seen = set(re.findall(r'#include "([\w.]+)"', ck.source())), set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        todo |= set(re.findall(r'#include "([\w.]+)"', (DIR / name).read_text())) - seen
+    return seen
+
+
+def test_the_check_compiles_every_cuda_file_itself():
+    """The nvcc check includes every file of engine/fast/cuda (with -I), not a copy of its text:
+    a file the engine ships and the check leaves out fails here."""
+    from engine.fast.sources import DIR
+    shipped = {p.name for p in DIR.iterdir() if p.suffix in (".cu", ".cuh")}
+    assert shipped and _wrapper_includes() == shipped
+
+
+def _ptx(tmp_path, body: str, *defines: str) -> str:
+    """PTX of the bf16 RoPE kernel (engine/fast/cuda/rope_qkv.cu) with `defines` (-D)."""
+    from engine.fast.sources import DIR
+    cu = tmp_path / "k.cu"
+    cu.write_text('#include <cuda_bf16.h>\n#include "faults.cuh"\n'
+                  "__global__ void k(const __nv_bfloat16* qkv, const float* inv_freq, const int* pos,"
+                  " __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v) {\n  using T = __nv_bfloat16;\n"
+                  "  constexpr int B = 1, H = 4, HKV = 2, D = 64, PER_ROW = 0;\n" + body + "}\n")
+    out = tmp_path / "k.ptx"
+    subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-I", str(DIR), *[f"-D{d}" for d in defines],
+                    "-ptx", str(cu), "-o", str(out)], check=True, capture_output=True, timeout=300)
+    return out.read_text()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_fault_exists_only_in_the_build_that_asks_for_it(tmp_path):
+    """The production RoPE kernel compiles to the same PTX as one built with the fault macro 0;
+    the build with MLXP_FAULT_SHIFT=1 (the L3 gate's negative control) is different code."""
+    body = '#include "rope_qkv.cu"\n'
+    prod = _ptx(tmp_path, body)
+    assert prod == _ptx(tmp_path, body, "MLXP_FAULT_SHIFT=0")
+    assert prod != _ptx(tmp_path, body, "MLXP_FAULT_SHIFT=1")

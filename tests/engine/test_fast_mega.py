@@ -6,6 +6,8 @@ batch is split into calls, the phase timer's arithmetic, and the buffers it writ
 place being made contiguous arrays of their own first.
 """
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
@@ -43,7 +45,8 @@ def test_inputs_tables_and_workspace_layout():
     assert names[:9] == ["tok", "rpos", "col", "start_col", "opt", "emb", "inv_freq", "fnorm", "headw"]
     assert names[-1] == "after" and names[-7:-1] == ["k_0", "k_1", "k_2", "v_0", "v_1", "v_2"]
     assert len(names) == 9 + 6 * 3 + 6 + 1
-    src = C.source(3)
+    p3 = C.MegaParams(H=64, NQ=4, NKV=2, D=16, I=128, L=3, V=100, EPS_NUM=10**7, SCALE_NUM=25 * 10**7)
+    src = C.config_header(p3)
     assert "const void* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src and "const T* WQKV_S[3] = {};" in src
     assert "T* KC[3] = {const_cast<T*>(k_0), const_cast<T*>(k_1), const_cast<T*>(k_2)};" in src
     # the workspace grows with the rows of a call, and ends with the phase stamps
@@ -56,8 +59,12 @@ def test_inputs_tables_and_workspace_layout():
     qk = C.input_names(3, qk_norm=True)
     assert qk[9 + 6 * 3: 9 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
     assert qk[-7:] == names[-7:] and len(qk) == len(names) + 6
-    assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.source(3, qk_norm=True)
+    assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.config_header(replace(p3, QKN=1))
     assert "const T* QN[3] = {};" in src
+    # the generated header: the model's constants, and a kernel name of its own
+    assert "constexpr int H = 64;" in src and "constexpr int L = 3;" in src and "#define MEGA_TABLES" in src
+    assert C.build_name(p3, 1, 0) != C.build_name(replace(p3, H=128), 1, 0)
+    assert C.build_name(p3, 1, 0) != C.build_name(replace(p3, PROF=1), 1, 0)
 
 
 def test_qwen3_q_k_norms_in_the_kernel_by_default(monkeypatch):
@@ -172,7 +179,8 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     names = C.input_names(step.L, quantized=True)
     assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
     assert step.dtype == q4.layers[0].mlp.down_proj.scales.dtype
-    assert "const T* WQKV_S[" in C.source(step.L, quantized=True) and "_S[2] = {}" not in C.source(step.L, True)
+    hdr = C.config_header(step.params)
+    assert step.params.QB == 4 and "const T* WQKV_S[" in hdr and f"_S[{step.L}] = {{}}" not in hdr
     # a float model is never taken as quantized
     assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
 
@@ -188,9 +196,9 @@ def test_kernel_switches_mask():
     with pytest.raises(ValueError, match="opt"):
         FastConfig(opt=8192)
     # every switch is a bit the CUDA source defines
-    src = C.source(2)
+    src = C.body()
     for name, bit in MG.OPT_BITS.items():
-        assert f"#define MEGA_OPT_{name.upper()} {bit}u" in C.HEADER and f"MEGA_OPT_{name.upper()}" in src
+        assert f"#define MEGA_OPT_{name.upper()} {bit}u" in C.header() and f"MEGA_OPT_{name.upper()}" in src
 
 
 def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):

@@ -1,4 +1,4 @@
-"""The one-kernel step's attention phase, mirrored in numpy loop for loop (engine.fast.mega_cuda,
+"""The one-kernel step's attention phase, mirrored in numpy loop for loop (engine/fast/cuda/mega_attn.cu,
 phase B): the chunk size and count from the attended end, each (row, head, chunk) unit's
 online softmax over 32-column sub-chunks clamped to the row's start column, the partials,
 and the combine the last warp of a (row, head) does (its lanes sharing the chunks). Checked against plain softmax
@@ -168,7 +168,7 @@ def test_flow_flag_target_fails_for_a_wrong_order():
 
 
 def one_flag_counts(NQ: int, NKV: int, D: int, group=None):
-    """FLOW's flags mirrored from mega_qkv.py's head_done: one flag per query head; a q head's
+    """FLOW's flags mirrored from engine/fast/cuda/mega_qkv.cu's head_done: one flag per query head; a q head's
     pair adds to its own, a k or v head's pair to each of the NQ/NKV query heads of its group.
     Returns the flags after phase A (every pair counted once)."""
     HALF, G = D // 2, NQ // NKV

@@ -1,4 +1,4 @@
-"""The one-kernel step (engine.fast.mega_cuda), phase by phase in numpy, against L1.
+"""The one-kernel step (engine/fast/cuda/mega_step.cu), phase by phase in numpy, against L1.
 
 The kernel runs on NVIDIA GPUs only; this mirror follows its computation on the llama
 bf16 fixture with the kernel's rounding points: the RMSNorm applied as a scale after the

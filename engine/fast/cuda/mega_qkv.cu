@@ -1,17 +1,15 @@
-"""CUDA source of the one-kernel step's phase A (RMSNorm -> merged q/k/v -> RoPE, keys and
-values into the cache) and, for models with per-head q/k norms (qwen3), phase A2, spliced into
-engine.fast.mega_cuda's BODY where `__QKV__` stands.
-
-A warp per rotation pair (rows i and i + D/2 of a head), its dot products over the normalised
-input in shared memory; lane b rotates row b's pair and writes q into the workspace, k and v
-into the cache at the position. With `MEGA_OPT_QSPLIT` two warps of a block take a pair, each
-over half of H (added in shared memory), where that takes fewer rounds. With `MEGA_OPT_FLOW`
-the pairs of the keys and values come first and each pair counts up its head's flag (phase B
-waits on those instead of a barrier). With QKN, phase A leaves q and k unrotated; after a barrier a warp per head normalises, then
-rotates it (A2).
-"""
-
-QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
+// The one-kernel step's phase A (RMSNorm -> merged q/k/v -> RoPE, keys and values into the
+// cache) and, for models with per-head q/k norms (qwen3), phase A2; included by mega_step.cu
+// inside its loop over the layers.
+//
+// A warp per rotation pair (rows i and i + D/2 of a head), its dot products over the normalised
+// input in shared memory; lane b rotates row b's pair and writes q into the workspace, k and v
+// into the cache at the position. With MEGA_OPT_QSPLIT two warps of a block take a pair, each
+// over half of H (added in shared memory), where that takes fewer rounds. With MEGA_OPT_FLOW
+// the pairs of the keys and values come first and each pair counts up its head's flag (phase B
+// waits on those instead of a barrier). With QKN, phase A leaves q and k unrotated; after a
+// barrier a warp per head normalises, then rotates it (A2).
+    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
     // QSPLIT two warps of a block per pair, each over half of H, added in shared memory)
     {
       if (OPT & MEGA_OPT_KVPF) {   // the layer's cached keys and values into L2
@@ -37,7 +35,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           dst[i] = x1;
           dst[i + HALF] = x2;
         } else if (head < NQ + NKV) {
-          const float theta = static_cast<float>(rpos[ROW0 + b] + SHIFT) * inv_freq[i];
+          const float theta = static_cast<float>(rpos[ROW0 + b] + MLXP_FAULT_SHIFT) * inv_freq[i];
           float sn, c;
           sincosf(theta, &sn, &c);
           const T y1 = T(x1 * c - x2 * sn), y2 = T(x1 * sn + x2 * c);
@@ -133,7 +131,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           ss += x1[j] * x1[j] + x2[j] * x2[j];
         }
         const float rn = rsqrtf(mega_warp_sum(ss) / D + eps);
-        const float pos = static_cast<float>(rpos[ROW0 + b] + SHIFT);
+        const float pos = static_cast<float>(rpos[ROW0 + b] + MLXP_FAULT_SHIFT);
 #pragma unroll
         for (int j = 0; j < PPL; ++j) {
           const int i = lane + 32 * j;
@@ -154,4 +152,3 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
         }
       }
     }
-"""

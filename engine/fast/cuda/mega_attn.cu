@@ -1,24 +1,20 @@
-"""CUDA source of the one-kernel step's attention phase (B), spliced into
-engine.fast.mega_cuda's BODY where `__ATTENTION__` stands.
-
-A warp per (row, query head, chunk of CS cached columns): lane j scores column j of each
-32 (its key row read whole, in 16-byte loads), then the lanes own DPL contiguous output dims
-and add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL
-values per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp
-to finish a (row, head)'s chunks (a counter each) combines them into the attention output,
-its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 8 chunks
-for the outputs: 16 for head sizes up to 64, 12 up to 128).
-With `MEGA_OPT_FLOW` no grid barrier precedes the phase: a unit waits for the flags of its query
-head, key head and value head (phase A counts each head's pairs out), then reads its query
-head into the warp's slot of shared memory; the last warps take the first units.
-With `MEGA_OPT_AKPF` a unit first asks L2 for its chunk's keys and values (one prefetch per
-128 bytes, all issued at once); with `MEGA_OPT_NOPFA` the phase leaves out the o_proj
-prefetch below.
-With `MEGA_OPT_PFO` each warp first asks L2 for the o_proj rows it computes in the next phase,
-so they stream from memory while the (latency-bound) attention runs.
-"""
-
-ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
+// The one-kernel step's attention phase (B); included by mega_step.cu inside its loop over the
+// layers.
+//
+// A warp per (row, query head, chunk of CS cached columns): lane j scores column j of each 32
+// (its key row read whole, in 16-byte loads), then the lanes own DPL contiguous output dims and
+// add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL values
+// per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp to
+// finish a (row, head)'s chunks (a counter each) combines them into the attention output, its
+// lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 16 chunks for
+// the outputs with head sizes up to 64, 12 up to 128).
+// With MEGA_OPT_FLOW no grid barrier precedes the phase: a unit waits for its query head's flag
+// (phase A counts the head's, its key head's and its value head's pairs into it), then reads
+// its query head into the warp's slot of shared memory; the last warps take the first units.
+// With MEGA_OPT_AKPF a unit first asks L2 for its chunk's keys and values; with
+// MEGA_OPT_NOPFA the phase leaves out the o_proj prefetch at its end; with MEGA_OPT_PFO each
+// warp first asks L2 for the o_proj rows it computes in the next phase.
+    // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
     // column j of each 32 (its key row read whole), then the lanes own DPL of the D
     // output dims and add up p_j * v_j (a batch of value loads issued at once); a chunk's
     // partial (max, sum, output) goes to the workspace, and the last warp to finish a
@@ -167,4 +163,3 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
       }
       if (!(OPT & (MEGA_OPT_PFO | MEGA_OPT_NOPFA))) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
-"""

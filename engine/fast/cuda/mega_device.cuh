@@ -1,31 +1,23 @@
-"""Device functions of the one-kernel decode step (engine.fast.mega_cuda's header).
-
-- `mega_grid_sync`: the grid barrier (an atomic counter every block adds to and waits on;
-  a 10 s limit on the wait turns a never-arriving block into a CUDA error, not a hang);
-- `mega_ld_w`: a 16-byte weight load streamed past L1; `mega_ldcg_t`: an element other
-  blocks wrote during the step, read from L2 (`mega_ldcg_vec`, `mega_ldcg_raw`: a lane's
-  contiguous elements in one load, as floats or kept as they are);
-- `mega_dot`: RL float weight rows dotted with RB input rows held in shared memory, a
-  warp per unit, UN 16-byte loads in flight per lane, a shuffle reduction;
-- `mega_qdot`: the same for affine-quantized rows (scale·Σq·x + bias·Σx per 16-byte read),
-  its inputs kept swizzled in shared memory (`mega_sw`) so that lanes reading 64-128
-  contiguous bytes each do not collide on banks;
-- `mega_ldx`: inputs read from shared memory in 16-byte loads;
-- `mega_stage`: a phase's input vector (floats other blocks wrote) into shared memory, each
-  thread's 16-byte loads issued together before any is used (one round trip to L2, not one
-  per element);
-- `mega_mat_dot`: either, by the kernel's QB (0: float weights);
-- `mega_wait_at_least` / `mega_atom_add_acq_rel`: the per-head flags of FLOW and the chunk
-  counters of the attention phase (acquire / release ordering).
-
-The header also gives every kernel of the module `__launch_bounds__(512, 1)` (the
-generated signature takes no attributes), so the compiler keeps to the registers one
-block of 512 threads per SM allows.
-"""
-
-from __future__ import annotations
-
-HEADER = r"""
+// Device functions of the one-kernel decode step (mega_step.cu):
+// - mega_grid_sync: the grid barrier (an atomic counter every block adds to and waits on; a
+//   10 s limit on the wait turns a never-arriving block into a CUDA error, not a hang);
+// - mega_ld_w: a 16-byte weight load streamed past L1; mega_ldcg_t: an element other blocks
+//   wrote during the step, read from L2 (mega_ldcg_vec, mega_ldcg_raw: a lane's contiguous
+//   elements in one load, as floats or kept as they are);
+// - mega_dot: RL float weight rows dotted with RB input rows held in shared memory, a warp per
+//   unit, UN 16-byte loads in flight per lane, a shuffle reduction;
+// - mega_qdot: the same for affine-quantized rows, its inputs kept swizzled in shared memory
+//   (mega_sw) so that lanes reading 64-128 contiguous bytes each do not collide on banks;
+// - mega_ldx: inputs read from shared memory in 16-byte loads;
+// - mega_stage: a phase's input vector (floats other blocks wrote) into shared memory, each
+//   thread's 16-byte loads issued together before any is used;
+// - mega_mat_dot: either, by the kernel's QB (0: float weights);
+// - mega_wait_at_least / mega_atom_add_acq_rel: the per-head flags of FLOW and the chunk
+//   counters of the attention phase (acquire / release ordering).
+// It also gives every kernel of the module __launch_bounds__(512, 1) (the generated signature
+// takes no attributes), so the compiler keeps to the registers one block of 512 threads per SM
+// allows.
+#include "faults.cuh"
 #undef __global__
 #define __global__ __attribute__((global)) __launch_bounds__(512, 1)
 #define MEGA_SYNC() __syncthreads()
@@ -333,5 +325,3 @@ __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T*
     mega_qdot<T, X, K, RL, RB, UN, QB, GS, KT>(rows, sr, br, xs, koff, lane, acc, pol);
   }
 }
-"""
-
