@@ -23,7 +23,7 @@ Supported: the llama and qwen3 families with full attention and float KV.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -31,10 +31,9 @@ import mlx.core as mx
 from .. import models as _models  # noqa: F401  (engine.cache needs the models package first)
 from ..cache import KVCache
 from ..levers import Levers
-from . import gemv as G
 from . import kernels as K
 from . import mega as MG
-from .merge import merged_of, module_version
+from .merge import module_version
 from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
