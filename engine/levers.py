@@ -149,7 +149,7 @@ def add_lever_args(p: argparse.ArgumentParser) -> None:
 
 def levers_from_args(args: argparse.Namespace, env: Optional[Mapping[str, str]] = None) -> Levers:
     """The levers a CLI asked for; with a fast lever on, the fast path's own settings
-    (MLXP_MEGA_*, MLXP_DISABLE_KERNELS) are resolved too, so that a bad value is a LeverError
+    (engine.fast.config.FastConfig) are resolved too, so that a bad value is a LeverError
     here, not at the first decode step."""
     return resolve(getattr(args, "tier", None), env, **{n: getattr(args, n, None) for n in LEVER_NAMES})
 

@@ -5,7 +5,7 @@ template values as constexpr; the one-kernel step's constants from its generated
 
     python experiments/check_kernels_nvcc.py            # prints ptxas register/spill report
     MEGA_ONLY=1 ...                                     # only the float one-kernel steps
-    FAULTS=1 ...                                        # the L3 gate's fault build (MLXP_FAULT_*)
+    FAULTS=1 ...                                        # the L3 gate's fault build (L3_FAULT_*)
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def source() -> str:
 
 def nvcc_command(nvcc: str, cu: Path, out: Path, *extra: str) -> list:
     """nvcc on `cu` with engine/fast/cuda on the include path (FAULTS=1: the fault build)."""
-    faults = ["-DMLXP_FAULT_SHIFT=1", "-DMLXP_FAULT_DROP=1"] if os.environ.get("FAULTS") == "1" else []
+    faults = ["-DL3_FAULT_SHIFT=1", "-DL3_FAULT_DROP=1"] if os.environ.get("FAULTS") == "1" else []
     return [nvcc, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-I", str(DIR), *faults, *extra,
             str(cu), "-o", str(out)]
 

@@ -33,7 +33,7 @@ from .sources import source
 
 FAULTS = ("attn_drop_last_key", "rope_pos_plus_one")
 # the macro each fault's build defines (engine/fast/cuda/faults.cuh)
-FAULT_MACROS = {"attn_drop_last_key": "MLXP_FAULT_DROP", "rope_pos_plus_one": "MLXP_FAULT_SHIFT"}
+FAULT_MACROS = {"attn_drop_last_key": "L3_FAULT_DROP", "rope_pos_plus_one": "L3_FAULT_SHIFT"}
 _fault: Optional[str] = None
 
 

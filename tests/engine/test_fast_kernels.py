@@ -224,8 +224,8 @@ def test_fault_builds_are_other_kernels(monkeypatch):
     with K.inject_fault("attn_drop_last_key"):       # (this fault is not RoPE's)
         assert K.cuda_kernel("mlxp_rope_qkv", ["qkv"], ["q"], rope, hdr) == "mlxp_rope_qkv"
     prod, fault = built[0], built[1]
-    assert "#define MLXP_FAULT_SHIFT 1" not in prod["header"] and "MLXP_FAULT_SHIFT" in prod["source"]
-    assert fault["header"].startswith("#define MLXP_FAULT_SHIFT 1\n") and fault["source"] == rope
+    assert "#define L3_FAULT_SHIFT 1" not in prod["header"] and "L3_FAULT_SHIFT" in prod["source"]
+    assert fault["header"].startswith("#define L3_FAULT_SHIFT 1\n") and fault["source"] == rope
     assert len(built) == 3                            # (the production kernels were reused)
 
 

@@ -107,8 +107,8 @@ def _ptx(tmp_path, body: str, *defines: str) -> str:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_fault_exists_only_in_the_build_that_asks_for_it(tmp_path):
     """The production RoPE kernel compiles to the same PTX as one built with the fault macro 0;
-    the build with MLXP_FAULT_SHIFT=1 (the L3 gate's negative control) is different code."""
+    the build with L3_FAULT_SHIFT=1 (the L3 gate's negative control) is different code."""
     body = '#include "rope_qkv.cu"\n'
     prod = _ptx(tmp_path, body)
-    assert prod == _ptx(tmp_path, body, "MLXP_FAULT_SHIFT=0")
-    assert prod != _ptx(tmp_path, body, "MLXP_FAULT_SHIFT=1")
+    assert prod == _ptx(tmp_path, body, "L3_FAULT_SHIFT=0")
+    assert prod != _ptx(tmp_path, body, "L3_FAULT_SHIFT=1")

@@ -2,7 +2,7 @@
 // (row b, query head h, chunk s of the row's keys [start, length)); its 8 warps stride over the
 // chunk's keys, each keeping an online softmax (max m, sum l, output acc); then the block's
 // warps meet in shared memory and M is the block's max. Included by attn_partial.cu and
-// attn_single.cu; MLXP_FAULT_DROP (faults.cuh) leaves the newest key out.
+// attn_single.cu; L3_FAULT_DROP (faults.cuh) leaves the newest key out.
   // block = (row b, query head h, chunk s); 8 warps stride over the chunk's keys.
   constexpr int PER = D / 32;
   const int s = blockIdx.x % NS;
@@ -10,7 +10,7 @@
   const int b = blockIdx.x / (NS * H);
   const int kvh = h / (H / HKV);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int len = length[0] - MLXP_FAULT_DROP;
+  const int len = length[0] - L3_FAULT_DROP;
   const int lo = USE_START ? start[b] : 0;   // the row's first key (its left padding)
   const int chunk = (len - lo + NS - 1) / NS;
   const int j0 = lo + s * chunk;

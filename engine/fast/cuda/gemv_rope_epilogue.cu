@@ -1,5 +1,5 @@
 // The fused GEMV's q/k/v epilogue: the two rows of a rotation pair come out of one unit, rotated
-// at position pos[0] or pos[b] (PER_ROW) (+ MLXP_FAULT_SHIFT, faults.cuh) and written straight
+// at position pos[0] or pos[b] (PER_ROW) (+ L3_FAULT_SHIFT, faults.cuh) and written straight
 // into q [B, NQ, 1, D], k and v [B, NKV, 1, D]; v rows are copied unrotated.
   {
     constexpr int HALF = ROPE_D / 2;
@@ -15,7 +15,7 @@
         dst[i] = T(x1);
         dst[i + HALF] = T(x2);
       } else {
-        const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + MLXP_FAULT_SHIFT) * inv_freq[i];
+        const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + L3_FAULT_SHIFT) * inv_freq[i];
         float sn, cs;
         sincosf(theta, &sn, &cs);
         T* dst = head < NQ ? q + ((size_t)b * NQ + head) * ROPE_D

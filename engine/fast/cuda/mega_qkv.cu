@@ -35,7 +35,7 @@
           dst[i] = x1;
           dst[i + HALF] = x2;
         } else if (head < NQ + NKV) {
-          const float theta = static_cast<float>(rpos[ROW0 + b] + MLXP_FAULT_SHIFT) * inv_freq[i];
+          const float theta = static_cast<float>(rpos[ROW0 + b] + L3_FAULT_SHIFT) * inv_freq[i];
           float sn, c;
           sincosf(theta, &sn, &c);
           const T y1 = T(x1 * c - x2 * sn), y2 = T(x1 * sn + x2 * c);
@@ -131,7 +131,7 @@
           ss += x1[j] * x1[j] + x2[j] * x2[j];
         }
         const float rn = rsqrtf(mega_warp_sum(ss) / D + eps);
-        const float pos = static_cast<float>(rpos[ROW0 + b] + MLXP_FAULT_SHIFT);
+        const float pos = static_cast<float>(rpos[ROW0 + b] + L3_FAULT_SHIFT);
 #pragma unroll
         for (int j = 0; j < PPL; ++j) {
           const int i = lane + 32 * j;

@@ -80,7 +80,7 @@
   const float scale = SCALE_NUM / 1e9f;
   const int wcol = col[0];
   const int CAP = k_0_shape[2];
-  const int aend = wcol + 1 - MLXP_FAULT_DROP;                // columns attended end here (exclusive)
+  const int aend = wcol + 1 - L3_FAULT_DROP;                // columns attended end here (exclusive)
   // chunks of CS = 32 * k columns, at most MAXCH of them per (row, head)
   const int cs = 32 * max(1, (max(aend, 1) + 32 * MAXCH - 1) / (32 * MAXCH));
   const int nch = (max(aend, 1) + cs - 1) / cs;

@@ -1,5 +1,5 @@
 // RoPE on a merged q/k/v projection's output (engine.fast.kernels.rope_qkv): q and k rotated
-// at pos[0] (or pos[b], PER_ROW), v copied; MLXP_FAULT_SHIFT (faults.cuh) rotates one
+// at pos[0] (or pos[b], PER_ROW), v copied; L3_FAULT_SHIFT (faults.cuh) rotates one
 // position off.
   // one thread per (row, head, pair); heads 0..H-1 are q, H..H+HKV-1 k, the rest v
   const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -19,7 +19,7 @@
     return;
   }
   // PER_ROW: pos holds one position per row (rows of the batch), else one for all
-  const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + MLXP_FAULT_SHIFT) * inv_freq[i];
+  const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + L3_FAULT_SHIFT) * inv_freq[i];
   float s, c;
   sincosf(theta, &s, &c);
   T* dst = head < H ? q + ((size_t)b * H + head) * D : k + ((size_t)b * HKV + (head - H)) * D;
