@@ -27,7 +27,6 @@ and `stats.fallback_reason` says why.
 
 from __future__ import annotations
 
-
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
