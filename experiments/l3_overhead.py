@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx

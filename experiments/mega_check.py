@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx

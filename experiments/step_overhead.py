@@ -29,13 +29,13 @@ graph by name (`mx.export_to_dot`).
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import io
 import json
 import re
 import statistics
 import sys
 import time
+from dataclasses import replace
 from collections import Counter
 from pathlib import Path
 
