@@ -35,8 +35,8 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import replace
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
