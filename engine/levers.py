@@ -22,7 +22,10 @@ The CUDA kernels exist only on an NVIDIA GPU; elsewhere `perf_kernel` and
 `fast_batch` is off in every preset: the batch's rows use the fast step only when
 asked (`--tier l3 --fast-batch`), and only together with a fast lever.
 
-Resolution order: tier preset < environment variables < explicit flags.
+Resolution order: tier preset < environment variables < explicit flags. With a fast lever
+on, the fast path's own settings (`engine.fast.config.FastConfig`: the one-kernel step's
+switches, kernels switched off) are resolved here too, from the same environment, and carried
+as `Levers.fast`; this module is the one place that reads them.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Mapping, Optional
+
+from .fast.config import FastConfig, FastConfigError
 
 TIERS = ("l1", "l2", "l3")
 LEVER_NAMES = ("merged_proj", "compiled_decode", "perf_kernel", "fused_sdpa", "force_wire",
@@ -47,6 +52,7 @@ class Levers:
     fused_sdpa: bool = False
     force_wire: bool = False
     fast_batch: bool = False
+    fast: FastConfig = field(default_factory=FastConfig)     # the fast path's own settings
 
     @property
     def fast_decode(self) -> bool:
@@ -60,7 +66,8 @@ class Levers:
         return self.fast_batch and self.fast_decode
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fast"}
+        return {**out, "fast": self.fast.as_dict()}
 
 
 # L1 keeps mlx-lm's exact kernels and order; L2 changes only the KV cache (kv_config),
@@ -92,10 +99,20 @@ def _parse_bool(name: str, value: str) -> bool:
     raise LeverError(f"{name} must be on/off (1/0, true/false), got {value!r}")
 
 
+def fast_config(env: Mapping[str, str]) -> FastConfig:
+    """The fast path's settings named in `env`, a bad value a LeverError naming it."""
+    try:
+        return FastConfig.from_env(env)
+    except FastConfigError as e:
+        raise LeverError(str(e)) from None
+
+
 def resolve(tier: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
-            **flags: Optional[bool]) -> Levers:
+            fast: Optional[FastConfig] = None, **flags: Optional[bool]) -> Levers:
     """The levers in force: the tier's preset (tier, else $MLXP_TIER, else l1), then any
-    MLXP_<LEVER> environment variable, then explicit flags (None = not given)."""
+    MLXP_<LEVER> environment variable, then explicit flags (None = not given). With a fast
+    lever on, `Levers.fast` is `fast` if given, else the settings in the environment
+    (`fast_config`); with none on, the defaults (the environment's are not read)."""
     env = os.environ if env is None else env
     unknown = set(flags) - set(LEVER_NAMES)
     if unknown:
@@ -110,7 +127,10 @@ def resolve(tier: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
     for name, v in flags.items():
         if v is not None:
             values[name] = bool(v)
-    return Levers(tier=tier, **values)
+    lv = Levers(tier=tier, **values)
+    if lv.fast_decode:
+        lv = replace(lv, fast=fast if fast is not None else fast_config(env))
+    return lv
 
 
 def add_lever_args(p: argparse.ArgumentParser) -> None:
@@ -128,16 +148,10 @@ def add_lever_args(p: argparse.ArgumentParser) -> None:
 
 
 def levers_from_args(args: argparse.Namespace, env: Optional[Mapping[str, str]] = None) -> Levers:
-    """The levers a CLI asked for; with perf_kernel on, the one-kernel step's own settings
-    (MLXP_MEGA_*) are checked too, so that a bad value is a LeverError here."""
-    lv = resolve(getattr(args, "tier", None), env, **{n: getattr(args, n, None) for n in LEVER_NAMES})
-    if lv.perf_kernel:
-        from .fast.mega import check_settings
-        try:
-            check_settings(env)
-        except ValueError as e:
-            raise LeverError(str(e)) from None
-    return lv
+    """The levers a CLI asked for; with a fast lever on, the fast path's own settings
+    (engine.fast.config.FastConfig) are resolved too, so that a bad value is a LeverError
+    here, not at the first decode step."""
+    return resolve(getattr(args, "tier", None), env, **{n: getattr(args, n, None) for n in LEVER_NAMES})
 
 
 def with_levers(levers: Levers, **changes) -> Levers:
@@ -149,14 +163,17 @@ def with_levers(levers: Levers, **changes) -> Levers:
     return replace(levers, **changes)
 
 
-def parse_spec(spec: str) -> Levers:
+def parse_spec(spec: str, env: Optional[Mapping[str, str]] = None) -> Levers:
     """A tier with levers switched, as benchmarks name them: `l3`, `l3-compiled_decode`
-    (l3 without that lever), `l1+merged_proj` (l1 with it). Environment variables are
-    not consulted: a spec says everything."""
+    (l3 without that lever), `l1+merged_proj` (l1 with it). The levers' environment
+    variables are not consulted: a spec says everything; the fast path's own settings come
+    from `env` (default: the environment), as for `resolve`."""
     parts = re.split(r"([+-])", spec)
     lv = resolve(parts[0], env={})
     for sign, name in zip(parts[1::2], parts[2::2]):
         if name not in LEVER_NAMES:
             raise LeverError(f"unknown lever {name!r} in {spec!r}")
         lv = with_levers(lv, **{name: sign == "+"})
+    if lv.fast_decode:
+        lv = replace(lv, fast=fast_config(os.environ if env is None else env))
     return lv

@@ -1,8 +1,11 @@
 """Compile the fused decode kernels with a local nvcc (no GPU needed) to catch CUDA errors
-before spending device time. The wrapper mimics the one `mx.fast.cuda_kernel` generates
-(inputs `const T*`, outputs `T*`, template values as constexpr).
+before spending device time: the files of engine/fast/cuda themselves, included (`-I`) into
+wrappers that mimic what `mx.fast.cuda_kernel` generates (inputs `const T*`, outputs `T*`,
+template values as constexpr; the one-kernel step's constants from its generated header).
 
     python experiments/check_kernels_nvcc.py            # prints ptxas register/spill report
+    MEGA_ONLY=1 ...                                     # only the float one-kernel steps
+    FAULTS=1 ...                                        # the L3 gate's fault build (L3_FAULT_*)
 """
 
 from __future__ import annotations
@@ -16,26 +19,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fast import gemv as G  # noqa: E402
-from engine.fast import gemv_cuda as C  # noqa: E402
-from engine.fast import qgemv as Q  # noqa: E402
-from engine.fast import kernels as K  # noqa: E402
+from engine.fast import mega as MG  # noqa: E402
+from engine.fast import mega_cuda as MC  # noqa: E402
+from engine.fast.sources import DIR  # noqa: E402
+from experiments import mma_probe  # noqa: E402
 
+
+def inc(*files: str) -> str:
+    """A kernel body made of engine/fast/cuda files."""
+    return "".join(f'#include "{f}"\n' for f in files)
+
+
+_ATTN_IN = [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t"), ("start", "int32_t")]
 SPECS = {
-    "add_rms": (K.ADD_RMS_SOURCE, [("x", "T"), ("r", "T"), ("w", "T")], [("h", "T"), ("y", "T")],
+    "add_rms": (inc("add_rms.cu"), [("x", "T"), ("r", "T"), ("w", "T")], [("h", "T"), ("y", "T")],
                 dict(D=2048, EPS_NUM=10000)),
-    "rope_qkv": (K.ROPE_QKV_SOURCE, [("qkv", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
-                 [("q", "T"), ("k", "T"), ("v", "T")], dict(B=8, H=32, HKV=8, D=64, SHIFT=0, PER_ROW=1)),
-    "attn_partial": (K.ATTN_PARTIAL_SOURCE,
-                     [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t"),
-                      ("start", "int32_t")],
-                     [("partial", "float")],
-                     dict(H=32, HKV=8, D=64, NS=9, CAP=2304, DROP=0, SCALE_NUM=125000000, USE_START=1)),
-    "attn_single": (K.ATTN_SINGLE_SOURCE,
-                    [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t"),
-                     ("start", "int32_t")], [("out", "T")],
-                    dict(H=32, HKV=8, D=64, NS=1, CAP=512, DROP=0, SCALE_NUM=125000000, USE_START=0)),
-    "attn_combine": (K.ATTN_COMBINE_SOURCE, [("partial", "float")], [("out", "T")],
+    "rope_qkv": (inc("rope_qkv.cu"), [("qkv", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
+                 [("q", "T"), ("k", "T"), ("v", "T")], dict(B=8, H=32, HKV=8, D=64, PER_ROW=1)),
+    "attn_partial": (inc("attn_partial.cu"), _ATTN_IN, [("partial", "float")],
+                     dict(H=32, HKV=8, D=64, NS=9, CAP=2304, SCALE_NUM=125000000, USE_START=1)),
+    "attn_single": (inc("attn_single.cu"), _ATTN_IN, [("out", "T")],
+                    dict(H=32, HKV=8, D=64, NS=1, CAP=512, SCALE_NUM=125000000, USE_START=0)),
+    "attn_combine": (inc("attn_combine.cu"), [("partial", "float")], [("out", "T")],
                      dict(H=32, HKV=8, D=64, NS=9)),
 }
 _GEMV_IO = ([("W", "T"), ("x", "T"), ("norm_w", "T"), ("residual", "T")], [("out", "T")])
@@ -43,29 +48,15 @@ for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, 
                   "gemv_res": dict(K=8192, NOUT=2048, B=1, R=1, NORM=0, EPI=1, ROPE_D=0, EPS_NUM=0),
                   "gemv_silu": dict(K=2048, NOUT=8192, B=1, R=1, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7),
                   "gemv_b8": dict(K=4096, NOUT=14336, B=8, R=2, NORM=1, EPI=2, ROPE_D=0, EPS_NUM=10**7)}.items():
-    SPECS[_name] = (C.SPLIT_MAIN + C.GEMV_EPILOGUE, *_GEMV_IO, _t)
     # the warp-per-row layout (R = 1, 8 warps a block)
-    SPECS[_name + "_warp"] = (C.WARP_MAIN + C.GEMV_EPILOGUE, *_GEMV_IO,
+    SPECS[_name + "_warp"] = (inc("gemv_main.cu", "gemv_epilogue.cu"), *_GEMV_IO,
                               {**_t, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 4 if _t["NOUT"] < 4096 else 1})
-_QIO = ([("W", "uint32_t"), ("scales", "T"), ("biases", "T"), ("x", "T"), ("norm_w", "T"),
-         ("residual", "T")], [("out", "T")])
-SPECS["qgemv_q4_norm"] = (Q.QGEMV_MAIN + C.GEMV_EPILOGUE, *_QIO,
-                          dict(K=2048, NOUT=3072, B=1, R=1, BITS=4, GS=64, NORM=1, EPI=0, EPS_NUM=10**7))
-SPECS["qgemv_q8_silu_b4"] = (Q.QGEMV_MAIN + C.GEMV_EPILOGUE, *_QIO,
-                             dict(K=2048, NOUT=8192, B=4, R=1, BITS=8, GS=32, NORM=1, EPI=2, EPS_NUM=10**7))
 _ROPE_IO = ([("W", "T"), ("x", "T"), ("norm_w", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
             [("q", "T"), ("k", "T"), ("v", "T")])
-_ROPE_T = dict(K=2048, NOUT=3072, B=4, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV=8, SHIFT=0, PER_ROW=1,
+_ROPE_T = dict(K=2048, NOUT=3072, B=4, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV=8, PER_ROW=1,
                EPS_NUM=10**7)
-SPECS["gemv_rope"] = (C.SPLIT_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO, _ROPE_T)
-SPECS["gemv_rope_warp"] = (C.WARP_MAIN + C.ROPE_EPILOGUE, *_ROPE_IO,
+SPECS["gemv_rope_warp"] = (inc("gemv_main.cu", "gemv_rope_epilogue.cu"), *_ROPE_IO,
                            {**_ROPE_T, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 2})
-from engine.fast import mega_chd as MCH  # noqa: E402
-from engine.fast import mega_cuda as MC  # noqa: E402
-from engine.fast import mega_device as MD  # noqa: E402
-from engine.fast.mega import SWITCH_DEFAULTS  # noqa: E402
-from experiments import mma_probe  # noqa: E402
-
 # the tensor-core GEMV probe (experiments/mma_probe.py; bf16 only, compiled for every T here)
 SPECS["mma_probe_b32"] = (mma_probe.SOURCE, [("W", "T"), ("x", "T")], [("y", "T")],
                           dict(N=2048, K=2048, B=32, WARPS=8))
@@ -81,11 +72,11 @@ struct Shape { int data_[8]; __device__ int operator[](int i) const { return dat
 
 
 def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: int = MC.MAXCH,
-                prof: int = 0) -> str:
+                prof: int = 0, gs: int = 0) -> str:
     """The bf16 one-kernel step as a kernel `name` of the shapes (H, NQ, NKV, D, I, L, V), its
-    weights float or `qb`-bit, with the settings in `env` (RB, UN1, UN2, UNO, PRE, KVT, STG, DYN, QROW, OGRP, CHD, CHC, PROD,
-    as
-    the MLXP_MEGA_* settings without the prefix). Needs MC.HEADER before it."""
+    weights float or `qb`-bit (groups of `gs`: 64, or for float weights the 32 MegaStep gives),
+    with the settings in `env` (RB: rows a call): its generated header and a wrapper that
+    includes mega_step.cu, in a namespace of their own. Needs mega_device.cuh before it."""
     H, NQ, NKV, D, I, L, V = shape
     names = MC.input_names(L, quantized=bool(qb), qk_norm=bool(qkn))
     mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(L)}
@@ -97,28 +88,21 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
             return "float"
         return "uint32_t" if (qb and n in mats) else "__nv_bfloat16"
     args = ", ".join(f"const {ty(n)}* {n}" for n in names)
-    un1 = int(env.get("UN1", 8))
-    tm = dict(H=H, NQ=NQ, NKV=NKV, D=D, I=I, L=L, V=V, THREADS=MC.THREADS, MAXCH=maxch,
-              RB=int(env.get("RB", 1)), ROW0=0, EPS_NUM=10**7, SCALE_NUM=125000000, SHIFT=0, DROP=0,
-              PROF=prof, UN1=un1, UN2=int(env.get("UN2", 4)), UNO=int(env.get("UNO", un1)), QB=qb, GS=64,
-              QKN=qkn, PRE=int(env.get("PRE", 0)), PRE_LOADS=MC.PRE_LOADS, PRESM=int(int(env.get("PRE", 0)) in (1, 2)),
-              KVT=int(env.get("KVT", 0)), STG=int(env.get("STG", SWITCH_DEFAULTS.get("MLXP_MEGA_STAGE", "0"))), DYN=int(env.get("DYN", 0)),
-              QROW=int(env.get("QROW", 0)), OGRP=int(env.get("OGRP", 0)),
-              PROD=int(env.get("PROD", 0)) if not qb and int(env.get("RB", 1)) == 1 else 0,
-              PBULK=int(env.get("PBULK", 0)),
-              CHK=MCH.split_column(I, 132, MC.WPB) if env.get("CHD") == "1" and int(env.get("RB", 1)) == 1 else 0,
-              CCK=MCH.split_rows(H, 132, MC.WPB, MC.THREADS) if env.get("CHC") == "1" and int(env.get("RB", 1)) == 1 else 0)
-    return (f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
+    params = MC.MegaParams(H=H, NQ=NQ, NKV=NKV, D=D, I=I, L=L, V=V, EPS_NUM=10**7, SCALE_NUM=125000000,
+                           QB=qb, GS=gs or (64 if qb else 32), QKN=qkn, UN1=MG.UN1, UN2=MG.UN2, UNO=MG.UN1,
+                           PROF=prof, MAXCH=maxch)
+    return (f"namespace {name}_build {{\n" + MC.config_header(params)
+            + f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
-            + "".join(f"  constexpr int {k} = {v};\n" for k, v in tm.items())
-            + MC.source(L, quantized=bool(qb), qk_norm=bool(qkn)) + "\n}\n")
+            f"  constexpr int RB = {int(env.get('RB', 1))};\n  constexpr int ROW0 = 0;\n"
+            + inc("mega_step.cu") + "}\n}\n")
 
 
 def source() -> str:
-    # (MEGA_ONLY=1: only the float one-kernel steps at head sizes 64 and 128, for checks of the
-    # one-kernel step's opt-in settings; the whole set takes three times as long to compile)
+    # (MEGA_ONLY=1: only the float one-kernel steps at head sizes 64 and 128; the whole set
+    # takes three times as long to compile)
     mega_only = os.environ.get("MEGA_ONLY") == "1"
-    src = PRELUDE + C.GEMV_HEADER
+    src = PRELUDE + "}\n" + inc("gemv.cuh") + "namespace mlx::core::cu {\n"
     for name, (body, ins, outs, tmpl) in ({} if mega_only else SPECS).items():
         for T in ("__nv_bfloat16", "__half", "float"):
             ty = lambda t: T if t == "T" else t  # noqa: E731
@@ -128,17 +112,20 @@ def source() -> str:
     # the one-kernel step (1B shapes, 16 layers): float, 4-bit and 8-bit weights, float with
     # q/k norms, and float with 8B's head size (128) and an odd multiple of 32 (96); its header
     # redefines __global__ (launch bounds)
-    # (PROD=KB: the kernels with a producer warp, engine.fast.mega_prod: float weights only)
-    prod = int(os.environ.get("PROD", 0))
-    src += "}\n" + MD.header(prod) + "namespace mlx::core::cu {\n"
+    src += "}\n" + inc("mega_device.cuh") + "namespace mlx::core::cu {\n"
     shapes = ((0, 0, 64), (0, 0, 128)) if mega_only else ((0, 0, 64), (4, 0, 64), (8, 0, 64), (0, 1, 64),
                                                            (0, 0, 128), (0, 0, 96))
-    if prod:
-        shapes = tuple(s for s in shapes if s[0] == 0)
     for qb, qkn, D in shapes:
         src += mega_kernel(f"k_mega_q{qb}_n{qkn}_d{D}_bf16", (32 * D, 32, 8, D, 8192, 16, 128256), os.environ,
                            qb=qb, qkn=qkn, maxch=16, prof=1)
     return src + "}\n"
+
+
+def nvcc_command(nvcc: str, cu: Path, out: Path, *extra: str) -> list:
+    """nvcc on `cu` with engine/fast/cuda on the include path (FAULTS=1: the fault build)."""
+    faults = ["-DL3_FAULT_SHIFT=1", "-DL3_FAULT_DROP=1"] if os.environ.get("FAULTS") == "1" else []
+    return [nvcc, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-I", str(DIR), *faults, *extra,
+            str(cu), "-o", str(out)]
 
 
 def main() -> int:
@@ -149,8 +136,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         cu = Path(d) / "k.cu"
         cu.write_text(source())
-        r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-c", str(cu),
-                            "-o", str(Path(d) / "k.o"), "-Xptxas", "-v"], capture_output=True, text=True)
+        r = subprocess.run(nvcc_command(nvcc, cu, Path(d) / "k.o", "-c", "-Xptxas", "-v"),
+                           capture_output=True, text=True)
     print(r.stdout + r.stderr)
     print("OK" if r.returncode == 0 else "FAILED")
     return r.returncode

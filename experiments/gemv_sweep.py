@@ -1,8 +1,8 @@
 """Time the fused GEMV's layouts against MLX's own matmul on the decode projections.
 
 For each projection shape of the 1B and 8B presets (and batch rows 1 and 8) this times
-MLX's stock ops and every layout of engine.fast.gemv (`split`; `warp` with 1/2/4 warps
-per row and 2/4/8 loads in flight per lane; `warp` as chosen by shape), each as a stream
+MLX's stock ops and every layout of engine.fast.gemv (1/2/4 warps per row and 2/4/8 loads in
+flight per lane; warps per row as chosen by shape), each as a stream
 of back-to-back calls, as in a decode step. Every call of a stream reads its own copy of
 the weights (enough copies to exceed the 50 MB L2 of an H200), so weights come from HBM
 as they do in a real step, where each projection's weights are read once per token.
@@ -39,12 +39,12 @@ L2_BYTES = 50 << 20
 
 
 def layouts(quick: bool):
-    """(name, KERNEL, KSPLIT (0: by shape), UNROLL)."""
-    out = [("split", "split", 0, 4), ("warp-auto-u4", "warp", 0, 4)]
+    """(name, KSPLIT (0: by shape), UNROLL)."""
+    out = [("warp-auto-u4", 0, 4)]
     if not quick:
         for ks in (1, 2, 4):
             for un in (2, 4, 8):
-                out.append((f"warp-ks{ks}-u{un}", "warp", ks, un))
+                out.append((f"warp-ks{ks}-u{un}", ks, un))
     return out
 
 
@@ -86,14 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--shapes", default="", help="substring filter on shape names, comma-separated")
-    ap.add_argument("--quick", action="store_true", help="only the split and the by-shape warp layout")
+    ap.add_argument("--quick", action="store_true", help="only the by-shape layout")
     a = ap.parse_args(argv)
     if not K.cuda_available():
         print(json.dumps({"error": "no CUDA device: the kernels run on an NVIDIA GPU only"}))
         return 2
     mx.random.seed(0)
     filt = [f for f in a.shapes.split(",") if f]
-    saved = (G.KERNEL, G.KSPLIT, G.UNROLL)
+    saved = (G.KSPLIT, G.UNROLL)
     rows, best = [], {}
     fh = open(a.out, "w") if a.out else None
     for name, N, Kd, epi in SHAPES:
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
             nbytes, calls = shape_calls(N, Kd, epi, B, mx.bfloat16)
             stock = stream_us([lambda c=c: c(False) for c in calls] * 2)
             ref = calls[0](False)
-            for lname, kern, ks, un in layouts(a.quick):
-                G.KERNEL, G.KSPLIT, G.UNROLL = kern, ks, un
+            for lname, ks, un in layouts(a.quick):
+                G.KSPLIT, G.UNROLL = ks, un
                 row = {"shape": name, "rows": B, "layout": lname, "stock_us": round(stock, 2),
                        "stock_tb_s": round(nbytes / stock / 1e6, 3)}
                 try:
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                 if fh:
                     fh.write(json.dumps(row) + "\n")
                     fh.flush()
-            G.KERNEL, G.KSPLIT, G.UNROLL = saved
+            G.KSPLIT, G.UNROLL = saved
             del calls
     summary = {"best": best, "device": str(mx.default_device())}
     print(json.dumps(summary))

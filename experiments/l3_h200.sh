@@ -4,7 +4,6 @@
 # Envs: BUDGET (s), TIERS, GEN, GATE_PROMPTS, GATE_BATCH (rows of the batch gate, 0: none), FULL=1 (4-bit and 8B too: FULL_MODELS, FULL_LENGTHS, FULL_GEN), AB_GEMV=1 (L3 once
 # more with the fused GEMV off), BATCH=1 (the batch lane at 8 and 32 rows vs BatchGenerator),
 # EXACT=0 (skip the exactness stage), OVERHEAD=0 (skip experiments/l3_overhead.py),
-# QGEMV_AB=0 (skip the 4-bit run with MLXP_QGEMV=1 after FULL's),
 # TRAINED=1 (the gate on a 1b model trained on a synthetic language: TRAINED_PRESET, TRAINED_STEPS), KCHECK_ARGS (e.g. "--gemv-budgets 8,16"), KCHECK_S.
 # Each stage has its own time limit; a failing kernel check switches that kernel off
 # ($MLXP_DISABLE_KERNELS) for the later stages rather than stopping the run.
@@ -62,12 +61,6 @@ if [ "${FULL:-0}" = 1 ]; then
   timeout $(lim 5) python3 experiments/bench_decode.py $MARGS \
     --tier l1,l3 --lengths ${FULL_LENGTHS:-128,2048} --gen ${FULL_GEN:-128} --trials 5 --tag h200-q4-8b --out /tmp/bench2
   cp /tmp/bench2/bench_decode.csv "$OUT/bench2.csv" 2>/dev/null
-  if [ -d /tmp/m/1b-q4 ] && [ "${QGEMV_AB:-1}" = 1 ]; then
-    stage bench-q4-with-qgemv
-    MLXP_QGEMV=1 timeout $(lim 5) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
-      --lengths ${FULL_LENGTHS:-128,2048} --gen ${FULL_GEN:-128} --trials 5 --tag h200-q4-qgemv --out /tmp/bench3
-    cp /tmp/bench3/bench_decode.csv "$OUT/bench3-qgemv.csv" 2>/dev/null
-  fi
 fi
 stage gate
 timeout $(lim 3) python3 -m parity.l3_gate --model "$M" --prompts ${GATE_PROMPTS:-8} --batch ${GATE_BATCH:-8} \

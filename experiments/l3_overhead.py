@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast import kernels as K  # noqa: E402
 from engine.fast.decode import FastDecoder  # noqa: E402
-from engine.levers import resolve  # noqa: E402
+from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
 
@@ -63,21 +64,15 @@ def run_mode(model, mode: str, prompt: list[int], steps: int) -> float:
         def step(y):
             return mx.argmax(model(y[:, None], cache=caches)[:, -1], axis=-1)
         return per_step_ms(step, first, steps)
-    disabled = set(K.DISABLED)
-    if "nogemv" in mode:
-        K.DISABLED.add("gemv")
-    if "nomega" in mode:
-        K.DISABLED.add("mega")
-    try:
-        if mode.endswith("-empty"):
-            with K.empty_kernels():
-                dec = FastDecoder(model, resolve("l3", env={}))
-                return per_step_ms(lambda y: mx.argmax(dec(y, caches), axis=-1), first, steps)
-        dec = FastDecoder(model, resolve("l3", env={}))
-        return per_step_ms(lambda y: mx.argmax(dec(y, caches), axis=-1), first, steps)
-    finally:
-        K.DISABLED.clear()
-        K.DISABLED.update(disabled)
+    lv = resolve("l3")                      # (the fast path's settings from the environment)
+    off = {k for k, on in (("gemv", "nogemv" in mode), ("mega", "nomega" in mode)) if on}
+    lv = with_levers(lv, fast=replace(lv.fast, disabled=lv.fast.disabled | off))
+    if mode.endswith("-empty"):
+        with K.empty_kernels():
+            dec = FastDecoder(model, lv)
+            return per_step_ms(lambda y: mx.argmax(dec(y, caches), axis=-1), first, steps)
+    dec = FastDecoder(model, lv)
+    return per_step_ms(lambda y: mx.argmax(dec(y, caches), axis=-1), first, steps)
 
 
 def main(argv=None) -> int:

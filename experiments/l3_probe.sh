@@ -22,9 +22,6 @@ timeout $(lim 360 ${SWEEP_S:-150}) python3 experiments/gemv_sweep.py --batches 1
 stage overhead-warp
 timeout $(lim 240 60) python3 experiments/l3_overhead.py --model "$M" --modes l1,l3,l3-empty --trials 3 \
   --out "$OUT/overhead_warp.jsonl"
-stage overhead-split
-MLXP_GEMV_KERNEL=split timeout $(lim 200 45) python3 experiments/l3_overhead.py --model "$M" --modes l1,l3 \
-  --trials 3 --out "$OUT/overhead_split.jsonl"
 stage overhead-one-graph
 MLX_MAX_OPS_PER_BUFFER=1000 MLX_MAX_MB_PER_BUFFER=100000 timeout $(lim 160 45) python3 experiments/l3_overhead.py \
   --model "$M" --modes l1,l3,l3-empty --trials 3 --out "$OUT/overhead_onegraph.jsonl"

@@ -13,8 +13,7 @@
 #      each mega_check, then bench_decode l1,l3;
 #   7. with MMA=1: experiments/mma_probe.py, a tensor-core GEMV at 1-32 rows against MLX's matmul;
 #   8. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
-#      and at 32 rows the one-kernel step in several calls (MLXP_MEGA_MULTI=1), then the step of
-#      separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
+#      then at 32 rows the step of separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
 #      next to the bit-exact merged-projection step.
 #   9. with PROFB=1: experiments/batch_profile.py, where an Engine step of 8 and 32 rows spends its time.
 # Each stage gets what is left of BUDGET, capped (Q8BENCH=0: the 8-bit check without its bench).
@@ -87,8 +86,6 @@ if [ "${BATCH:-1}" = 1 ]; then
   stage batch
   run $(lim 5 120) python3 experiments/merged_exactness.py --model /tmp/m/1b --specs l3+fast_batch \
     --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
-  MLXP_MEGA_MULTI=1 run $(lim 3 60) python3 experiments/merged_exactness.py --model /tmp/m/1b \
-    --specs l3+fast_batch --batches 32 --trials 3 --out "$OUT/batch32_multi.jsonl"
   MLXP_DISABLE_KERNELS=gemv run $(lim 3 60) python3 experiments/merged_exactness.py --model /tmp/m/1b \
     --specs l3+fast_batch,l1+merged_proj --batches 32 --trials 3 --out "$OUT/batch32_nogemv.jsonl"
 fi

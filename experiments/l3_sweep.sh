@@ -5,8 +5,7 @@
 # (experiments/mega_sweep.py) on the 8b preset
 # (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with BENCH1=N N runs of
 # bench_decode l1,l3 on the 1b preset (defaults), with BENCH8=N N runs of
-# bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with BENCH8B=N N more with
-# MLXP_MEGA_BLOCKS=$BENCH_BLOCKS (default 128), with MMA=1 the
+# bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with MMA=1 the
 # tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
 # (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set); DEV (default h200) begins the benches' tags; the benches run before the sweeps (SWEEPS=0
 # leaves them out), BATCHCHK=1 then checks the batch lane; OVERHEAD=1 (before the benches)
@@ -21,7 +20,7 @@ stage build
 python3 -m experiments.presets 8b /tmp/m/8b
 python3 -m experiments.presets 1b /tmp/m/1b
 if [ "${CHECK2048:-1}" = 1 ]; then     # the kernel against L1 with more than 32 attention chunks
-  for M in ${CHECK_MODELS:-1b}; do    # (CHECK_ENV: settings for the kernel, e.g. MLXP_MEGA_STAGE=1)
+  for M in ${CHECK_MODELS:-1b}; do    # (CHECK_ENV: settings for the kernel, e.g. MLXP_MEGA_OPT=84)
   for P in ${CHECK_PROMPTS:-2048}; do
     stage check-$M-$P
     run $(lim 60 90) env ${CHECK_ENV:-} python3 experiments/mega_check.py --model /tmp/m/$M --prompt $P \
@@ -44,21 +43,15 @@ done
 for R in $(seq 1 "${BENCH8:-0}"); do    # BENCH8=N: N bench runs on the 8b preset
   stage bench-8b-$R
   MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT}${MLXP_MEGA_PROD:+-prod$MLXP_MEGA_PROD} --out "$OUT/bench-8b-r$R"
-done
-for R in $(seq 1 "${BENCH8B:-0}"); do   # BENCH8B=N: N more on the 8b preset, grid of BENCH_BLOCKS blocks
-  stage bench-8b-blocks-$R
-  MLXP_MEGA_BLOCKS=${BENCH_BLOCKS:-128} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R-blocks${BENCH_BLOCKS:-128} \
-    --out "$OUT/bench-8b-blocks-r$R"
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT} --out "$OUT/bench-8b-r$R"
 done
 if [ "${SWEEPS:-1}" = 1 ]; then
 stage sweep-8b
 run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b \
-  --variants "${VARIANTS8:-596:stage=0,596,596:ogrp=1,4692}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
+  --variants "${VARIANTS8:-596,4692}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
 stage sweep-1b
 run $(lim 30 ${SW1_S:-120}) python3 experiments/mega_sweep.py --model /tmp/m/1b \
-  --variants "${VARIANTS1:-596:stage=0,596,596:kvt=1,596:ogrp=1,596:kvt=1:ogrp=1}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
+  --variants "${VARIANTS1:-596,84}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
 fi
 if [ "${BATCHCHK:-0}" = 1 ]; then      # the batch lane (8 and 32 rows) against BatchGenerator
   stage batch

@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fast import kernels as K  # noqa: E402
 from engine.fast.decode import FastDecoder  # noqa: E402
-from engine.levers import resolve  # noqa: E402
+from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
 
@@ -44,26 +44,22 @@ def run_path(model, prompt, seq, path: str):
     caches = model.make_cache()
     mx.eval(model(mx.array(prompt)[None], cache=caches))
     out, stats = [], None
-    disabled = set(K.DISABLED)
+    lv = resolve("l3")                      # (the fast path's settings from the environment)
     if path == "nomega":
-        K.DISABLED.add("mega")
-    try:
-        dec = None if path == "l1" else FastDecoder(model, resolve("l3", env={}))
-        y = mx.array([prompt[-1]])
-        for t in seq:
-            if dec is None:
-                lg = model(y[:, None], cache=caches)[:, -1]
-            else:
-                lg = dec(y, caches)
-            mx.eval(lg)
-            out.append(lg.reshape(-1))
-            y = mx.array([t])
-        stats = dict(dec.stats.__dict__) if dec is not None else None
-        if dec is not None and dec.mega_profile():
-            stats["profile_us"] = dec.mega_profile()     # (MLXP_MEGA_PROF=1: the last step's phases)
-    finally:
-        K.DISABLED.clear()
-        K.DISABLED.update(disabled)
+        lv = with_levers(lv, fast=replace(lv.fast, disabled=lv.fast.disabled | {"mega"}))
+    dec = None if path == "l1" else FastDecoder(model, lv)
+    y = mx.array([prompt[-1]])
+    for t in seq:
+        if dec is None:
+            lg = model(y[:, None], cache=caches)[:, -1]
+        else:
+            lg = dec(y, caches)
+        mx.eval(lg)
+        out.append(lg.reshape(-1))
+        y = mx.array([t])
+    stats = dict(dec.stats.__dict__) if dec is not None else None
+    if dec is not None and dec.mega_profile():
+        stats["profile_us"] = dec.mega_profile()     # (MLXP_MEGA_PROF=1: the last step's phases)
     keys = caches[0].keys[..., :caches[0].offset, :]
     return mx.stack(out), stats, keys
 

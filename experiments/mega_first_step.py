@@ -3,7 +3,7 @@ fault with a tool around it, e.g. compute-sanitizer (which names the faulting in
 offset and threads), where a sweep would only see the CUDA error.
 
     compute-sanitizer --tool memcheck python experiments/mega_first_step.py --model DIR \
-        [--prompt 8] [--env MLXP_MEGA_PRE=1 ...]
+        [--prompt 8] [--env MLXP_MEGA_OPT=596 ...]
 
 Prints when the prompt was processed, then `ok SECONDS` (the step ran; the seconds include
 compiling the kernel) or `ERR SECONDS MESSAGE`; exit status 0 or 1.
@@ -26,9 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings for the kernel")
     a = ap.parse_args(argv)
-    for kv in a.env:
-        k, _, v = kv.partition("=")
-        os.environ[k] = v
+    settings = dict(kv.partition("=")[::2] for kv in a.env)
     t0 = time.time()
     import mlx.core as mx
 
@@ -41,7 +39,12 @@ def main(argv=None) -> int:
         print(f"mega_first_step: {e}", file=sys.stderr)
         return 2
     prompt = [(7 * i + 3) % 1000 + 1 for i in range(a.prompt)]
-    dec = FastDecoder(model, resolve("l3", env={}))
+    try:
+        levers = resolve("l3", env={**os.environ, **settings})
+    except ValueError as e:
+        print(f"mega_first_step: {e}", file=sys.stderr)
+        return 2
+    dec = FastDecoder(model, levers)
     caches = model.make_cache()
     mx.eval(model(mx.array(prompt)[None], cache=caches))
     print("prompt done", round(time.time() - t0, 2), flush=True)

@@ -1,6 +1,6 @@
 """How the one-kernel step's compiled code waits on L2, read from its SASS (no GPU needed).
 
-Compiles the kernel (engine.fast.mega_cuda, through experiments/check_kernels_nvcc.py's
+Compiles the kernel (engine/fast/cuda/mega_step.cu, through experiments/check_kernels_nvcc.py's
 wrapper) for a preset's shapes with a local nvcc, disassembles it with `cuobjdump -sass`
 (the `nvidia-cuda-cuobjdump` wheel has one: pass --cuobjdump PATH), and reports
 
@@ -10,7 +10,7 @@ wrapper) for a preset's shapes with a local nvcc, disassembles it with `cuobjdum
   one of them returned (or a branch). A batch of one is a round trip to L2 on its own; the
   phases' input reads of the default kernel show up as runs of such batches.
 
-    python experiments/mega_sass.py --preset 8b [--env STG=1] [--cuobjdump PATH] [--out FILE.json]
+    python experiments/mega_sass.py --preset 8b [--env RB=8] [--cuobjdump PATH] [--out FILE.json]
     python experiments/mega_sass.py --report DIR [--cuobjdump PATH]   # every preset x REPORT_ENVS
 """
 
@@ -29,7 +29,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fast import mega_cuda as MC  # noqa: E402
 from experiments import check_kernels_nvcc as CK  # noqa: E402
 from experiments import presets as P  # noqa: E402
 from experiments._common import md_table  # noqa: E402
@@ -45,9 +44,9 @@ PRESETS = {name: _shape(name) for name in ("1b", "8b")}
 
 
 def kernel_source(preset: str, env: dict) -> str:
-    """The bf16 float-weight kernel of `preset`, one row, the settings in `env` (STG, PRE, KVT,
-    UN1, UN2, UNO as check_kernels_nvcc takes them)."""
-    return (CK.PRELUDE + "}\n" + MC.HEADER + "namespace mlx::core::cu {\n"
+    """The bf16 float-weight kernel of `preset`, with the settings in `env` (RB: rows a call,
+    as check_kernels_nvcc takes them)."""
+    return (CK.PRELUDE + "}\n" + CK.inc("mega_device.cuh") + "namespace mlx::core::cu {\n"
             + CK.mega_kernel("k_mega", PRESETS[preset], env) + "}\n")
 
 
@@ -94,8 +93,8 @@ def analyse(preset: str, env: dict, cuobjdump: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cu, cubin = Path(d) / "k.cu", Path(d) / "k.cubin"
         cu.write_text(kernel_source(preset, env))
-        r = subprocess.run([shutil.which("nvcc"), "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-cubin",
-                            str(cu), "-o", str(cubin), "-Xptxas", "-v"], capture_output=True, text=True)
+        r = subprocess.run(CK.nvcc_command(shutil.which("nvcc"), cu, cubin, "-cubin", "-Xptxas", "-v"),
+                           capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(r.stdout + r.stderr)
         sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -107,9 +106,8 @@ def analyse(preset: str, env: dict, cuobjdump: str) -> dict:
             "l2_reads": sum(batches), "batches_by_size": dict(sorted(Counter(batches).items()))}
 
 
-# the kernels a report compares: the default and the opt-in choices (check_kernels_nvcc's names)
-REPORT_ENVS = ({"STG": "0"}, {"STG": "1"}, {"STG": "1", "QROW": "1"}, {"STG": "1", "QROW": "1", "DYN": "1"},
-               {"STG": "1", "QROW": "1", "OGRP": "1"}, {"STG": "0", "PRE": "1"}, {"STG": "1", "PRE": "1"})
+# the kernels a report compares: one row a call, and the batch lane's 8
+REPORT_ENVS = ({}, {"RB": "8"})
 
 
 def report(results: list, out: Path) -> None:
@@ -149,7 +147,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="8b")
     ap.add_argument("--env", nargs="*", default=[],
-                    help="settings: STG=1 (or MLXP_MEGA_STAGE=1) QROW=1 DYN=1 OGRP=1 PRE=1 KVT=1 UN1=16 UN2=8 UNO=16")
+                    help="settings: RB=N (rows a call; default 1)")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "")
     ap.add_argument("--out")
     ap.add_argument("--report", help="compile every preset with each of REPORT_ENVS; sass.md/.png/.json here")
@@ -162,8 +160,7 @@ def main(argv=None) -> int:
         report(results, Path(a.report))
         print(f"wrote {a.report}")
         return 0
-    # (the settings as check_kernels_nvcc names them: MLXP_MEGA_STAGE=1 or STAGE=1 is STG=1)
-    env = {k.removeprefix("MLXP_MEGA_").replace("STAGE", "STG"): v for k, v in (kv.split("=", 1) for kv in a.env)}
+    env = dict(kv.split("=", 1) for kv in a.env)
     res = analyse(a.preset, env, a.cuobjdump)
     print(json.dumps(res, indent=1))
     if a.out:

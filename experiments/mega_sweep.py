@@ -1,32 +1,16 @@
-"""The one-kernel step's switches (MLXP_MEGA_OPT, and the loads in flight MLXP_MEGA_UN1/UN2)
-A/B in one process, on a GPU: for each variant and prompt length, the step's phase times
-(MLXP_MEGA_PROF, averaged over the timed steps), its wall time per step, and its logits
-against the first variant's on the same tokens (teacher-forced).
+"""The one-kernel step's switches (MLXP_MEGA_OPT) A/B in one process, on a GPU: for each
+variant and prompt length, the step's phase times (MLXP_MEGA_PROF, averaged over the timed
+steps), its wall time per step, and its logits against the first variant's on the same tokens
+(teacher-forced).
 
-A variant is `MASK` or `MASK:un1=N:un2=M:uno=K:pre=P:kvt=1:stage=1` (uno: o_proj's loads in
-flight, MLXP_MEGA_UNO, default un1; pre: MLXP_MEGA_PRE, 1 the
-kernel that copies each phase's first weight loads before the barrier, 2 also each next unit's;
-kvt: MLXP_MEGA_KVT, attention's value loads issued with its key loads; stage=0:
-MLXP_MEGA_STAGE=0, the kernel before 0.2.8, whose phases read their input vector one load after
-another (on by default: a variant that does not name it has it); MASK a sum of
-engine.fast.mega.OPT_BITS:
-1 o_proj prefetch during attention, 2 cached keys/values prefetched in phase A, 4 weight loads
-evict-first in L2, 8 q/k/v split in two halves of H, 16 barrier arrival as one release-add,
-32 units dealt across blocks first, 64 acquire/release hand-offs without extra fences,
-128 no o_proj prefetch in attention, 256 a unit's keys/values prefetched, 512 attention
-started per head on flags instead of a barrier, 1024 down started on the gate/up rounds already
-4096 the prefetch of a warp's next unit capped
-at 16 KB); dyn=1: MLXP_MEGA_DYN=1, each projection phase's last rounds of units handed out by
-counters; qrow=1: MLXP_MEGA_QROW=1, q/k/v a warp per row where that takes fewer rounds;
-chd=1 / chc=1: MLXP_MEGA_CHD=1 / MLXP_MEGA_CHC=1, down / gate/up started on the rounds of the
-phase before already done instead of after a barrier (engine.fast.mega_chd); ogrp=1: MLXP_MEGA_OGRP=1, o_proj by groups of heads as each group is done (changes the order of
-its additions); blocks=N: MLXP_MEGA_BLOCKS, the grid's size (default one block per SM; 128 on
-an H200's 132 SMs makes the 8B's o_proj, gate/up and down whole rounds of 2048 warps); prod=KB:
-MLXP_MEGA_PROD, a producer warp per block streaming the weights into L2 up to KB ahead of the
-block's other warps (engine.fast.mega_prod); pbulk=1: MLXP_MEGA_PBULK=1, its requests 1 KB bulk
-prefetches; bal=FILE: MLXP_MEGA_BAL=FILE, each phase's last rounds shared out by the blocks'
-speeds experiments/mega_blocks.py measured (engine.fast.mega_bal). Variants of one MASK share a compiled
-kernel (the mask is an input); other loads in flight compile another.
+A variant is `MASK`, a sum of engine.fast.mega.OPT_BITS: 1 o_proj prefetch during attention,
+2 cached keys/values prefetched in phase A, 4 weight loads evict-first in L2, 8 q/k/v split in
+two halves of H, 16 barrier arrival as one release-add, 32 units dealt across blocks first,
+64 acquire/release hand-offs without extra fences, 128 no o_proj prefetch in attention, 256 a
+unit's keys/values prefetched, 512 attention started per head on flags instead of a barrier,
+4096 the prefetch of a warp's next unit capped at 16 KB. Every variant shares one compiled
+kernel (the mask is an input). (Compile-time variants of the kernel, since measured and taken
+out, are listed in reports/l3/JOURNAL.md with the commit that last had them.)
 
     python experiments/mega_sweep.py --model DIR --variants 0,1,2,4,8,15 --prompts 128,2048 \
         [--steps 24] [--out FILE.json]
@@ -38,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,53 +39,37 @@ from engine.loader import load_model  # noqa: E402
 
 # the kernel settings a variant names; the others are unset while it runs, whatever the
 # environment holds, so that a variant is the kernel it names
-SETTINGS = ("MLXP_MEGA_OPT", "MLXP_MEGA_UN1", "MLXP_MEGA_UN2", "MLXP_MEGA_UNO", "MLXP_MEGA_PRE",
-            "MLXP_MEGA_KVT", "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP",
-            "MLXP_MEGA_BLOCKS", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC", "MLXP_MEGA_PROD",
-            "MLXP_MEGA_PBULK", "MLXP_MEGA_BAL")
+SETTINGS = ("MLXP_MEGA_OPT",)
 
 
 def parse_variant(spec: str) -> dict:
-    """'15:un1=16' -> {'MLXP_MEGA_OPT': '15', 'MLXP_MEGA_UN1': '16'}."""
+    """'596' -> {'MLXP_MEGA_OPT': '596'}."""
     mask, *rest = spec.split(":")
-    env = {"MLXP_MEGA_OPT": str(int(mask))}
-    for kv in rest:
-        k, v = kv.split("=")
-        if f"MLXP_MEGA_{k.upper()}" not in SETTINGS[1:]:
-            raise ValueError(f"unknown setting {k!r} in variant {spec!r}")
-        env[f"MLXP_MEGA_{k.upper()}"] = v if k == "bal" else str(int(v))
-    return env
+    if rest:
+        raise ValueError(f"unknown setting {rest[0]!r} in variant {spec!r} (a variant is a mask)")
+    return {"MLXP_MEGA_OPT": str(int(mask))}
 
 
 def run_variant(model, prompt, seq, env: dict, warm: int = 3):
     """(logits [steps, V], mean phase µs, wall ms per step) of one variant."""
-    saved = {k: os.environ.get(k) for k in (*SETTINGS, *env)}
-    for k in SETTINGS:
-        os.environ.pop(k, None)
-    os.environ.update(env)
-    try:
-        dec = FastDecoder(model, resolve("l3", env={}))
-        caches = model.make_cache()
-        mx.eval(model(mx.array(prompt)[None], cache=caches))
-        y = mx.array([prompt[-1]])
-        out, profs, walls = [], [], []
-        for i, t in enumerate(seq):
-            t0 = time.perf_counter()
-            lg = dec(y, caches)
-            mx.eval(lg)
-            walls.append(time.perf_counter() - t0)
-            out.append(lg.reshape(-1))
-            if i >= warm and dec.mega_profile():
-                profs.append(dec.mega_profile())
-            y = mx.array([t])
-        if not dec.stats.mega:
-            raise RuntimeError(f"the one-kernel step did not run: {dec.stats.mega_reason}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # (only the variant's settings and the phase timer, whatever the environment holds)
+    levers = resolve("l3", env={"MLXP_MEGA_PROF": "1", **env})
+    dec = FastDecoder(model, levers)
+    caches = model.make_cache()
+    mx.eval(model(mx.array(prompt)[None], cache=caches))
+    y = mx.array([prompt[-1]])
+    out, profs, walls = [], [], []
+    for i, t in enumerate(seq):
+        t0 = time.perf_counter()
+        lg = dec(y, caches)
+        mx.eval(lg)
+        walls.append(time.perf_counter() - t0)
+        out.append(lg.reshape(-1))
+        if i >= warm and dec.mega_profile():
+            profs.append(dec.mega_profile())
+        y = mx.array([t])
+    if not dec.stats.mega:
+        raise RuntimeError(f"the one-kernel step did not run: {dec.stats.mega_reason}")
     prof = _mean(profs) if profs else {}
     wall = sorted(walls[warm:])[len(walls[warm:]) // 2] * 1e3
     return mx.stack(out), prof, round(wall, 3)
@@ -191,15 +158,7 @@ def main(argv=None) -> int:
         return 0
     if not a.model:
         ap.error("--model DIR (on a GPU), or --from-json FILE --report DIR")
-    old = os.environ.get("MLXP_MEGA_PROF")
-    os.environ["MLXP_MEGA_PROF"] = "1"       # (the phase timer; put back after, as it was)
-    try:
-        return sweep(a)
-    finally:
-        if old is None:
-            os.environ.pop("MLXP_MEGA_PROF", None)
-        else:
-            os.environ["MLXP_MEGA_PROF"] = old
+    return sweep(a)
 
 
 def sweep(a) -> int:

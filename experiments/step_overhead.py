@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import re
 import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,7 +44,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast.decode import FastDecoder  # noqa: E402
-from engine.levers import resolve  # noqa: E402
+from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.stepper import generate_step  # noqa: E402
 from experiments._common import md_table, mega_env  # noqa: E402
@@ -94,26 +94,19 @@ def timed(mode: str, model, dec, caches, prompt, gen: int) -> float:
 
 def kernel_ms(model, caches, prompt, gen: int) -> float:
     """Mean of the kernel's own timer (ms) over gen steps, or -1 where it did not run."""
-    old = os.environ.get("MLXP_MEGA_PROF")
-    os.environ["MLXP_MEGA_PROF"] = "1"
-    try:
-        dec = FastDecoder(model, resolve("l3", env={}))
-        dec.reserve(caches, gen + 8)
-        _reset(caches, len(prompt))
-        y, tot = mx.array([prompt[-1]]), []
-        for i in range(gen):
-            lg = dec(y, caches)
-            y = mx.argmax(lg, axis=-1)
-            mx.eval(y)
-            prof = dec.mega_profile()
-            if prof and i >= 3:
-                tot.append(prof["total"] / 1e3)
-        return statistics.mean(tot) if tot else -1.0
-    finally:
-        if old is None:
-            os.environ.pop("MLXP_MEGA_PROF", None)
-        else:
-            os.environ["MLXP_MEGA_PROF"] = old
+    lv = resolve("l3")                      # (the fast path's settings from the environment)
+    dec = FastDecoder(model, with_levers(lv, fast=replace(lv.fast, prof=True)))    # (the timer on)
+    dec.reserve(caches, gen + 8)
+    _reset(caches, len(prompt))
+    y, tot = mx.array([prompt[-1]]), []
+    for i in range(gen):
+        lg = dec(y, caches)
+        y = mx.argmax(lg, axis=-1)
+        mx.eval(y)
+        prof = dec.mega_profile()
+        if prof and i >= 3:
+            tot.append(prof["total"] / 1e3)
+    return statistics.mean(tot) if tot else -1.0
 
 
 def step_ops(dec, caches, tok) -> dict:
@@ -185,7 +178,7 @@ def main(argv=None) -> int:
     prompt = [(7 * i + 3) % 1000 + 32 for i in range(a.prompt)]
     caches = model.make_cache()
     mx.eval(model(mx.array(prompt)[None], cache=caches))
-    dec = FastDecoder(model, resolve("l3", env={}))
+    dec = FastDecoder(model, resolve("l3"))
     dec.reserve(caches, a.gen + 8)
     for m in MODES:                                   # warm-up: traces and kernels built
         timed(m, model, dec, caches, prompt, 8)

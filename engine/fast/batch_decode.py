@@ -27,8 +27,6 @@ and `stats.fallback_reason` says why.
 
 from __future__ import annotations
 
-import os
-
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -93,6 +91,7 @@ class FastBatchDecoder:
         kc = KernelChoice.for_model(model, levers)
         self.use_kernels, self.use_attn_kernel, self._inv_freq, self._mega_freq = (
             kc.use_kernels, kc.use_attn_kernel, kc.inv_freq, kc.mega_freq)
+        self._add_rms, self._rope_kernel = kc.add_rms, kc.rope_kernel
         self._fns: OrderedDict = OrderedDict()
         self._version = module_version(model)
         self._col: Optional[mx.array] = None
@@ -104,7 +103,7 @@ class FastBatchDecoder:
     # --- the step, as a pure function of (tokens, positions, column, starts, buffers) ----
 
     def _attention(self, attn, x, pos, col, start, keys, values):
-        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq)
+        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq, self._rope_kernel)
         keys = mx.slice_update(keys, k, col, axes=(2,))
         values = mx.slice_update(values, v, col, axes=(2,))
         o = K.decode_attention(q, keys, values, col + 1, attn.scale, self.use_attn_kernel,
@@ -118,7 +117,7 @@ class FastBatchDecoder:
         def attend(i, attn, x):
             a, ks[i], vs[i] = self._attention(attn, x, pos, col, start, ks[i], vs[i])
             return a
-        logits = layer_stack(self.model, tokens, attend, self.use_kernels)
+        logits = layer_stack(self.model, tokens, attend, self._add_rms)
         return (logits, pos + 1, col + 1, *ks, *vs)
 
     def _forward_gemv(self, tokens, pos, col, start, *buffers):
@@ -127,7 +126,8 @@ class FastBatchDecoder:
         ks, vs = list(buffers[:n]), list(buffers[n:])
         length = col + 1
         attend = cached_attention(ks, vs, col, length, self.use_attn_kernel, start=start)
-        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
+        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels,
+                            self._rope_kernel)
         return (logits, pos + 1, length, *ks, *vs)
 
     def _forward_mega(self, tokens, pos, col, start, *buffers):
@@ -135,7 +135,7 @@ class FastBatchDecoder:
         written in place and stay the caches."""
         n = len(self.model.layers)
         if self._mega is None:
-            self._mega = MG.MegaStep(self.model, self._mega_freq)
+            self._mega = MG.MegaStep(self.model, self._mega_freq, self.levers.fast)
         logits, _ = self._mega(tokens, pos, col, start, buffers[:n], buffers[n:])
         return logits, pos + 1, col + 1
 
@@ -154,11 +154,9 @@ class FastBatchDecoder:
         if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = MG.why_not(self.model, self.levers) if self._mega_freq is not None else "no RoPE kernel"
-            if (reason is None and rows > MG.rows_per_call(self.model)
-                    and os.environ.get("MLXP_MEGA_MULTI", "0") != "1"):
+            if reason is None and rows > MG.rows_per_call(self.model):
                 # (several calls a step, each reading every weight: measured slower on the
-                # H200 at 32 rows than the step of separate kernels; MLXP_MEGA_MULTI=1
-                # measures it)
+                # H200 at 32 rows than the step of separate kernels: reports/l3/JOURNAL.md)
                 reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega

@@ -23,7 +23,7 @@ Supported: the llama and qwen3 families with full attention and float KV.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -31,10 +31,9 @@ import mlx.core as mx
 from .. import models as _models  # noqa: F401  (engine.cache needs the models package first)
 from ..cache import KVCache
 from ..levers import Levers
-from . import gemv as G
 from . import kernels as K
 from . import mega as MG
-from .merge import merged_of, module_version
+from .merge import module_version
 from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
@@ -96,8 +95,6 @@ class FastStats:
     gemv: bool = False     # projections through engine.fast.gemv (norm / residual / SiLU fused)
     mega: bool = False     # the whole step as one kernel (engine.fast.mega)
     mega_reason: Optional[str] = None   # why not, where it is not used
-    # per projection, kernel or stock ops as measured on this device (engine.fast.gemv.tune_*)
-    gemv_choice: dict = field(default_factory=dict)
 
 
 class FastDecoder:
@@ -112,8 +109,8 @@ class FastDecoder:
         kc = KernelChoice.for_model(model, levers)
         self.use_kernels, self.use_attn_kernel, self._inv_freq, self._mega_freq = (
             kc.use_kernels, kc.use_attn_kernel, kc.inv_freq, kc.mega_freq)
+        self._add_rms, self._rope_kernel = kc.add_rms, kc.rope_kernel
         self._fns: dict = {}
-        self._tuned: set = set()
         self._version = module_version(model)
         self._pos: Optional[mx.array] = None
         self._pos_host = -1
@@ -126,7 +123,7 @@ class FastDecoder:
     # --- the step, as a pure function of (tokens, position, buffers) ----------------
 
     def _attention(self, attn, x, pos, keys, values):
-        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq)
+        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq, self._rope_kernel)
         keys = mx.slice_update(keys, k, pos, axes=(2,))
         values = mx.slice_update(values, v, pos, axes=(2,))
         o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
@@ -139,7 +136,7 @@ class FastDecoder:
         def attend(i, attn, x):
             a, ks[i], vs[i] = self._attention(attn, x, pos, ks[i], vs[i])
             return a
-        logits = layer_stack(self.model, tokens, attend, self.use_kernels)
+        logits = layer_stack(self.model, tokens, attend, self._add_rms)
         return (logits, pos + 1, *ks, *vs)
 
     # --- the step with every projection through engine.fast.gemv ----------------------
@@ -154,7 +151,8 @@ class FastDecoder:
         ks, vs = list(buffers[:n]), list(buffers[n:])
         length = pos + 1
         attend = cached_attention(ks, vs, pos, length, self.use_attn_kernel)
-        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels)
+        logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels,
+                            self._rope_kernel)
         return (logits, length, *ks, *vs)
 
     # --- the step as one kernel (engine.fast.mega) -----------------------------------
@@ -162,7 +160,7 @@ class FastDecoder:
     def _forward_mega(self, tokens, pos, *buffers):
         n = len(self.model.layers)
         if self._mega is None:
-            self._mega = MG.MegaStep(self.model, self._mega_freq)
+            self._mega = MG.MegaStep(self.model, self._mega_freq, self.levers.fast)
         logits, wss = self._mega(tokens, pos, pos, self._zero, buffers[:n], buffers[n:])
         # (the buffers are written in place, and stay the caches); the workspace holds
         # the phase timer's stamps with MLXP_MEGA_PROF=1
@@ -180,29 +178,6 @@ class FastDecoder:
             return {}
         return self._mega.block_arrivals(self._mega_ws)
 
-    def tune(self, rows: int) -> dict:
-        """Measure, for each projection shape of this model at `rows` rows, whether the
-        fused GEMV kernel or the stock ops run faster on this device, and use the faster
-        from then on (CUDA only; the layers share shapes, so layer 0 stands for all)."""
-        if not (self.use_kernels and G.TUNE and self.gemv_ok()):
-            return {}
-        m = self.model
-        layer = m.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
-        gu = merged_of(mlp, ("gate_proj", "up_proj"))
-        out = {"qkv": G.tune_linear(qkv, rows, norm=True),
-               "o_proj": G.tune_linear(attn.o_proj, rows, residual=True),
-               "gate_up": G.tune_linear(gu.linear, rows, norm=True, silu_split=gu.sizes[0],
-                                        gate_fn=mlp.act),
-               "down_proj": G.tune_linear(mlp.down_proj, rows, residual=True),
-               "head": G.tune_linear(m.head_parts()[1], rows, norm=True)}
-        if self._inv_freq is not None and "rope_qkv" not in K.DISABLED:
-            out["qkv+rope"] = G.tune_qkv_rope(qkv, rows, self._inv_freq, attn.n_heads,
-                                              attn.n_kv_heads, attn.head_dim, attn.rope)
-        self.stats.gemv_choice = {k: v["use"] for k, v in out.items()}
-        return out
-
     def _fn(self, capacity: int, rows: int = 1):
         """(the compiled step for this capacity and rows, whether it is the one-kernel step, which
         writes the buffers in place)."""
@@ -210,7 +185,7 @@ class FastDecoder:
         # groups split since then need a new one (module_version changes)
         version = module_version(self.model)
         if version != self._version:         # (the old traces are dropped, not kept)
-            self._fns, self._version, self._tuned, self._mega = {}, version, set(), None
+            self._fns, self._version, self._mega = {}, version, None
         entry = self._fns.get((capacity, rows))
         if entry is None:
             self.stats.gemv = self.gemv_ok()
@@ -218,9 +193,6 @@ class FastDecoder:
             if reason is None and rows != 1:
                 reason = "the solo step's one kernel takes one row (the batch lane's takes more)"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
-            if self.stats.gemv and not self.stats.mega and rows not in self._tuned:
-                self.tune(rows)
-                self._tuned.add(rows)
             fwd = (self._forward_mega if self.stats.mega
                    else self._forward_gemv if self.stats.gemv else self._forward)
             entry = (mx.compile(fwd) if self.levers.compiled_decode else fwd, self.stats.mega)

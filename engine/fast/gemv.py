@@ -10,14 +10,11 @@ per row) and optionally folds in what surrounds a projection in a decoder layer:
   returns `silu(gate) * up`, shape [.., I].
 
 On an NVIDIA GPU (`use_kernel=True`) this is one CUDA kernel (`mx.fast.cuda_kernel`,
-compiled at run time; sources in engine.fast.gemv_cuda). By default (`MLXP_GEMV_KERNEL=warp`)
-one warp computes one output row (a gate row and its up row together for the SiLU
-epilogue), 8 warps a block: its lanes stream 16-byte vectors of the row, several
-iterations' loads in flight before their products, and reduce with shuffles; for a batch
-each weight vector read serves every input row. `MLXP_GEMV_KERNEL=split` is the other
-layout (4 warps per row splitting K, weights staged through shared memory with cp.async).
-The
-RMSNorm is folded in as a scale: the lanes accumulate sum(W * (norm_w * h)) and sum(h^2)
+compiled at run time; sources engine/fast/cuda/gemv*.cu): one to four warps compute one
+output row (a gate row and its up row together for the SiLU epilogue), 8 warps a block: its
+lanes stream 16-byte vectors of the row, several iterations' loads in flight before their
+products, and reduce with shuffles; for a batch each weight vector read serves every input
+row. The RMSNorm is folded in as a scale: the lanes accumulate sum(W * (norm_w * h)) and sum(h^2)
 in the same pass and the row sum is multiplied by rsqrt(mean(h^2) + eps) at the end, so
 the normalised input is never rounded or stored (the L1 path rounds it to the model's
 dtype; this changes rounding, which is what the L3 gate measures).
@@ -30,46 +27,28 @@ module can take the kernel.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gemv_cuda as C
-from . import qgemv as Q
+from .sources import source
 
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
-# MLXP_GEMV_TUNE=1: per projection shape, measure once on the device whether the kernel or
-# the stock ops run faster (`tune_linear`, `tune_qkv_rope`) and use the faster. Off by
-# default: timed alone, back to back, the stock ops of the small projections measure
-# faster, but inside the step each of them is one more launch (on the H200 the tuned step
-# did not come out faster), so by default every projection takes the kernel.
-TUNE = os.environ.get("MLXP_GEMV_TUNE", "0") == "1"
-_CHOICE: dict = {}
-THREADS = 128       # the split layout: 4 warps a block (its WARPS)
-KERNELS = ("warp", "split")
-# the layout (see the module docstring) and, for "warp", warps per block and loads in flight
-KERNEL = os.environ.get("MLXP_GEMV_KERNEL", "warp")
-WARPS_PB = int(os.environ.get("MLXP_GEMV_WARPS", "8"))
-UNROLL = int(os.environ.get("MLXP_GEMV_UNROLL", "4"))
-KSPLIT = int(os.environ.get("MLXP_GEMV_KSPLIT", "0"))      # 0: by shape (`ksplit_for`)
+# warps per block and loads in flight per lane (the fastest of experiments/gemv_sweep.py's layouts)
+WARPS_PB = 8
+UNROLL = 4
+KSPLIT = 0          # warps per output row: 0, by shape (`ksplit_for`); gemv_sweep sets 1, 2 or 4
 MIN_WARPS = 6144    # warps a projection should keep busy (H200: 132 SMs x ~48 resident)
-if KERNEL not in KERNELS:
-    raise ValueError(f"MLXP_GEMV_KERNEL must be one of {KERNELS}, not {KERNEL!r}")
 
 
 def _get_kernel(rope: bool = False):
     from . import kernels as K            # (built there, so that K.empty_kernels covers it)
-    main = C.WARP_MAIN if KERNEL == "warp" else C.SPLIT_MAIN
     if rope:
-        return K.cuda_kernel(f"mlxp_gemv_rope_{KERNEL}", ["W", "x", "norm_w", "inv_freq", "pos"],
-                             ["q", "k", "v"], main + C.ROPE_EPILOGUE, C.GEMV_HEADER)
-    return K.cuda_kernel(f"mlxp_gemv_{KERNEL}", ["W", "x", "norm_w", "residual"], ["out"],
-                         main + C.GEMV_EPILOGUE, C.GEMV_HEADER)
+        return K.cuda_kernel("mlxp_gemv_rope_warp", ["W", "x", "norm_w", "inv_freq", "pos"], ["q", "k", "v"],
+                             source("gemv_main.cu") + source("gemv_rope_epilogue.cu"), source("gemv.cuh"))
+    return K.cuda_kernel("mlxp_gemv_warp", ["W", "x", "norm_w", "residual"], ["out"],
+                         source("gemv_main.cu") + source("gemv_epilogue.cu"), source("gemv.cuh"))
 
 
 def ksplit_for(units: int, K: int, itemsize: int) -> int:
@@ -84,16 +63,14 @@ def ksplit_for(units: int, K: int, itemsize: int) -> int:
     return ks
 
 
-def launch(units: int, rows_per_unit: int, K: int = 0, itemsize: int = 2) -> tuple:
+def launch(units: int, K: int = 0, itemsize: int = 2) -> tuple:
     """(extra template parameters, grid, threadgroup) for `units` output units (rows, or
-    rotation pairs) of K inputs: `rows_per_unit` of them per block in the split layout."""
-    if KERNEL == "warp":
-        ks = ksplit_for(units, K, itemsize)
-        t = WARPS_PB * 32
-        per = WARPS_PB // ks
-        return ([("R", 1), ("WARPS_PB", WARPS_PB), ("UNROLL", UNROLL), ("KSPLIT", ks)],
-                (-(-units // per) * t, 1, 1), (t, 1, 1))
-    return [("R", rows_per_unit)], (-(-units // rows_per_unit) * THREADS, 1, 1), (THREADS, 1, 1)
+    rotation pairs) of K inputs."""
+    ks = ksplit_for(units, K, itemsize)
+    t = WARPS_PB * 32
+    per = WARPS_PB // ks
+    return ([("R", 1), ("WARPS_PB", WARPS_PB), ("UNROLL", UNROLL), ("KSPLIT", ks)],
+            (-(-units // per) * t, 1, 1), (t, 1, 1))
 
 
 def is_float(module) -> bool:
@@ -105,20 +82,8 @@ def is_float(module) -> bool:
 
 
 def supports(module) -> bool:
-    """A module the kernels take: a float one (`is_float`), or an affine 4/8-bit quantized
-    one (`engine.fast.qgemv.supports`)."""
-    return is_float(module) or Q.supports(module)
-
-
-def rows_per_block(n_out: int, batch: int, silu: bool) -> int:
-    """Output rows per block (4 warps splitting K): one row (or gate/up pair) for a single
-    input row, 4 rows for the large output head (fewer, longer blocks); for a batch, up to
-    4 (2 with SiLU) so each input vector read serves several weight rows (accumulators
-    <= 32 per lane)."""
-    per = 2 if silu else 1
-    if batch == 1:
-        return 4 if (not silu and n_out > 16384) else 1
-    return max(1, min(4 // per, 32 // (per * batch)))
+    """A module the kernel takes: a float one (`is_float`)."""
+    return is_float(module)
 
 
 def _silu_gate(gate, up):
@@ -146,22 +111,18 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
     computes exactly what the model computes (the kernel always applies SiLU)."""
     K = x.shape[-1]
     rows = x.size // K
-    if (not use_kernel or rows > MAX_ROWS or not supports(module)
-            or not _CHOICE.get(_key(module, rows, norm, residual, silu_split), True)):
+    if not use_kernel or rows > MAX_ROWS or not supports(module):
         return _standin(module, x, norm, residual, silu_split, gate_fn)
     W = module.weight
     N = W.shape[0]
     n_out = silu_split if silu_split is not None else N
     if silu_split is not None and N != 2 * silu_split:
         raise ValueError("silu_split needs a merged gate/up weight of 2 * I rows")
-    k_in = W.shape[1] if is_float(module) else Q.in_features(module)
-    if k_in != K:
-        raise ValueError(f"input has {K} features, the weight {k_in}")
-    if not is_float(module):
-        return Q.linear(module, x, n_out, norm=norm, residual=residual, silu_split=silu_split)
+    if W.shape[1] != K:
+        raise ValueError(f"input has {K} features, the weight {W.shape[1]}")
     dt = W.dtype
     epi = 2 if silu_split is not None else (1 if residual is not None else 0)
-    extra, grid, tg = launch(n_out, rows_per_block(n_out, rows, silu_split is not None), K, W.itemsize)
+    extra, grid, tg = launch(n_out, K, W.itemsize)
     dummy = mx.zeros((1,), dt)
     nw = norm[0].astype(dt) if norm is not None else dummy
     res = residual.astype(dt).reshape(rows, n_out) if residual is not None else dummy
@@ -176,9 +137,10 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
 
 
 def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.array, pos: mx.array,
-             n_heads: int, n_kv: int, head_dim: int, shift: int = 0):
+             n_heads: int, n_kv: int, head_dim: int):
     """The merged q/k/v projection of the RMS-normalised x, with RoPE at position pos[0]
-    (pos of shape [1]) or pos[b] for row b (pos of shape [B]) (+ shift) applied to q and k,
+    (pos of shape [1]) or pos[b] for row b (pos of shape [B]) applied to q and k (one position
+    more inside `kernels.inject_fault("rope_pos_plus_one")`: engine.fast.kernels.cuda_kernel),
     as one kernel (CUDA only; the caller keeps the stock path elsewhere): returns
     q [B, H, 1, D], k and v [B, Hkv, 1, D]."""
     K = x.shape[-1]
@@ -188,98 +150,14 @@ def qkv_rope(module, x: mx.array, norm: Tuple[mx.array, float], inv_freq: mx.arr
     if W.shape != (N, K) or head_dim % 2 or rows > MAX_ROWS:
         raise ValueError("qkv_rope needs a merged q/k/v weight, an even head_dim and <= 8 rows")
     dt = W.dtype
-    extra, grid, tg = launch(N // 2, 1, K, W.itemsize)
-    if KERNEL == "split":
-        extra = [("R", 2)]                   # (one block per pair: its two rows)
+    extra, grid, tg = launch(N // 2, K, W.itemsize)
     q, k, v = _get_kernel(rope=True)(
         inputs=[W, x.astype(dt).reshape(rows, K), norm[0].astype(dt), inv_freq, pos.astype(mx.int32)],
         template=[("T", dt), ("K", K), ("NOUT", N), ("B", rows), *extra, ("NORM", 1), ("EPI", 0),
-                  ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv), ("SHIFT", shift),
+                  ("ROPE_D", head_dim), ("NQ", n_heads), ("NKV", n_kv),
                   ("PER_ROW", int(pos.size > 1)),
                   ("EPS_NUM", int(round(norm[1] * 1e12)))],
         grid=grid, threadgroup=tg,
         output_shapes=[(rows, n_heads, 1, head_dim), (rows, n_kv, 1, head_dim), (rows, n_kv, 1, head_dim)],
         output_dtypes=[dt] * 3)
     return q, k, v
-
-
-# --- choosing between the kernel and the stock ops, by measurement -------------------
-
-def _key(module, rows, norm, residual, silu_split, kind="linear"):
-    w = module.weight
-    return (kind, tuple(w.shape), str(w.dtype), rows, norm is not None, residual is not None, silu_split)
-
-
-def stream_us(fn, n: int = 20, reps: int = 3) -> float:
-    """Microseconds per call of fn() with n calls evaluated back to back (as in a decode
-    step, where the launches overlap), median of reps."""
-    mx.eval([fn() for _ in range(2)])
-    ts = []
-    for _ in range(reps):
-        outs = [fn() for _ in range(n)]
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * sorted(ts)[reps // 2] / n
-
-
-def uses_kernel(module, rows: int, *, norm: bool = False, residual: bool = False,
-                silu_split: Optional[int] = None) -> bool:
-    """Whether `linear` takes the kernel for this projection (True until tuned otherwise)."""
-    return supports(module) and rows <= MAX_ROWS and _CHOICE.get(
-        _key(module, rows, norm or None, residual or None, silu_split), True)
-
-
-def tune_linear(module, rows: int, *, norm: bool = False, residual: bool = False,
-                silu_split: Optional[int] = None, gate_fn: Optional[Callable] = None) -> dict:
-    """Time the kernel and the stock ops for this projection on random inputs (the real
-    weights) and remember the faster; returns {"kernel_us", "stock_us", "use"}."""
-    if not supports(module) or rows > MAX_ROWS:
-        return {"use": "stock"}
-    dt = module.weight.dtype if is_float(module) else module.scales.dtype
-    K = module.weight.shape[1] if is_float(module) else Q.in_features(module)
-    n_out = silu_split or module.weight.shape[0]
-    x = mx.random.normal((rows, 1, K)).astype(dt)
-    nrm = (mx.ones((K,), dt), 1e-5) if norm else None
-    res = mx.random.normal((rows, 1, n_out)).astype(dt) if residual else None
-    key = _key(module, rows, nrm, res, silu_split)
-    _CHOICE.pop(key, None)
-    return _decide(key, lambda: linear(module, x, norm=nrm, residual=res, silu_split=silu_split,
-                                       gate_fn=gate_fn, use_kernel=True),
-                   lambda: _standin(module, x, nrm, res, silu_split, gate_fn))
-
-
-def _decide(key, kernel_fn, stock_fn) -> dict:
-    """Time both; a kernel that cannot run here (no CUDA device, a compile error) loses."""
-    out = {}
-    try:
-        tk = stream_us(kernel_fn)
-    except Exception as e:                      # noqa: BLE001  (any failure: use the stock ops)
-        tk, out["kernel_error"] = float("inf"), f"{type(e).__name__}: {e}"[:200]
-    ts = stream_us(stock_fn)
-    _CHOICE[key] = tk <= ts
-    out.update(kernel_us=round(tk, 2), stock_us=round(ts, 2), use="kernel" if tk <= ts else "stock")
-    if os.environ.get("MLXP_GEMV_TUNE_LOG"):
-        print(json.dumps({"gemv_tune": [str(k) for k in key], **out}), file=sys.stderr, flush=True)
-    return out
-
-
-def qkv_rope_preferred(module, rows: int) -> bool:
-    return _CHOICE.get(_key(module, rows, None, None, None, kind="qkv_rope"), True)
-
-
-def tune_qkv_rope(module, rows: int, inv_freq, n_heads: int, n_kv: int, head_dim: int, rope) -> dict:
-    """qkv_rope (one kernel) against the q/k/v projection (as `linear` would run it)
-    followed by the RoPE kernel; remembers the faster."""
-    from . import kernels as K
-    dt = module.weight.dtype
-    Kd = module.weight.shape[1]
-    x = mx.random.normal((rows, 1, Kd)).astype(dt)
-    nrm = (mx.ones((Kd,), dt), 1e-5)
-    pos = mx.array([7], dtype=mx.int32)
-    key = _key(module, rows, None, None, None, kind="qkv_rope")
-    return _decide(key, lambda: qkv_rope(module, x, nrm, inv_freq, pos, n_heads, n_kv, head_dim)[0],
-                   lambda: K.rope_qkv(linear(module, x, norm=nrm, use_kernel=True), inv_freq, pos,
-                                      n_heads, n_kv, head_dim, rope, True)[0])

@@ -16,23 +16,25 @@ first call with a given shape; nothing is built at install time.
   one kernel and combined in a second (flash-decoding).
 
 `fault` (see `inject_fault`) deliberately breaks one of these for the negative
-control of the L3 gate: a gate that passes a broken kernel would prove nothing.
+control of the L3 gate: a gate that passes a broken kernel would prove nothing. On the
+GPU the broken kernel is a build of its own (`cuda_kernel`: its fault macro defined,
+another name); the production kernels take no fault parameter. The CUDA sources are
+engine/fast/cuda/*.cu (`engine.fast.sources`).
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
 
+from .sources import source
+
 FAULTS = ("attn_drop_last_key", "rope_pos_plus_one")
+# the macro each fault's build defines (engine/fast/cuda/faults.cuh)
+FAULT_MACROS = {"attn_drop_last_key": "L3_FAULT_DROP", "rope_pos_plus_one": "L3_FAULT_SHIFT"}
 _fault: Optional[str] = None
-KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "qgemv", "mega")
-# kernels switched off (their reference ops run instead), e.g. after a failed check:
-# $MLXP_DISABLE_KERNELS=rope_qkv,attention
-DISABLED: set = {k for k in os.environ.get("MLXP_DISABLE_KERNELS", "").split(",") if k}
 
 
 @contextmanager
@@ -89,7 +91,12 @@ def kernel_variant(name: str, source: str) -> tuple:
 
 def cuda_kernel(name: str, inputs, outputs, source: str, header: str = "", shared_memory: int = 0):
     """mx.fast.cuda_kernel, built once per name (an empty body inside `empty_kernels`);
-    `shared_memory`: bytes of dynamic shared memory (`extern __shared__`)."""
+    `shared_memory`: bytes of dynamic shared memory (`extern __shared__`). Inside
+    `inject_fault`, a kernel whose source reads that fault's macro is built as another
+    kernel (`NAME_FAULT`) with the macro defined; the production kernel is never touched."""
+    macro = FAULT_MACROS.get(_fault)
+    if macro is not None and macro in source:
+        name, header = f"{name}_{_fault}", f"#define {macro} 1\n" + header
     name, source = kernel_variant(name, source)
     if name not in _kernels:
         kw = {"shared_memory": shared_memory} if shared_memory else {}
@@ -100,43 +107,14 @@ def cuda_kernel(name: str, inputs, outputs, source: str, header: str = "", share
 
 # --- residual add + RMSNorm ---------------------------------------------------
 
-ADD_RMS_SOURCE = r"""
-  // one block of 256 threads per row of D elements
-  const int row = blockIdx.x;
-  const int tid = threadIdx.x;
-  const T* xr = x + (size_t)row * D;
-  const T* rr = r + (size_t)row * D;
-  T* hr = h + (size_t)row * D;
-  T* yr = y + (size_t)row * D;
-  float ss = 0.f;
-  for (int i = tid; i < D; i += 256) {
-    T hv = T(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-    hr[i] = hv;
-    float f = static_cast<float>(hv);
-    ss += f * f;
-  }
-  __shared__ float part[8];
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((tid & 31) == 0) part[tid >> 5] = ss;
-  __syncthreads();
-  float tot = 0.f;
-  for (int j = 0; j < 8; ++j) tot += part[j];
-  const float inv = rsqrtf(tot / D + EPS_NUM / 1e9f);
-  for (int i = tid; i < D; i += 256) {
-    float hv = static_cast<float>(hr[i]);
-    yr[i] = T(static_cast<float>(w[i]) * static_cast<float>(T(hv * inv)));
-  }
-"""
-
-
 def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float, use_kernel: bool):
     """(x + r, rms_norm(x + r) * w) over the last axis."""
-    if not use_kernel or "add_rms" in DISABLED:
+    if not use_kernel:
         h = x + r
         return h, mx.fast.rms_norm(h, w, eps)
     D = x.shape[-1]
     rows = x.size // D
-    k = cuda_kernel("mlxp_add_rms", ["x", "r", "w"], ["h", "y"], ADD_RMS_SOURCE)
+    k = cuda_kernel("mlxp_add_rms", ["x", "r", "w"], ["h", "y"], source("add_rms.cu"))
     h, y = k(inputs=[x, r, w], template=[("T", x.dtype), ("D", D), ("EPS_NUM", int(round(eps * 1e9)))],
              grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1),
              output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
@@ -144,34 +122,6 @@ def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float, use_kernel: 
 
 
 # --- RoPE + q/k/v split ---------------------------------------------------------
-
-ROPE_QKV_SOURCE = r"""
-  // one thread per (row, head, pair); heads 0..H-1 are q, H..H+HKV-1 k, the rest v
-  const unsigned int gid = blockIdx.x * blockDim.x + threadIdx.x;
-  constexpr int HALF = D / 2;
-  constexpr int NH = H + 2 * HKV;
-  if (gid >= (unsigned int)(B * NH * HALF)) return;
-  const int i = gid % HALF;
-  const int head = (gid / HALF) % NH;
-  const int b = gid / (HALF * NH);
-  const T* src = qkv + (size_t)b * NH * D + (size_t)head * D;
-  const float x1 = static_cast<float>(src[i]);
-  const float x2 = static_cast<float>(src[i + HALF]);
-  if (head >= H + HKV) {
-    T* dst = v + ((size_t)b * HKV + (head - H - HKV)) * D;
-    dst[i] = src[i];
-    dst[i + HALF] = src[i + HALF];
-    return;
-  }
-  // PER_ROW: pos holds one position per row (rows of the batch), else one for all
-  const float theta = static_cast<float>(pos[PER_ROW ? b : 0] + SHIFT) * inv_freq[i];
-  float s, c;
-  sincosf(theta, &s, &c);
-  T* dst = head < H ? q + ((size_t)b * H + head) * D : k + ((size_t)b * HKV + (head - H)) * D;
-  dst[i] = T(x1 * c - x2 * s);
-  dst[i + HALF] = T(x1 * s + x2 * c);
-"""
-
 
 def rope_qkv(qkv: mx.array, inv_freq: mx.array, pos: mx.array, n_heads: int, n_kv: int,
              head_dim: int, rope, use_kernel: bool):
@@ -185,18 +135,19 @@ def rope_qkv(qkv: mx.array, inv_freq: mx.array, pos: mx.array, n_heads: int, n_k
     if pos.size not in (1, B):
         raise ValueError(f"pos must hold 1 or {B} positions, got {pos.size}")
     shift = 1 if _fault == "rope_pos_plus_one" else 0
-    if not use_kernel or "rope_qkv" in DISABLED:
+    if not use_kernel:
         q, k, v = mx.split(qkv, [n_heads * head_dim, (n_heads + n_kv) * head_dim], axis=-1)
         q = q.reshape(B, 1, n_heads, head_dim).transpose(0, 2, 1, 3)
         k = k.reshape(B, 1, n_kv, head_dim).transpose(0, 2, 1, 3)
         v = v.reshape(B, 1, n_kv, head_dim).transpose(0, 2, 1, 3)
         p = pos + shift if shift else pos
         return rope(q, offset=p), rope(k, offset=p), v
-    kern = cuda_kernel("mlxp_rope_qkv", ["qkv", "inv_freq", "pos"], ["q", "k", "v"], ROPE_QKV_SOURCE)
+    kern = cuda_kernel("mlxp_rope_qkv", ["qkv", "inv_freq", "pos"], ["q", "k", "v"], source("rope_qkv.cu"),
+                       source("faults.cuh"))
     n = B * (n_heads + 2 * n_kv) * (head_dim // 2)
     q, k, v = kern(inputs=[qkv, inv_freq, pos],
                    template=[("T", qkv.dtype), ("B", B), ("H", n_heads), ("HKV", n_kv),
-                             ("D", head_dim), ("SHIFT", shift), ("PER_ROW", int(pos.size > 1))],
+                             ("D", head_dim), ("PER_ROW", int(pos.size > 1))],
                    grid=((n + 127) // 128 * 128, 1, 1), threadgroup=(128, 1, 1),
                    output_shapes=[(B, n_heads, 1, head_dim), (B, n_kv, 1, head_dim),
                                   (B, n_kv, 1, head_dim)],
@@ -218,95 +169,6 @@ def rope_inv_freq(rope, head_dim: int) -> mx.array:
 
 
 # --- decode attention -----------------------------------------------------------
-
-ATTN_PARTIAL_SOURCE = r"""
-  // block = (row b, query head h, chunk s); 8 warps stride over the chunk's keys.
-  constexpr int PER = D / 32;
-  const int s = blockIdx.x % NS;
-  const int h = (blockIdx.x / NS) % H;
-  const int b = blockIdx.x / (NS * H);
-  const int kvh = h / (H / HKV);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int len = length[0] - DROP;
-  const int lo = USE_START ? start[b] : 0;   // the row's first key (its left padding)
-  const int chunk = (len - lo + NS - 1) / NS;
-  const int j0 = lo + s * chunk;
-  const int j1 = min(len, j0 + chunk);
-  const T* qp = q + ((size_t)b * H + h) * D;
-  const T* kp = keys + ((size_t)b * HKV + kvh) * (size_t)CAP * D;
-  const T* vp = values + ((size_t)b * HKV + kvh) * (size_t)CAP * D;
-  float qf[PER], acc[PER];
-#pragma unroll
-  for (int e = 0; e < PER; ++e) {
-    qf[e] = static_cast<float>(qp[lane * PER + e]) * SCALE_NUM / 1e9f;
-    acc[e] = 0.f;
-  }
-  float m = -1e30f, l = 0.f;
-  for (int j = j0 + warp; j < j1; j += 8) {
-    const T* kr = kp + (size_t)j * D + lane * PER;
-    float dot = 0.f;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) dot += qf[e] * static_cast<float>(kr[e]);
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    const float mn = fmaxf(m, dot);
-    const float corr = __expf(m - mn);
-    const float p = __expf(dot - mn);
-    l = l * corr + p;
-    const T* vr = vp + (size_t)j * D + lane * PER;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) acc[e] = acc[e] * corr + p * static_cast<float>(vr[e]);
-    m = mn;
-  }
-  __shared__ float sm[8], sl[8], sacc[8][D];
-  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
-#pragma unroll
-  for (int e = 0; e < PER; ++e) sacc[warp][lane * PER + e] = acc[e];
-  __syncthreads();
-  float M = -1e30f;
-  for (int w = 0; w < 8; ++w) M = fmaxf(M, sm[w]);
-  float* out = partial + (size_t)blockIdx.x * (D + 2);
-  for (int d = threadIdx.x; d < D; d += 256) {
-    float a = 0.f;
-    for (int w = 0; w < 8; ++w) a += sacc[w][d] * __expf(sm[w] - M);
-    out[2 + d] = a;
-  }
-  if (threadIdx.x == 0) {
-    float L = 0.f;
-    for (int w = 0; w < 8; ++w) L += sl[w] * __expf(sm[w] - M);
-    out[0] = M;
-    out[1] = L;
-  }
-"""
-
-_PARTIAL_TAIL = ATTN_PARTIAL_SOURCE[ATTN_PARTIAL_SOURCE.index("  float* out = partial"):]
-# NS == 1: the block holds every key of its head, so it normalises and writes the output
-ATTN_SINGLE_SOURCE = ATTN_PARTIAL_SOURCE.replace(_PARTIAL_TAIL, r"""
-  float L = 0.f;
-  for (int w = 0; w < 8; ++w) L += sl[w] * __expf(sm[w] - M);
-  for (int d = threadIdx.x; d < D; d += 256) {
-    float a = 0.f;
-    for (int w = 0; w < 8; ++w) a += sacc[w][d] * __expf(sm[w] - M);
-    out[(size_t)blockIdx.x * D + d] = T(a / L);
-  }
-""")
-
-ATTN_COMBINE_SOURCE = r"""
-  // block = (row b, head h); thread d combines the NS chunk partials of element d.
-  const int bh = blockIdx.x;
-  const int d = threadIdx.x;
-  if (d >= D) return;
-  const float* p = partial + (size_t)bh * NS * (D + 2);
-  float M = -1e30f;
-  for (int s = 0; s < NS; ++s) M = fmaxf(M, p[s * (D + 2)]);
-  float L = 0.f, a = 0.f;
-  for (int s = 0; s < NS; ++s) {
-    const float w = __expf(p[s * (D + 2)] - M);
-    L += p[s * (D + 2) + 1] * w;
-    a += p[s * (D + 2) + 2 + d] * w;
-  }
-  out[(size_t)bh * D + d] = T(a / L);
-"""
-
 
 # one kernel, no combine pass, up to this many cached positions: one block per head,
 # each of its 8 warps takes every 8th key (each kernel launch costs more than the
@@ -332,7 +194,7 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
     drop = 1 if _fault == "attn_drop_last_key" else 0
     B, H, _, D = q.shape
     Hkv, cap = keys.shape[1], keys.shape[2]
-    if not use_kernel or "attention" in DISABLED:
+    if not use_kernel:
         cols = mx.arange(cap)
         valid = cols < (length - drop)
         if start is None:
@@ -346,29 +208,25 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
     common = [("T", q.dtype), ("H", H), ("HKV", Hkv), ("D", D), ("NS", ns)]
     # (the solo step passes no start column: the kernel then reads none, and no zeros
     # array is made every layer of every step)
-    extra = [("CAP", cap), ("DROP", drop), ("SCALE_NUM", int(round(scale * 1e9))),
+    extra = [("CAP", cap), ("SCALE_NUM", int(round(scale * 1e9))),
              ("USE_START", int(start is not None))]
     ins = [q, keys, values, length, start.astype(mx.int32) if start is not None else length]
     if ns == 1:
         single = cuda_kernel("mlxp_attn_single", ["q", "keys", "values", "length", "start"], ["out"],
-                         ATTN_SINGLE_SOURCE)
+                             source("attn_single.cu"), source("faults.cuh"))
         (out,) = single(inputs=ins, template=common + extra,
                         grid=(B * H * 256, 1, 1), threadgroup=(256, 1, 1),
                         output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype])
         return out
     part = cuda_kernel("mlxp_attn_partial", ["q", "keys", "values", "length", "start"], ["partial"],
-                   ATTN_PARTIAL_SOURCE)
+                       source("attn_partial.cu"), source("faults.cuh"))
     (partial,) = part(inputs=ins, template=common + extra,
                       grid=(B * H * ns * 256, 1, 1), threadgroup=(256, 1, 1),
                       output_shapes=[(B * H * ns, D + 2)], output_dtypes=[mx.float32])
-    comb = cuda_kernel("mlxp_attn_combine", ["partial"], ["out"], ATTN_COMBINE_SOURCE)
+    comb = cuda_kernel("mlxp_attn_combine", ["partial"], ["out"], source("attn_combine.cu"))
     threads = (D + 31) // 32 * 32
     (out,) = comb(inputs=[partial], template=common,
                   grid=(B * H * threads, 1, 1), threadgroup=(threads, 1, 1),
                   output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype])
     return out
 
-
-SOURCES = {"add_rms": ADD_RMS_SOURCE, "rope_qkv": ROPE_QKV_SOURCE,
-           "attn_partial": ATTN_PARTIAL_SOURCE, "attn_single": ATTN_SINGLE_SOURCE,
-           "attn_combine": ATTN_COMBINE_SOURCE}

@@ -4,26 +4,24 @@ On the H200 the fused step of engine.fast.decode (about 7 kernels a layer) measu
 slow with its kernels emptied as with them running (experiments/l3_overhead.py): the
 time goes to building, encoding and launching each operation, not to the GPU's work.
 `MegaStep` runs the whole step of a llama-family model, one sequence, as one persistent
-kernel (engine.fast.mega_cuda: one block per SM, grid barriers between the phases of a
-layer), so a step is a handful of operations whatever the layer count.
+kernel (engine/fast/cuda/mega_step.cu, built by engine.fast.mega_cuda: one block per SM,
+grid barriers between the phases of a layer), so a step is a handful of operations whatever the layer count.
 
 It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the batch, up
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
-`perf_kernel` on, the `mega` kernel not disabled (`MLXP_DISABLE_KERNELS=mega`), a llama
-model (or qwen3, whose per-head q/k norms the kernel applies; MLXP_MEGA_QKNORM=0 keeps it
-off) with merged q/k/v and gate/up projections, float weights without
-bias or affine 4-bit weights of one group size (8-bit opt-in with MLXP_MEGA_QUANT=1, its speed
-not yet measured; MLXP_MEGA_QUANT=0 keeps quantized models off it: `quantization`), SiLU gating
-and shapes the kernel's vector loads divide. Otherwise the step of engine.fast.decode runs
-as before. `MLXP_MEGA_BLOCKS` overrides the grid size (default: the GPU's SM count, read
-from the CUDA driver).
+`perf_kernel` on, the `mega` kernel not disabled (`FastConfig.disabled`), a llama model (or
+qwen3, whose per-head q/k norms the kernel applies, unless `FastConfig.qk_norm` is off) with
+merged q/k/v and gate/up projections, float weights without bias or affine 4-bit weights of
+one group size (8-bit with `FastConfig.quant` True, its speed not yet measured; False keeps
+quantized models off it: `quantization`), SiLU gating and shapes the kernel's vector loads
+divide. Otherwise the step of engine.fast.decode runs
+as before. The grid is one block per SM (the count read from the CUDA driver).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import Optional
 
 import mlx.core as mx
@@ -33,87 +31,21 @@ from ..levers import Levers
 from ..models.base import silu_gate
 from . import gemv as G
 from . import kernels as K
-from . import mega_bal as BL
-from . import mega_chd as CH
 from . import mega_cuda as C
-from . import mega_device as MD
+from .config import OPT_BITS, OPT_DEFAULT, FastConfig  # noqa: F401  (OPT_*: re-exported)
 from .merge import merged_of
 
-
-def env_int(name: str, default: int) -> int:
-    """A positive integer setting from the environment (a clear error for anything else)."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name} must be a positive integer, not {raw!r}")
-    return int(raw)
-
-
-OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512, "pfcap": 4096}   # mega_device.py's MEGA_OPT_*
-# measured faster on the H200 (docs/l3.md); lean and flow leave the logits bit-identical
-OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
-
-
-def opt_mask() -> int:
-    """The kernel's switches (MLXP_MEGA_OPT: a sum of OPT_BITS; unset: OPT_DEFAULT)."""
-    raw = os.environ.get("MLXP_MEGA_OPT", "")
-    check_settings({"MLXP_MEGA_OPT": raw})
-    return int(raw) if raw else OPT_DEFAULT
-
-
-SWITCHES = ("MLXP_MEGA_PROF", "MLXP_MEGA_QUANT", "MLXP_MEGA_QKNORM", "MLXP_MEGA_MULTI", "MLXP_MEGA_KVT",
-            "MLXP_MEGA_STAGE", "MLXP_MEGA_DYN", "MLXP_MEGA_QROW", "MLXP_MEGA_OGRP", "MLXP_MEGA_CHD", "MLXP_MEGA_CHC",
-            "MLXP_MEGA_PBULK")
-
-
-# the switches on unless set to 0: MLXP_MEGA_STAGE from 0.2.8 (on the H200 the step 4.2% (8b) and
-# 5.0% (1b) shorter, logits identical: reports/l3_profile/0.2.7/h200-sweep-stage)
-SWITCH_DEFAULTS = {"MLXP_MEGA_STAGE": "1"}
+# 16-byte weight loads in flight per lane: one-row phases (o_proj too), paired-row phases
+# (16 and 8 measured no faster on the H200: reports/l3/JOURNAL.md)
+UN1, UN2 = 8, 4
 # the step's phases as the PROF stamps name them (a layer's five, then the head)
 PHASES = ("qkv_rope", "attention", "o_proj", "gate_up", "down", "head")
 
 
-def switch_on(name: str) -> int:
-    """1 if the 0/1 setting `name` (one of SWITCHES) is 1 (unset: its SWITCH_DEFAULTS value, else
-    0), else 0 (a compile-time choice of the kernel: its template value)."""
-    return int(os.environ.get(name, SWITCH_DEFAULTS.get(name, "0")) == "1")
-
-
-def check_settings(env=None) -> None:
-    """Every MLXP_MEGA_* setting in `env` (default: the environment) valid, else a ValueError
-    that names it: the 0/1 switches, the positive counts (loads in flight at most 32) and the
-    OPT mask. Called where the levers are resolved, so a bad value stops a CLI at start
-    rather than the first decode step."""
-    env = os.environ if env is None else env
-    for name in SWITCHES:
-        if env.get(name, "") not in ("", "0", "1"):
-            raise ValueError(f"{name} must be 0 or 1, not {env[name]!r}")
-    for name, top in (("MLXP_MEGA_UN1", 32), ("MLXP_MEGA_UN2", 32), ("MLXP_MEGA_UNO", 32),
-                      ("MLXP_MEGA_BLOCKS", 1 << 16)):
-        raw = env.get(name, "")
-        if raw and (not raw.isdigit() or not 1 <= int(raw) <= top):
-            raise ValueError(f"{name} must be an integer 1-{top}, not {raw!r}")
-    raw = env.get("MLXP_MEGA_PROD", "")
-    if raw and (not raw.isdigit() or int(raw) > 4096):
-        raise ValueError(f"MLXP_MEGA_PROD must be an integer 0-4096 (KB), not {raw!r}")
-    raw = env.get("MLXP_MEGA_BAL", "")
-    if raw and not os.path.isfile(raw):
-        raise ValueError(f"MLXP_MEGA_BAL must name the file experiments/mega_blocks.py wrote, not {raw!r}")
-    if env.get("MLXP_MEGA_PRE", "") not in ("", "0", "1", "2", "3"):
-        raise ValueError(f"MLXP_MEGA_PRE must be 0-3, not {env['MLXP_MEGA_PRE']!r}")
-    raw = env.get("MLXP_MEGA_OPT", "")
-    if raw and (not raw.isdigit() or int(raw) > sum(OPT_BITS.values())):
-        raise ValueError(f"MLXP_MEGA_OPT must be an integer 0-{sum(OPT_BITS.values())} "
-                         f"(a sum of {OPT_BITS}), not {raw!r}")
-
-
 @functools.lru_cache(maxsize=1)
 def sm_count() -> int:
-    """Streaming multiprocessors of CUDA device 0 (0: unknown), or $MLXP_MEGA_BLOCKS."""
-    if os.environ.get("MLXP_MEGA_BLOCKS"):
-        return env_int("MLXP_MEGA_BLOCKS", 0)
+    """Streaming multiprocessors of CUDA device 0 (0: unknown): the kernel's grid, one block
+    per SM (a grid of 128 on the H100's 132 SMs measured no faster: reports/l3/JOURNAL.md)."""
     try:
         cu = ctypes.CDLL("libcuda.so.1")
         dev, val = ctypes.c_int(), ctypes.c_int()
@@ -142,16 +74,15 @@ def _parts(model):
 
 def why_not(model, levers: Levers) -> Optional[str]:
     """None if `MegaStep` can run this model's decode step, else why not."""
-    if not levers.perf_kernel or "mega" in K.DISABLED:
+    if not levers.perf_kernel or "mega" in levers.fast.disabled:
         return "the mega kernel is off (perf_kernel off or MLXP_DISABLE_KERNELS=mega)"
     if not K.cuda_available() or sm_count() <= 0:
         return "no CUDA device"
     if getattr(model, "model_type", None) not in ("llama", "qwen3"):
         return "llama and qwen3 models only"
     a0 = model.layers[0].self_attn
-    if hasattr(a0, "q_norm"):
-        if os.environ.get("MLXP_MEGA_QKNORM", "1") == "0":
-            return "q/k norms in the kernel are off (MLXP_MEGA_QKNORM=0)"
+    if hasattr(a0, "q_norm") and not levers.fast.qk_norm:
+        return "q/k norms in the kernel are off (MLXP_MEGA_QKNORM=0)"
     parts = _parts(model)
     if parts is None:
         return "q/k/v and gate/up must be merged (merged_proj)"
@@ -159,7 +90,7 @@ def why_not(model, levers: Levers) -> Optional[str]:
         return "SiLU gating only"
     norm, head = model.head_parts()
     mods = [m for p in parts for m in (p[1], p[2], p[4], p[5])] + [head, model.model.embed_tokens]
-    qz = quantization(model)
+    qz = quantization(model, levers.fast.quant)
     if qz is None and not all(G.is_float(m) for m in mods):
         return ("float weights, or affine 4-bit weights of one group size without bias "
                 "(8-bit: MLXP_MEGA_QUANT=1; MLXP_MEGA_QUANT=0: float weights only)")
@@ -194,13 +125,12 @@ def weight_dtype(module):
     return module.scales.dtype if hasattr(module, "scales") else module.weight.dtype
 
 
-def quantization(model) -> Optional[tuple]:
+def quantization(model, quant: Optional[bool] = None) -> Optional[tuple]:
     """(bits, group size) when every matrix of the step (the embedding and the head too)
     is an affine 4-bit QuantizedLinear / QuantizedEmbedding of one group size without
-    bias (8-bit too with MLXP_MEGA_QUANT=1: not yet run on a GPU; none with
-    MLXP_MEGA_QUANT=0); else None."""
-    opt = os.environ.get("MLXP_MEGA_QUANT", "")
-    if opt == "0":
+    bias (8-bit too with `quant` True, `FastConfig.quant`: not yet timed on a GPU; none with
+    `quant` False); else None."""
+    if quant is False:
         return None
     parts = _parts(model)
     if parts is None:
@@ -216,7 +146,7 @@ def quantization(model) -> Optional[tuple]:
     if len(kinds) != 1:
         return None
     bits, gs = kinds.pop()
-    if bits == 8 and opt != "1":
+    if bits == 8 and quant is not True:
         return None
     epl = 4 * (32 // bits) if bits in (4, 8) else 0
     return (bits, gs) if epl and gs % epl == 0 and model.args.hidden_size % gs == 0 else None
@@ -236,7 +166,7 @@ class MegaStep:
     each layer's cache buffer [B, Hkv, capacity, D] (in place) and attends over columns
     [start[b], col[0]]. The solo step is B = 1 with rpos = col = the position, start 0."""
 
-    def __init__(self, model, inv_freq: mx.array):
+    def __init__(self, model, inv_freq: mx.array, config: FastConfig = FastConfig()):
         parts = _parts(model)
         a0 = model.layers[0].self_attn
         norm, head = model.head_parts()
@@ -246,7 +176,7 @@ class MegaStep:
         self.I = _inter(parts)
         self.V = head.weight.shape[0]
         self.dtype = weight_dtype(head)
-        self.quant = quantization(model)          # (bits, group size), or None: float weights
+        self.quant = quantization(model, config.quant)   # (bits, group size), or None: float weights
         self.eps = norm.eps
         self.scale = a0.scale
         self.blocks = sm_count()
@@ -260,71 +190,30 @@ class MegaStep:
         if self.qkn:
             self.layers += [w for layer in model.layers
                             for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
-        self.prof = os.environ.get("MLXP_MEGA_PROF", "0") == "1"
-        # 16-byte weight loads in flight per lane: single-row and paired-row phases
-        self.un1 = env_int("MLXP_MEGA_UN1", 8)
-        self.un2 = env_int("MLXP_MEGA_UN2", 4)
-        self.uno = env_int("MLXP_MEGA_UNO", self.un1)     # (o_proj's: its rows are short)
-        # a warp's first weight loads of each phase issued before the barrier (another kernel)
-        # (2: also the next unit's first loads while a unit runs; 3: into registers, not shared memory)
-        check_settings({"MLXP_MEGA_PRE": os.environ.get("MLXP_MEGA_PRE", "")})
-        self.pre = int(os.environ.get("MLXP_MEGA_PRE") or 0)
-        # (another kernel) head sizes up to 64: a step's value loads issued with its key loads
-        self.kvt = switch_on("MLXP_MEGA_KVT")
-        # (another kernel, MLXP_MEGA_STAGE=1) each phase's input vector read with a thread's
-        # loads issued together, attention's value rows of a step asked for at once (head sizes
-        # up to 128), the combine's outputs 12-16 chunks a round trip (head sizes up to 128) and
-        # FLOW's flags one per query head
-        self.stg = switch_on("MLXP_MEGA_STAGE")
-        # (another kernel, MLXP_MEGA_DYN=1) each projection phase's last rounds of units handed
-        # out by counters instead of dealt in advance
-        self.dyn = switch_on("MLXP_MEGA_DYN")
-        # (another kernel, MLXP_MEGA_QROW=1) q/k/v a warp per row where that takes fewer rounds
-        self.qrow = switch_on("MLXP_MEGA_QROW")
-        # (another kernel, MLXP_MEGA_OGRP=1) o_proj by groups of heads, as each group is done
-        self.ogrp = switch_on("MLXP_MEGA_OGRP")
-        # (other kernels, MLXP_MEGA_CHD=1 / MLXP_MEGA_CHC=1) no barrier between gate/up and down /
-        # between o_proj and gate/up: the next phase starts on the rounds already done (mega_chd)
-        self.chd, self.chc = switch_on("MLXP_MEGA_CHD"), switch_on("MLXP_MEGA_CHC")
-        # (PROD and BAL below: one row a call, float weights, none of the choices above)
-        other = bool(self.quant or self.pre or self.dyn or self.qrow or self.ogrp or self.chd or self.chc)
-        # (another kernel, MLXP_MEGA_BAL=FILE) each projection phase's last rounds shared out as
-        # the blocks' speeds measured on this GPU say (engine.fast.mega_bal)
-        self.bal = None
-        bal = os.environ.get("MLXP_MEGA_BAL", "")
-        if bal and not other:
-            sizes = {"pairs": (self.NQ + 2 * self.NKV) * self.D // 2, "hidden": self.H, "inter": self.I, "vocab": self.V}
-            tab = BL.load_table(bal, sizes, self.blocks, C.WPB)
-            self.bal = mx.view(mx.array(tab, dtype=mx.int32), mx.float32)
-            self.dyn = 2
-        # (another kernel, MLXP_MEGA_PROD=KB) a producer warp per block streams the weights into
-        # L2 up to KB ahead of the block's other warps (engine.fast.mega_prod); not with BAL
-        check_settings({"MLXP_MEGA_PROD": os.environ.get("MLXP_MEGA_PROD", "")})
-        self.prod = 0 if other or self.bal is not None else int(os.environ.get("MLXP_MEGA_PROD") or 0)
-        # (with PROD, MLXP_MEGA_PBULK=1) its requests are 1 KB bulk prefetches (the copy engine's
-        # cp.async.bulk.prefetch.L2) instead of a 128-byte line per lane
-        self.pbulk = switch_on("MLXP_MEGA_PBULK") if self.prod else 0
-        mask = opt_mask()
-        self.opt = mx.array([mask], dtype=mx.int32)
+        self.prof = config.prof
+        self.opt = mx.array([config.mask(1)], dtype=mx.int32)
         # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
-        rows_mask = mask if os.environ.get("MLXP_MEGA_OPT") else mask & ~OPT_BITS["flow"]
-        self.opt_rows = mx.array([rows_mask], dtype=mx.int32)
+        self.opt_rows = mx.array([config.mask(2)], dtype=mx.int32)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
+        # the build's constants (the generated header; the kernel's template: T, RB, ROW0)
+        self.params = C.MegaParams(
+            H=self.H, NQ=self.NQ, NKV=self.NKV, D=self.D, I=self.I, L=self.L, V=self.V,
+            EPS_NUM=int(round(self.eps * 1e12)), SCALE_NUM=int(round(self.scale * 1e9)),
+            QB=self.quant[0] if self.quant else 0, GS=self.quant[1] if self.quant else 32,
+            QKN=int(self.qkn), UN1=UN1, UN2=UN2, UNO=UN1, PROF=int(self.prof))
 
     def _kernel(self, rows: int):
-        smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, self.pre),
-                               C.static_bytes(self.NQ, self.D, self.NKV, self.dtype.size, rows, bool(self.ogrp)))
-        q, n, prod = bool(self.quant), int(self.qkn), self.prod if rows == 1 else 0
-        return K.cuda_kernel(f"mlxp_mega_l{self.L}_q{int(q)}_n{n}_r{rows}_s{smem}_p{prod}{'b' if prod and self.pbulk else ''}",
-                             C.input_names(self.L, q, self.qkn), ["logits", "ws"],
-                             C.source(self.L, q, self.qkn), MD.header(prod), shared_memory=smem)
+        smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows),
+                               C.static_bytes(self.D, rows))
+        return K.cuda_kernel(C.build_name(self.params, rows, smem),
+                             C.input_names(self.L, bool(self.quant), self.qkn), ["logits", "ws"],
+                             C.body(), C.header() + C.config_header(self.params), shared_memory=smem)
 
     def groups(self, B: int) -> list:
         """(first row, rows) of each kernel call for B rows."""
         return [(r, min(self.max_rows, B - r)) for r in range(0, B, self.max_rows)]
 
     def __call__(self, tokens: mx.array, rpos: mx.array, col: mx.array, start: mx.array, keys, values):
-        fault = K.active_fault()
         B = tokens.size
         ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
                col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B),
@@ -333,23 +222,8 @@ class MegaStep:
         logits, wss = [], []
         for row0, rb in self.groups(B):
             lg, ws = self._kernel(rb)(
-                inputs=ins + [wss[-1] if wss else self.bal if (self.bal is not None and rb == 1) else self._first],
-                template=[("T", self.dtype), ("H", self.H), ("NQ", self.NQ), ("NKV", self.NKV),
-                          ("D", self.D), ("I", self.I), ("L", self.L), ("V", self.V),
-                          ("THREADS", C.THREADS), ("MAXCH", C.MAXCH), ("RB", rb), ("ROW0", row0),
-                          ("EPS_NUM", int(round(self.eps * 1e12))),
-                          ("SCALE_NUM", int(round(self.scale * 1e9))),
-                          ("SHIFT", int(fault == "rope_pos_plus_one")),
-                          ("DROP", int(fault == "attn_drop_last_key")), ("PROF", int(self.prof)),
-                          ("UN1", self.un1), ("UN2", self.un2), ("UNO", self.uno),
-                          ("QB", self.quant[0] if self.quant else 0),
-                          ("GS", self.quant[1] if self.quant else 32), ("QKN", int(self.qkn)),
-                          ("CHK", CH.split_column(self.I, self.blocks, C.WPB) if rb == 1 and self.chd else 0),
-                          ("CCK", CH.split_rows(self.H, self.blocks, C.WPB, C.THREADS) if rb == 1 and self.chc else 0),
-                          ("PRE", self.pre), ("PRE_LOADS", C.PRE_LOADS), ("KVT", self.kvt), ("STG", self.stg), ("DYN", int(self.dyn) if self.dyn != 2 or rb == 1 else 0), ("QROW", self.qrow), ("OGRP", self.ogrp),
-                          ("PROD", self.prod if rb == 1 else 0), ("PBULK", self.pbulk if rb == 1 else 0),
-                          ("PRESM", int(C.pre_region(self.H, self.NQ, self.D, self.I, self.dtype.size, rb,
-                                                     self.pre)))],
+                inputs=ins + [wss[-1] if wss else self._first],
+                template=[("T", self.dtype), ("RB", rb), ("ROW0", row0)],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb,
@@ -360,7 +234,7 @@ class MegaStep:
         return (logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)), wss
 
     def profile(self, ws: mx.array) -> dict:
-        """With MLXP_MEGA_PROF=1, from a call's workspace: microseconds of its phases (the
+        """With the phase timer on (`FastConfig.prof`), from a call's workspace: microseconds of its phases (the
         GPU's global timer as block 0 leaves each barrier), summed over the layers, and the
         total; and `arrive`: for each phase, when the blocks had finished their share,
         counted from the phase's start and summed over the layers — the first block
@@ -382,7 +256,7 @@ class MegaStep:
         return out
 
     def block_arrivals(self, ws: mx.array) -> dict:
-        """With MLXP_MEGA_PROF=1 (and the blocks' stamps): for each phase, one list per layer
+        """With the phase timer on (and the blocks' stamps): for each phase, one list per layer
         (the head: one list) of the µs after the phase's start at which each block (by index)
         had finished its share."""
         return self._stamps(ws)[1]

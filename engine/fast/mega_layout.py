@@ -1,27 +1,31 @@
-"""Sizes of the one-kernel step's workspace and shared memory (engine.fast.mega_cuda's BODY
+"""Sizes of the one-kernel step's workspace and shared memory (engine/fast/cuda/mega_step.cu
 lays them out; engine.fast.mega asks for them)."""
 
 from __future__ import annotations
 
 MAXCH = 64          # chunks of the cache per query head in phase B (at most)
 WPB = 512 // 32     # warps a block (mega_cuda.THREADS)
-PRE_LOADS = 8       # 16-byte loads per lane a warp issues ahead with PRE (the one-row kernel)
-PRE_BYTES = WPB * PRE_LOADS * 32 * 16     # a slot per warp (MLXP_MEGA_PRE=2: two)
 
 
 def workspace_floats(H: int, n_heads: int, head_dim: int, inter: int, n_layers: int, rows: int = 1,
                      blocks: int = 0) -> int:
     """Floats of the workspace for `rows` rows: barrier counter (32), then per row h, q,
     SiLU·up output, attention output; per-layer chunk counters, attention partials, the
-    keys before their norm (q/k norms), the per-layer head flags (FLOW), the q/k pair counters
-    (QROW), the units handed out (DYN), o_proj's partial sums and counters (OGRP), the
-    gate/up counts (CHD), then the PROF stamps and (`blocks` > 0, with PROF)
-    each block's arrival at each phase's end."""
+    keys before their norm (q/k norms), the per-layer head flags (FLOW), a region no longer
+    used (`unused_words`: the kernel's UNUSED), then the PROF stamps and (`blocks` > 0, with
+    PROF) each block's arrival at each phase's end."""
     return (32 + rows * (H + 2 * n_heads * head_dim + inter) + (n_layers * rows * n_heads + 3) // 4 * 4
             + rows * n_heads * MAXCH * (head_dim + 4) + rows * n_heads * head_dim
-            + (n_layers * 3 * n_heads + 3) // 4 * 4 + n_heads * head_dim + (n_layers * 5 + 1) * 8
-            + n_heads * H + n_layers * (H // 4) + n_layers * n_heads + n_layers * 8 + H + 4 * n_layers
+            + (n_layers * 3 * n_heads + 3) // 4 * 4 + unused_words(H, n_heads, head_dim, n_layers)
             + 2 * n_stamps(n_layers) * (1 + blocks))
+
+
+def unused_words(H: int, n_heads: int, head_dim: int, n_layers: int) -> int:
+    """Words of the workspace the kernel leaves unused (its UNUSED): where variants of the kernel
+    since taken out kept their counters (reports/l3/JOURNAL.md); kept so that the default
+    kernel's addresses, and its compiled code, are those measured."""
+    return (n_heads * head_dim + (n_layers * 5 + 1) * 8 + n_heads * H + n_layers * (H // 4)
+            + n_layers * n_heads + n_layers * 8 + H + 4 * n_layers)
 
 
 def n_stamps(n_layers: int) -> int:
@@ -34,30 +38,15 @@ def input_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, 
     return (rows * max(4 * H, 4 * n_heads * head_dim, itemsize * inter) + 15) // 16 * 16
 
 
-def pre_region(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
-               pre: int = 1) -> bool:
-    """Whether the kernel of `rows` rows gets the PRE slots (`pre` 1 or 2 slots a warp asked for;
-    3 keeps its copies in registers, no slots;
-    one row, room for them)."""
-    return (pre in (1, 2) and rows == 1
-            and input_bytes(H, n_heads, head_dim, inter, itemsize) + pre * PRE_BYTES <= SHARED_MAX)
+def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1) -> int:
+    """Dynamic shared memory of the kernel of `rows` rows: the phase inputs."""
+    return input_bytes(H, n_heads, head_dim, inter, itemsize, rows)
 
 
-def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
-                 pre: int = 0) -> int:
-    """Dynamic shared memory of the kernel of `rows` rows: the phase inputs, then (with `pre`,
-    one row, where it fits) every warp's PRE slots."""
-    extra = pre * PRE_BYTES if pre_region(H, n_heads, head_dim, inter, itemsize, rows, pre) else 0
-    return input_bytes(H, n_heads, head_dim, inter, itemsize, rows) + extra
-
-
-def static_bytes(n_heads: int, head_dim: int, n_kv: int, itemsize: int, rows: int = 1,
-                 ogrp: bool = False) -> int:
+def static_bytes(head_dim: int, rows: int = 1) -> int:
     """Static shared memory of the kernel of `rows` rows (its __shared__ arrays: the block's
-    sums, the FLOW query slots, with `ogrp` each warp's copy of a group of heads' outputs),
-    rounded up to the next KB for the compiler's own."""
-    n = 4 * (WPB * rows + rows + WPB * rows + WPB * head_dim)
-    n += itemsize * WPB * n_heads * head_dim // n_kv if ogrp and rows == 1 else 16
+    sums, the FLOW query slots; 16 bytes more), rounded up to the next KB for the compiler's own."""
+    n = 4 * (WPB * rows + rows + WPB * rows + WPB * head_dim) + 16
     return (n + 1024 + 1023) // 1024 * 1024
 
 

@@ -28,12 +28,14 @@ from .merge import merge_projections, merged_of
 
 @dataclass(frozen=True)
 class KernelChoice:
-    use_kernels: bool                 # add_rms / rope_qkv CUDA kernels (else stand-ins)
+    use_kernels: bool                 # perf_kernel on a CUDA device: the fused kernels (else stand-ins)
     use_attn_kernel: bool             # the decode-attention CUDA kernel
-    inv_freq: Optional[mx.array]      # the RoPE kernel's inverse frequencies (None: not used)
+    inv_freq: Optional[mx.array]      # the RoPE step's inverse frequencies (None: the model's RoPE)
     # RoPE's inverse frequencies for the one-kernel step (engine.fast.mega), which also
     # applies q/k norms (None: kernels off)
     mega_freq: Optional[mx.array] = None
+    add_rms: bool = False             # the residual add + RMSNorm CUDA kernel
+    rope_kernel: bool = False         # the RoPE CUDA kernel (inv_freq given, else its stand-in)
 
     @classmethod
     def for_model(cls, model, levers: Levers) -> "KernelChoice":
@@ -44,22 +46,25 @@ class KernelChoice:
         if levers.merged_proj:
             merge_projections(model)
         uk = levers.perf_kernel and cuda
+        off = levers.fast.disabled
         a0 = model.layers[0].self_attn
         freq = K.rope_inv_freq(a0.rope, a0.head_dim) if uk else None
-        return cls(uk, levers.fused_sdpa and cuda, None if hasattr(a0, "q_norm") else freq, freq)
+        return cls(uk, levers.fused_sdpa and cuda and "attention" not in off,
+                   None if hasattr(a0, "q_norm") else freq, freq,
+                   add_rms=uk and "add_rms" not in off, rope_kernel=uk and "rope_qkv" not in off)
 
 
-def rotated_qkv(attn, x: mx.array, pos: mx.array, inv_freq: Optional[mx.array]):
+def rotated_qkv(attn, x: mx.array, pos: mx.array, inv_freq: Optional[mx.array], rope_kernel: bool = True):
     """q [B,H,1,D], k and v [B,Hkv,1,D] for x [B,1,hidden], rotated at pos ([1] or [B]).
 
-    With `inv_freq` (the RoPE kernel in use) and the layer's q/k/v merged, the merged
-    projection's output goes through `kernels.rope_qkv`; otherwise the layer's own
-    projections, q/k norms (qwen3) and RoPE module run."""
+    With `inv_freq` (the RoPE step in use) and the layer's q/k/v merged, the merged
+    projection's output goes through `kernels.rope_qkv` (its CUDA kernel with `rope_kernel`);
+    otherwise the layer's own projections, q/k norms (qwen3) and RoPE module run."""
     B = x.shape[0]
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")) if inv_freq is not None else None
     if merged is not None:
-        return K.rope_qkv(merged.linear(x), inv_freq, pos, H, Hkv, D, attn.rope, True)
+        return K.rope_qkv(merged.linear(x), inv_freq, pos, H, Hkv, D, attn.rope, rope_kernel)
     q = attn.q_proj(x).reshape(B, 1, H, D)
     k = attn.k_proj(x).reshape(B, 1, Hkv, D)
     v = attn.v_proj(x).reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
@@ -91,7 +96,7 @@ def layer_stack(model, tokens: mx.array, attend: Callable, use_kernels: bool) ->
 def gemv_ok(model, levers: Levers) -> bool:
     """Whether every projection can go through the fused GEMV (perf_kernel on, q/k/v and
     gate/up merged, plain float weights without bias, SiLU gating)."""
-    if not levers.perf_kernel or "gemv" in K.DISABLED:
+    if not levers.perf_kernel or "gemv" in levers.fast.disabled:
         return False
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -104,21 +109,22 @@ def gemv_ok(model, levers: Levers) -> bool:
     return G.supports(model.head_parts()[1])
 
 
-def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], use_kernels: bool):
+def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], use_kernels: bool,
+             rope_kernel: bool = True):
     """q [B,H,1,D], k and v [B,Hkv,1,D] from the residual stream h: RMSNorm, the merged
     q/k/v projection and RoPE at pos ([1] or [B]) in one kernel where the RoPE kernel is in
-    use (and not tuned away), else the GEMV and the layer's own q/k norms and RoPE."""
+    use, else the GEMV and the layer's own q/k norms and RoPE."""
     attn, ln = layer.self_attn, layer.input_layernorm
     B = h.shape[0]
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     merged = merged_of(attn, ("q_proj", "k_proj", "v_proj")).linear
     shift = 1 if K.active_fault() == "rope_pos_plus_one" else 0
-    if (inv_freq is not None and "rope_qkv" not in K.DISABLED and B <= G.MAX_ROWS
-            and G.is_float(merged) and G.qkv_rope_preferred(merged, B)):
-        return G.qkv_rope(merged, h, (ln.weight, ln.eps), inv_freq, pos, H, Hkv, D, shift)
+    if (inv_freq is not None and rope_kernel and B <= G.MAX_ROWS
+            and G.is_float(merged)):
+        return G.qkv_rope(merged, h, (ln.weight, ln.eps), inv_freq, pos, H, Hkv, D)
     qkv = G.linear(merged, h, norm=(ln.weight, ln.eps), use_kernel=use_kernels)
-    if inv_freq is not None:                 # (quantized q/k/v: the RoPE kernel after the GEMV)
-        return K.rope_qkv(qkv, inv_freq, pos, H, Hkv, D, attn.rope, True)
+    if inv_freq is not None:                 # (the RoPE step after the GEMV)
+        return K.rope_qkv(qkv, inv_freq, pos, H, Hkv, D, attn.rope, rope_kernel)
     q, k, v = mx.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
     q, k = q.reshape(B, 1, H, D), k.reshape(B, 1, Hkv, D)
     v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)
@@ -142,7 +148,7 @@ def cached_attention(ks: list, vs: list, write_at: mx.array, length: mx.array, u
 
 
 def gemv_stack(model, tokens: mx.array, attend: Callable, pos: mx.array, inv_freq: Optional[mx.array],
-               use_kernels: bool) -> mx.array:
+               use_kernels: bool, rope_kernel: bool = True) -> mx.array:
     """Logits [B, V] for one token per row. Per layer: GEMV(norm -> q/k/v [+ RoPE]),
     `attend(i, attn, q, k, v)` (the caller's cache write and attention, returning
     [B, 1, H*D]), GEMV(o_proj + h), GEMV(norm -> gate/up -> SiLU * up), GEMV(down_proj + h);
@@ -151,7 +157,7 @@ def gemv_stack(model, tokens: mx.array, attend: Callable, pos: mx.array, inv_fre
     h = model.embed(tokens[:, None])
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q, k, v = gemv_qkv(layer, h, pos, inv_freq, uk)
+        q, k, v = gemv_qkv(layer, h, pos, inv_freq, uk, rope_kernel)
         o = attend(i, attn, q, k, v)
         h = G.linear(attn.o_proj, o, residual=h, use_kernel=uk)
         ln, mlp = layer.post_attention_layernorm, layer.mlp

@@ -1,5 +1,4 @@
-"""Shared parts of the GEMV kernels' numpy mirrors (tests/engine/test_fast_gemv.py,
-test_fast_qgemv.py)."""
+"""Parts of the GEMV kernel's numpy mirror (tests/engine/test_fast_gemv.py)."""
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +15,7 @@ def round_to(a, dt):
 def epilogue_mirror(row_sum, n, b, K, dt, norm, residual, silu_split):
     """GEMV_EPILOGUE for output (n, b): `row_sum(row)` gives a weight row's reduced
     (sum, sum of squares); the norm as a scale, then the SiLU·up or residual epilogue,
-    with the kernel's roundings (shared with the quantized kernel's mirror)."""
+    with the kernel's roundings."""
     g, ss = row_sum(n)
     inv = 1.0 / np.sqrt(ss / K + np.float32(norm[1])) if norm is not None else 1.0
     g = round_to(g * inv, dt)

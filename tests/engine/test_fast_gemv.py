@@ -2,9 +2,9 @@
 
 The CUDA kernel runs only on an NVIDIA GPU (experiments/l3_kernel_check.py runs it
 there against the stock-MLX path). Here its decomposition is mirrored in numpy, loop
-for loop: a block of 4 warps per `R` output rows (gate rows paired with up rows for the SiLU
-epilogue), warp w's 32 lanes reading 16-byte vectors at k = (it*32 + lane) * VEC for
-it = w, w + 4, ..., the sum of squares
+for loop: KSPLIT warps per output row (a gate row paired with its up row for the SiLU
+epilogue), warp slice w's 32 lanes reading 16-byte vectors at k = (it*32 + lane) * VEC for
+it = w, w + KSPLIT, ..., the sum of squares
 of the input accumulated in the same pass (the norm applied as a scale at the end),
 the lanes' partial sums reduced, and the epilogue with the kernel's roundings. The mirror
 is compared with the stock-MLX path the CPU runs (`gemv.linear(..., use_kernel=False)`,
@@ -21,36 +21,33 @@ from engine.fast import gemv as G
 from gemv_mirror import epilogue_mirror, round_to, to_np
 
 
-def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None, layout="split", ksplit=1):
-    """engine.fast.gemv_cuda in numpy: returns [B, NOUT] float32 (values representable in dt).
-    layout "split": a block of 4 warps per R rows, warp w taking iterations w, w + 4, ...;
-    "warp": `ksplit` warps per row, warp slice s taking iterations s, s + ksplit, ...
-    (lane l of iteration it: the vector at k = (it * 32 + l) * VEC)."""
+def gemv_mirror(W, x, dt, norm=None, residual=None, silu_split=None, ksplit=1):
+    """engine/fast/cuda/gemv_main.cu + gemv_epilogue.cu in numpy: returns [B, NOUT] float32
+    (values representable in dt).
+    `ksplit` warps per row, warp slice s taking iterations s, s + ksplit, ... (lane l of
+    iteration it: the vector at k = (it * 32 + l) * VEC)."""
     N, K = W.shape
     B = x.shape[0]
     vec = 16 // mx.array(0, dt).itemsize
     nout = silu_split or N
-    R = G.rows_per_block(nout, B, silu_split is not None) if layout == "split" else 1
-    warps = 4 if layout == "split" else ksplit
+    warps = ksplit
     its = -(-K // (32 * vec))
     nw = norm[0] if norm is not None else np.ones(K, np.float32)
     out = np.zeros((B, nout), np.float32)
-    for n0 in range(0, nout, R):                       # one block (split) or one row's warps
-        for r in range(min(R, nout - n0)):
-            n = n0 + r
-            for b in range(B):
-                def lanes(row):
-                    acc, ss = np.zeros((warps, 32), np.float32), np.zeros((warps, 32), np.float32)
-                    for warp in range(warps):
-                        for lane in range(32):
-                            for it in range(warp, its, warps):
-                                k = (it * 32 + lane) * vec
-                                if k < K:
-                                    xs = x[b, k:k + vec]
-                                    ss[warp, lane] += np.float32(xs @ xs)
-                                    acc[warp, lane] += np.float32(W[row, k:k + vec] @ (xs * nw[k:k + vec]))
-                    return np.float32(acc.sum()), np.float32(ss.sum())
-                out[b, n] = epilogue_mirror(lanes, n, b, K, dt, norm, residual, silu_split)
+    for n in range(nout):                              # one row's warps
+        for b in range(B):
+            def lanes(row):
+                acc, ss = np.zeros((warps, 32), np.float32), np.zeros((warps, 32), np.float32)
+                for warp in range(warps):
+                    for lane in range(32):
+                        for it in range(warp, its, warps):
+                            k = (it * 32 + lane) * vec
+                            if k < K:
+                                xs = x[b, k:k + vec]
+                                ss[warp, lane] += np.float32(xs @ xs)
+                                acc[warp, lane] += np.float32(W[row, k:k + vec] @ (xs * nw[k:k + vec]))
+                return np.float32(acc.sum()), np.float32(ss.sum())
+            out[b, n] = epilogue_mirror(lanes, n, b, K, dt, norm, residual, silu_split)
     return out
 
 
@@ -64,8 +61,8 @@ CASES = [  # (K, N, B, epilogue)
 
 @pytest.mark.parametrize("K,N,B,epi", CASES)
 @pytest.mark.parametrize("dt", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("layout,ksplit", [("split", 1), ("warp", 1), ("warp", 2), ("warp", 4)])
-def test_gemv_mirror_matches_standin(K, N, B, epi, dt, layout, ksplit):
+@pytest.mark.parametrize("ksplit", [1, 2, 4])
+def test_gemv_mirror_matches_standin(K, N, B, epi, dt, ksplit):
     mx.random.seed(K + N + B)
     lin = nn.Linear(K, N, bias=False)
     lin.weight = (mx.random.normal((N, K)) * 0.05).astype(dt)
@@ -78,14 +75,14 @@ def test_gemv_mirror_matches_standin(K, N, B, epi, dt, layout, ksplit):
     mir = gemv_mirror(to_np(lin.weight), to_np(x).reshape(B, K), dt,
                       norm=(to_np(norm[0]), norm[1]) if norm else None,
                       residual=to_np(res).reshape(B, -1) if res is not None else None, silu_split=split,
-                      layout=layout, ksplit=ksplit)
+                      ksplit=ksplit)
     rel = float(np.linalg.norm(mir.reshape(ref.shape) - ref) / np.linalg.norm(ref))
     assert rel < (1e-2 if dt == mx.bfloat16 else 1e-5), rel
 
 
 def test_ksplit_for_keeps_warps_busy(monkeypatch):
     """K is split across 2 or 4 warps only where a projection has too few rows, and never
-    below 2 iterations per warp; MLXP_GEMV_KSPLIT overrides."""
+    below 2 iterations per warp; G.KSPLIT (experiments/gemv_sweep.py) overrides."""
     assert G.ksplit_for(2048, 2048, 2) == 4 and G.ksplit_for(4096, 4096, 2) == 2
     assert G.ksplit_for(8192, 2048, 2) == 1 and G.ksplit_for(128256, 2048, 2) == 1
     assert G.ksplit_for(64, 256, 2) == 1                 # one iteration of K: nothing to split
@@ -107,23 +104,10 @@ def test_gemv_mirror_catches_a_wrong_pairing():
     assert float(np.linalg.norm(mir - ref) / np.linalg.norm(ref)) > 0.1
 
 
-def test_rows_per_block_keeps_accumulators_bounded():
-    assert G.rows_per_block(2048, 1, False) == 1 and G.rows_per_block(8192, 1, True) == 1
-    assert G.rows_per_block(128256, 1, False) == 4          # the output head: longer blocks
-    for b in range(1, G.MAX_ROWS + 1):
-        for silu in (False, True):
-            r = G.rows_per_block(4096, b, silu)
-            assert r >= 1 and r * (2 if silu else 1) * b <= 32 and r * b <= 32
-
-
-def test_supports_float_and_affine_quantized_linears_without_bias(monkeypatch):
-    from engine.fast import qgemv as Q
-    monkeypatch.setattr(Q, "ENABLED", True)
+def test_supports_float_linears_without_bias():
     assert G.supports(nn.Linear(64, 32, bias=False)) and G.is_float(nn.Linear(64, 32, bias=False))
     assert not G.supports(nn.Linear(64, 32, bias=True))
-    q = nn.QuantizedLinear(64, 32, bias=False)           # 4-bit, group 64: engine.fast.qgemv
-    assert G.supports(q) and not G.is_float(q)
-    assert not G.supports(nn.QuantizedLinear(64, 32, bias=True))
+    assert not G.supports(nn.QuantizedLinear(64, 32, bias=False))     # (MLX's own matmul)
     assert G.supports(nn.Embedding(100, 64))
 
 
@@ -139,7 +123,7 @@ def test_standin_off_gpu_and_errors():
 
 
 def qkv_rope_mirror(W, x, nw, eps, inv_freq, pos, H, Hkv, D, dt):
-    """GEMV_ROPE_SOURCE in numpy: warp w -> rows (head*D + i, head*D + i + D/2) of head
+    """gemv_main.cu + gemv_rope_epilogue.cu in numpy: warp w -> rows (head*D + i, head*D + i + D/2) of head
     w // (D/2), i = w % (D/2); normalised dot products, rounded, then rotated."""
     K = W.shape[1]
     half = D // 2
@@ -185,21 +169,6 @@ def test_qkv_rope_mirror_matches_standin(pos):
                           H, Hkv, D, mx.bfloat16)
     want = to_np(ref[0]).reshape(bad[0].shape)
     assert float(np.linalg.norm(bad[0] - want) / np.linalg.norm(want)) > 1e-2
-
-
-def test_tuning_picks_the_stock_ops_where_the_kernel_cannot_run():
-    """tune_linear measures kernel and stock ops; a kernel that cannot run (here: no CUDA
-    device) loses, and `linear` then takes the stock ops even when asked for the kernel."""
-    if mx.default_device() == mx.gpu:
-        pytest.skip("this checks the fallback on a machine without the CUDA kernel")
-    lin = nn.Linear(64, 48, bias=False)
-    assert G.uses_kernel(lin, 1, residual=True)
-    res = G.tune_linear(lin, 1, residual=True)
-    assert res["use"] == "stock" and "kernel_error" in res and res["stock_us"] > 0
-    assert not G.uses_kernel(lin, 1, residual=True)
-    x, h = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 48))
-    assert mx.array_equal(G.linear(lin, x, residual=h, use_kernel=True), h + lin(x))
-    assert G.uses_kernel(lin, 1)          # (another epilogue of the same weight: not tuned yet)
 
 
 def test_qkv_rope_mirror_per_row_positions():

@@ -29,7 +29,7 @@ def _rel(a, b):
 
 
 def attention_mirror(q, k, v, length, scale, ns, drop=0, start=None):
-    """ATTN_PARTIAL_SOURCE + ATTN_COMBINE_SOURCE, in numpy float32: per block (row b,
+    """engine/fast/cuda/attn_partial.cu + attn_combine.cu, in numpy float32: per block (row b,
     head h, chunk s), keys from the row's start column (its left padding) to length."""
     B, H, D = q.shape[0], q.shape[1], q.shape[3]
     Hkv = k.shape[1]
@@ -104,7 +104,7 @@ def test_attention_per_row_start_columns(cap, length, starts):
 
 
 def rope_mirror(qkv, inv_freq, pos, H, Hkv, D):
-    """ROPE_QKV_SOURCE: one thread per (row, head, pair), non-traditional pairs (i, i+D/2);
+    """engine/fast/cuda/rope_qkv.cu: one thread per (row, head, pair), non-traditional pairs (i, i+D/2);
     `pos` one position for every row, or one per row (PER_ROW)."""
     half, nh = D // 2, H + 2 * Hkv
     B = qkv.shape[0]
@@ -206,3 +206,48 @@ def test_empty_kernels_are_separate_kernels():
         name, body = K.kernel_variant("mlxp_x", src)
     assert name == "mlxp_x_empty" and body.strip().startswith("if (threadIdx.x < 100000) return;")
     assert body.endswith(src) and K.kernel_variant("mlxp_x", src) == ("mlxp_x", src)
+
+
+def test_fault_builds_are_other_kernels(monkeypatch):
+    """Inside inject_fault a kernel whose source reads the fault's macro is built as another
+    kernel, the macro defined in its header; the production kernel's name and header carry no
+    fault, and kernels that do not read the macro are the production ones."""
+    from engine.fast.sources import source
+    built = []
+    monkeypatch.setattr(K, "_kernels", {})
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: built.append(kw) or kw["name"])
+    rope, hdr = source("rope_qkv.cu"), source("faults.cuh")
+    assert K.cuda_kernel("mlxp_rope_qkv", ["qkv"], ["q"], rope, hdr) == "mlxp_rope_qkv"
+    with K.inject_fault("rope_pos_plus_one"):
+        assert K.cuda_kernel("mlxp_rope_qkv", ["qkv"], ["q"], rope, hdr) == "mlxp_rope_qkv_rope_pos_plus_one"
+        assert K.cuda_kernel("mlxp_add_rms", ["x"], ["h"], source("add_rms.cu")) == "mlxp_add_rms"
+    with K.inject_fault("attn_drop_last_key"):       # (this fault is not RoPE's)
+        assert K.cuda_kernel("mlxp_rope_qkv", ["qkv"], ["q"], rope, hdr) == "mlxp_rope_qkv"
+    prod, fault = built[0], built[1]
+    assert "#define L3_FAULT_SHIFT 1" not in prod["header"] and "L3_FAULT_SHIFT" in prod["source"]
+    assert fault["header"].startswith("#define L3_FAULT_SHIFT 1\n") and fault["source"] == rope
+    assert len(built) == 3                            # (the production kernels were reused)
+
+
+def test_sources_are_the_cuda_files_with_their_includes_inlined():
+    from engine.fast.sources import DIR, source
+    single = source("attn_single.cu")
+    assert "#include" not in single and (DIR / "attn_chunk.cu").read_text() in single
+    assert "#include" not in source("mega_step.cu") and "mega_qkv" not in source("mega_device.cuh")
+    for bad in ("nope.cu", "../kernels.py"):
+        with pytest.raises(FileNotFoundError):
+            source(bad)
+
+
+def test_the_cuda_files_are_package_data():
+    """An installed engine has its kernels: pyproject ships every file of engine/fast/cuda."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from engine.fast.sources import DIR
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = data["engine.fast"]
+    files = [p.relative_to(DIR.parent).as_posix() for p in DIR.iterdir()]
+    assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), (files, patterns)

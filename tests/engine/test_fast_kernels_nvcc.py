@@ -45,64 +45,70 @@ def _compiled(items: tuple) -> dict:
     return out
 
 
-# every setting the tests below compile (MEGA_ONLY: the float one-kernel steps only)
-_OPT_IN = ({"PRE": "3"}, {"PRE": "2"}, {"KVT": "1"}, {"STG": "1", "QROW": "1", "OGRP": "1", "PRE": "1"},
-           {"CHD": "1", "CHC": "1"}, {"PROD": "128"}, {"PROD": "128", "PBULK": "1"})
-_ALL = ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"}, {"DYN": "2", "MEGA_ONLY": "1"},
-        {"STG": "1", "OGRP": "1", "MEGA_ONLY": "1"}) + tuple({**e, "MEGA_ONLY": "1"} for e in _OPT_IN)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compile_together():
-    """The compiles run side by side, one per CPU (each nvcc takes one), before the tests read
-    their results from the cache."""
-    if shutil.which("nvcc") is None:
-        return
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
-        list(ex.map(_mega_compile, _ALL))
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_every_kernel_compiles_without_spilling_much():
     """The bf16 one-kernel step (1B and 8B head sizes) keeps its registers, at most a few bytes
-    spilled: the default kernel (MLXP_MEGA_STAGE on), 0.2.7's (STAGE off), and the opt-in kernels
-    that are candidates for the default (MLXP_MEGA_QROW=1 and MLXP_MEGA_DYN=1; MLXP_MEGA_BAL's
-    plan-following kernel, DYN 2)."""
-    for env in ({}, {"STG": "0", "MEGA_ONLY": "1"}, {"QROW": "1", "DYN": "1", "MEGA_ONLY": "1"},
-                {"DYN": "2", "MEGA_ONLY": "1"}):
-        spills = _mega_spills(env)
-        assert all(v <= 16 for v in spills.values()), (env, spills)
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-def test_the_preloading_kernel_compiles():
-    """MLXP_MEGA_PRE=1, =2 and =3's kernels (each phase's first weight loads copied into shared
-    memory before the barrier; 2: also each next unit's while a unit runs; 3: into registers)
-    and MLXP_MEGA_KVT=1's
-    (attention's value loads issued with its key loads), MLXP_MEGA_OGRP=1's (o_proj by groups of
-    heads), MLXP_MEGA_CHD=1 MLXP_MEGA_CHC=1's (hand-offs without a barrier) and MLXP_MEGA_PROD's
-    (a producer warp streaming the weights into L2) compile too; they
-    are opt-in, so their
-    registers are not held to a limit."""
-    for env in _OPT_IN:
-        # (the float one-kernel steps at head sizes 64 and 128 only; _compiled checks that nvcc
-        # ended with OK and compiled both)
-        assert set(_mega_compile({**env, "MEGA_ONLY": "1"})) == {"k_mega_q0_n0_d64", "k_mega_q0_n0_d128"}
-    assert "cp.async" in __import__("engine.fast.mega_device", fromlist=["HEADER"]).HEADER
+    spilled."""
+    spills = _mega_spills({})
+    assert all(v <= 16 for v in spills.values()), spills
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_static_shared_memory_is_what_the_launch_counts_on():
-    """engine.fast.mega_layout.static_bytes bounds the kernel's static shared memory (with and
-    without OGRP's per-warp copies), so that launch_shared asks for a raised limit where static
-    and dynamic together pass 48 KB (without it the 8B's OGRP kernel failed to launch on an H200:
-    invalid argument)."""
+    """engine.fast.mega_layout.static_bytes bounds the kernel's static shared memory, so that
+    launch_shared asks for a raised limit where static and dynamic together pass 48 KB (without
+    it a kernel with more static shared memory failed to launch on an H200: invalid argument)."""
     from engine.fast import mega_layout as ML
-    for env, og in (({}, False), ({"STG": "1", "OGRP": "1", "MEGA_ONLY": "1"}, True)):
-        got = _mega_compile(env)
-        for key, D in (("k_mega_q0_n0_d64", 64), ("k_mega_q0_n0_d128", 128)):
-            est = ML.static_bytes(32, D, 8, 2, 1, og)
-            assert got[key][1] <= est, (env, key, got[key], est)
-            assert est - got[key][1] < 4096, (env, key, got[key], est)   # (not a loose bound)
+    got = _mega_compile({})
+    for key, D in (("k_mega_q0_n0_d64", 64), ("k_mega_q0_n0_d128", 128)):
+        est = ML.static_bytes(D, 1)
+        assert got[key][1] <= est, (key, got[key], est)
+        assert est - got[key][1] < 4096, (key, got[key], est)   # (not a loose bound)
+
+
+def _wrapper_includes() -> set:
+    """The engine/fast/cuda files experiments/check_kernels_nvcc.py's translation unit includes,
+    directly or through other files of that folder."""
+    import importlib.util
+    from engine.fast.sources import DIR
+    spec = importlib.util.spec_from_file_location("ck", ROOT / "experiments" / "check_kernels_nvcc.py")
+    ck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ck)
+    todo, seen = set(re.findall(r'#include "([\w.]+)"', ck.source())), set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        todo |= set(re.findall(r'#include "([\w.]+)"', (DIR / name).read_text())) - seen
+    return seen
+
+
+def test_the_check_compiles_every_cuda_file_itself():
+    """The nvcc check includes every file of engine/fast/cuda (with -I), not a copy of its text:
+    a file the engine ships and the check leaves out fails here."""
+    from engine.fast.sources import DIR
+    shipped = {p.name for p in DIR.iterdir() if p.suffix in (".cu", ".cuh")}
+    assert shipped and _wrapper_includes() == shipped
+
+
+def _ptx(tmp_path, body: str, *defines: str) -> str:
+    """PTX of the bf16 RoPE kernel (engine/fast/cuda/rope_qkv.cu) with `defines` (-D)."""
+    from engine.fast.sources import DIR
+    cu = tmp_path / "k.cu"
+    cu.write_text('#include <cuda_bf16.h>\n#include "faults.cuh"\n'
+                  "__global__ void k(const __nv_bfloat16* qkv, const float* inv_freq, const int* pos,"
+                  " __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v) {\n  using T = __nv_bfloat16;\n"
+                  "  constexpr int B = 1, H = 4, HKV = 2, D = 64, PER_ROW = 0;\n" + body + "}\n")
+    out = tmp_path / "k.ptx"
+    subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-I", str(DIR), *[f"-D{d}" for d in defines],
+                    "-ptx", str(cu), "-o", str(out)], check=True, capture_output=True, timeout=300)
+    return out.read_text()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_fault_exists_only_in_the_build_that_asks_for_it(tmp_path):
+    """The production RoPE kernel compiles to the same PTX as one built with the fault macro 0;
+    the build with L3_FAULT_SHIFT=1 (the L3 gate's negative control) is different code."""
+    body = '#include "rope_qkv.cu"\n'
+    prod = _ptx(tmp_path, body)
+    assert prod == _ptx(tmp_path, body, "L3_FAULT_SHIFT=0")
+    assert prod != _ptx(tmp_path, body, "L3_FAULT_SHIFT=1")

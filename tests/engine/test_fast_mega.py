@@ -6,12 +6,15 @@ batch is split into calls, the phase timer's arithmetic, and the buffers it writ
 place being made contiguous arrays of their own first.
 """
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
 from engine.fast import kernels as K
 from engine.fast import mega as MG
 from engine.fast import mega_cuda as C
+from engine.fast.config import FastConfig
 from engine.fast.decode import FastDecoder, own_contiguous
 from engine.fast.merge import merge_projections
 from engine.levers import resolve
@@ -19,19 +22,12 @@ from engine.loader import load_model
 from parity.fixtures.models import ensure_fixture
 
 
-def test_preload_slots_in_shared_memory():
-    """MLXP_MEGA_PRE: 1 or 2 slots of 8 x 32 16-byte loads per warp after the phase inputs, in
-    the one-row kernel only, where they fit; the rows a call takes do not change."""
+def test_shared_memory_holds_the_phase_inputs():
+    """The kernel's dynamic shared memory is the phase inputs of its rows (the largest of them)."""
     one = C.input_bytes(4096, 32, 128, 14336, 2)
-    assert one == 28672 and C.PRE_BYTES == 16 * 8 * 32 * 16
+    assert one == 28672
     assert C.shared_bytes(4096, 32, 128, 14336, 2) == one
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=1) == one + C.PRE_BYTES
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=2) == one + 2 * C.PRE_BYTES
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, rows=2, pre=2) == 2 * one
-    # PRE 3 holds its copies in registers: no slots
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, pre=3) == one
-    assert not C.pre_region(4096, 32, 128, 14336, 2, pre=3)
-    assert not C.pre_region(4096, 32, 128, 100000, 2, pre=1)      # 195 KB of inputs: no room
+    assert C.shared_bytes(4096, 32, 128, 14336, 2, rows=2) == 2 * one
     assert C.rows_per_call(4096, 32, 128, 14336, 2) == 7
 
 
@@ -49,7 +45,8 @@ def test_inputs_tables_and_workspace_layout():
     assert names[:9] == ["tok", "rpos", "col", "start_col", "opt", "emb", "inv_freq", "fnorm", "headw"]
     assert names[-1] == "after" and names[-7:-1] == ["k_0", "k_1", "k_2", "v_0", "v_1", "v_2"]
     assert len(names) == 9 + 6 * 3 + 6 + 1
-    src = C.source(3)
+    p3 = C.MegaParams(H=64, NQ=4, NKV=2, D=16, I=128, L=3, V=100, EPS_NUM=10**7, SCALE_NUM=25 * 10**7)
+    src = C.config_header(p3)
     assert "const void* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src and "const T* WQKV_S[3] = {};" in src
     assert "T* KC[3] = {const_cast<T*>(k_0), const_cast<T*>(k_1), const_cast<T*>(k_2)};" in src
     # the workspace grows with the rows of a call, and ends with the phase stamps
@@ -62,21 +59,23 @@ def test_inputs_tables_and_workspace_layout():
     qk = C.input_names(3, qk_norm=True)
     assert qk[9 + 6 * 3: 9 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
     assert qk[-7:] == names[-7:] and len(qk) == len(names) + 6
-    assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.source(3, qk_norm=True)
+    assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.config_header(replace(p3, QKN=1))
     assert "const T* QN[3] = {};" in src
+    # the generated header: the model's constants, and a kernel name of its own
+    assert "constexpr int H = 64;" in src and "constexpr int L = 3;" in src and "#define MEGA_TABLES" in src
+    assert C.build_name(p3, 1, 0) != C.build_name(replace(p3, H=128), 1, 0)
+    assert C.build_name(p3, 1, 0) != C.build_name(replace(p3, PROF=1), 1, 0)
 
 
 def test_qwen3_q_k_norms_in_the_kernel_by_default(monkeypatch):
-    """qwen3's per-head q/k norms run inside the kernel unless MLXP_MEGA_QKNORM=0; its norm
-    weights then follow the layers' inputs."""
+    """qwen3's per-head q/k norms run inside the kernel unless MLXP_MEGA_QKNORM=0 (FastConfig's
+    qk_norm off); its norm weights then follow the layers' inputs."""
     q3 = load_model(str(ensure_fixture("qwen3", "bfloat16")))[0]
     merge_projections(q3)
     monkeypatch.setattr(K, "cuda_available", lambda: True)
     monkeypatch.setattr(MG, "sm_count", lambda: 132)
     levers = resolve("l3", env={})
-    monkeypatch.setenv("MLXP_MEGA_QKNORM", "0")
-    assert "MLXP_MEGA_QKNORM=0" in MG.why_not(q3, levers)
-    monkeypatch.delenv("MLXP_MEGA_QKNORM")
+    assert "MLXP_MEGA_QKNORM=0" in MG.why_not(q3, resolve("l3", env={"MLXP_MEGA_QKNORM": "0"}))
     # past the q/k norm check: the tiny fixture's widths are what stops it now
     assert "vector loads" in MG.why_not(q3, levers)
     a0 = q3.layers[0].self_attn
@@ -169,50 +168,37 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     merge_projections(q4)
     q8 = load_model(str(ensure_fixture("llama", "q8")))[0]
     merge_projections(q8)
-    monkeypatch.setenv("MLXP_MEGA_QUANT", "0")
-    assert MG.quantization(q4) is None and MG.quantization(q8) is None
-    monkeypatch.delenv("MLXP_MEGA_QUANT", raising=False)
+    off = resolve("l3", env={"MLXP_MEGA_QUANT": "0"}).fast.quant
+    assert MG.quantization(q4, off) is None and MG.quantization(q8, off) is None
     assert MG.quantization(q8) is None
     bits, gs = MG.quantization(q4)
     assert bits == 4 and gs == q4.layers[0].mlp.down_proj.group_size
-    monkeypatch.setenv("MLXP_MEGA_QUANT", "1")
-    assert MG.quantization(q8)[0] == 8
+    assert MG.quantization(q8, resolve("l3", env={"MLXP_MEGA_QUANT": "1"}).fast.quant)[0] == 8
     a0 = q4.layers[0].self_attn
     step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
     names = C.input_names(step.L, quantized=True)
     assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
     assert step.dtype == q4.layers[0].mlp.down_proj.scales.dtype
-    assert "const T* WQKV_S[" in C.source(step.L, quantized=True) and "_S[2] = {}" not in C.source(step.L, True)
+    hdr = C.config_header(step.params)
+    assert step.params.QB == 4 and "const T* WQKV_S[" in hdr and f"_S[{step.L}] = {{}}" not in hdr
     # a float model is never taken as quantized
     assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
 
 
-def test_kernel_switches_mask(monkeypatch):
+def test_kernel_switches_mask():
     """MLXP_MEGA_OPT: the one-kernel step's switches as a bit mask, 0 to all of them."""
-    monkeypatch.delenv("MLXP_MEGA_OPT", raising=False)
-    assert MG.opt_mask() == MG.OPT_DEFAULT
+    assert resolve("l3", env={}).fast.mask() == MG.OPT_DEFAULT
     for ok in ("0", "5", str(sum(MG.OPT_BITS.values()))):
-        monkeypatch.setenv("MLXP_MEGA_OPT", ok)
-        assert MG.opt_mask() == int(ok)
+        assert resolve("l3", env={"MLXP_MEGA_OPT": ok}).fast.mask() == int(ok)
     for bad in ("8192", "-1", "pfo", "1.0"):
-        monkeypatch.setenv("MLXP_MEGA_OPT", bad)
         with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-5119"):
-            MG.opt_mask()
+            resolve("l3", env={"MLXP_MEGA_OPT": bad})
+    with pytest.raises(ValueError, match="opt"):
+        FastConfig(opt=8192)
     # every switch is a bit the CUDA source defines
-    src = C.source(2)
+    src = C.body()
     for name, bit in MG.OPT_BITS.items():
-        assert f"#define MEGA_OPT_{name.upper()} {bit}u" in C.HEADER and f"MEGA_OPT_{name.upper()}" in src
-
-
-def test_settings_must_be_positive_integers(monkeypatch):
-    monkeypatch.setenv("MLXP_MEGA_UN1", "16")
-    assert MG.env_int("MLXP_MEGA_UN1", 8) == 16
-    monkeypatch.delenv("MLXP_MEGA_UN1")
-    assert MG.env_int("MLXP_MEGA_UN1", 8) == 8
-    for bad in ("0", "-2", "eight", "1.5"):
-        monkeypatch.setenv("MLXP_MEGA_BLOCKS", bad)
-        with pytest.raises(ValueError, match="MLXP_MEGA_BLOCKS must be a positive integer"):
-            MG.env_int("MLXP_MEGA_BLOCKS", 0)
+        assert f"#define MEGA_OPT_{name.upper()} {bit}u" in C.header() and f"MEGA_OPT_{name.upper()}" in src
 
 
 def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
@@ -238,36 +224,31 @@ def test_settings_checked_where_the_levers_are_resolved():
     import argparse
 
     from engine.levers import LeverError, levers_from_args
-    MG.check_settings({"MLXP_MEGA_OPT": "20", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PRE": "3",
-                       "MLXP_MEGA_PROF": "1", "MLXP_MEGA_BLOCKS": "132"})
-    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_MULTI": "on",
-           "MLXP_MEGA_UN2": "64", "MLXP_MEGA_UN1": "0", "MLXP_MEGA_BLOCKS": "-1", "MLXP_MEGA_OPT": "8192",
-           "MLXP_MEGA_PRE": "4", "MLXP_MEGA_KVT": "2", "MLXP_MEGA_STAGE": "x", "MLXP_MEGA_UNO": "33",
-           "MLXP_MEGA_DYN": "2", "MLXP_MEGA_QROW": "on",
-           "MLXP_MEGA_OGRP": "y", "MLXP_MEGA_CHD": "2", "MLXP_MEGA_CHC": "on"}
-    # (PRE 1 and 2 run since their copies dropped the L2 cache hint, the illegal instruction)
-    for pre in ("1", "2"):
-        assert levers_from_args(argparse.Namespace(tier="l3"), env={"MLXP_MEGA_PRE": pre}).perf_kernel
+    ok = {"MLXP_MEGA_OPT": "20", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1",
+          "MLXP_DISABLE_KERNELS": "gemv,mega"}
+    assert levers_from_args(argparse.Namespace(tier="l3"), env=ok).fast == FastConfig(
+        opt=20, quant=False, prof=True, disabled=frozenset({"gemv", "mega"}))
+    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_OPT": "8192",
+           "MLXP_MEGA_PROF": "on", "MLXP_DISABLE_KERNELS": "qgemv"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
-            MG.check_settings({name: value})
+            FastConfig.from_env({name: value})
         with pytest.raises(LeverError, match=name):
             levers_from_args(argparse.Namespace(tier="l3"), env={name: value})
         assert not levers_from_args(argparse.Namespace(tier="l1"), env={name: value}).perf_kernel
 
 
-def test_flow_on_the_solo_step_only_unless_asked_for(llama, monkeypatch):
+def test_flow_on_the_solo_step_only_unless_asked_for(llama):
     """FLOW (attention started per head on flags) is a default of the one-row step; calls of
     several rows get the default without it, unless MLXP_MEGA_OPT names it."""
     merge_projections(llama)
     a0 = llama.layers[0].self_attn
-    monkeypatch.delenv("MLXP_MEGA_OPT", raising=False)
-    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
+    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)), resolve("l3", env={}).fast)
     flow = MG.OPT_BITS["flow"]
     assert MG.OPT_DEFAULT & flow and step.opt.item() == MG.OPT_DEFAULT
     assert step.opt_rows.item() == MG.OPT_DEFAULT & ~flow
-    monkeypatch.setenv("MLXP_MEGA_OPT", str(MG.OPT_DEFAULT))
-    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)))
+    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)),
+                       resolve("l3", env={"MLXP_MEGA_OPT": str(MG.OPT_DEFAULT)}).fast)
     assert step.opt_rows.item() == step.opt.item() == MG.OPT_DEFAULT
 
 
@@ -281,13 +262,3 @@ def test_token_ids_reach_the_step_as_int32_without_a_copy():
         assert b.dtype == mx.int32 and b.tolist() == [0, 7, 2**31 - 1]
     i = mx.array([4], dtype=mx.int32)
     assert as_int32(i) is i
-
-
-def test_preload_copies_without_a_cache_hint():
-    """MLXP_MEGA_PRE 1/2's cp.async copies take no L2 cache-policy operand: that form was an
-    illegal instruction on the H100 and H200 (compute-sanitizer, reports/l3_profile/0.2.9/
-    h100-pre-fixed/), while the plain form runs with the default kernel's logits."""
-    import re
-    copies = re.findall(r'"(cp\.async\.[^"]*)"', C.HEADER)
-    assert any(c.startswith("cp.async.cg.shared.global [") for c in copies), copies
-    assert not any("cache_hint" in c for c in copies if c.startswith("cp.async.cg")), copies

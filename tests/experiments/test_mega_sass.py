@@ -42,8 +42,8 @@ def test_a_written_register_is_not_a_use_and_weight_loads_do_not_count():
 
 def test_the_source_is_built_for_every_preset():
     for p in PRESETS:
-        src = kernel_source(p, {"STG": "1"})
-        assert "constexpr int STG = 1;" in src and "k_mega(" in src
+        src = kernel_source(p, {"RB": "8"})
+        assert "constexpr int RB = 8;" in src and "k_mega(" in src
 
 
 def test_report_writes_table_plot_and_results(tmp_path):

@@ -10,16 +10,11 @@ from experiments import batch_profile, mega_sweep
 
 def test_variant_specs():
     assert mega_sweep.parse_variant("20") == {"MLXP_MEGA_OPT": "20"}
-    assert mega_sweep.parse_variant("15:un1=16:un2=8") == {
-        "MLXP_MEGA_OPT": "15", "MLXP_MEGA_UN1": "16", "MLXP_MEGA_UN2": "8"}
-    assert mega_sweep.parse_variant("596:pre=1") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_PRE": "1"}
-    assert mega_sweep.parse_variant("596:stage=1:qrow=1") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_STAGE": "1",
-                                                           "MLXP_MEGA_QROW": "1"}
-    assert mega_sweep.parse_variant("596:uno=16")["MLXP_MEGA_UNO"] == "16"
-    assert mega_sweep.parse_variant("596:kvt=1") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_KVT": "1"}
-    assert mega_sweep.parse_variant("596:blocks=128") == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_BLOCKS": "128"}
+    assert mega_sweep.parse_variant("596") == {"MLXP_MEGA_OPT": "596"}
     with pytest.raises(ValueError, match="unknown setting"):
         mega_sweep.parse_variant("4:threads=256")
+    with pytest.raises(ValueError, match="unknown setting"):     # (a variant taken out)
+        mega_sweep.parse_variant("596:pre=1")
     with pytest.raises(ValueError):
         mega_sweep.parse_variant("fast")
 
@@ -83,30 +78,20 @@ def test_step_overhead_runs_off_a_gpu(tmp_path):
 
 
 def test_a_variant_is_the_kernel_it_names(monkeypatch):
-    """Settings in the environment that a variant does not name are unset while it runs (and put
-    back after): every setting a variant can name is in the list that run_variant clears."""
-    named = {f"MLXP_MEGA_{k.upper()}" for k in ("un1", "un2", "uno", "pre", "kvt", "stage", "dyn", "qrow", "ogrp", "chd", "chc", "prod", "pbulk",
-                                                 "blocks", "bal")}
-    assert named | {"MLXP_MEGA_OPT"} == set(mega_sweep.SETTINGS)
-    for k in named:
-        assert mega_sweep.parse_variant(f"596:{k[10:].lower()}=1")[k] == "1"
-    assert mega_sweep.parse_variant("596:bal=/tmp/b.json")["MLXP_MEGA_BAL"] == "/tmp/b.json"   # a path
-    import os
-
+    """A variant runs with its own mask and the phase timer, whatever the environment holds
+    (the settings reach the decoder in its levers, not through the environment)."""
     seen = {}
 
-    class Probe:                 # stands for the decoder: records the settings it would see
-        def __init__(self, *a, **k):
-            seen.update({k: v for k, v in os.environ.items() if k in mega_sweep.SETTINGS})
+    class Probe:                 # stands for the decoder: records the settings it is given
+        def __init__(self, model, levers):
+            seen["fast"] = levers.fast
             raise RuntimeError("probe")
     monkeypatch.setattr(mega_sweep, "FastDecoder", Probe)
-    monkeypatch.setenv("MLXP_MEGA_STAGE", "1")
-    monkeypatch.setenv("MLXP_MEGA_UN1", "16")
+    monkeypatch.setenv("MLXP_MEGA_OPT", "20")
+    monkeypatch.setenv("MLXP_MEGA_QUANT", "0")
     with pytest.raises(RuntimeError, match="probe"):
-        mega_sweep.run_variant(None, [1], [2], mega_sweep.parse_variant("596:qrow=1"))
-    assert seen == {"MLXP_MEGA_OPT": "596", "MLXP_MEGA_QROW": "1"}
-    assert os.environ["MLXP_MEGA_STAGE"] == "1" and os.environ["MLXP_MEGA_UN1"] == "16"
-    assert "MLXP_MEGA_QROW" not in os.environ
+        mega_sweep.run_variant(None, [1], [2], mega_sweep.parse_variant("596"))
+    assert seen["fast"].opt == 596 and seen["fast"].prof is True and seen["fast"].quant is None
 
 
 def test_a_lost_gpu_context_stops_the_sweep(tmp_path, monkeypatch):
@@ -117,15 +102,15 @@ def test_a_lost_gpu_context_stops_the_sweep(tmp_path, monkeypatch):
     calls = []
 
     def fake(model, prompt, seq, env, warm=3):
-        calls.append(env.get("MLXP_MEGA_PRE"))
-        if env.get("MLXP_MEGA_PRE") == "1":
+        calls.append(env.get("MLXP_MEGA_OPT"))
+        if env.get("MLXP_MEGA_OPT") == "20":
             raise RuntimeError("cudaGetLastError() failed: an illegal instruction was encountered")
         raise RuntimeError("the one-kernel step did not run: test")
     monkeypatch.setattr(mega_sweep, "run_variant", fake)
     out = tmp_path / "s.json"
     rc = mega_sweep.main(["--model", str(ensure_fixture("llama", "bfloat16")), "--variants",
-                          "596,596:pre=1,596:pre=2", "--prompts", "8,16", "--steps", "2", "--out", str(out)])
+                          "596,20,84", "--prompts", "8,16", "--steps", "2", "--out", str(out)])
     assert rc == 3
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["596", "596:pre=1"] and calls == [None, "1"]
+    assert [r["variant"] for r in rows] == ["596", "20"] and calls == ["596", "20"]
     assert "illegal instruction" in rows[1]["error"]

@@ -1,26 +1,20 @@
-"""CUDA source of the one-kernel step's attention phase (B), spliced into
-engine.fast.mega_cuda's BODY where `__ATTENTION__` stands.
-
-A warp per (row, query head, chunk of CS cached columns): lane j scores column j of each
-32 (its key row read whole, in 16-byte loads), then the lanes own DPL contiguous output dims
-and add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL
-values per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp
-to finish a (row, head)'s chunks (a counter each) combines them into the attention output,
-its lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 8 chunks
-for the outputs; with STG 16 for head sizes up to 64, 12 up to 128).
-With `MEGA_OPT_FLOW` no grid barrier precedes the phase: a unit waits for the flags of its query
-head, key head and value head (phase A counts each head's pairs out), then reads its query
-head into the warp's slot of shared memory; the last warps take the first units.
-With KVT (MLXP_MEGA_KVT=1) a step's value loads go out with its key loads (head sizes up to
-64), and the combine asks for its first chunks' outputs with their maxima and sums.
-With `MEGA_OPT_AKPF` a unit first asks L2 for its chunk's keys and values (one prefetch per
-128 bytes, all issued at once); with `MEGA_OPT_NOPFA` the phase leaves out the o_proj
-prefetch below.
-With `MEGA_OPT_PFO` each warp first asks L2 for the o_proj rows it computes in the next phase,
-so they stream from memory while the (latency-bound) attention runs.
-"""
-
-ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
+// The one-kernel step's attention phase (B); included by mega_step.cu inside its loop over the
+// layers.
+//
+// A warp per (row, query head, chunk of CS cached columns): lane j scores column j of each 32
+// (its key row read whole, in 16-byte loads), then the lanes own DPL contiguous output dims and
+// add up p_j * v_j, VB columns' value loads issued before they are used (one load of DPL values
+// per column). A chunk's partial (max, sum, output) goes to the workspace; the last warp to
+// finish a (row, head)'s chunks (a counter each) combines them into the attention output, its
+// lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 16 chunks for
+// the outputs with head sizes up to 64, 12 up to 128).
+// With MEGA_OPT_FLOW no grid barrier precedes the phase: a unit waits for its query head's flag
+// (phase A counts the head's, its key head's and its value head's pairs into it), then reads
+// its query head into the warp's slot of shared memory; the last warps take the first units.
+// With MEGA_OPT_AKPF a unit first asks L2 for its chunk's keys and values; with
+// MEGA_OPT_NOPFA the phase leaves out the o_proj prefetch at its end; with MEGA_OPT_PFO each
+// warp first asks L2 for the o_proj rows it computes in the next phase.
+    // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
     // column j of each 32 (its key row read whole), then the lanes own DPL of the D
     // output dims and add up p_j * v_j (a batch of value loads issued at once); a chunk's
     // partial (max, sum, output) goes to the workspace, and the last warp to finish a
@@ -34,8 +28,7 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         }
       }
       if (!flow) {
-        if constexpr (STG != 0) mega_stage<float, RB * QD, CT>(qbuf, xf, [](int i) { return i; });
-        else for (int k = threadIdx.x; k < RB * QD; k += CT) xf[k] = __ldcg(qbuf + k);
+        mega_stage<float, RB * QD, CT>(qbuf, xf, [](int i) { return i; });
         MEGA_SYNC();
       }
       const T* kcache = KC[l];
@@ -50,16 +43,8 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         const int start = max(c * cs, start_col[ROW0 + b]), end = min(aend, c * cs + cs);
         const float* qh = xf + b * QD + hq * D;
         if (flow) {     // the query head, its keys and its values out of phase A, then q here
-          if (lane == 0) {
-            const unsigned int* f = fcnt + l * (NQ + 2 * NKV);
-            if constexpr (STG != 0) {     // (one flag: the query's, key's and value's pairs)
-              mega_wait_at_least(f + hq, 2 * HALF + (qrow ? D : HALF));
-            } else {
-              mega_wait_at_least(f + NQ + g, HALF);
-              mega_wait_at_least(f + NQ + NKV + g, qrow ? D : HALF);   // (QROW: values count rows)
-              mega_wait_at_least(f + hq, HALF);
-            }
-          }
+          // (one flag: the query's, key's and value's pairs)
+          if (lane == 0) mega_wait_at_least(fcnt + l * (NQ + 2 * NKV) + hq, 3 * HALF);
           __syncwarp();
           for (int d = lane; d < D; d += 32) qslot[warp][d] = __ldcg(qbuf + b * QD + hq * D + d);
           __syncwarp();
@@ -77,16 +62,6 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
         for (int d = 0; d < DPL; ++d) o[d] = 0.f;
         for (int p0 = start; p0 < end; p0 += 32) {
           const int pp = p0 + lane;
-          // KVT (MLXP_MEGA_KVT=1, a compile-time choice: it takes more registers; up to 2
-          // values a lane): the step's 32 value loads issued before its key loads, so both
-          // travel in one round trip, the values kept raw until used
-          constexpr bool tog = DPL <= 2 && KVT != 0;
-          mega_vals<T, DPL> vr[tog ? 32 : 1];
-          if constexpr (tog) {
-#pragma unroll
-            for (int j = 0; j < 32; ++j)
-              vr[j] = mega_ldcg_raw<T, DPL>(vb + (size_t)min(p0 + j, end - 1) * D + lane * DPL);
-          }
           float sc = NEG_INF;
           if (pp < end) {
             const T* kr = kb + (size_t)pp * D;
@@ -108,18 +83,11 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           lsum = lsum * corr + mega_warp_sum(pj);
 #pragma unroll
           for (int d = 0; d < DPL; ++d) o[d] *= corr;
-          if constexpr (tog) {
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-              const float pjj = __shfl_sync(0xffffffffu, pj, j);
-#pragma unroll
-              for (int d = 0; d < DPL; ++d) o[d] += pjj * static_cast<float>(vr[j].e[d]);
-            }
-          } else {
+          {
             // the values for this lane's dims, VB columns' loads issued before they are used
-            // (STG, up to 4 values a lane: all 32 columns' loads at once, kept raw until used,
-            // in the registers 16 columns' floats took)
-            constexpr bool raw = STG != 0 && DPL > 2 && DPL <= 4;
+            // (up to 4 values a lane: all 32 columns' loads at once, kept raw until used, in the
+            // registers 16 columns' floats took)
+            constexpr bool raw = DPL > 2 && DPL <= 4;
             constexpr int VB = DPL <= 2 || raw ? 32 : 16;
 #pragma unroll
             for (int j0 = 0; j0 < 32; j0 += VB) {
@@ -161,14 +129,13 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
           // lanes take chunks lane and lane + 32: the max and the weights in one round trip,
           // then every chunk's output (the lane's DPL values), CB chunks' loads at once
           const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
-          constexpr int CB = STG == 0 ? 8 : DPL <= 2 ? 16 : DPL <= 4 ? 12 : 8;
+          constexpr int CB = DPL <= 2 ? 16 : DPL <= 4 ? 12 : 8;
           float ov[CB][DPL];
           auto load_outputs = [&](int c0) {
 #pragma unroll
             for (int j = 0; j < CB; ++j)
               if (c0 + j < nch) mega_ldcg_vec<float, DPL>(p2 + (c0 + j) * PSTR + lane * DPL, ov[j]);
           };
-          if constexpr (KVT != 0) load_outputs(0);     // (KVT: the first outputs with the maxima)
           float mc0 = NEG_INF, mc1 = NEG_INF, l0 = 0.f, l1 = 0.f;
           if (lane < nch) { mc0 = __ldcg(p2 + lane * PSTR + D); l0 = __ldcg(p2 + lane * PSTR + D + 1); }
           if (lane + 32 < nch) { mc1 = __ldcg(p2 + (lane + 32) * PSTR + D); l1 = __ldcg(p2 + (lane + 32) * PSTR + D + 1); }
@@ -179,7 +146,7 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
 #pragma unroll
           for (int d = 0; d < DPL; ++d) acc[d] = 0.f;
           for (int c0 = 0; c0 < nch; c0 += CB) {
-            if (KVT == 0 || c0 > 0) load_outputs(c0);
+            load_outputs(c0);
 #pragma unroll
             for (int j = 0; j < CB; ++j) {
               const int cc = c0 + j;          // (the same on every lane)
@@ -192,13 +159,7 @@ ATTENTION = r"""    // --- B: attention, a warp per (row, query head, chunk of C
 #pragma unroll
           for (int d = 0; d < DPL; ++d)
             obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
-          if (ogrp) {                 // (OGRP: one more head of its group out, for o_proj's units)
-            __syncwarp();
-            if (lane == 0)
-              asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(gdone + l * NKV + hq / (NQ / NKV)) : "memory");
-          }
         }
       }
-      if (!ogrp && !(OPT & (MEGA_OPT_PFO | MEGA_OPT_NOPFA))) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
+      if (!(OPT & (MEGA_OPT_PFO | MEGA_OPT_NOPFA))) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }
-"""

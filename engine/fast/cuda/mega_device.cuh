@@ -1,47 +1,26 @@
-"""Device functions of the one-kernel decode step (engine.fast.mega_cuda's header).
-
-- `mega_grid_sync`: the grid barrier (an atomic counter every block adds to and waits on;
-  a 10 s limit on the wait turns a never-arriving block into a CUDA error, not a hang);
-- `mega_ld_w`: a 16-byte weight load streamed past L1; `mega_ldcg_t`: an element other
-  blocks wrote during the step, read from L2 (`mega_ldcg_vec`, `mega_ldcg_raw`: a lane's
-  contiguous elements in one load, as floats or kept as they are);
-- `mega_dot`: RL float weight rows dotted with RB input rows held in shared memory, a
-  warp per unit, UN 16-byte loads in flight per lane, a shuffle reduction;
-- `mega_qdot`: the same for affine-quantized rows (engine.fast.qgemv's decomposition),
-  its inputs kept swizzled in shared memory (`mega_sw`) so that lanes reading 64-128
-  contiguous bytes each do not collide on banks;
-- `mega_ldx`: inputs read from shared memory in 16-byte loads;
-- `mega_stage`: a phase's input vector (floats other blocks wrote) into shared memory, each
-  thread's 16-byte loads issued together before any is used (one round trip to L2, not one
-  per element);
-- `mega_mat_dot`: either, by the kernel's QB (0: float weights);
-- `mega_preload`: a warp's first weight loads of a later unit copied into its shared memory
-  (`cp.async`), which `mega_dot` then takes instead of loading (MLXP_MEGA_PRE 1, 2);
-  with REG, into the warp's registers instead (MLXP_MEGA_PRE=3);
-- `mega_wait_at_least` / `mega_atom_add_acq_rel`: the per-head flags of FLOW and the chunk
-  counters of the attention phase (acquire / release ordering).
-
-The header also gives every kernel of the module `__launch_bounds__(512, 1)` (the
-generated signature takes no attributes), so the compiler keeps to the registers one
-block of 512 threads per SM allows.
-"""
-
-from __future__ import annotations
-
-HEADER = r"""
+// Device functions of the one-kernel decode step (mega_step.cu):
+// - mega_grid_sync: the grid barrier (an atomic counter every block adds to and waits on; a
+//   10 s limit on the wait turns a never-arriving block into a CUDA error, not a hang);
+// - mega_ld_w: a 16-byte weight load streamed past L1; mega_ldcg_t: an element other blocks
+//   wrote during the step, read from L2 (mega_ldcg_vec, mega_ldcg_raw: a lane's contiguous
+//   elements in one load, as floats or kept as they are);
+// - mega_dot: RL float weight rows dotted with RB input rows held in shared memory, a warp per
+//   unit, UN 16-byte loads in flight per lane, a shuffle reduction;
+// - mega_qdot: the same for affine-quantized rows, its inputs kept swizzled in shared memory
+//   (mega_sw) so that lanes reading 64-128 contiguous bytes each do not collide on banks;
+// - mega_ldx: inputs read from shared memory in 16-byte loads;
+// - mega_stage: a phase's input vector (floats other blocks wrote) into shared memory, each
+//   thread's 16-byte loads issued together before any is used;
+// - mega_mat_dot: either, by the kernel's QB (0: float weights);
+// - mega_wait_at_least / mega_atom_add_acq_rel: the per-head flags of FLOW and the chunk
+//   counters of the attention phase (acquire / release ordering).
+// It also gives every kernel of the module __launch_bounds__(512, 1) (the generated signature
+// takes no attributes), so the compiler keeps to the registers one block of 512 threads per SM
+// allows.
+#include "faults.cuh"
 #undef __global__
 #define __global__ __attribute__((global)) __launch_bounds__(512, 1)
-// PROD (MLXP_MEGA_PROD, engine.fast.mega_prod): the last warp of each block streams the block's
-// weights into L2 ahead of the others, which count the bytes they have asked for in mega_pdone;
-// the other 15 warps meet at named barrier 1 (480 threads), not at the block's barrier
-#ifdef MEGA_PRODUCER
-#define MEGA_SYNC() asm volatile("bar.sync 1, 480;" ::: "memory")
-__shared__ unsigned int mega_pdone;
-#define MEGA_PCOUNT(BYTES_) do { if ((threadIdx.x & 31) == 0) atomicAdd(&mega_pdone, (unsigned int)(BYTES_)); } while (0)
-#else
 #define MEGA_SYNC() __syncthreads()
-#define MEGA_PCOUNT(BYTES_) do { } while (0)
-#endif
 // the kernel's switches (its `opt` input), for A/B runs of one compiled kernel
 #define MEGA_OPT_PFO 1u      // phase B prefetches the warp's o_proj rows of phase C into L2
 #define MEGA_OPT_KVPF 2u     // phase A prefetches the layer's cached keys and values into L2
@@ -219,24 +198,14 @@ __device__ __forceinline__ int mega_sw(int i) {
 }
 // RL weight rows of K elements dotted with RB input rows (shared memory, float or T,
 // row b's elements koff .. koff + K at xs + b * KT + koff); every lane ends with the sums
-// acc[r * RB + b]. K is a multiple of 32 * VEC; weight loads take the L2 policy pol. With
-// pre (not null) the first UN loads of each row were issued earlier into the warp's shared
-// memory (`mega_preload`: pre[(u * RL + r) * 32 + lane]; `newer`: one more group of copies
-// was committed after those).
-// (INIT false: the sums go on from acc, a lane's own of an earlier part of the same rows; FIN
-// false: acc left as the lane's own sums, not yet added across the warp: a dot split at a
-// multiple of 32 * VEC columns adds every lane's products in the order of the whole one)
-template <typename T, typename X, int K, int RL, int RB, int UN, int KT, bool INIT = true, bool FIN = true>
+// acc[r * RB + b]. K is a multiple of 32 * VEC; weight loads take the L2 policy pol.
+template <typename T, typename X, int K, int RL, int RB, int UN, int KT>
 __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int koff, int lane,
-                                         float* acc, unsigned long long pol,
-                                         const uint4* pre = nullptr, bool newer = false,
-                                         const uint4* rg = nullptr, bool use_rg = false) {
+                                         float* acc, unsigned long long pol) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int IT = K / (32 * VEC);
-  if constexpr (INIT) {
 #pragma unroll
-    for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
-  }
+  for (int r = 0; r < RL * RB; ++r) acc[r] = 0.f;
   auto load = [&](int i0, uint4 (&wv)[UN][RL]) {
 #pragma unroll
     for (int u = 0; u < UN; ++u) {
@@ -267,62 +236,16 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 #pragma unroll 1
   for (int i0 = 0; i0 < IT; i0 += UN) {
     uint4 wv[UN][RL];
-    if (i0 == 0 && pre != nullptr) {   // the first UN iterations from the copies asked for earlier
-      // (`newer`: the next unit's copies were asked for since: all but the newest group done)
-      if (newer) asm volatile("cp.async.wait_group 1;" ::: "memory");
-      else asm volatile("cp.async.wait_all;" ::: "memory");
-#pragma unroll
-      for (int u = 0; u < UN; ++u)
-#pragma unroll
-        for (int r = 0; r < RL; ++r) wv[u][r] = pre[(u * RL + r) * 32 + lane];
-    } else if (i0 == 0 && use_rg) {   // (PRE 3: the first UN iterations loaded into registers earlier)
-#pragma unroll
-      for (int u = 0; u < UN; ++u)
-#pragma unroll
-        for (int r = 0; r < RL; ++r) wv[u][r] = rg[u * RL + r];
-    } else {
-      load(i0, wv);
-      MEGA_PCOUNT((IT - i0 < UN ? IT - i0 : UN) * RL * 512);   // (PROD: the bytes asked for)
-    }
+    load(i0, wv);
     consume(i0, wv);
   }
-  if constexpr (FIN) {
 #pragma unroll
-    for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
-  }
-}
-// the first UN 16-byte loads of weight rows r0 (and, RL 2, r1) of K elements copied into the
-// warp's shared memory at pre (cp.async, no registers held), for a mega_dot given `pre` later:
-// issued before a barrier, they stream while the blocks wait. REG (PRE 3): loaded into the
-// caller's local array pre[u * RL + r] instead (registers; nothing waits for them until used)
-template <typename T, int K, int RL, int UN, bool REG = false>
-__device__ __forceinline__ void mega_preload(const void* w, int r0, int r1, int lane, uint4* pre,
-                                             unsigned long long pol) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int IT = K / (32 * VEC);
-  const T* rows[2] = {reinterpret_cast<const T*>(w) + (size_t)r0 * K,
-                      reinterpret_cast<const T*>(w) + (size_t)r1 * K};
-#pragma unroll
-  for (int u = 0; u < UN; ++u)
-    if (u < IT)
-#pragma unroll
-      for (int r = 0; r < RL; ++r) {
-        if constexpr (REG) {
-          pre[u * RL + r] = mega_ld_w(rows[r] + (u * 32 + lane) * VEC, pol);
-        } else {
-          const unsigned int sa = static_cast<unsigned int>(__cvta_generic_to_shared(pre + (u * RL + r) * 32 + lane));
-          // (no L2::cache_hint operand: with it the copy was an illegal instruction on the H100
-          // and H200, compute-sanitizer at the kernel's first copies)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                       :: "r"(sa), "l"(rows[r] + (u * 32 + lane) * VEC) : "memory");
-        }
-      }
-  if constexpr (!REG) asm volatile("cp.async.commit_group;" ::: "memory");
+  for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
 // The same for MLX's affine-quantized rows (BITS 4 or 8, groups of GS): row r's packed
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
 // (EPL elements, inside one group) per iteration and adds scale * sum(q x) + bias * sum(x),
-// the decomposition of engine.fast.qgemv.
+// (each 4-bit value made a float by putting its bits under the exponent of 2^23: mega_q2f).
 template <typename T, typename X, int K, int RL, int RB, int UN, int BITS, int GS, int KT>
 __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const T* const* sc,
                                           const T* const* bi, const X* xs, int koff, int lane,
@@ -378,20 +301,17 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
 // rows idx[0..RL) of a weight matrix of KT columns, its columns koff .. koff + K: float
-// (QB 0: w is T*; INIT / FIN as mega_dot's) or affine-quantized (QB bits: w packed words,
+// (QB 0: w is T*) or affine-quantized (QB bits: w packed words,
 // s / b the group scales and biases; koff a multiple of the group size; whole dots only)
-template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int KT = K,
-          bool INIT = true, bool FIN = true>
+template <typename T, typename X, int K, int RL, int RB, int UN, int QB, int GS, int KT = K>
 __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T* b, const int* idx,
                                              const X* xs, int lane, float* acc,
-                                             unsigned long long pol, int koff = 0,
-                                             const uint4* pre = nullptr, bool newer = false,
-                                             const uint4* rg = nullptr, bool use_rg = false) {
+                                             unsigned long long pol, int koff = 0) {
   if constexpr (QB == 0) {
     const T* rows[RL];
 #pragma unroll
     for (int r = 0; r < RL; ++r) rows[r] = reinterpret_cast<const T*>(w) + (size_t)idx[r] * KT + koff;
-    mega_dot<T, X, K, RL, RB, UN, KT, INIT, FIN>(rows, xs, koff, lane, acc, pol, pre, newer, rg, use_rg);
+    mega_dot<T, X, K, RL, RB, UN, KT>(rows, xs, koff, lane, acc, pol);
   } else {
     const unsigned int* rows[RL];
     const T* sr[RL];
@@ -405,10 +325,3 @@ __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T*
     mega_qdot<T, X, K, RL, RB, UN, QB, GS, KT>(rows, sr, br, xs, koff, lane, acc, pol);
   }
 }
-"""
-
-
-def header(prod: int = 0) -> str:
-    """HEADER, for a kernel with a producer warp (`prod`: MLXP_MEGA_PROD's window) with
-    MEGA_PRODUCER defined first."""
-    return ("#define MEGA_PRODUCER 1\n" if prod else "") + HEADER

@@ -1,23 +1,18 @@
-"""CUDA source of the one-kernel step's phase A (RMSNorm -> merged q/k/v -> RoPE, keys and
-values into the cache) and, for models with per-head q/k norms (qwen3), phase A2, spliced into
-engine.fast.mega_cuda's BODY where `__QKV__` stands.
-
-A warp per rotation pair (rows i and i + D/2 of a head), its dot products over the normalised
-input in shared memory; lane b rotates row b's pair and writes q into the workspace, k and v
-into the cache at the position. With `MEGA_OPT_QSPLIT` two warps of a block take a pair, each
-over half of H (added in shared memory), where that takes fewer rounds. With `MEGA_OPT_FLOW`
-the pairs of the keys and values come first and each pair counts up its head's flag (phase B
-waits on those instead of a barrier). With QROW (MLXP_MEGA_QROW=1), where it takes fewer rounds (more
-pairs than warps), a warp per row instead: the second row of a pair to finish rotates both.
-With QKN, phase A leaves q and k unrotated; after a barrier a warp per head normalises, then
-rotates it (A2).
-"""
-
-QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
+// The one-kernel step's phase A (RMSNorm -> merged q/k/v -> RoPE, keys and values into the
+// cache) and, for models with per-head q/k norms (qwen3), phase A2; included by mega_step.cu
+// inside its loop over the layers.
+//
+// A warp per rotation pair (rows i and i + D/2 of a head), its dot products over the normalised
+// input in shared memory; lane b rotates row b's pair and writes q into the workspace, k and v
+// into the cache at the position. With MEGA_OPT_QSPLIT two warps of a block take a pair, each
+// over half of H (added in shared memory), where that takes fewer rounds. With MEGA_OPT_FLOW
+// the pairs of the keys and values come first and each pair counts up its head's flag (phase B
+// waits on those instead of a barrier). With QKN, phase A leaves q and k unrotated; after a
+// barrier a warp per head normalises, then rotates it (A2).
+    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
     // QSPLIT two warps of a block per pair, each over half of H, added in shared memory)
     {
-      if (PROD == 0 && (OPT & MEGA_OPT_KVPF)) {   // the layer's cached keys and values into L2
-        // (PROD: the producer warp asks for them: engine.fast.mega_prod)
+      if (OPT & MEGA_OPT_KVPF) {   // the layer's cached keys and values into L2
         constexpr int RBY = D * (int)sizeof(T);
         for (int b = 0; b < RB; ++b) {
           const size_t lo = (size_t)start_col[ROW0 + b] * RBY / 128 * 128, hi = (size_t)wcol * RBY;
@@ -40,7 +35,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           dst[i] = x1;
           dst[i + HALF] = x2;
         } else if (head < NQ + NKV) {
-          const float theta = static_cast<float>(rpos[ROW0 + b] + SHIFT) * inv_freq[i];
+          const float theta = static_cast<float>(rpos[ROW0 + b] + L3_FAULT_SHIFT) * inv_freq[i];
           float sn, c;
           sincosf(theta, &sn, &c);
           const T y1 = T(x1 * c - x2 * sn), y2 = T(x1 * sn + x2 * c);
@@ -65,27 +60,22 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           pair_out(u, b, static_cast<float>(T(acc[b] * sinv[b])), static_cast<float>(T(acc[RB + b] * sinv[b])));
         }
       };
-      // FLOW: one more pair of this q/k/v head is out (the lanes' writes before the release)
-      // (STG: one flag per query head, which its own pairs and those of its key and value
-      // heads count up: a key or value head's lanes add to each of its group's NQ/NKV flags, so
-      // that an attention unit waits on one flag, one round trip, not three)
+      // FLOW: one more pair of this q/k/v head is out (the lanes' writes before the release):
+      // one flag per query head, which its own pairs and those of its key and value heads count
+      // up (a key or value head's lanes add to each of its group's NQ/NKV flags), so that an
+      // attention unit waits on one flag, one round trip, not three
       auto head_done = [&](int head) {
         __syncwarp();
-        if constexpr (STG != 0) {
-          constexpr int G = NQ / NKV;
-          for (int j = lane; j < (head < NQ ? 1 : G); j += 32) {
-            const int t = head < NQ ? head : ((head - NQ) % NKV) * G + j;
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + t) : "memory");
-          }
-        } else {
-          if (lane == 0)
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + head) : "memory");
+        constexpr int G = NQ / NKV;
+        for (int j = lane; j < (head < NQ ? 1 : G); j += 32) {
+          const int t = head < NQ ? head : ((head - NQ) % NKV) * G + j;
+          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + t) : "memory");
         }
       };
       constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
       constexpr int PPB = WPB / 2;               // with QSPLIT: pairs a block takes per round
       // (split only where the half-length rounds take less time than the whole ones)
-      const bool split = PROD == 0 && HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)
+      const bool split = HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)
           && (NPAIR + (int)gridDim.x * PPB - 1) / ((int)gridDim.x * PPB) < 2 * ((NPAIR + NW - 1) / NW);
       if (split) {
         const int pr = warp % PPB, half = warp / PPB;
@@ -110,70 +100,15 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           }
           MEGA_SYNC();
         }
-      } else if (qrow) {
-        // QROW: a warp per row r of the 2 NPAIR (FLOW: the keys and values first). A value row
-        // (QKN: a q or k row too, normalised and rotated in A2) goes out as it is; a q or k row
-        // leaves its value where its rotated value goes (q: the workspace; k: the cache, exact
-        // in T) and counts up its pair (pcnt: 2 l before layer l); the pair's second row to
-        // arrive reads the other's value and rotates both (the same sums and roundings as a
-        // pair's warp: each row's dot product is the same loop over the same loads)
-        const int NS = dyn_ns(NROW);
-        for (int t = gw; t < NROW;) {
-          const unsigned int got = dyn_ask(t, NROW, NS, dctr + l * 5 * 8);
-          const int r = flow ? (t + QD) % NROW : t;
-          const int head = r / D, i = r % D, u = head * HALF + i % HALF;
-          const int idx[1] = {r};
-          float acc[RB];
-          mega_mat_dot<T, XN, H, 1, RB, UN1, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
-          float x = 0.f;
-#pragma unroll
-          for (int b = 0; b < RB; ++b)
-            if (lane == b) x = static_cast<float>(T(acc[b] * sinv[b]));
-          const size_t row = (size_t)(ROW0 + lane);
-          if (head >= NQ + NKV || QKN) {
-            if (lane < RB) {
-              if (head >= NQ + NKV) VC[l][((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D + i] = T(x);
-              else (head < NQ ? qbuf + lane * QD + head * D : kraw + lane * QD + (head - NQ) * D)[i] = x;
-            }
-            if (flow && head >= NQ + NKV) head_done(head);      // (a value head's flag counts D rows)
-          } else {
-            T* kc = head < NQ ? nullptr : KC[l] + ((row * NKV + (head - NQ)) * CAP + wcol) * D;
-            if (lane < RB) {
-              if (head < NQ) qbuf[lane * QD + head * D + i] = x;
-              else kc[i] = T(x);
-            }
-            __syncwarp();
-            unsigned int old = 0;
-            if (lane == 0) old = mega_atom_add_acq_rel(pcnt + u, 1u);
-            old = __shfl_sync(0xffffffffu, old, 0);
-            __syncwarp();
-            if (old == 2u * (unsigned int)l + 1u) {     // the other row is in: rotate the pair
-              if (lane < RB) {
-                const int ip = i < HALF ? i + HALF : i - HALF;
-                const float y = head < NQ ? __ldcg(qbuf + lane * QD + head * D + ip) : mega_ldcg_t(kc + ip);
-                pair_out(u, lane, i < HALF ? x : y, i < HALF ? y : x);
-              }
-              if (flow) head_done(head);
-            }
-          }
-          t = dyn_next(t, NROW, NS, got);
-        }
       } else {
-        const int NS = dyn_ns(NPAIR);
-        for (int u0 = gw, k = 0; u0 < NPAIR; ++k) {
-          const unsigned int got = dyn_ask(u0, NPAIR, NS, dctr + l * 5 * 8);
+        for (int u0 = gw; u0 < NPAIR; u0 += NW) {
           const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
           const int r1 = (u / HALF) * D + u % HALF;
           const int idx[2] = {r1, r1 + HALF};
           float acc[2 * RB];
-          const bool more = u0 + NW < NPAIR;
-          const int un = flow ? (u0 + NW + NQ * HALF) % NPAIR : u0 + NW, rn = (un / HALF) * D + un % HALF;
-          const uint4* p_ = pre_next(mega_int<H>{}, mega_int<2>{}, mega_int<UN2>{}, preA, k, more, WQKV[l], rn, rn + HALF);
-          mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol, 0,
-                                                     p_, PRE == 2 && more, MEGA_RG(preA, k));
+          mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
           qkv_out(u, acc);
           if (flow) head_done(u / HALF);
-          u0 = dyn_next(u0, NPAIR, NS, got);
         }
       }
     }
@@ -196,7 +131,7 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
           ss += x1[j] * x1[j] + x2[j] * x2[j];
         }
         const float rn = rsqrtf(mega_warp_sum(ss) / D + eps);
-        const float pos = static_cast<float>(rpos[ROW0 + b] + SHIFT);
+        const float pos = static_cast<float>(rpos[ROW0 + b] + L3_FAULT_SHIFT);
 #pragma unroll
         for (int j = 0; j < PPL; ++j) {
           const int i = lane + 32 * j;
@@ -217,4 +152,3 @@ QKV = r"""    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per ro
         }
       }
     }
-"""
