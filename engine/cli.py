@@ -88,7 +88,7 @@ def parser() -> CliParser:
       help="keep at most N tokens in each layer's cache (a ring that keeps the first 4), "
       "for models with only full-attention layers")
     a("--prompt-cache-file", metavar="FILE",
-      help="a prompt cache saved by mlx_lm.cache_prompt (or engine.cache_file): the prompt "
+      help="a prompt cache saved by mlx_lm.cache_prompt (or engine.kv.cache_file): the prompt "
       "continues it")
     a("--trust-remote-code", action="store_true",
       help="accepted for mlx-lm compatibility (no model code is ever downloaded)")
@@ -120,8 +120,8 @@ class CliError(Exception):
 
 def _load_cache_file(args):
     """(caches, model path) from --prompt-cache-file, checked against the other flags."""
-    from .cache_file import CacheFileError, load_prompt_cache
-    from .cache import QuantizedKVCache
+    from engine.kv.cache_file import CacheFileError, load_prompt_cache
+    from engine.kv.cache import QuantizedKVCache
 
     try:
         caches, meta = load_prompt_cache(args.prompt_cache_file)
@@ -143,7 +143,7 @@ def _load_cache_file(args):
 
 def prompt_ids(args, tok, using_cache: bool) -> list:
     """The prompt's token ids, built as mlx_lm.generate builds them."""
-    from .request import PromptError
+    from engine.step.request import PromptError
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -172,8 +172,8 @@ def prompt_ids(args, tok, using_cache: bool) -> list:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import engine
-    from engine.generation import PromptError
-    from engine.kv_quant import KVConfigError
+    from engine.step.generation import PromptError
+    from engine.kv.quant import KVConfigError
     from engine.levers import LeverError, levers_from_args
     from engine.loader import ModelLoadError
 
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     sampling = {k: getattr(args, k) for k in MLX_LM_SAMPLING}
     if not args.generation_config:
         sampling = {k: MLX_LM_SAMPLING[k] if v is None else v for k, v in sampling.items()}
-    from engine.admission import Admission
+    from engine.step.admission import Admission
     budget = int(args.memory_budget * 1e9) if args.memory_budget else None
     admission = Admission.for_model(model, budget, prefill_step=args.prefill_step_size)
     text, last = "", None

@@ -168,7 +168,7 @@ def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = Fa
     `tensor_parallel=True` shards the model over the ranks of
     `mx.distributed.init()` (see `engine.distributed.sharding`); run it under `mlx.launch`.
     """
-    from .tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     path = resolve_model_path(path)
     if tensor_parallel:
@@ -184,6 +184,6 @@ def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = Fa
         return model, load_tokenizer(path)
     model, _config = load_model(path, lazy=lazy)
     if adapter_path is not None:
-        from .lora_mount import mount_adapter
+        from engine.adapters.mount import mount_adapter
         mount_adapter(model, adapter_path)
     return model, load_tokenizer(path)

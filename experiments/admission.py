@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import engine  # noqa: E402
-from engine.admission import Admission  # noqa: E402
-from engine.kv_quant import make_policy  # noqa: E402
+from engine.step.admission import Admission  # noqa: E402
+from engine.kv.quant import make_policy  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from engine.stepper import generate_step  # noqa: E402
+from engine.step.stepper import generate_step  # noqa: E402
 
 
 def measure(model_dir, contexts, modes):

@@ -5,7 +5,7 @@
         --sizes 2,4,8,16 --trials 10 --tokens 24 --tag my-run [--out DIR]
 
 For each model, each batch size B and each trial: a random target request
-(prompt length, content) is run alone through `engine.batch.BatchScheduler`
+(prompt length, content) is run alone through `engine.step.batch.BatchScheduler`
 (greedy), then again among B-1 random filler requests (random prompt lengths
 and max_tokens, random join steps, the target at a random position in the
 admission order). The target is teacher-forced to its B=1 tokens, so every
@@ -57,7 +57,7 @@ def run(model, target, n_tokens, *, fillers=(), target_step=0, target_pos=0, for
     """The target's per-step logprobs [(V,)...] (and tokens) with fillers around it.
     fillers: [(join_step, prompt, max_tokens)]; target joins at target_step, at
     position target_pos among the requests joining at that step."""
-    from engine.batch import BatchRequest, BatchScheduler
+    from engine.step.batch import BatchRequest, BatchScheduler
     sched = BatchScheduler(model, eos_token_ids=(), prefill_step_size=prefill_step_size)
     by_step = {}
     for s, p, m in fillers:

@@ -45,8 +45,8 @@ FIELDS = ["model", "bias", "B", "prompt", "gen", "ours_decode_tps", "mlxlm_decod
 
 
 def _run_ours(model, prompts, gen, bias=None):
-    from engine.batch import BatchRequest, BatchScheduler
-    from engine.sampling import make_logits_processors, make_sampler
+    from engine.step.batch import BatchRequest, BatchScheduler
+    from engine.step.sampling import make_logits_processors, make_sampler
 
     sampler = make_sampler(temp=0.0)
     sched = BatchScheduler(model, eos_token_ids=(), completion_batch_size=max(32, len(prompts)),
@@ -194,7 +194,7 @@ def main(argv=None):
     rows = []
     for m in models:
         ours, ref = _load_pair(m)
-        from engine.tokenizer import load_tokenizer
+        from engine.text.tokenizer import load_tokenizer
         eos = {int(t): -100.0 for t in load_tokenizer(m).eos_token_ids}
         for b in {"off": [None], "on": [eos], "both": [None, eos]}[a.logit_bias]:
             rows += bench(Path(m).name, ours, ref, Bs, a.prompt, a.gen, a.trials,

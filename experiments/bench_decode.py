@@ -43,7 +43,7 @@ from engine.fast.apply import decoder_for  # noqa: E402
 from engine.levers import LeverError, Levers, parse_spec  # noqa: E402
 from experiments._common import mega_env  # noqa: E402
 from engine.loader import load_model as load_ours  # noqa: E402
-from engine.stepper import generate_step as ours_step  # noqa: E402
+from engine.step.stepper import generate_step as ours_step  # noqa: E402
 
 VIEWS = {"Broadcast", "Transpose", "Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze",
          "Slice", "Split", "AsStrided", "StopGradient", "Depends"}

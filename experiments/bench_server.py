@@ -196,7 +196,7 @@ def bench(model_dir, lengths, gen, trials, hf_cache, ours_args=(), reference="wo
           trial_rows=None):
     import numpy as np
 
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     workers = []

@@ -14,7 +14,7 @@ imported is reported with the reason (xgrammar imports torch).
 
 Part 2 — the engine: decode time per token with `engine.constrained`'s
 processor (llguidance) against the same run without it, at B=1 (the serial
-token loop, `engine.stepper.generate_step`) and B=8 (`BatchScheduler`, one
+token loop, `engine.step.stepper.generate_step`) and B=8 (`BatchScheduler`, one
 processor per row), on the qwen3 fixture, greedy, over a schema that cannot
 complete within the run (so every step computes a real mask). The overhead is
 (constrained - free) per token, in microseconds, and as a ratio, each from the
@@ -244,9 +244,9 @@ def run_engine(tokens, reps, preset=None):
     import mlx.core as mx
 
     import engine
-    from engine.batch import BatchRequest, BatchScheduler
+    from engine.step.batch import BatchRequest, BatchScheduler
     from engine.constrained import ResponseFormat, response_format_processor
-    from engine.stepper import generate_step
+    from engine.step.stepper import generate_step
     from starter.models import ensure_fixture
 
     if preset:
@@ -337,7 +337,7 @@ def main(argv=None):
                                      "rejects_invalid", "us_per_token"])
         missing = {"all": "--skip-libraries"}
     else:
-        from engine.tokenizer import load_tokenizer
+        from engine.text.tokenizer import load_tokenizer
         from starter.models import ensure_fixture
         from starter.tokenizers import build_tokenizer
         big = Path(tempfile.mkdtemp(prefix="bpe16k-"))

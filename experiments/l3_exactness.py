@@ -23,7 +23,7 @@ from engine.fast.apply import decoder_for  # noqa: E402
 from engine.fast.merge import merge_projections  # noqa: E402
 from engine.levers import parse_spec  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from engine.stepper import generate_step  # noqa: E402
+from engine.step.stepper import generate_step  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -106,7 +106,7 @@ def run_mode(spec: dict) -> dict:
     import mlx.optimizers as optim
     import numpy as np
 
-    from engine.lora import apply_lora
+    from engine.adapters.lora import apply_lora
     from train.loss import sft_loss
     from train.segmented import segmented_value_and_grad
 

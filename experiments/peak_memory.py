@@ -103,7 +103,7 @@ def run_cell(spec: dict) -> dict:
         from mlx_lm.tuner.utils import linear_to_lora_layers
         linear_to_lora_layers(model, -1, {"rank": 8, "scale": 20.0, "dropout": 0.0})
     else:
-        from engine.lora import apply_lora
+        from engine.adapters.lora import apply_lora
         apply_lora(model, rank=8, scale=20.0, dropout=0.0, num_layers=-1)
     model.train()
     mx.eval(model.parameters())

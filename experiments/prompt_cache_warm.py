@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import engine  # noqa: E402
-from engine.prompt_cache import PromptCache  # noqa: E402
+from engine.kv.prompt_cache import PromptCache  # noqa: E402
 from experiments._common import machine, report_dir, write_csv  # noqa: E402
 
 

@@ -98,7 +98,7 @@ def dp_train(path: Path, data: Path, iters: int, batch_size: int, out: Path) -> 
     from mlx_lm.tuner.datasets import load_dataset
 
     from engine.loader import load_model
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
     from train.data import load_data_dir
     from train.trainer import TrainConfig, train
 

@@ -10,7 +10,7 @@ prompt before every trial; medians of --trials trials):
 - `chain`: y = argmax(decoder(y)) queued step after step (`mx.async_eval`), one wait at the end:
   the GPU's time per step with nothing on the host in between;
 - `chain_lse`: the same with the log-probabilities the stepper computes (logits − logsumexp);
-- `stepper`: `engine.stepper.generate_step`, what `bench_decode.py` times (a token handed to
+- `stepper`: `engine.step.stepper.generate_step`, what `bench_decode.py` times (a token handed to
   the host every step, the next step queued before).
 
 `fixed` − `kernel` is what the step costs besides the kernel's phases (its launch, the
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.fast.decode import FastDecoder  # noqa: E402
 from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from engine.stepper import generate_step  # noqa: E402
+from engine.step.stepper import generate_step  # noqa: E402
 from experiments._common import md_table, mega_env  # noqa: E402
 
 MODES = ("fixed", "chain", "chain_lse", "stepper")

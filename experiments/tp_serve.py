@@ -182,7 +182,7 @@ def main(argv=None):
     if a.worker:
         return worker(Path(a.worker), a)
     from parity.fixtures.models import ensure_fixture
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
     a.model = a.model or str(ensure_fixture("llama", "float32", variant="tp2"))
     no_eos = {str(k): v for k, v in _no_eos(load_tokenizer(Path(a.model))).items()}
     t0 = time.perf_counter()

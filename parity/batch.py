@@ -1,4 +1,4 @@
-"""Batched schedules run on both engines: ours (`engine.batch.BatchScheduler`) and
+"""Batched schedules run on both engines: ours (`engine.step.batch.BatchScheduler`) and
 mlx-lm 0.32.2's `BatchGenerator`, driven step for step.
 
 A schedule is a list of `Insert(step, prompt, max_tokens, stop_token)`: before
@@ -46,8 +46,8 @@ def _collect(rows, uid, token, logprobs, finish):
 
 
 def run_ours(model, schedule: Sequence[Insert], max_steps: int = 10_000, **batch):
-    from engine.batch import BatchRequest, BatchScheduler
-    from engine.sampling import make_logits_processors, make_sampler
+    from engine.step.batch import BatchRequest, BatchScheduler
+    from engine.step.sampling import make_logits_processors, make_sampler
 
     sched = BatchScheduler(model, eos_token_ids=(), **{**_BATCH, **batch})
     rows, order, ids = {}, [], {}

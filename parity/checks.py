@@ -9,7 +9,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.kv_quant import make_policy
+from engine.kv.quant import make_policy
 from engine.loader import load_model as load_ours
 
 from .compare import Comparison, run_schedule
@@ -83,7 +83,7 @@ def run_forward_check(c: ForwardCheck, ours_model=None) -> Comparison:
 
 def run_generate_check(c: ForwardCheck):
     """Our token loop vs mlx-lm's `generate_step`: tokens and every step's logprobs."""
-    from engine.stepper import generate_step
+    from engine.step.stepper import generate_step
     from .oracles import mlx_lm_oracle as oracle
 
     path = str(ensure_fixture(c.family, c.dtype, c.shards))

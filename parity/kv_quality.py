@@ -23,9 +23,9 @@ import mlx.core as mx
 import numpy as np
 
 import engine
-from engine.kv_quant import make_policy
+from engine.kv.quant import make_policy
 from engine.loader import load_model
-from engine.stepper import generate_step
+from engine.step.stepper import generate_step
 
 from .fixtures.models import FAMILIES, VOCAB, ensure_fixture
 
@@ -39,7 +39,7 @@ def prompts(n: int = 3, length: int = 48, vocab: int = VOCAB) -> list[list[int]]
 
 def default_group(model) -> int:
     """The largest KV group size every cache layer's head dim allows."""
-    from engine.kv_quant import VALID_GROUPS, cache_head_dims
+    from engine.kv.quant import VALID_GROUPS, cache_head_dims
     dims = cache_head_dims(model)
     return max(x for x in VALID_GROUPS if all(d % x == 0 for d in dims))
 
@@ -47,7 +47,7 @@ def default_group(model) -> int:
 def _modes(model, group_size: int | None = None) -> dict:
     """kv8, kv4 at `group_size` (default: default_group), and a mixed config (8-bit on the
     first half of the cache layers, 4-bit on the rest)."""
-    from engine.kv_quant import cache_head_dims
+    from engine.kv.quant import cache_head_dims
     n = len(cache_head_dims(model))
     g = group_size or default_group(model)
     half = n // 2
@@ -127,11 +127,11 @@ def main(argv=None):
                     help="KV group size (default: the largest of 32/64/128 every layer allows)")
     ap.add_argument("--prompt-length", type=int, default=256, help="with --model")
     ap.add_argument("--dequant-attention", action="store_true",
-                    help="L3: dequantize K/V and use the fused SDPA (engine/kv_dequant_attention.py);"
+                    help="L3: dequantize K/V and use the fused SDPA (engine/kv/dequant_attention.py);"
                          " the only way to run quantized KV on MLX 0.32.4's CUDA backend")
     a = ap.parse_args(argv)
     if a.dequant_attention:
-        from engine.kv_dequant_attention import set_enabled
+        from engine.kv.dequant_attention import set_enabled
         set_enabled(True)
     if a.model:
         model = load_model(a.model)[0]

@@ -38,12 +38,12 @@ import numpy as np
 
 import engine
 from engine.fast import kernels
-from engine.batch_cache import batch_caches
+from engine.kv.batch_cache import batch_caches
 from engine.fast.batch_decode import FastBatchDecoder
 from engine.fast.decode import FastDecoder
 from engine.levers import Levers, parse_spec, resolve
 from engine.loader import load_model
-from engine.stepper import generate_step
+from engine.step.stepper import generate_step
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_MEAN_KL = 1e-3
@@ -88,7 +88,7 @@ def teacher_forced(model, seq: list[int], prompt_len: int, decoder=None) -> mx.a
 def teacher_forced_batch(model, seqs: list[list[int]], prompt_lens: list[int], decoder=None) -> list:
     """Rows decoded together: each row's prompt (all but its last token) is prefilled alone
     by the L1 forward, the rows' caches are stacked right-aligned (left padding, as
-    `engine.batch.BatchScheduler` does), then every row is fed its own sequence, one
+    `engine.step.batch.BatchScheduler` does), then every row is fed its own sequence, one
     token per step, through the L1 batch forward or `decoder` (a FastBatchDecoder).
     Returns, per row, float32 log-probs [steps, V]; steps = the shortest continuation."""
     per_row = []

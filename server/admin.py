@@ -72,7 +72,7 @@ async def mount_adapter(request: Request, validated: AdapterMount):
         return m
     try:
         m = await state.gateway.call_async(mount)   # through the worker's queue
-    except ValueError as e:                          # (engine.adapters.AdapterRequestError)
+    except ValueError as e:                          # (engine.adapters.registry.AdapterRequestError)
         raise from_exception(e) from None
     return JSONResponse({"id": m.id, "path": m.path, "mounted_layers": m.mounted_layers,
                          "rank": m.rank, "scale": m.scale, "size_bytes": m.size_bytes})

@@ -7,7 +7,7 @@ raw prompt; sampling; stop strings; tools; adapters) and renders the events
 
     Text(text, logprobs)   content to show (tool markup already withheld)
     Reasoning(text)        reasoning (thinking) text, split out of the content
-    Tool(call)             one complete tool call (engine.tools.ToolCall)
+    Tool(call)             one complete tool call (engine.text.tools.ToolCall)
     Done(...)              finish reason and usage
 
 `start()` validates, renders the prompt, checks memory admission and queues
@@ -46,7 +46,7 @@ class Reasoning:
 
 @dataclass
 class Tool:
-    call: Any  # engine.tools.ToolCall
+    call: Any  # engine.text.tools.ToolCall
 
 
 @dataclass
@@ -114,7 +114,7 @@ def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -
     if state.config.thinking is not None:
         kw["enable_thinking"] = state.config.thinking
     elif "enable_thinking" not in kw:
-        from engine.reasoning import default_enable_thinking
+        from engine import default_enable_thinking
         default = default_enable_thinking(state.tokenizer)   # MiniCPM5: off unless asked
         if default is not None:
             kw["enable_thinking"] = default
@@ -165,7 +165,7 @@ _PARAM_FIELDS = frozenset(("max_tokens", "top_logprobs", "temperature", "top_p",
 
 
 def encode(state, call: Call) -> list:
-    from engine.request import PromptError, check_token_ids, encode_prompt
+    from engine import PromptError, check_token_ids, encode_prompt
 
     try:
         if call.messages is not None:
@@ -192,8 +192,8 @@ def make_parser(state, call: Call, prompt_ids: list):
     """The output parser of a chat call: reasoning split out (for a family that
     thinks) and tool calls read from the content; None for plain text
     (a raw-prompt completion, or no reasoning markers and no tools)."""
-    from engine.reasoning import ChatOutputParser, reasoning_format_for, starts_in_reasoning
-    from engine.tools import tool_format_for
+    from engine import ChatOutputParser, reasoning_format_for, starts_in_reasoning
+    from engine import tool_format_for
 
     if call.messages is None:
         return None
@@ -266,7 +266,7 @@ class Generation:
     def _emit(self, evs, out: list, pending_lp: list) -> list:
         """Router events (or plain Text) into `out`; returns the logprobs not yet
         attached to a Text event."""
-        from engine.reasoning import ReasoningDelta
+        from engine import ReasoningDelta
 
         for ev in evs:
             if hasattr(ev, "arguments_json"):

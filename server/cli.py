@@ -25,7 +25,7 @@ import logging
 import sys
 import time
 
-from engine.argparsing import CliParser, json_dict as _json_dict, parse_bool as _bool
+from engine import CliParser, json_dict as _json_dict, parse_bool as _bool
 
 from .listen import BackgroundServer, bind, uvicorn_server, url_of  # noqa: F401  (re-exported)
 from .security import is_loopback
@@ -123,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
     a("--use-default-chat-template", action="store_true", help=argparse.SUPPRESS)
     a("--pipeline", action="store_true", help=argparse.SUPPRESS)
     a("--quantized-kv-start", type=int, help=argparse.SUPPRESS)
-    from engine.levers import add_lever_args   # L3 hook: --tier and the lever switches
+    from engine import add_lever_args  # L3 hook: --tier and the lever switches
     add_lever_args(p)
     from .tp import add_args as add_tp_args     # --tensor-parallel, --tp-timeout
     add_tp_args(p)
@@ -137,7 +137,7 @@ def chat_template_from(value):
 
     import jinja2
 
-    from engine.chat_template import check_chat_template
+    from engine import check_chat_template
 
     if value is None:
         return None
@@ -172,7 +172,7 @@ def config_from_args(args):
         str(args.kv_bits) if args.kv_bits is not None else "config")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise SystemExit("engine-serve: --memory-budget must be > 0 (GB)")
-    from engine.levers import LeverError, levers_from_args
+    from engine import LeverError, levers_from_args
     try:
         levers = levers_from_args(args)
     except LeverError as e:
@@ -290,8 +290,8 @@ def main(argv=None) -> int:
             "request, or --fast-batch; /stats levers.lanes)"), file=sys.stderr)
     sock = bind(config.host, config.port)
 
-    from engine.kv_quant import KVConfigError
-    from engine.loader import ModelLoadError
+    from engine import KVConfigError
+    from engine import ModelLoadError
     from .app import create_app
     from .first_run import ready_text
     from .state import build_state

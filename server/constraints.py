@@ -22,7 +22,7 @@ def check_constraints(response_format, tool_choice, tools,
     with values we cannot honour are a 400 naming the field: an unknown response
     format type or a bad schema, a tool_choice naming a tool that is not among
     the tools (or forcing a call with no tools)."""
-    from engine.constrained import ConstraintError, parse_response_format, parse_tool_choice
+    from engine import ConstraintError, parse_response_format, parse_tool_choice
     try:
         fmt = parse_response_format(response_format, param=format_param)
         choice = parse_tool_choice(tool_choice, tools) if tool_choice is not None else None
@@ -44,9 +44,8 @@ def processor_factories(state, call) -> tuple:
     """The grammar processor factories `call` asks for (empty when none); a 400
     when the grammar cannot be built (a schema llguidance rejects, a forced call
     on a model with no tool-call format)."""
-    from engine.constrained import (ConstraintError, response_format_factory,
-                                    tool_choice_factory)
-    from engine.tools import tool_format_for
+    from engine import ConstraintError, response_format_factory, tool_choice_factory
+    from engine import tool_format_for
 
     fmt = getattr(call, "response_format", None)
     choice = getattr(call, "tool_choice", None)

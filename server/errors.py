@@ -57,8 +57,8 @@ def not_found(message: str) -> APIError:
 
 def from_exception(exc: BaseException) -> APIError:
     """Map an engine exception raised by client input onto an APIError (400)."""
-    from engine.admission import ContextOverBudget
-    from engine.request import ContextLengthExceeded
+    from engine import ContextOverBudget
+    from engine import ContextLengthExceeded
 
     if isinstance(exc, APIError):
         return exc

@@ -39,7 +39,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from engine.request import RequestOutput, client_error
+from engine import RequestOutput, client_error
 
 log = logging.getLogger("engine-serve")
 

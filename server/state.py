@@ -79,10 +79,10 @@ def activation_dtype(model) -> str:
 class ServerState:
     def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str):
         from engine import Engine
-        from engine.adapters import AdapterRegistry
-        from engine.admission import Admission
-        from engine.kv_quant import make_policy
-        from engine.prompt_cache import PromptCache
+        from engine import AdapterRegistry
+        from engine import Admission
+        from engine import make_policy
+        from engine import PromptCache
 
         self.config = config
         self.gateway = gateway
@@ -127,7 +127,7 @@ class ServerState:
     # --- KV quantization ----------------------------------------------------
 
     def _kv_options(self):
-        from engine.kv_quant import VALID_BITS, KVConfigError, cache_head_dims
+        from engine import VALID_BITS, KVConfigError, cache_head_dims
 
         mode = str(self.config.kv_quant).lower()
         if mode in ("off", "none", "bf16", "false", "0"):
@@ -173,12 +173,12 @@ class ServerState:
 
     def refresh_admission(self) -> None:
         """Recompute the ceiling (adapters change the weight bytes). Worker thread."""
-        from engine.admission import Admission
+        from engine import Admission
         self.admission = Admission.for_model(self.model, self.config.memory_budget_bytes,
                                              self.kv_policy,
                                              prefill_step=self.config.prefill_step_size)
         self.ceiling = self.admission.max_context()
-        self.engine.admission = self.admission
+        self.engine.step.admission = self.admission
 
     def check_capacity(self) -> None:
         """Refuse a new request (503, Retry-After) when the wait queue is full. Any thread."""
@@ -236,7 +236,7 @@ class ServerState:
         }
 
     def _levers_stats(self) -> dict:
-        from engine.fast.apply import describe
+        from engine import describe
         out = describe(self.config.levers, self.model)
         # which lane decodes through the fast step: the solo one; batch rows only with
         # fast_batch (the Engine's scheduler then holds the batch step)
@@ -248,7 +248,7 @@ class ServerState:
 
 
 def default_model_dir() -> str:
-    from engine.cli import default_model_dir as _d
+    from engine import default_model_dir as _d
     return _d()
 
 
@@ -264,7 +264,7 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
     import dataclasses
 
     import engine
-    from engine.loader import resolve_model_path
+    from engine import resolve_model_path
 
     gateway = gateway or Gateway()
     model_dir = config.model or default_model_dir()

@@ -29,7 +29,7 @@ import time
 from typing import Optional
 
 from engine import distributed
-from engine.distributed import DEFAULT_TIMEOUT_S, EXIT_RANK_LOST, SHUTDOWN_GRACE_S
+from engine import DEFAULT_TIMEOUT_S, EXIT_RANK_LOST, SHUTDOWN_GRACE_S
 
 from .errors import APIError, body_for
 
@@ -71,7 +71,7 @@ class RankLost(APIError):
 def agree_config(config, group=None):
     """Every rank takes rank 0's engine-shaping settings (one command line launched on
     every rank should agree already; the memory budget defaults to each machine's RAM)."""
-    from engine.admission import default_budget
+    from engine import default_budget
 
     keys = ("batch", "prompt_cache_bytes", "kv_quant", "kv_group_size", "prefill_step_size",
             "memory_budget_bytes")
@@ -183,7 +183,7 @@ class _NoMount:
         return getattr(self._inner, name)
 
     def mount(self, *a, **kw):
-        from engine.adapters import AdapterRequestError
+        from engine import AdapterRequestError
         raise AdapterRequestError("adapters cannot be mounted on a --tensor-parallel server "
                                   "(the model's weights are sharded over the ranks)")
 
@@ -205,8 +205,8 @@ class DeadGuard:
 
 def follow(config, timeout: float) -> int:
     """A rank > 0: load the shard, build the same engine, replay rank 0's steps."""
-    from engine.kv_quant import KVConfigError
-    from engine.loader import ModelLoadError
+    from engine import KVConfigError
+    from engine import ModelLoadError
 
     from .state import build_state
 

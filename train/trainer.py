@@ -43,7 +43,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from engine.lora import adapter_config, adapter_weights, apply_lora, save_adapter
+from engine.adapters.lora import adapter_config, adapter_weights, apply_lora, save_adapter
 
 from .data import BatchIterator, Dataset, rng_state, set_rng_state
 from .distributed import DataParallel, data_parallel, silent

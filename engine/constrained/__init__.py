@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from ..reasoning import ReasoningFormat, get_reasoning_format
+from engine.text.reasoning import ReasoningFormat, get_reasoning_format
 from .grammars import Literals, json_grammar, reasoning_prefix, tool_call_grammar
 from .processor import GrammarProcessor, compile_grammar, ll_tokenizer
 

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..tools.schema import schema_types, string_only
+from engine.text.tools.schema import schema_types, string_only
 
 __all__ = ["json_grammar", "tool_call_grammar", "reasoning_prefix", "Literals"]
 

@@ -1,7 +1,7 @@
 """The grammar logits processor: llguidance's token mask applied to the logits.
 
 A ``GrammarProcessor`` is a logits processor of the usual shape
-``fn(tokens, logits [1, V]) -> logits`` (see ``engine.sampling``), one per
+``fn(tokens, logits [1, V]) -> logits`` (see ``engine.step.sampling``), one per
 request, stateful: the first call sees the prompt (``tokens`` is the history
 the loop hands processors); each later call finds exactly the tokens sampled
 since, advances the grammar matcher by them (reading them on the host), then
@@ -33,7 +33,7 @@ _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
-    """llguidance's view of an ``engine.tokenizer.Tokenizer`` (built from its
+    """llguidance's view of an ``engine.text.tokenizer.Tokenizer`` (built from its
     ``tokenizers`` JSON; the EOS tokens are the tokenizer's stop tokens),
     cached per tokenizer object."""
     lt = _TOKENIZERS.get(tokenizer)

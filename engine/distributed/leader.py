@@ -75,7 +75,7 @@ class Leader:
     # --- the Engine's calls -----------------------------------------------------------
 
     def submit(self, prompt, params=None, *, request_id=None, adapter=(), **kw):
-        from ..request import SamplingParams, encode_prompt
+        from engine.step.request import SamplingParams, encode_prompt
 
         if self.dead.is_set():
             raise self.rank_lost("a rank was lost earlier")
@@ -88,9 +88,9 @@ class Leader:
         if adapter or kw:
             raise ValueError("adapters, tools and template options are not available "
                              "through a tensor-parallel engine (send token ids)")
-        if params.seed is None and (params.resolved(self.engine.tokenizer).temperature or 0) > 0:
+        if params.seed is None and (params.resolved(self.engine.text.tokenizer).temperature or 0) > 0:
             params = dataclasses.replace(params, seed=secrets.randbits(SEED_BITS))
-        ids = encode_prompt(self.engine.tokenizer, prompt)
+        ids = encode_prompt(self.engine.text.tokenizer, prompt)
         rid = self.engine.submit(ids, params, request_id=request_id)
         self._ops.append(Op("submit", rid, ids, params_to_json(params)))
         return rid
@@ -133,7 +133,7 @@ class Leader:
         mlx.launch: a rank exited). A step that ends a request is confirmed by a
         heartbeat too: a ring that lost a peer may return partial sums, whose logits
         can pick a stop token (not to reach the caller as a finished answer)."""
-        from ..request import client_error
+        from engine.step.request import client_error
         failed = [o for o in outs if o.finish_reason == "error" and not client_error(o)]
         for o in failed:
             if collective_failure(o.error):

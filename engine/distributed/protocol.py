@@ -62,7 +62,7 @@ def params_to_json(p) -> dict:
 
 
 def params_from_json(d: dict):
-    from ..request import SamplingParams
+    from engine.step.request import SamplingParams
     d = dict(d)
     if d.get("logit_bias"):
         d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}

@@ -1,7 +1,7 @@
 """From a `Levers` value to what the token loop uses: the fast decoder, if any.
 
-`decoder_for` is called once per solo-lane request (engine.core.Engine._start_solo);
-`batch_decoder_for` once per batch scheduler (engine.core.Engine, with `fast_batch`);
+`decoder_for` is called once per solo-lane request (engine.step.core.Engine._start_solo);
+`batch_decoder_for` once per batch scheduler (engine.step.core.Engine, with `fast_batch`);
 `prepare` applies the model-wide levers, `merged_proj` and `force_wire`, once per model
 (Engine construction, and decoder_for).
 
@@ -43,7 +43,7 @@ def apply_force_wire(model, levers: Levers) -> bool:
 
 
 def prepare(model, levers: Optional[Levers]) -> None:
-    """Model-wide levers, once per model (engine.core.Engine at construction): merged_proj
+    """Model-wide levers, once per model (engine.step.core.Engine at construction): merged_proj
     (q/k/v and gate/up merged in place, so both lanes' prompt processing and decode use
     them; groups carrying an adapter stay separate) and force_wire."""
     if levers is None:

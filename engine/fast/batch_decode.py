@@ -2,7 +2,7 @@
 
 `FastBatchDecoder(model, levers)` replaces the model's forward for the batch's decode
 steps only (prefill, admission and a row's first step stay on the L1 path). It works on
-the scheduler's own `engine.batch_cache.BatchKVCache` objects, one per layer:
+the scheduler's own `engine.kv.batch_cache.BatchKVCache` objects, one per layer:
 
 - every row is right-aligned in a buffer [B, Hkv, capacity, D] and all rows write the
   next token at one shared column (`write_column`, held in a device scalar);
@@ -33,7 +33,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..batch_cache import BatchKVCache
+from engine.kv.batch_cache import BatchKVCache
 from ..levers import Levers
 from . import kernels as K
 from . import mega as MG

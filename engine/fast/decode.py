@@ -14,7 +14,7 @@ and with `compiled_decode` the whole step is traced once per capacity
 (`mx.compile`): no per-token graph building in Python, the position never leaves
 the device. Shapes are fixed, so a trace is reused until the capacity grows.
 
-The caches stay `engine.cache.KVCache` objects (buffer + offset), so the prompt
+The caches stay `engine.kv.cache.KVCache` objects (buffer + offset), so the prompt
 cache and any later L1 request can continue from them.
 
 Supported: the llama and qwen3 families with full attention and float KV.
@@ -28,8 +28,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .. import models as _models  # noqa: F401  (engine.cache needs the models package first)
-from ..cache import KVCache
+from .. import models as _models  # noqa: F401  (engine.kv.cache needs the models package first)
+from engine.kv.cache import KVCache
 from ..levers import Levers
 from . import kernels as K
 from . import mega as MG

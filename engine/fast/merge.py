@@ -14,7 +14,7 @@ not plain Linear layers (LoRA-wrapped ones, say) are left alone.
 
 A merged group can be split again (`unmerge_paths`): each projection gets back a
 plain module whose rows are a slice of the merged matrix, the same values, so the
-output is unchanged bit for bit. engine.lora does that before it mounts an adapter
+output is unchanged bit for bit. engine.adapters.lora does that before it mounts an adapter
 onto a merged projection, and merges the group again once no adapter is left on
 it (`remerge`: only on models `merge_projections` ran on).
 """

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import kv_dequant_attention
-from ..masks import causal_mask
+import engine.kv.dequant_attention as kv_dequant_attention
+from engine.kv.masks import causal_mask
 
 
 @dataclass

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import ArgsBase, attention, attention_mask, make_rope, rope_and_cache
-from ..cache import KVCache, RotatingKVCache
+from engine.kv.cache import KVCache, RotatingKVCache
 
 
 @dataclass

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from .base import ArgsBase, GatedMLP, ScalelessRMSNorm, attention, attention_mask, gelu_gate
 from .base import make_rope, softcap
 from . import gemma4_moe
-from ..cache import KVCache, RotatingKVCache
+from engine.kv.cache import KVCache, RotatingKVCache
 
 DEFAULT_ROPE = {
     "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from .base import ArgsBase, GatedMLP, attention, attention_mask, make_rope, rope_and_cache
 from .base import rope_settings
 from .split import HalfSplit, TokenSplit
-from ..cache import KVCache, RotatingKVCache
+from engine.kv.cache import KVCache, RotatingKVCache
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValida
                       WithJsonSchema)
 from pydantic_core import PydanticCustomError
 
-from engine.request import RANGES, SEED_MAX     # the engine's own ranges: one source
+from engine import RANGES, SEED_MAX  # the engine's own ranges: one source
 
 _TEMP, _PRESENCE, _FREQUENCY = (RANGES[k] for k in ("temperature", "presence_penalty",
                                                      "frequency_penalty"))

@@ -21,8 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.loader import load_model
-from engine.lora import adapter_weights
-from engine.tokenizer import load_tokenizer
+from engine.adapters.lora import adapter_weights
+from engine.text.tokenizer import load_tokenizer
 from parity.fixtures.models import ensure_fixture
 from train.data import load_data_dir
 from train.trainer import TrainConfig, train

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine import SamplingParams
-from engine.request import RequestOutput
+from engine.step.request import RequestOutput
 from server import tp
 from server.gateway import Gateway, GenerationJob
 
@@ -28,7 +28,7 @@ class _Req:
 
 class FakeEngine:
     """One token per request per step; `fault` makes every running request end with that
-    error (what engine.core does when the forward raises); `hang` blocks the step."""
+    error (what engine.step.core does when the forward raises); `hang` blocks the step."""
 
     def __init__(self):
         self.tokenizer = object()

@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 
 import engine
-from engine.batch import BatchRequest, BatchScheduler, batch_generate
-from engine.batch_cache import BatchKVCache, BatchRotatingKVCache, batch_caches
-from engine.sampling import make_sampler
-from engine.stepper import generate_step
+from engine.step.batch import BatchRequest, BatchScheduler, batch_generate
+from engine.kv.batch_cache import BatchKVCache, BatchRotatingKVCache, batch_caches
+from engine.step.sampling import make_sampler
+from engine.step.stepper import generate_step
 from parity.fixtures.models import ensure_fixture
 
 
@@ -47,7 +47,7 @@ def _run(sched):
 
 @pytest.mark.parametrize("fixture", ["llama", "gemma"])
 def test_single_row_equals_serial_loop(fixture, request):
-    """B=1 through the scheduler == engine.stepper.generate_step, bit for bit
+    """B=1 through the scheduler == engine.step.stepper.generate_step, bit for bit
     (prompt 40 > the Gemma window; 24 steps wrap the ring)."""
     model, _ = request.getfixturevalue(fixture)
     prompt = _p(0, 40)
@@ -164,7 +164,7 @@ def test_ring_wraps_and_filter_extend(gemma):
 def test_batch_cache_merge_right_aligns():
     k1 = mx.ones((1, 1, 3, 2))
     k2 = mx.full((1, 1, 5, 2), 2.0)
-    from engine.cache import KVCache
+    from engine.kv.cache import KVCache
     a, b = KVCache(), KVCache()
     a.update_and_fetch(k1, k1)
     b.update_and_fetch(k2, k2)
@@ -185,7 +185,7 @@ def test_errors(llama):
         sch.submit(BatchRequest([1, 2], max_tokens=0))
     with pytest.raises(ValueError):
         sch.submit(BatchRequest([1, 2], stop=["x"]))     # stop strings need a tokenizer
-    from engine.cache import QuantizedKVCache
+    from engine.kv.cache import QuantizedKVCache
     with pytest.raises(TypeError):
         batch_caches([[QuantizedKVCache(32, 8)]])
 

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import engine
-from engine.batch import BatchRequest, BatchScheduler
+from engine.step.batch import BatchRequest, BatchScheduler
 from engine.constrained import (ConstraintError, ResponseFormat, ToolChoice,
                                 parse_response_format, parse_tool_choice,
                                 response_format_processor, tool_choice_processor)
 from engine.constrained.grammars import close_objects
-from engine.reasoning import ChatOutputParser, collect, parse_chat_output, split_reasoning
-from engine.sampling import make_sampler
-from engine.tools import parse_tool_calls
+from engine.text.reasoning import ChatOutputParser, collect, parse_chat_output, split_reasoning
+from engine.step.sampling import make_sampler
+from engine.text.tools import parse_tool_calls
 from starter.models import ensure_fixture
 
 USER = [{"role": "user", "content": "Give me the data."}]

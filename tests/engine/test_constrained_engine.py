@@ -15,7 +15,7 @@ from engine import Engine, SamplingParams
 from engine.constrained import (GrammarProcessor, parse_response_format, parse_tool_choice,
                                 response_format_factory, tool_choice_factory,
                                 tool_choice_processor)
-from engine.tools import parse_tool_calls
+from engine.text.tools import parse_tool_calls
 from starter.models import ensure_fixture
 
 USER = [{"role": "user", "content": "Give me the data."}]

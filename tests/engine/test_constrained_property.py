@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from engine.constrained import ResponseFormat, ToolChoice, response_format_processor
 from engine.constrained import tool_choice_processor
-from engine.tokenizer import load_tokenizer
-from engine.tools import parse_tool_calls
+from engine.text.tokenizer import load_tokenizer
+from engine.text.tools import parse_tool_calls
 from starter.models import ensure_fixture
 
 HSET = settings(max_examples=40, deadline=None, suppress_health_check=[

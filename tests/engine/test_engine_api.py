@@ -158,7 +158,7 @@ def test_max_kv_size_and_prefix_caches(qwen):
     """`max_kv_size` bounds full-attention caches (the solo lane runs it, whatever
     max_batch); `prefix_caches` continue a saved context: the same tokens as feeding
     prefix + prompt in one request."""
-    from engine.cache import RotatingKVCache
+    from engine.kv.cache import RotatingKVCache
 
     model, tok = qwen
     ids = tok.encode("count " * 12)

@@ -15,11 +15,11 @@ import pytest
 
 import engine
 from engine import Engine
-from engine.batch import BatchRequest, BatchScheduler
-from engine.batch_cache import BatchKVCache, BatchRotatingKVCache
+from engine.step.batch import BatchRequest, BatchScheduler
+from engine.kv.batch_cache import BatchKVCache, BatchRotatingKVCache
 from engine.fast.apply import batch_decoder_for, describe
 from engine.fast.batch_decode import CAPACITY_STEP, FastBatchDecoder, why_not_caches
-from engine.kv_quant import make_policy
+from engine.kv.quant import make_policy
 from engine.levers import parse_spec
 from parity.batch import Insert, compare, run_ours
 from parity.fixtures.models import ensure_fixture

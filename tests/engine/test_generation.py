@@ -4,9 +4,9 @@ prompt cache bookkeeping, admission, errors."""
 import pytest
 
 import engine
-from engine.admission import Admission, ContextOverBudget
-from engine.generation import PromptError, sampling_defaults
-from engine.prompt_cache import PromptCache
+from engine.step.admission import Admission, ContextOverBudget
+from engine.step.generation import PromptError, sampling_defaults
+from engine.kv.prompt_cache import PromptCache
 from parity.fixtures.models import ensure_fixture
 
 

@@ -1,5 +1,5 @@
 """Gate for the L3 dequantize-then-SDPA attention over quantized KV
-(engine/kv_dequant_attention.py), measured against the L1 quantized path.
+(engine/kv/dequant_attention.py), measured against the L1 quantized path.
 
 Measured on the CPU fixtures (one 48-token prompt, 33 teacher-forced steps):
 float32 - bit-identical to the L1 path for kv8 and kv4 (llama, qwen3, gemma4_text,
@@ -11,8 +11,8 @@ L3 path exists), so there the comparison cannot run."""
 import mlx.core as mx
 import pytest
 
-from engine.kv_dequant_attention import dequantized_kv_attention, enabled
-from engine.kv_quant import make_policy
+from engine.kv.dequant_attention import dequantized_kv_attention, enabled
+from engine.kv.quant import make_policy
 from engine.loader import load_model
 from parity.fixtures.models import ensure_fixture
 from parity.kv_quality import _run, default_group, prompts

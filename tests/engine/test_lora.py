@@ -1,4 +1,4 @@
-"""engine.lora: mlx-lm's LoRA init, adapter files both ways, runtime mount/unmount/stack.
+"""engine.adapters.lora: mlx-lm's LoRA init, adapter files both ways, runtime mount/unmount/stack.
 
 Oracle comparisons (`parity`) are bit for bit (`mx.array_equal`).
 """
@@ -12,9 +12,9 @@ from mlx_lm.utils import load_model as ref_load_model
 
 import engine
 from engine.loader import load_model
-from engine.lora import (AdapterError, LoRALinear, adapter_config, apply_lora, lora_layers,
+from engine.adapters.lora import (AdapterError, LoRALinear, adapter_config, apply_lora, lora_layers,
                          lora_targets, save_adapter)
-from engine.lora_mount import mount_adapter, mounted_adapters, set_adapter, unmount_adapter
+from engine.adapters.mount import mount_adapter, mounted_adapters, set_adapter, unmount_adapter
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import FAMILIES, LORA, flat, inject_b, not_equal
 

@@ -10,12 +10,12 @@ import mlx.core as mx
 import pytest
 
 import engine
-from engine.adapters import AdapterRegistry
+from engine.adapters.registry import AdapterRegistry
 from engine.fast.merge import Part, merge_projections
 from engine.levers import parse_spec
 from engine.loader import load_model
-from engine.lora import AdapterError, adapter_config, apply_lora
-from engine.lora_mount import mount_adapter, set_adapter, unmount_adapter
+from engine.adapters.lora import AdapterError, adapter_config, apply_lora
+from engine.adapters.mount import mount_adapter, set_adapter, unmount_adapter
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import inject_b
 
@@ -25,7 +25,7 @@ Q_UP = ("self_attn.q_proj", "mlp.up_proj")                           # splits bo
 
 
 def _adapter(tmp_path, family, dtype, seed, keys):
-    from engine.lora import save_adapter
+    from engine.adapters.lora import save_adapter
     m = load_model(ensure_fixture(family, dtype))[0]
     mx.random.seed(seed)
     apply_lora(m, rank=4, scale=2.0, num_layers=-1, keys=list(keys))

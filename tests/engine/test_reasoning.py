@@ -1,4 +1,4 @@
-"""engine.reasoning: per-family markers, the streaming splitter's chunking
+"""engine.text.reasoning: per-family markers, the streaming splitter's chunking
 invariance (hypothesis), an independent reference split, composition with the
 tool-call router, and family detection from real fixture tokenizers."""
 
@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.reasoning import (REASONING_FORMATS, ChatOutputParser, ReasoningDelta,
+from engine.text.reasoning import (REASONING_FORMATS, ChatOutputParser, ReasoningDelta,
                               ReasoningSplitter, collect, default_enable_thinking,
                               get_reasoning_format,
                               parse_chat_output, reasoning_format_for, split_reasoning,
                               starts_in_reasoning)
-from engine.tools import ContentDelta, ToolCall
+from engine.text.tools import ContentDelta, ToolCall
 
 HSET = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -220,7 +220,7 @@ def test_parser_without_reasoning_is_the_router():
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
     from starter.models import ensure_fixture
     return {f: load_tokenizer(ensure_fixture(f)) for f in ("qwen3", "minicpm", "gemma4", "llama")}
 

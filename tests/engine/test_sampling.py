@@ -1,4 +1,4 @@
-"""engine.sampling vs live mlx-lm 0.32.2 sample_utils: exact equality only."""
+"""engine.step.sampling vs live mlx-lm 0.32.2 sample_utils: exact equality only."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from mlx_lm import sample_utils as ref
 from mlx_lm.generate import generate_step as ref_generate_step
 
-from engine import sampling as ours
-
+from engine.step import sampling as ours
 DTYPES = [mx.float32, mx.bfloat16, mx.float16]
 
 
@@ -296,7 +295,7 @@ class _TableModel:
     (dict(temp=1.0, xtc_probability=0.5, xtc_threshold=0.05), dict()),
 ])
 def test_generation_loop_matches_oracle(settings, procs):
-    from engine.stepper import generate_step
+    from engine.step.stepper import generate_step
 
     model = _TableModel()
     prompt = mx.array([1, 2, 3, 2, 1], dtype=mx.int32)

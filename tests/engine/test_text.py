@@ -1,4 +1,4 @@
-"""Property tests: StopMatcher (engine/text.py) and the streaming detokenizer.
+"""Property tests: StopMatcher (engine/text/stop.py) and the streaming detokenizer.
 
 No oracle here: the references are written out in this file (a brute-force
 "cut at the earliest stop occurrence" and ``Tokenizer.decode``).
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.text import StopMatcher, cut_at_stop
-from engine.detokenizer import incomplete_utf8_tail as _incomplete_utf8_tail
-from engine.tokenizer import load_tokenizer
+from engine.text.stop import StopMatcher, cut_at_stop
+from engine.text.detokenizer import incomplete_utf8_tail as _incomplete_utf8_tail
+from engine.text.tokenizer import load_tokenizer
 from parity.fixtures.tokenizers import TOKENIZER_FAMILIES, ensure_tokenizer
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

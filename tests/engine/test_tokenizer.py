@@ -1,6 +1,6 @@
-"""engine.tokenizer against live mlx-lm (and the fixture builder itself).
+"""engine.text.tokenizer against live mlx-lm (and the fixture builder itself).
 
-Every family's fixture tokenizer is loaded twice: by ``engine.tokenizer`` and by
+Every family's fixture tokenizer is loaded twice: by ``engine.text.tokenizer`` and by
 mlx-lm exactly as ``mlx_lm.load`` loads it (``mlx_lm.utils.load_tokenizer``
 with ``eos_token_ids`` from ``mlx_lm.utils.load_config``, which applies the
 generation_config override). All comparisons are exact.
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import mlx_lm.tokenizer_utils as mlx_tok
 import mlx_lm.utils as mlx_utils
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from parity.fixtures.tokenizers import (
     TOKENIZER_FAMILIES,
     TOKENIZER_FILES,
@@ -577,7 +577,7 @@ def test_chat_template_default_thinking_is_mlx_default(pair, family):
     if family == "minicpm":
         assert text.endswith("<think>\n")
         # The template alone (variable undefined) defaults to thinking off.
-        from engine.tokenizer import render_chat_template
+        from engine.text.tokenizer import render_chat_template
 
         raw = render_chat_template(ours.chat_template, [USER], add_generation_prompt=True)
         assert raw.endswith("<think>\n\n</think>\n\n")

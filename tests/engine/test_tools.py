@@ -1,4 +1,4 @@
-"""engine.tools: per-format parsing, streaming withholding, chunking invariance,
+"""engine.text.tools: per-format parsing, streaming withholding, chunking invariance,
 and agreement with mlx-lm's own parsers on well-formed calls."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.tools import (FORMATS, ContentDelta, ToolCall, ToolCallRouter, get_tool_format,
+from engine.text.tools import (FORMATS, ContentDelta, ToolCall, ToolCallRouter, get_tool_format,
                           parse_tool_calls)
 
 HSET = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -606,9 +606,9 @@ def test_engine_tools_import_no_oracle():
     import ast
     import pathlib
 
-    import engine.tools
+    import engine.text.tools
 
-    for path in pathlib.Path(engine.tools.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(engine.text.tools.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())
         mods = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         mods += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
@@ -626,8 +626,8 @@ def test_engine_tools_import_no_oracle():
 ])
 def test_tool_format_from_template_then_model_type(fixture, model_type, want):
     from engine.loader import read_config
-    from engine.tokenizer import load_tokenizer
-    from engine.tools import tool_format_for
+    from engine.text.tokenizer import load_tokenizer
+    from engine.text.tools import tool_format_for
     from starter.models import ensure_fixture
     path = ensure_fixture(fixture)
     assert read_config(path)["model_type"] == model_type
@@ -640,8 +640,8 @@ def test_llama_typed_minicpm5_fixture_calls_and_thinks():
     chosen parser reads back, and its reasoning format is MiniCPM5's."""
     import engine
     from engine.constrained import ToolChoice, tool_choice_processor
-    from engine.reasoning import reasoning_format_for
-    from engine.tools import tool_format_for
+    from engine.text.reasoning import reasoning_format_for
+    from engine.text.tools import tool_format_for
     from starter.models import ensure_fixture
     model, tok = engine.load(ensure_fixture("minicpm5_llama"))
     fmt = tool_format_for(tok, "llama")

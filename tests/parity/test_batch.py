@@ -1,4 +1,4 @@
-"""L1 batched parity: `engine.batch.BatchScheduler` vs mlx-lm 0.32.2's `BatchGenerator`.
+"""L1 batched parity: `engine.step.batch.BatchScheduler` vs mlx-lm 0.32.2's `BatchGenerator`.
 
 The same prompts are inserted at the same loop steps on both engines; every
 row's tokens, finish reason and per-step logprob vectors must be identical
@@ -162,7 +162,7 @@ def test_negative_control_weight_ulp(family):
 
 def test_negative_control_no_roll(monkeypatch):
     """Skipping the roll to left padding after a right-padded chunk breaks parity."""
-    import engine.batch_cache as bc
+    import engine.kv.batch_cache as bc
     ours_m, ref_m = _models("gemma4_text")
     ref = run_mlx_lm(ref_m, _schedule(), prefill_step_size=STEP)
     monkeypatch.setattr(bc, "roll_rows", lambda x, shifts, axis=2: x)

@@ -94,7 +94,7 @@ def test_prompt_cache_file_from_mlx_lm_cache_prompt(models, tmp_path, family, ex
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from engine.cache_file import load_prompt_cache, save_prompt_cache
+    from engine.kv.cache_file import load_prompt_cache, save_prompt_cache
 
     f = tmp_path / "cache.safetensors"
     _run(["mlx_lm", "cache_prompt"], ["--model", models[family], "--prompt-cache-file", str(f),

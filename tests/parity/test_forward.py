@@ -71,7 +71,7 @@ def test_kv_quantization_is_exercised(family):
     f = checks.ForwardCheck(family, "float32", "long")
     path = str(ensure_fixture(family))
     ours = load_model(path)[0]
-    from engine.kv_quant import make_policy
+    from engine.kv.quant import make_policy
     policy = make_policy(ours, kv_bits=4, kv_group_size=group)
     caches = ours.make_cache()
     prompt = mx.array(checks.prompt_ids(40))[None]

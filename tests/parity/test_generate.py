@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors as ref_processors
 from mlx_lm.sample_utils import make_sampler as ref_sampler
 
 import engine
-from engine.prompt_cache import PromptCache
+from engine.kv.prompt_cache import PromptCache
 from parity.checks import SLIDING
 from parity.fixtures.models import FAMILIES, MOE, ensure_fixture
 from parity.oracles import mlx_lm_oracle as oracle
@@ -57,7 +57,7 @@ def test_greedy_tokens_and_logprobs(family, dtype):
     assert ours[-1].finish_reason == ref[-1].finish_reason
     # per-step logprobs: compare our full vectors against mlx-lm's generate_step
     steps = list(ref_generate_step(mx.array(ids), rmodel, max_tokens=len(got_tokens)))
-    from engine.stepper import generate_step
+    from engine.step.stepper import generate_step
     mine = list(generate_step(mx.array(ids), model, max_tokens=len(got_tokens)))
     assert [t for t, _ in mine] == [int(t) for t, _ in steps]
     for (_, a), (_, b) in zip(mine, steps):

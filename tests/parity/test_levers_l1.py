@@ -19,7 +19,7 @@ from engine.fast.decode import why_not
 from engine.fast.merge import Part, merge_projections
 from engine.levers import resolve
 from engine.loader import load_model
-from engine.stepper import generate_step
+from engine.step.stepper import generate_step
 from parity.fixtures.models import DTYPES, FAMILIES, cpu_dtypes, ensure_fixture
 from parity.oracles import mlx_lm_oracle as oracle
 

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kv_quant import KVConfigError, make_policy
+from engine.kv.quant import KVConfigError, make_policy
 from engine.loader import load_model
-from engine.stepper import generate_step
+from engine.step.stepper import generate_step
 from parity import checks
 from parity.fixtures.models import ensure_fixture
 from parity.oracles.optiq_oracle import mixed_kv_reference

@@ -139,8 +139,7 @@ def make_adapter(model_dir, out_dir, seed: int, rank: int = 4, scale: float = 2.
                  keys=("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")) -> Path:
     """A random mlx-lm-format LoRA adapter (B != 0, so it changes the output)."""
     import engine
-    from engine import lora
-
+    from engine.adapters import lora
     model, _ = engine.load(model_dir)
     mx.random.seed(seed)
     lora.apply_lora(model, rank=rank, scale=scale, num_layers=-1, keys=list(keys))

@@ -43,8 +43,7 @@ def lsrv(llama_dir, adapters, levers):
 def ref(served, prompt, adapter_paths=(), max_tokens=8):
     """engine.generate on a fresh model with `adapter_paths` mounted (on the model thread)."""
     import engine
-    from engine import lora_mount
-
+    from engine.adapters import mount as lora_mount
     def run():
         m, t = engine.load(served.model_dir)
         for i, p in enumerate(adapter_paths):
@@ -214,7 +213,7 @@ def test_served_adapter_tokens_equal_mlx_lm(lsrv, adapters):
         "logprobs": True, "top_logprobs": 5}).json()
     content = r["choices"][0]["logprobs"]["content"]
     ours = [e["id"] for e in content]
-    from engine.generation import encode_prompt
+    from engine.step.generation import encode_prompt
     ids = encode_prompt(lsrv.tokenizer, msgs)
     model, _ = mlx_lm.load(str(lsrv.model_dir), adapter_path=str(adapters["A"]))
     steps = [(int(t), lp) for t, lp in generate_step(mx.array(ids), model, max_tokens=12)]

@@ -17,7 +17,7 @@ CEILING_TARGET = 600
 
 @pytest.fixture(scope="module")
 def aux(llama_dir):
-    from engine.admission import Admission
+    from engine.step.admission import Admission
     model, _ = engine.load(llama_dir)
     budget = Admission.for_model(model).predicted_peak(CEILING_TARGET)
     s = start_server(llama_dir, api_key=KEY, memory_budget_bytes=budget,

@@ -13,8 +13,8 @@ from srv_helpers import NO_EOS, sse_events, uniq
 @pytest.fixture
 def faulty(srv, monkeypatch):
     """The engine's token loop raises after its third token (a server fault mid-generation)."""
-    import engine.core
-    real = engine.core.generate_step
+    import engine.step.core
+    real = engine.step.core.generate_step
 
     def failing(*a, **kw):
         for i, step in enumerate(real(*a, **kw)):
@@ -22,7 +22,7 @@ def faulty(srv, monkeypatch):
             if i == 2:
                 raise RuntimeError("injected fault")
     before = httpx.get(srv.url + "/stats").json()["queue"]["failed"]
-    monkeypatch.setattr(engine.core, "generate_step", failing)
+    monkeypatch.setattr(engine.step.core, "generate_step", failing)
     yield srv
     monkeypatch.undo()
     after = httpx.get(srv.url + "/stats").json()["queue"]["failed"]
@@ -125,7 +125,7 @@ def test_server_max_tokens_default(srv, oai, claude):
 
 
 def test_server_thinking_default_and_request_override(srv, oai, claude):
-    from engine.generation import encode_prompt
+    from engine.step.generation import encode_prompt
     msgs = [{"role": "user", "content": uniq()}]
     n = lambda kw: len(encode_prompt(srv.tokenizer, msgs, None, kw))
     assert n({"enable_thinking": False}) != n({"enable_thinking": True})

@@ -8,7 +8,7 @@ import uuid
 import httpx
 import pytest
 
-from engine.request import RequestOutput
+from engine.step.request import RequestOutput
 from server.gateway import Gateway, GenerationJob, client_error
 
 from srv_helpers import NO_EOS

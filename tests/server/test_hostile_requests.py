@@ -71,7 +71,7 @@ def test_context_length_exceeded_is_400_before_compute(rs, path, body):
 def test_engine_submit_refuses_over_context(qwen_dir):
     import engine
     from engine import Engine, SamplingParams
-    from engine.request import ContextLengthExceeded
+    from engine.step.request import ContextLengthExceeded
 
     model, tok = engine.load(qwen_dir)
     eng = Engine(model, tok)

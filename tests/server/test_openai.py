@@ -148,7 +148,7 @@ def test_tool_call_non_stream_and_stream(forced, oai):
 
 
 def test_tool_round_trip(srv, forced, oai):
-    from engine.generation import encode_prompt
+    from engine.step.generation import encode_prompt
     msgs = [{"role": "user", "content": uniq("weather?")}]
     forced.arm(CALL)
     r = oai.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=80,
@@ -221,7 +221,7 @@ def test_completions_logprobs_and_token_prompt(srv, oai):
 
 
 def test_chat_template_kwargs_and_reasoning_effort(srv, oai):
-    from engine.generation import encode_prompt
+    from engine.step.generation import encode_prompt
     msgs = [{"role": "user", "content": uniq()}]
     plain = oai.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0)
     off = oai.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0,

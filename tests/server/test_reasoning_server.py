@@ -82,7 +82,7 @@ def test_anthropic_thinking_blocks(claude, forced):
 
 
 def test_anthropic_thinking_switches_the_template(srv, claude):
-    from engine.request import encode_prompt
+    from engine.step.request import encode_prompt
     msgs = [{"role": "user", "content": uniq()}]
 
     def n(kind):
@@ -160,7 +160,7 @@ def gemma4():
 
 
 def test_minicpm5_answers_without_thinking_unless_asked(minicpm5):
-    from engine.request import encode_prompt
+    from engine.step.request import encode_prompt
     s, client, _ = minicpm5
     msgs = [{"role": "user", "content": uniq()}]
     off = encode_prompt(s.tokenizer, msgs, None, {"enable_thinking": False})

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from engine.request import RequestOutput
+from engine.step.request import RequestOutput
 from server.gateway import Gateway, GenerationJob
 
 from srv_helpers import start_server, stop_server

@@ -5,7 +5,7 @@ tokens, MiniCPM XML with CDATA, Qwen's equals-XML and Llama's / Qwen2.5's JSON
 inside `<tool_call>`); the call must come out as `tool_calls`, `tool_use` and
 `function_call`, with the markup withheld and schema-typed arguments, and
 streaming must give the same content and calls as non-streaming on every
-protocol. (Format parsing itself is engine.tools' and is tested there,
+protocol. (Format parsing itself is engine.text.tools' and is tested there,
 including the any-chunking property test.)
 """
 

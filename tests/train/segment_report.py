@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.loader import load_model
-from engine.lora import apply_lora
+from engine.adapters.lora import apply_lora
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import FAMILIES, LORA, flat, inject_b, kv_sharing_config, random_batch, rel_norm
 from train.loss import sft_loss

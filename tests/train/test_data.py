@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import write_upper_data
 from train.data import (BatchIterator, DataError, load_data_dir, load_dataset, make_batch,

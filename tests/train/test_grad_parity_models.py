@@ -19,7 +19,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load_model as ref_load_model
 
 from engine.loader import load_model
-from engine.lora import apply_lora
+from engine.adapters.lora import apply_lora
 from parity.fixtures.models import MOE, ensure_fixture
 from tests.train.helpers import LORA, flat, inject_b, not_equal, random_batch
 from train.loss import sft_loss

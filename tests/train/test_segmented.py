@@ -11,7 +11,7 @@ import mlx.nn as nn
 import pytest
 
 from engine.loader import load_model
-from engine.lora import apply_lora, default_keys
+from engine.adapters.lora import apply_lora, default_keys
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import FAMILIES, LORA, flat, inject_b, kv_sharing_config, not_equal, random_batch
 from tests.train.segment_report import compare, lora_model, presummed_cuts

@@ -11,7 +11,7 @@ import pytest
 
 import engine
 from engine.loader import load_model
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import not_equal, write_word_data
 from train.cli import main

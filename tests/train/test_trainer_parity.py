@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.loader import load_model
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from parity.fixtures.models import ensure_fixture
 from tests.train.helpers import FAMILIES, not_equal, write_upper_data
 from train.data import load_data_dir

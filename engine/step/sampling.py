@@ -4,7 +4,7 @@ A *sampler* maps log-probabilities ``[B, V]`` to tokens ``[B]``. A *logits
 processor* maps ``(tokens, logits [B, V]) -> logits [B, V]`` where ``tokens`` is
 the 1-D token history (prompt + generated so far). The token loop applies the
 processors to the raw logits, normalises with ``logits - logsumexp(logits)``
-and hands the result to the sampler (see ``engine.stepper.generate_step``).
+and hands the result to the sampler (see ``engine.step.stepper.generate_step``).
 
 Parity contract (proved in ``tests/engine/test_sampling.py`` against live
 mlx-lm with ``mx.array_equal``): for the same ``mx.random.seed`` and settings,

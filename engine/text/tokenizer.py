@@ -1,5 +1,5 @@
-"""Tokenizer: encode/decode, chat templates (`engine.chat_template`), streaming
-detokenization (`engine.detokenizer`).
+"""Tokenizer: encode/decode, chat templates (`engine.text.chat_template`), streaming
+detokenization (`engine.text.detokenizer`).
 
 ``load_tokenizer(model_dir)`` reads a Hugging Face style checkpoint directory
 (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
@@ -35,9 +35,9 @@ from typing import Any, Iterable
 
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from .chat_template import (XTML_TOKENS, check_chat_template, infer_tool_parser_type,
+from engine.text.chat_template import (XTML_TOKENS, check_chat_template, infer_tool_parser_type,
                             render_chat_template)
-from .detokenizer import (ByteLevelDetokenizer, DecodeDetokenizer, StreamingDetokenizer,
+from engine.text.detokenizer import (ByteLevelDetokenizer, DecodeDetokenizer, StreamingDetokenizer,
                           token_bytes)
 
 __all__ = [

@@ -6,7 +6,7 @@ that touches the model must run on the thread that runs the engine (the
 server's worker), so a mount never races a forward pass. Bad input raises
 `AdapterRequestError` (a `ValueError` naming the request field in `.param`).
 
-- `mount(id, path)`: all-or-nothing (engine.lora validates every tensor
+- `mount(id, path)`: all-or-nothing (engine.adapters.lora validates every tensor
   before touching the model; any mismatch is an `AdapterRequestError`).
 - `activate(ids)`: before each generation, exactly the requested adapters
   are active, the rest are switched off (an inactive adapter leaves the base
@@ -104,7 +104,7 @@ class AdapterRegistry:
     # --- worker side (touch the model) --------------------------------------
 
     def mount(self, adapter_id: str, path: str, scale: Optional[float] = None) -> Mounted:
-        from . import lora, lora_mount
+        import engine.adapters.lora as lora, engine.adapters.mount as lora_mount
 
         if not isinstance(adapter_id, str) or not adapter_id.strip() or any(
                 c in adapter_id for c in "+, /") or adapter_id.lower() in ("none", "base"):
@@ -131,7 +131,7 @@ class AdapterRegistry:
         return mounted
 
     def unmount(self, adapter_id: str) -> dict:
-        from . import lora_mount
+        import engine.adapters.mount as lora_mount
 
         m = self.mounted.get(adapter_id)
         if m is None:
@@ -148,7 +148,7 @@ class AdapterRegistry:
         """Exactly `ids` active (called on the worker before each generation)."""
         if ids == self._active:
             return
-        from . import lora_mount
+        import engine.adapters.mount as lora_mount
 
         for i in ids:
             if i not in self.mounted:

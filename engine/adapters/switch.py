@@ -11,7 +11,7 @@ Names and initialisation follow mlx-lm's ``LoRASwitchLinear``: with the same
 target: the throw-away weight of the switch layer mlx-lm builds first, then A),
 and B starts at zero. Mounting such adapters at inference time (a second
 adapter on top, scales, unmounting) is only implemented for dense projections
-(`engine.lora.LoRALinear`).
+(`engine.adapters.lora.LoRALinear`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models.switch import QuantizedSwitchLinear, SwitchLinear
+from engine.models.switch import QuantizedSwitchLinear, SwitchLinear
 
 SWITCH_TYPES = (SwitchLinear, QuantizedSwitchLinear)
 

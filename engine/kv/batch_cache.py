@@ -22,8 +22,8 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache, RotatingKVCache
-from .masks import causal_mask
+from engine.kv.cache import KVCache, RotatingKVCache
+from engine.kv.masks import causal_mask
 
 
 def roll_rows(x: mx.array, shifts: mx.array, axis: int = 2) -> mx.array:

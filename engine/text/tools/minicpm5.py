@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from .base import Markers, MarkupError, ToolFormat, ToolIndex
-from .schema import decode_text
+from engine.text.tools.base import Markers, MarkupError, ToolFormat, ToolIndex
+from engine.text.tools.schema import decode_text
 
 OPEN, CLOSE = "<function name=", "</function>"
 CDATA_OPEN, CDATA_CLOSE = "<![CDATA[", "]]>"

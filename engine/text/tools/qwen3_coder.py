@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from . import json_tools
-from .base import ToolFormat, ToolIndex
-from .equals_xml import FUNC_CLOSE, FUNC_OPEN, PARAM_CLOSE, PARAM_OPEN, parse_functions
+from engine.text.tools import json_tools
+from engine.text.tools.base import ToolFormat, ToolIndex
+from engine.text.tools.equals_xml import FUNC_CLOSE, FUNC_OPEN, PARAM_CLOSE, PARAM_OPEN, parse_functions
 
 __all__ = ["FORMAT", "FUNC_CLOSE", "FUNC_OPEN", "PARAM_CLOSE", "PARAM_OPEN", "parse",
            "parse_functions"]

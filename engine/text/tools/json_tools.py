@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Tuple
 
-from .base import MarkupError, ToolFormat, ToolIndex
-from .equals_xml import FUNC_OPEN, parse_functions
-from .schema import coerce_typed
+from engine.text.tools.base import MarkupError, ToolFormat, ToolIndex
+from engine.text.tools.equals_xml import FUNC_OPEN, parse_functions
+from engine.text.tools.schema import coerce_typed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _JSON = json.JSONDecoder(strict=False)

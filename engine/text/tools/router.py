@@ -28,9 +28,9 @@ from __future__ import annotations
 import uuid
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from .base import (ContentDelta, Event, Markers, MarkupError, StreamSplitter, ToolCall, ToolFormat,
+from engine.text.tools.base import (ContentDelta, Event, Markers, MarkupError, StreamSplitter, ToolCall, ToolFormat,
                    ToolIndex, dumps_arguments)
-from .formats import get_tool_format
+from engine.text.tools.formats import get_tool_format
 
 
 def new_call_id() -> str:

@@ -1,6 +1,6 @@
 """Adapters mounted at run time: mount, switch, stack, unmount (inference only).
 
-A mounted adapter wraps its target projections in `engine.lora.LoRALinear`
+A mounted adapter wraps its target projections in `engine.adapters.lora.LoRALinear`
 (the first adapter on a layer in the primary slot, as `mlx_lm.load(path,
 adapter_path=...)` builds it; later ones stacked, summed in mount order) and is
 remembered in a per-model registry by name. Mounting is all-or-nothing: every
@@ -16,10 +16,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .fast.merge import bump_version, remerge, unmerge_paths
-from .lora import (TARGET_TYPES, AdapterError, LoRALinear, get_module, input_dims, read_adapter,
+from engine.fast.merge import bump_version, remerge, unmerge_paths
+from engine.adapters.lora import (TARGET_TYPES, AdapterError, LoRALinear, get_module, input_dims, read_adapter,
                    set_module)
-from .lora_switch import LoRASwitchLinear
+from engine.adapters.switch import LoRASwitchLinear
 
 
 def _group_weights(weights: dict, where) -> dict:

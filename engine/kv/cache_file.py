@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .cache import KVCache, QuantizedKVCache, RotatingKVCache
+from engine.kv.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 # mlx-lm's class name -> (our class, the fields of its `state`, in order)
 FIELDS = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Tuple
 
-from .base import MarkupError, ToolIndex
-from .schema import decode_text
+from engine.text.tools.base import MarkupError, ToolIndex
+from engine.text.tools.schema import decode_text
 
 FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"

@@ -2,8 +2,8 @@
 
 Text, token ids or chat messages in; text out. The options are those of
 `engine.SamplingParams` plus the engine's (KV quantization, prompt cache,
-admission, prefill chunk). The loop is `engine.core.Engine` with
-`max_batch=1`, i.e. `engine.stepper.generate_step` (mlx-lm's schedule), with
+admission, prefill chunk). The loop is `engine.step.core.Engine` with
+`max_batch=1`, i.e. `engine.step.stepper.generate_step` (mlx-lm's schedule), with
 generation_config defaults, EOS ids, stop strings matched on decoded text
 (never streamed, even in part), streaming detokenization that never splits a
 character, logprobs, the prefix prompt cache and memory admission.
@@ -16,9 +16,9 @@ from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
-from .admission import Admission
-from .core import Engine
-from .request import (FALLBACK_SAMPLING, PromptError, RequestOutput, SamplingParams,
+from engine.step.admission import Admission
+from engine.step.core import Engine
+from engine.step.request import (FALLBACK_SAMPLING, PromptError, RequestOutput, SamplingParams,
                       encode_prompt, sampling_defaults)
 
 __all__ = ["FALLBACK_SAMPLING", "GenerationResult", "PromptError", "Segment", "encode_prompt",
@@ -70,7 +70,7 @@ def stream_generate(
     `logits_processors`: processor objects for this one request (e.g.
     engine.constrained's), run after the built-in ones; to build them per request
     instead, pass `processor_factories`. `prefix_caches`: per-layer caches already holding
-    the context before `prompt` (`engine.cache_file.load_prompt_cache`). `max_kv_size`:
+    the context before `prompt` (`engine.kv.cache_file.load_prompt_cache`). `max_kv_size`:
     keep at most this many tokens in each full-attention layer's cache (mlx-lm's ring)."""
     if logits_processors:
         own = tuple((lambda p=p: p) for p in logits_processors)   # this request only

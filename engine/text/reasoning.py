@@ -28,7 +28,7 @@ closing marker is dropped (``<think>\\nA\\n</think>\\n\\nB`` gives reasoning
 back; everything else is verbatim.
 
 ``ChatOutputParser`` composes the splitter with a tool-call router: content
-goes through ``engine.tools.ToolCallRouter``; text inside reasoning is never
+goes through ``engine.text.tools.ToolCallRouter``; text inside reasoning is never
 parsed for tool calls.
 
 Markers are text, so the detokenizer must keep special tokens (MiniCPM5's
@@ -40,8 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Union
 
-from .tools import ContentDelta, ToolCall, ToolCallRouter, ToolFormat
-from .tools.base import StreamSplitter
+from engine.text.tools import ContentDelta, ToolCall, ToolCallRouter, ToolFormat
+from engine.text.tools.base import StreamSplitter
 
 __all__ = [
     "ReasoningFormat", "ReasoningDelta", "REASONING_FORMATS", "get_reasoning_format",
@@ -96,7 +96,7 @@ def get_reasoning_format(family_or_model_type: Union[str, ReasoningFormat]) -> R
 
 
 def reasoning_format_for(tokenizer: Any) -> Optional[ReasoningFormat]:
-    """The reasoning format a loaded ``engine.tokenizer.Tokenizer`` calls for,
+    """The reasoning format a loaded ``engine.text.tokenizer.Tokenizer`` calls for,
     from its vocabulary and chat template (as the tool parser is chosen), not
     from ``model_type``: None when the tokenizer has no thinking markers.
     A MiniCPM5 checkpoint (``model_type: llama``) is recognised by its template."""

@@ -13,7 +13,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .masks import causal_mask
+from engine.kv.masks import causal_mask
 
 
 def _mask_for(n: int, offset: int, window: Optional[int], return_array: bool = False):

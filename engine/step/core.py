@@ -9,8 +9,8 @@
 Each `step()` is one scheduler step (schedule -> execute -> update):
 
 1. **schedule** — waiting requests start in arrival order. A request runs either
-   as a row of the continuous batch (`engine.batch.BatchScheduler`) or solo
-   (`engine.stepper.generate_step`, the token loop of `mlx_lm.generate`). The
+   as a row of the continuous batch (`engine.step.batch.BatchScheduler`) or solo
+   (`engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`). The
    Engine decides: solo when `max_batch` is 1, when the KV cache is quantized,
    or when the request selects adapters (the batch runs the base weights);
    `stats()["solo_reasons"]` counts why. Rows join the batch while the
@@ -41,12 +41,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .batch import BatchRequest, BatchScheduler, RowEvent
-from .kv_quant import make_policy
-from .request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
+from engine.step.batch import BatchRequest, BatchScheduler, RowEvent
+from engine.kv.quant import make_policy
+from engine.step.request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
                       check_token_ids, encode_prompt, model_context, model_vocab_size,
                       token_logprob)
-from .stepper import generate_step, prefill_chunk
+from engine.step.stepper import generate_step, prefill_chunk
 
 __all__ = ["Engine"]
 
@@ -58,8 +58,8 @@ class Engine:
 
     max_batch: most requests decoding together (1: one at a time, each exactly
     `mlx_lm.generate`'s token loop). prompt_cache: an `engine.PromptCache` (or
-    None). admission: an `engine.admission.Admission` (None: no memory check).
-    adapters: the adapter registry (`engine.adapters.AdapterRegistry`; its
+    None). admission: an `engine.step.admission.Admission` (None: no memory check).
+    adapters: the adapter registry (`engine.adapters.registry.AdapterRegistry`; its
     `activate(ids)` and `namespace(ids)`), needed only for requests that select
     adapters; `Engine.load` makes one. keep_logprob_arrays:
     outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
@@ -86,7 +86,7 @@ class Engine:
         self.keep_logprob_arrays = keep_logprob_arrays
         self.levers = levers
         if levers is not None:
-            from .fast.apply import prepare   # (engine.fast imports the models)
+            from engine.fast.apply import prepare   # (engine.fast imports the models)
             prepare(model, levers)
         self.prefill_step_size = prefill_step_size
         if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size < 1):
@@ -114,7 +114,7 @@ class Engine:
         self.solo_reasons: dict = {}
 
     def _new_scheduler(self) -> BatchScheduler:
-        from .fast.apply import batch_decoder_for   # L3 batch step: None unless fast_batch
+        from engine.fast.apply import batch_decoder_for   # L3 batch step: None unless fast_batch
         return BatchScheduler(self.model, tokenizer=self.tokenizer,
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
@@ -138,15 +138,15 @@ class Engine:
         replay rank 0's calls until rank 0 closes it (or exits), then the process ends
         (`engine.distributed.coordinate`). `tp_timeout`: seconds a step may take on
         rank 0 before the ranks are given up (None: no limit)."""
-        from .admission import Admission, default_budget
-        from .loader import load
-        from .prompt_cache import PromptCache
+        from engine.step.admission import Admission, default_budget
+        from engine.loader import load
+        from engine.kv.prompt_cache import PromptCache
 
-        from .adapters import AdapterRegistry
+        from engine.adapters.registry import AdapterRegistry
 
         model, tokenizer = load(path, adapter_path=adapter_path, tensor_parallel=tensor_parallel)
         if tensor_parallel:
-            from .distributed import sharding
+            from engine.distributed import sharding
             if memory_budget_bytes is None:     # every rank admits what rank 0 admits
                 memory_budget_bytes = sharding.broadcast_json(default_budget())
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
@@ -155,7 +155,7 @@ class Engine:
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
         if tensor_parallel:
-            from .distributed import coordinate
+            from engine.distributed import coordinate
             return coordinate(eng, tp_timeout)
         return eng
 
@@ -168,7 +168,7 @@ class Engine:
 
         adapter: adapter ids to run with (a tuple; needs `adapters`).
         prefix_caches: per-layer caches that already hold the context before `prompt`
-        (e.g. `engine.cache_file.load_prompt_cache`); the request runs on them (one at a
+        (e.g. `engine.kv.cache_file.load_prompt_cache`); the request runs on them (one at a
         time) and they are not stored in the prompt cache."""
         params = (params or SamplingParams()).resolved(self.tokenizer)
         ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
@@ -372,7 +372,7 @@ class Engine:
         # then starts from the last prompt token, its processors seeing the whole prompt.
         history = mx.array(ids[:-1]) if processors and len(ids) > 1 else None
         req.caches, req.prompt, req.done = caches, mx.array(ids[reused:]), 0
-        from .fast.apply import decoder_for   # L3: None unless a fast lever is on
+        from engine.fast.apply import decoder_for   # L3: None unless a fast lever is on
         decoder = decoder_for(self.model, self.levers, caches, self.policy)
 
         def start_decode():
@@ -388,7 +388,7 @@ class Engine:
     def _new_caches(self) -> list:
         """The model's caches; with `max_kv_size`, mlx-lm's bounded ones (a ring of that
         many tokens keeping the first 4) where the model has only full-attention layers."""
-        from .cache import KVCache, RotatingKVCache   # (engine.cache imports the models)
+        from engine.kv.cache import KVCache, RotatingKVCache   # (engine.kv.cache imports the models)
 
         caches = self.model.make_cache()
         if self.max_kv_size and all(type(c) is KVCache for c in caches):
@@ -396,7 +396,7 @@ class Engine:
         return caches
 
     def _solo_prefill(self, req: RequestState) -> None:
-        from .cache import RotatingKVCache   # (engine.cache imports the models)
+        from engine.kv.cache import RotatingKVCache   # (engine.kv.cache imports the models)
 
         if req.prompt.size - req.done > 1:
             req.done = prefill_chunk(self.model, req.prompt, req.done, req.caches,

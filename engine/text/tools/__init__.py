@@ -17,10 +17,10 @@ CDATA), ``json_tools`` (``<tool_call>{json}</tool_call>``), ``qwen3_coder``
 
 from __future__ import annotations
 
-from .base import ContentDelta, Event, MarkupError, ToolCall, ToolFormat, ToolIndex
-from .formats import FORMATS, get_tool_format, tool_format_for
-from .router import ToolCallRouter, new_call_id, parse_tool_calls
-from .schema import coerce_typed, decode_text, schema_types
+from engine.text.tools.base import ContentDelta, Event, MarkupError, ToolCall, ToolFormat, ToolIndex
+from engine.text.tools.formats import FORMATS, get_tool_format, tool_format_for
+from engine.text.tools.router import ToolCallRouter, new_call_id, parse_tool_calls
+from engine.text.tools.schema import coerce_typed, decode_text, schema_types
 
 __all__ = [
     "ContentDelta", "ToolCall", "Event", "ToolFormat", "ToolIndex", "MarkupError",

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 
-from .kv_quant import KVPolicy
+from engine.kv.quant import KVPolicy
 
 Sampler = Callable[[mx.array], mx.array]
 

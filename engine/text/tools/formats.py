@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Union
 
-from . import gemma4, json_tools, minicpm5, qwen3_coder
-from .base import ToolFormat
+from engine.text.tools import gemma4, json_tools, minicpm5, qwen3_coder
+from engine.text.tools.base import ToolFormat
 
 FORMATS: Dict[str, ToolFormat] = {
     f.name: f for f in (gemma4.FORMAT, minicpm5.FORMAT, json_tools.FORMAT, qwen3_coder.FORMAT)

@@ -31,8 +31,8 @@ import json
 import re
 from typing import Any, Dict, List, Tuple
 
-from .base import MarkupError, ToolFormat, ToolIndex
-from .schema import coerce_typed, decode_text, json_or_raw
+from engine.text.tools.base import MarkupError, ToolFormat, ToolIndex
+from engine.text.tools.schema import coerce_typed, decode_text, json_or_raw
 
 OPEN, CLOSE = "<|tool_call>", "<tool_call|>"
 QUOTE = '<|"|>'

@@ -1,5 +1,5 @@
 """LoRA / QLoRA layers and mlx-lm-compatible adapter files (mounting at run time:
-`engine.lora_mount`).
+`engine.adapters.mount`).
 
 A targeted projection becomes a :class:`LoRALinear` that *wraps* the base layer
 (``nn.Linear`` or ``nn.QuantizedLinear``, whose weight is never modified) and
@@ -12,7 +12,7 @@ The primary adapter (``lora_a`` [in, r], ``lora_b`` [r, out], float32) lives in
 the parameter tree under the names mlx-lm uses
 (``model.layers.0.self_attn.q_proj.lora_a``), so training, gradients and
 ``adapters.safetensors`` line up with mlx-lm name for name. Further adapters
-mounted at runtime (`engine.lora_mount.mount_adapter` with a second name) are kept *outside*
+mounted at runtime (`engine.adapters.mount.mount_adapter` with a second name) are kept *outside*
 the parameter tree, frozen, and applied after the primary in mount order. An
 adapter that is inactive or has scale 0 is skipped entirely, so it leaves the
 base output bit for bit.
@@ -40,8 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .lora_switch import SWITCH_TYPES, LoRASwitchLinear
-from .models.switch import SwitchGLU
+from engine.adapters.switch import SWITCH_TYPES, LoRASwitchLinear
+from engine.models.switch import SwitchGLU
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"

@@ -30,9 +30,9 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .batch_cache import batch_caches, extend_caches
-from .sampling import greedy
-from .text import TextStream
+from engine.kv.batch_cache import batch_caches, extend_caches
+from engine.step.sampling import greedy
+from engine.text.stop import TextStream
 
 __all__ = ["BatchRequest", "RowEvent", "BatchScheduler", "batch_generate"]
 

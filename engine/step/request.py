@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-from .text import TextStream
+from engine.text.stop import TextStream
 
 FALLBACK_SAMPLING = {"temperature": 0.0, "top_p": 0.0, "top_k": 0, "min_p": 0.0}
 SEED_MAX = 2 ** 64 - 1            # mx.random.key takes a uint64
@@ -79,7 +79,7 @@ class SamplingParams:
     processor_factories: tuple = ()
 
     def __post_init__(self):
-        from .sampling import make_logits_processors, make_sampler
+        from engine.step.sampling import make_logits_processors, make_sampler
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
@@ -143,7 +143,7 @@ class SamplingParams:
             self.min_tokens_to_keep, self.xtc_probability, self.xtc_threshold)
 
     def make_sampler(self, special_tokens=()):
-        from .sampling import make_sampler
+        from engine.step.sampling import make_sampler
 
         t, p, m, k = self._sampler_settings(FALLBACK_SAMPLING)
         return make_sampler(temp=t, top_p=p, min_p=m, top_k=k,
@@ -155,7 +155,7 @@ class SamplingParams:
     def make_processors(self) -> list:
         """This request's processors: the built-in ones, then a fresh one from each
         of `processor_factories` (call once per request)."""
-        from .sampling import make_logits_processors
+        from engine.step.sampling import make_logits_processors
 
         procs = make_logits_processors(**self._processor_kwargs())
         return procs + [f() for f in self.processor_factories]
@@ -280,7 +280,7 @@ def check_token_ids(ids: list, vocab_size: Optional[int]) -> None:
 
 
 class RequestState:
-    """One submitted request's state inside `engine.core.Engine`, whichever lane runs it."""
+    """One submitted request's state inside `engine.step.core.Engine`, whichever lane runs it."""
 
     def __init__(self, rid, ids, params, adapters, ns, lane, tokenizer):
         self.rid, self.ids, self.params, self.adapters, self.ns = rid, ids, params, adapters, ns

@@ -1,0 +1,1 @@
+"""LoRA adapters: layers, mounting at inference time, the registry."""

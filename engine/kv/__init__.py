@@ -1,0 +1,1 @@
+"""KV caches: float, quantized, batched, the prompt cache."""

@@ -1,0 +1,1 @@
+"""Engine.step: the scheduler, the lanes (exact loop, batch), requests and admission."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer, detokenizer, chat template, stop strings, reasoning, tools."""
