@@ -178,7 +178,7 @@ class ServerState:
                                              self.kv_policy,
                                              prefill_step=self.config.prefill_step_size)
         self.ceiling = self.admission.max_context()
-        self.engine.step.admission = self.admission
+        self.engine.admission = self.admission
 
     def check_capacity(self) -> None:
         """Refuse a new request (503, Retry-After) when the wait queue is full. Any thread."""

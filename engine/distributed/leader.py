@@ -88,9 +88,9 @@ class Leader:
         if adapter or kw:
             raise ValueError("adapters, tools and template options are not available "
                              "through a tensor-parallel engine (send token ids)")
-        if params.seed is None and (params.resolved(self.engine.text.tokenizer).temperature or 0) > 0:
+        if params.seed is None and (params.resolved(self.engine.tokenizer).temperature or 0) > 0:
             params = dataclasses.replace(params, seed=secrets.randbits(SEED_BITS))
-        ids = encode_prompt(self.engine.text.tokenizer, prompt)
+        ids = encode_prompt(self.engine.tokenizer, prompt)
         rid = self.engine.submit(ids, params, request_id=request_id)
         self._ops.append(Op("submit", rid, ids, params_to_json(params)))
         return rid
