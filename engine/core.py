@@ -121,10 +121,13 @@ class Engine:
 
     @classmethod
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
-             memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: int = 0,
+             memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: Optional[int] = 0,
              tensor_parallel: bool = False, **kw):
         """Load a model directory; memory admission on (budget: 75% of RAM by default).
-        `tensor_parallel=True` shards it over `mx.distributed` ranks (see `engine.load`)."""
+        prompt_cache_bytes: the prompt cache's cap (0: none; None: what the server takes by
+        default, `Admission.prompt_cache_bytes()`, a share of the budget left after the
+        weights). `tensor_parallel=True` shards it over `mx.distributed` ranks (see
+        `engine.load`)."""
         from .admission import Admission
         from .loader import load
         from .prompt_cache import PromptCache
@@ -132,11 +135,13 @@ class Engine:
         from .adapters import AdapterRegistry
 
         model, tokenizer = load(path, adapter_path=adapter_path, tensor_parallel=tensor_parallel)
-        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
-        eng = cls(model, tokenizer, max_batch=max_batch, prompt_cache=cache,
-                  adapters=AdapterRegistry(model, cache), **kw)
+        eng = cls(model, tokenizer, max_batch=max_batch, **kw)
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
+        if prompt_cache_bytes is None:
+            prompt_cache_bytes = eng.admission.prompt_cache_bytes()
+        eng.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+        eng.adapters = AdapterRegistry(model, eng.prompt_cache)
         return eng
 
     # --- requests -----------------------------------------------------------------
