@@ -305,3 +305,38 @@ def test_agent_turns_hit_a_prefix_larger_than_the_cap(qwen):
         prompt = prompt + list(out.token_ids) + [rnd.randrange(10, 1000) for _ in range(20)]
     assert reused[0] == 0 and all(r >= 2 * BLOCK and r % BLOCK == 0 for r in reused[1:]), reused
     assert pc.bytes <= pc.max_bytes and pc.hits == 3
+
+
+@pytest.mark.parametrize("kind", ["kv", "ring", "kv-q8", "ring-q4"])
+def test_head_continues_like_a_trimmed_cache(kind):
+    """`head(n)` (what an over-cap entry is cut to) holds exactly n slots and then behaves
+    as the same cache trimmed back to n: the same K/V reach attention at every later step,
+    through prefill chunks and single-token steps (a ring up to and past its wrap)."""
+    from engine.cache import quantize_layer_cache
+
+    def make():
+        return RotatingKVCache(max_size=320) if kind.startswith("ring") else KVCache()
+
+    def flat(t):   # K, V, or (packed, scales, biases) of each
+        return [t] if isinstance(t, mx.array) else [a for x in t for a in flat(x)]
+
+    def fill(c, n, seed):
+        for i, s in enumerate(range(0, n, 100)):
+            k = mx.random.normal((1, 2, min(100, n - s), 64), key=mx.random.key(seed + i))
+            c.update_and_fetch(k, k * 2)
+        return c
+
+    a = fill(make(), 300, 0)
+    if "-q" in kind:
+        bits = int(kind[-1])
+        a = quantize_layer_cache(a, bits, 64)
+    b = copy.deepcopy(a)
+    b.trim(300 - BLOCK)
+    h = a.head(BLOCK)
+    arrays = cache_arrays([h])
+    assert h.offset == BLOCK and all(x.shape[2] == BLOCK for x in arrays)
+    for step, n in enumerate([40, 1, 1, 30, 1] + [1] * 40):
+        k = mx.random.normal((1, 2, n, 64), key=mx.random.key(100 + step))
+        got, want = flat(h.update_and_fetch(k, -k)), flat(b.update_and_fetch(k, -k))
+        assert len(got) == len(want) and h.offset == b.offset
+        assert all(mx.array_equal(x, y) for x, y in zip(got, want)), (kind, step)
