@@ -340,3 +340,16 @@ def test_head_continues_like_a_trimmed_cache(kind):
         got, want = flat(h.update_and_fetch(k, -k)), flat(b.update_and_fetch(k, -k))
         assert len(got) == len(want) and h.offset == b.offset
         assert all(mx.array_equal(x, y) for x, y in zip(got, want)), (kind, step)
+
+
+def test_engine_load_sizes_the_cache_from_the_budget():
+    from engine import Engine
+    from engine.admission import PROMPT_CACHE_FRACTION
+    from parity.fixtures.models import ensure_fixture
+    path = ensure_fixture("qwen3")
+    eng = Engine.load(path, memory_budget_bytes=3_000_000_000, prompt_cache_bytes=None)
+    adm = eng.admission
+    assert eng.prompt_cache.max_bytes == int((adm.budget_bytes - adm.weights) * PROMPT_CACHE_FRACTION)
+    assert eng.adapters.prompt_cache is eng.prompt_cache      # unmounts clear its namespaces
+    assert Engine.load(path).prompt_cache is None              # the library default: none
+    assert Engine.load(path, prompt_cache_bytes=1 << 20).prompt_cache.max_bytes == 1 << 20
