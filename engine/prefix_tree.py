@@ -171,7 +171,8 @@ class PrefixTree:
         out, node, pos = [], self.root, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
-            if child is None or self._common(child.edge, tokens, pos, len(tokens)) < len(child.edge):
+            if (child is None
+                    or self._common(child.edge, tokens, pos, len(tokens)) < len(child.edge)):
                 break
             node, pos = child, pos + len(child.edge)
             if node.entry is not None:

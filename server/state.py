@@ -32,8 +32,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8090
     memory_budget_bytes: Optional[int] = None      # None = machine RAM x 0.75
-    prompt_cache_bytes: Optional[int] = None        # None = the admission budget left after
-    #                                                 the weights x PROMPT_CACHE_FRACTION; 0 disables
+    prompt_cache_bytes: Optional[int] = None        # 0 disables; None = the budget left
+    #                                       after the weights x PROMPT_CACHE_FRACTION
     kv_quant: str = "config"                        # config | off | 4 | 8 (or any valid bits)
     kv_group_size: Optional[int] = None             # None = 64, or 32 when head_dim needs it
     thinking: Optional[bool] = None

@@ -349,7 +349,8 @@ def test_engine_load_sizes_the_cache_from_the_budget():
     path = ensure_fixture("qwen3")
     eng = Engine.load(path, memory_budget_bytes=3_000_000_000, prompt_cache_bytes=None)
     adm = eng.admission
-    assert eng.prompt_cache.max_bytes == int((adm.budget_bytes - adm.weights) * PROMPT_CACHE_FRACTION)
+    share = int((adm.budget_bytes - adm.weights) * PROMPT_CACHE_FRACTION)
+    assert eng.prompt_cache.max_bytes == share
     assert eng.adapters.prompt_cache is eng.prompt_cache      # unmounts clear its namespaces
     assert Engine.load(path).prompt_cache is None              # the library default: none
     assert Engine.load(path, prompt_cache_bytes=1 << 20).prompt_cache.max_bytes == 1 << 20

@@ -172,8 +172,10 @@ def test_prompt_cache_cut_to_the_cap_equals_mlx_lm(family):
     fed = list(ref_generate_step(mx.array(a), rmodel, max_tokens=6, prompt_cache=rc))
     assert [int(t) for t, _ in fed][:len(cold.token_ids)] == cold.token_ids
     trim_prompt_cache(rc, rc[0].offset - 2 * BLOCK)
-    ref = list(ref_generate_step(mx.array(b[2 * BLOCK:]), rmodel, max_tokens=12, prompt_cache=rc))
+    ref = list(ref_generate_step(mx.array(b[2 * BLOCK:]), rmodel, max_tokens=12,
+                                 prompt_cache=rc))
     ref_tokens = [int(t) for t, _ in ref]
     assert warm.token_ids == ref_tokens[:len(warm.token_ids)]
     assert [e["logprob"] for e in warm.logprobs] == [
-        float(lp[t].item()) for t, lp in zip(ref_tokens, (lp for _, lp in ref))][:len(warm.logprobs)]
+        float(lp[t].item()) for t, lp in zip(ref_tokens, (lp for _, lp in ref))
+    ][:len(warm.logprobs)]
