@@ -1,15 +1,18 @@
 """`engine-generate`: stream a completion and print speed and peak memory.
 
     engine-generate --model DIR --prompt "Hello" [--max-tokens N --temp T --top-p P
-                    --top-k K --min-p M --seed S --kv-bits B --kv-group-size G
-                    --quantized-kv-start N --kv-config FILE --chat --system TEXT
+                    --top-k K --min-p M --seed S --system-prompt TEXT
+                    --ignore-chat-template --extra-eos-token T ... --max-kv-size N
+                    --prompt-cache-file F --verbose true|false --kv-bits B ...
                     --thinking true|false --memory-budget GB --adapter-path DIR
                     --tier l1|l2|l3 --[no-]compiled-decode --[no-]perf-kernel ...]
 
-The flags are mlx_lm.generate's, shared with engine-serve and engine-train where they
-mean the same thing (--model, --adapter-path, --temp/--temperature, --top-p, --max-tokens,
---kv-bits, --chat-template-args, --thinking, --memory-budget, --seed). The tier and
-lever flags (--tier, --compiled-decode, ...) are this project's own (docs/l3.md).
+The flags, their defaults and what is printed are mlx_lm.generate's: the same command
+prints the same completion (the chat template applied when the model has one; greedy
+unless --temp is given; `--generation-config` takes unset sampling values from the
+model's generation_config.json instead). The flags mean the same in engine-serve and
+engine-train where they exist. The tier and lever flags (--tier, --compiled-decode, ...)
+are this project's own (docs/l3.md).
 
 Without --model it uses the built-in default model: a tiny random-weight
 model built offline into the fixture cache (no download).
@@ -17,10 +20,21 @@ model built offline into the fixture cache (no download).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
+
+from .argparsing import CliParser, DefaultsHelpFormatter, json_dict, parse_bool
+
+# mlx_lm.generate's sampling defaults (it does not read generation_config.json)
+MLX_LM_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
+UNSUPPORTED = {
+    "--draft-model": "speculative decoding is not implemented",
+    "--num-draft-tokens": "speculative decoding is not implemented",
+    "--image": "image inputs are not implemented (text models only)",
+    "--quantize-activations": "activation quantization is not implemented",
+    "-qa": "activation quantization is not implemented",
+    "--use-default-chat-template": "use --chat-template-config, or the model's own template",
+}
 
 
 def default_model_dir() -> str:
@@ -29,47 +43,68 @@ def default_model_dir() -> str:
     return built_in()
 
 
-def parse_bool(v: str) -> bool:
-    """argparse type for true|false flags (shared by the project's CLIs)."""
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
-
-
-def parser() -> argparse.ArgumentParser:
+def parser() -> CliParser:
     """Flags named like mlx_lm.generate's (the project's other names as aliases)."""
-    p = argparse.ArgumentParser(prog="engine-generate", description="Generate text with mlx-parity")
-    p.add_argument("--model", help="model directory or Hugging Face repo id (default: the "
-                   "built-in tiny model)")
-    p.add_argument("--adapter-path", help="LoRA adapter directory (mlx-lm format)")
-    p.add_argument("--prompt", "-p", default="hello", help="prompt text ('-' reads stdin)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--max-tokens", "-m", type=int, default=100)
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--tensor-parallel", action="store_true",
-                   help="shard the model over the ranks of an `mlx.launch` run")
-    p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8])
-    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
-    p.add_argument("--quantized-kv-start", type=int, default=0)
-    p.add_argument("--kv-config", help="per-layer kv_config.json")
-    p.add_argument("--chat-template-args", type=json.loads, default=None,
-                   help='JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--thinking", type=parse_bool, metavar="true|false", default=None,
-                   help="the template's enable_thinking (with --chat)")
-    p.add_argument("--memory-budget", type=float, metavar="GB", default=None,
-                   help="refuse a prompt + max tokens that would not fit this many decimal GB "
-                        "(default: machine RAM x 0.75)")
-    p.add_argument("--prefill-step-size", type=int, default=2048, help="prefill chunk (2048)")
+    p = CliParser(prog="engine-generate", description="Generate text with mlx-parity",
+                  formatter_class=DefaultsHelpFormatter)
+    a = p.add_argument
+    a("--model", help="model directory or Hugging Face repo id (default: the built-in tiny "
+      "model, or the one a --prompt-cache-file was made with)")
+    a("--adapter-path", help="LoRA adapter directory (mlx-lm format)")
+    a("--prompt", "-p", default="hello", help="prompt text ('-' reads stdin)")
+    a("--system-prompt", "--system", dest="system_prompt", help="system message of the chat "
+      "template")
+    a("--prefill-response", help="start of the assistant's answer (continued by the model)")
+    a("--ignore-chat-template", action="store_true",
+      help="encode the prompt as-is instead of in the model's chat template")
+    a("--chat", action="store_true", help="require the chat template (the default when the "
+      "model has one)")
+    a("--chat-template-config", "--chat-template-args", dest="chat_template_args",
+      type=json_dict, default=None, metavar="JSON",
+      help='JSON dict passed to the chat template, e.g. \'{"enable_thinking": false}\'')
+    a("--thinking", type=parse_bool, metavar="true|false", default=None,
+      help="the template's enable_thinking")
+    a("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
+      help="more tokens (text or id) that end the generation")
+    a("--max-tokens", "-m", type=int, default=100, help="tokens to generate at most")
+    a("--temp", "--temperature", dest="temperature", type=float, default=None,
+      help="sampling temperature (default 0.0: greedy)")
+    a("--top-p", type=float, default=None, help="top-p (default 1.0: off)")
+    a("--top-k", type=int, default=None, help="top-k (default 0: off)")
+    a("--min-p", type=float, default=None, help="min-p (default 0.0: off)")
+    a("--min-tokens-to-keep", type=int, default=1, help="tokens min-p always keeps")
+    a("--xtc-probability", type=float, default=0.0, help="XTC sampling probability")
+    a("--xtc-threshold", type=float, default=0.1, help="XTC threshold")
+    a("--generation-config", action="store_true",
+      help="take unset sampling values from the model's generation_config.json (as "
+      "engine-serve does) instead of mlx_lm.generate's defaults")
+    a("--repetition-penalty", type=float, default=None)
+    a("--seed", type=int, default=None, help="PRNG seed")
+    a("--stop", action="append", default=None, help="stop string (repeatable)")
+    a("--verbose", type=parse_bool, default=True, metavar="true|false",
+      help="print the separators and the prompt/generation tok/s and peak memory lines "
+      "(default true); false prints only the completion")
+    a("--max-kv-size", type=int, default=None, metavar="N",
+      help="keep at most N tokens in each layer's cache (a ring that keeps the first 4), "
+      "for models with only full-attention layers")
+    a("--prompt-cache-file", metavar="FILE",
+      help="a prompt cache saved by mlx_lm.cache_prompt (or engine.cache_file): the prompt "
+      "continues it")
+    a("--trust-remote-code", action="store_true",
+      help="accepted for mlx-lm compatibility (no model code is ever downloaded)")
+    a("--tensor-parallel", action="store_true",
+      help="shard the model over the ranks of an `mlx.launch` run")
+    a("--kv-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+      help="quantize the KV cache to this many bits (default: not quantized)")
+    a("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
+    a("--quantized-kv-start", type=int, default=5000,
+      help="with --kv-bits, quantize the cache once it holds this many tokens")
+    a("--kv-config", help="per-layer kv_config.json")
+    a("--memory-budget", type=float, metavar="GB", default=None,
+      help="refuse a prompt + max tokens that would not fit this many decimal GB "
+           "(default: machine RAM x 0.75)")
+    a("--prefill-step-size", type=int, default=2048, help="prefill chunk")
+    p.unsupported(UNSUPPORTED)
     from engine.levers import add_lever_args   # L3 hook: tier presets and lever switches
     add_lever_args(p)
     return p
@@ -77,6 +112,61 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     return parser().parse_args(argv)
+
+
+class CliError(Exception):
+    """A one-line error for stderr (exit 2)."""
+
+
+def _load_cache_file(args):
+    """(caches, model path) from --prompt-cache-file, checked against the other flags."""
+    from .cache_file import CacheFileError, load_prompt_cache
+    from .cache import QuantizedKVCache
+
+    try:
+        caches, meta = load_prompt_cache(args.prompt_cache_file)
+    except CacheFileError as e:
+        raise CliError(str(e)) from None
+    made_with = meta.get("model")
+    if args.model is not None and made_with is not None and args.model != made_with:
+        raise CliError(f"--model {args.model} is not the model the prompt cache was made "
+                       f"with ({made_with})")
+    if isinstance(caches[0], QuantizedKVCache):
+        if args.kv_bits is not None and args.kv_bits != caches[0].bits:
+            raise CliError("--kv-bits does not match the kv cache loaded from "
+                           "--prompt-cache-file")
+        if args.kv_group_size != caches[0].group_size:
+            raise CliError("--kv-group-size does not match the kv cache loaded from "
+                           "--prompt-cache-file")
+    return caches, args.model or made_with
+
+
+def prompt_ids(args, tok, using_cache: bool) -> list:
+    """The prompt's token ids, built as mlx_lm.generate builds them."""
+    from .request import PromptError
+
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    use_template = args.chat or (not args.ignore_chat_template and tok.has_chat_template)
+    if not use_template:
+        return tok.encode(prompt, add_special_tokens=True)
+    kwargs = dict(args.chat_template_args or {})
+    if args.thinking is not None:
+        kwargs["enable_thinking"] = args.thinking
+    msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    msgs.append({"role": "user", "content": prompt})
+    prefill = args.prefill_response is not None
+    if prefill:
+        msgs.append({"role": "assistant", "content": args.prefill_response})
+    opts = dict(tokenize=False, continue_final_message=prefill, add_generation_prompt=not prefill)
+    try:
+        text = tok.apply_chat_template(msgs, **opts, **kwargs)
+        if using_cache:   # the cache holds the template up to the last message's text
+            msgs[-1]["content"] = "<query>"
+            text = text[tok.apply_chat_template(msgs, **opts).index("<query>"):]
+    except Exception as e:      # a template error is the user's input problem
+        raise PromptError(f"chat template failed: {e}") from None
+    return tok.encode(text, add_special_tokens=False)
 
 
 def main(argv=None) -> int:
@@ -89,55 +179,74 @@ def main(argv=None) -> int:
 
     try:
         levers = levers_from_args(args)
-    except LeverError as e:
+        caches, model_path = (_load_cache_file(args) if args.prompt_cache_file
+                              else (None, args.model))
+    except (LeverError, CliError) as e:
         print(f"engine-generate: {e}", file=sys.stderr)
         return 2
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     out = sys.stdout
+    seed = args.seed
+    if seed is not None and not args.tensor_parallel:
+        # mlx_lm.generate's order: seed first, then build the model (whose random init
+        # draws advance the generator), then sample from the global generator
+        import mlx.core as mx
+        mx.random.seed(seed)
+        seed = None
     if args.tensor_parallel:
         import mlx.core as mx
-        from engine.sharding import agreed_seed
+        from engine.distributed import agreed_seed
         if mx.distributed.init().rank() != 0:  # every rank computes, rank 0 prints
             out = open(os.devnull, "w")
-        if args.seed is None:  # sampling ranks must draw the same tokens
-            args.seed = agreed_seed()
+        if seed is None:  # sampling ranks must draw the same tokens
+            seed = agreed_seed()
     try:
-        model, tok = engine.load(args.model or default_model_dir(), adapter_path=args.adapter_path,
+        model, tok = engine.load(model_path or default_model_dir(),
+                                 adapter_path=args.adapter_path,
                                  tensor_parallel=args.tensor_parallel)
     except (ModelLoadError, FileNotFoundError, ValueError) as e:
         print(f"engine-generate: cannot load model: {e}", file=sys.stderr)
         return 2
-    if args.chat:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = msgs + [{"role": "user", "content": prompt}]
-    template_kwargs = dict(args.chat_template_args or {})
-    if args.thinking is not None:
-        template_kwargs["enable_thinking"] = args.thinking
+    sampling = {k: getattr(args, k) for k in MLX_LM_SAMPLING}
+    if not args.generation_config:
+        sampling = {k: MLX_LM_SAMPLING[k] if v is None else v for k, v in sampling.items()}
     from engine.admission import Admission
     budget = int(args.memory_budget * 1e9) if args.memory_budget else None
     admission = Admission.for_model(model, budget, prefill_step=args.prefill_step_size)
-    last = None
+    text, last = "", None
     try:
+        for t in args.extra_eos_token:
+            tok.add_eos_token(t)
+        ids = prompt_ids(args, tok, caches is not None)
+        if args.verbose:
+            print("=" * 10, file=out)
         for seg in engine.stream_generate(
-                model, tok, prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                model, tok, ids, max_tokens=args.max_tokens, **sampling,
+                min_tokens_to_keep=args.min_tokens_to_keep,
+                xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                repetition_penalty=args.repetition_penalty, seed=seed, stop=args.stop,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
-                template_kwargs=template_kwargs, admission=admission,
-                prefill_step_size=args.prefill_step_size, levers=levers):
-            print(seg.text, end="", flush=True, file=out)
+                admission=admission, prefill_step_size=args.prefill_step_size, levers=levers,
+                prefix_caches=caches, max_kv_size=args.max_kv_size):
+            if args.verbose:
+                print(seg.text, end="", flush=True, file=out)
+            text += seg.text
             last = seg
     except (PromptError, KVConfigError, ValueError) as e:      # (incl. over the memory budget)
         print(f"\nengine-generate: {e}", file=sys.stderr)
         return 2
+    if not args.verbose:
+        print(text, file=out)
+        return 0
     print(file=out)
     print("=" * 10, file=out)
+    if not text:
+        print("No text generated for this prompt", file=out)
+        return 0
     print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec", file=out)
     print(f"Generation: {last.generation_tokens} tokens, "
           f"{last.generation_tps:.3f} tokens-per-sec", file=out)
     print(f"Peak memory: {last.peak_memory_gb:.3f} GB", file=out)
-    print(f"Finish reason: {last.finish_reason}", file=out)
     return 0
 
 

@@ -1,6 +1,6 @@
 """`engine-convert`: a Hugging Face checkpoint -> an MLX model directory.
 
-    engine-convert --hf-path SRC --mlx-path DST [-q] [--q-bits 4|8] [--q-group-size N]
+    engine-convert --hf-path SRC --mlx-path DST [-q | -d] [--q-bits 4|8] [--q-group-size N]
                    [--q-mode affine|mxfp4|nvfp4|mxfp8] [--quant-predicate mixed_3_6]
                    [--dtype float16|bfloat16|float32] [--max-shard-gb GB]
 
@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from .argparsing import CliParser
 from .loader import load_model, read_config, resolve_model_path
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -52,6 +53,7 @@ class ConvertOptions:
     quant_predicate: Optional[str] = None     # a mixed recipe name, e.g. "mixed_3_6"
     dtype: Optional[str] = None               # None: the config's torch_dtype, if any
     max_shard_bytes: int = DEFAULT_SHARD_GB << 30
+    dequantize: bool = False
 
 
 Predicate = Callable[[str, nn.Module], Union[bool, dict]]
@@ -142,6 +144,47 @@ def quantize(model: nn.Module, config: dict, opts: ConvertOptions) -> dict:
 
     nn.quantize(model, group, bits, mode=opts.q_mode, class_predicate=predicate)
     config["quantization_config"] = config["quantization"]
+    return config
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """mlx-lm's figure: the bytes of every array the model holds (rope tables too) over
+    the parameter count of the unquantized model."""
+    from mlx.utils import tree_reduce
+
+    nbytes = tree_reduce(lambda n, x: n + x.nbytes if isinstance(x, mx.array) else n, model, 0)
+    return nbytes * 8 / parameter_count(model)
+
+
+def dequantize(model: nn.Module, config: dict) -> dict:
+    """Replace every quantized layer by its float form, in place; returns the config
+    without its quantization blocks."""
+    from mlx.utils import tree_unflatten
+
+    from .models.switch import QuantizedSwitchLinear, SwitchLinear
+
+    plain = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            make = lambda shape, bias: nn.Linear(*shape, bias=bias)
+        elif isinstance(m, nn.QuantizedEmbedding):
+            make = lambda shape, bias: nn.Embedding(*shape)
+        elif isinstance(m, QuantizedSwitchLinear):
+            make = lambda shape, bias: SwitchLinear(*shape)
+        else:
+            continue
+        w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits,
+                          getattr(m, "mode", "affine"))
+        layer = make(w.shape[::-1], "bias" in m)
+        layer.weight = w
+        if "bias" in m:
+            layer.bias = m["bias"]
+        plain.append((name, layer))
+    if plain:
+        model.update_modules(tree_unflatten(plain))
+    config = dict(config)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
     return config
 
 
@@ -270,11 +313,19 @@ def convert(hf_path, mlx_path, opts: Optional[ConvertOptions] = None,
     model, _ = load_model(src, lazy=True)
     config = source_config(src)
     cast(model, config, opts.dtype)
+    if opts.quantize and opts.dequantize:
+        raise ConvertError("choose -q (quantize) or -d (dequantize), not both")
     if opts.quantize:
         log("quantizing")
         config = quantize(model, config, opts)
+        log(f"Quantized model with {bits_per_weight(model):.3f} bits per weight.")
     elif opts.quant_predicate:
         raise ConvertError("--quant-predicate needs -q")
+    if opts.dequantize:
+        if "quantization" not in config:
+            raise ConvertError(f"{hf_path} is not quantized: nothing to dequantize")
+        log("dequantizing")
+        config = dequantize(model, config)
     dst.mkdir(parents=True)
     save_weights(dst, model, opts.max_shard_bytes)
     save_config(dst, config)
@@ -289,13 +340,16 @@ def convert(hf_path, mlx_path, opts: Optional[ConvertOptions] = None,
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine-convert", description=__doc__.split("\n\n")[0],
+    p = CliParser(prog="engine-convert", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--hf-path", "--model", dest="hf_path", required=True,
       help="source model: a directory or a Hugging Face repo id")
     a("--mlx-path", default="mlx_model", help="output directory (must not exist; mlx_model)")
-    a("-q", "--quantize", action="store_true", help="quantize the weights")
+    a("-q", "--quantize", action="store_true", help="quantize the weights (prints the bits "
+      "per weight)")
+    a("-d", "--dequantize", action="store_true", help="dequantize a quantized model to its "
+      "float weights")
     a("--q-bits", type=int, help="bits per weight (default 4; mxfp8: 8)")
     a("--q-group-size", type=int, help="quantization group size (default 64 for affine)")
     a("--q-mode", default="affine", choices=list(MODE_DEFAULTS), help="quantization mode")
@@ -305,6 +359,10 @@ def parser() -> argparse.ArgumentParser:
     a("--revision", help="hub revision (branch, tag or commit) for a repo id")
     a("--max-shard-gb", type=float, default=DEFAULT_SHARD_GB,
       help=f"largest weight file in GiB (default {DEFAULT_SHARD_GB})")
+    a("--trust-remote-code", action="store_true",
+      help="accepted for mlx-lm compatibility (no model code is downloaded)")
+    p.unsupported({"--upload-repo": "uploading to the Hugging Face Hub is not implemented; "
+                                    "upload DST with `hf upload`"})
     return p
 
 
@@ -316,7 +374,8 @@ def main(argv=None) -> int:
     opts = ConvertOptions(quantize=args.quantize, q_bits=args.q_bits,
                           q_group_size=args.q_group_size, q_mode=args.q_mode,
                           quant_predicate=args.quant_predicate, dtype=args.dtype,
-                          max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+                          max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                          dequantize=args.dequantize)
     try:
         convert(args.hf_path, args.mlx_path, opts, revision=args.revision,
                 log=lambda m: print(f"engine-convert: {m}", file=sys.stderr))

@@ -44,7 +44,8 @@ import mlx.core as mx
 from .batch import BatchRequest, BatchScheduler, RowEvent
 from .kv_quant import make_policy
 from .request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
-                      encode_prompt, model_context, token_logprob)
+                      check_token_ids, encode_prompt, model_context, model_vocab_size,
+                      token_logprob)
 from .stepper import generate_step, prefill_chunk
 
 __all__ = ["Engine"]
@@ -73,7 +74,8 @@ class Engine:
                  admission=None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
-                 levers=None, max_context: Optional[int] = None):
+                 levers=None, max_context: Optional[int] = None,
+                 max_kv_size: Optional[int] = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -87,8 +89,12 @@ class Engine:
             from .fast.apply import prepare   # (engine.fast imports the models)
             prepare(model, levers)
         self.prefill_step_size = prefill_step_size
+        if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size < 1):
+            raise ValueError(f"max_kv_size must be a positive integer, got {max_kv_size!r}")
+        self.max_kv_size = max_kv_size
         # tokens a request may span (prompt + generated): the model's own context by default
         self.max_context = max_context if max_context is not None else model_context(model)
+        self.vocab_size = model_vocab_size(model)   # prompt ids are checked against it
         self.policy = make_policy(model, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   quantized_kv_start=quantized_kv_start, kv_config=kv_config)
         self.eos = set(tokenizer.eos_token_ids)
@@ -122,19 +128,30 @@ class Engine:
     @classmethod
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
              memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: Optional[int] = 0,
-             tensor_parallel: bool = False, **kw):
+             tensor_parallel: bool = False, tp_timeout: Optional[float] = 60.0, **kw):
         """Load a model directory; memory admission on (budget: 75% of RAM by default).
+
         prompt_cache_bytes: the prompt cache's cap (0: none; None: what the server takes by
         default, `Admission.prompt_cache_bytes()`, a share of the budget left after the
-        weights). `tensor_parallel=True` shards it over `mx.distributed` ranks (see
-        `engine.load`)."""
-        from .admission import Admission
+        weights).
+        `tensor_parallel=True` (under `mlx.launch`): every rank loads its shard (see
+        `engine.load`) and builds the same Engine (rank 0's memory budget). On rank 0
+        this returns an `engine.distributed.Leader` with the Engine's interface, which
+        makes every call on every rank; on the other ranks it does not return: they
+        replay rank 0's calls until rank 0 closes it (or exits), then the process ends
+        (`engine.distributed.coordinate`). `tp_timeout`: seconds a step may take on
+        rank 0 before the ranks are given up (None: no limit)."""
+        from .admission import Admission, default_budget
         from .loader import load
         from .prompt_cache import PromptCache
 
         from .adapters import AdapterRegistry
 
         model, tokenizer = load(path, adapter_path=adapter_path, tensor_parallel=tensor_parallel)
+        if tensor_parallel:
+            from .distributed import sharding
+            if memory_budget_bytes is None:     # every rank admits what rank 0 admits
+                memory_budget_bytes = sharding.broadcast_json(default_budget())
         eng = cls(model, tokenizer, max_batch=max_batch, **kw)
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
@@ -142,21 +159,29 @@ class Engine:
             prompt_cache_bytes = eng.admission.prompt_cache_bytes()
         eng.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         eng.adapters = AdapterRegistry(model, eng.prompt_cache)
+        if tensor_parallel:
+            from .distributed import coordinate
+            return coordinate(eng, tp_timeout)
         return eng
 
     # --- requests -----------------------------------------------------------------
 
     def submit(self, prompt, params: Optional[SamplingParams] = None, *, request_id=None,
                adapter=(), tools=None, template_kwargs=None,
-               cache_namespace: Optional[str] = None) -> str:
+               cache_namespace: Optional[str] = None, prefix_caches=None) -> str:
         """Queue a request (text, token ids or chat messages); returns its id.
 
-        adapter: adapter ids to run with (a tuple; needs `adapters`)."""
+        adapter: adapter ids to run with (a tuple; needs `adapters`).
+        prefix_caches: per-layer caches that already hold the context before `prompt`
+        (e.g. `engine.cache_file.load_prompt_cache`); the request runs on them (one at a
+        time) and they are not stored in the prompt cache."""
         params = (params or SamplingParams()).resolved(self.tokenizer)
         ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
-        self.check_context(len(ids))
+        check_token_ids(ids, self.vocab_size)
+        before = prefix_caches[0].offset if prefix_caches else 0
+        self.check_context(before + len(ids))
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)
         adapter = tuple(adapter or ())
@@ -168,9 +193,10 @@ class Engine:
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use")
-        reason = self._solo_reason(adapter)
+        reason = "prefix_caches" if prefix_caches else self._solo_reason(adapter)
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
+        req.prefix = prefix_caches or None
         # (copied on write: stats() may be read from another thread)
         if reason is not None:
             self.solo_reasons = {**self.solo_reasons, reason: self.solo_reasons.get(reason, 0) + 1}
@@ -189,6 +215,8 @@ class Engine:
     def _solo_reason(self, adapter: tuple) -> Optional[str]:
         if self._sched is None:
             return "max_batch=1"
+        if self.max_kv_size:
+            return "max_kv_size"
         if self.policy.active:
             return "kv_quant"
         if adapter:
@@ -312,6 +340,8 @@ class Engine:
         return self._samplers[key]
 
     def _fetch(self, req: RequestState):
+        if req.prefix is not None:
+            return req.prefix
         if self.prompt_cache is None:
             return None
         hit = self.prompt_cache.fetch(req.ns, req.ids)
@@ -321,7 +351,7 @@ class Engine:
         return hit.caches
 
     def _store(self, req: RequestState, caches) -> None:
-        if self.prompt_cache is not None and caches:
+        if self.prompt_cache is not None and caches and req.prefix is None:
             tokens = req.ids + req.fed
             # the request is over: the caches are handed to the store, not copied
             self.prompt_cache.store(req.ns, tokens[:caches[0].offset], caches, copy_caches=False)
@@ -340,7 +370,7 @@ class Engine:
         if caches is not None:
             self.policy.apply(caches)
         else:
-            caches = self.model.make_cache()
+            caches = self._new_caches()
         reused, ids = req.reused, req.ids
         # The prompt (all but its last token) is prefilled one chunk per step()
         # (`_solo_prefill`, the chunks of `generate_step`'s own prefill); the token loop
@@ -360,6 +390,16 @@ class Engine:
         req.tic = time.perf_counter()
         self._solo = req
 
+    def _new_caches(self) -> list:
+        """The model's caches; with `max_kv_size`, mlx-lm's bounded ones (a ring of that
+        many tokens keeping the first 4) where the model has only full-attention layers."""
+        from .cache import KVCache, RotatingKVCache   # (engine.cache imports the models)
+
+        caches = self.model.make_cache()
+        if self.max_kv_size and all(type(c) is KVCache for c in caches):
+            caches = [RotatingKVCache(self.max_kv_size, keep=4) for _ in caches]
+        return caches
+
     def _solo_prefill(self, req: RequestState) -> None:
         from .cache import RotatingKVCache   # (engine.cache imports the models)
 
@@ -371,7 +411,7 @@ class Engine:
         # A sliding-window ring that wraps while decoding can no longer be trimmed back to
         # a shared prefix; keep a snapshot at the end of the prompt too (all tokens but
         # the last), so a prompt that branches after it still hits.
-        if (self.prompt_cache is not None and req.prompt.size > 1
+        if (self.prompt_cache is not None and req.prefix is None and req.prompt.size > 1
                 and any(isinstance(c, RotatingKVCache) for c in req.caches)):
             self.prompt_cache.store(req.ns, req.ids[:len(req.ids) - 1], req.caches)
         req.steps, req.start_decode = req.start_decode(), None

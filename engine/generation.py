@@ -51,6 +51,8 @@ def stream_generate(
     quantized_kv_start: int = 0,
     kv_config=None,
     prompt_cache=None,
+    prefix_caches=None,
+    max_kv_size: Optional[int] = None,
     cache_namespace: str = "base",
     admission: Optional[Admission] = None,
     tools: Optional[list] = None,
@@ -67,7 +69,9 @@ def stream_generate(
     token; when true the request ends with finish_reason "cancelled".
     `logits_processors`: processor objects for this one request (e.g.
     engine.constrained's), run after the built-in ones; to build them per request
-    instead, pass `processor_factories`."""
+    instead, pass `processor_factories`. `prefix_caches`: per-layer caches already holding
+    the context before `prompt` (`engine.cache_file.load_prompt_cache`). `max_kv_size`:
+    keep at most this many tokens in each full-attention layer's cache (mlx-lm's ring)."""
     if logits_processors:
         own = tuple((lambda p=p: p) for p in logits_processors)   # this request only
         sampling["processor_factories"] = tuple(sampling.get("processor_factories") or ()) + own
@@ -75,9 +79,9 @@ def stream_generate(
     eng = Engine(model, tokenizer, max_batch=1, prompt_cache=prompt_cache, admission=admission,
                  kv_bits=kv_bits, kv_group_size=kv_group_size,
                  quantized_kv_start=quantized_kv_start, kv_config=kv_config,
-                 prefill_step_size=prefill_step_size, levers=levers)
+                 prefill_step_size=prefill_step_size, levers=levers, max_kv_size=max_kv_size)
     rid = eng.submit(prompt, params, tools=tools, template_kwargs=template_kwargs,
-                     cache_namespace=cache_namespace)
+                     cache_namespace=cache_namespace, prefix_caches=prefix_caches)
     try:
         while eng.has_unfinished():
             for out in eng.step():

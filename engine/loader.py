@@ -166,7 +166,7 @@ def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = Fa
     (`engine.load`; see `resolve_model_path`).
 
     `tensor_parallel=True` shards the model over the ranks of
-    `mx.distributed.init()` (see `engine.sharding`); run it under `mlx.launch`.
+    `mx.distributed.init()` (see `engine.distributed.sharding`); run it under `mlx.launch`.
     """
     from .tokenizer import load_tokenizer
 
@@ -174,7 +174,7 @@ def load(path, adapter_path=None, lazy: bool = False, tensor_parallel: bool = Fa
     if tensor_parallel:
         if adapter_path is not None:
             raise ValueError("LoRA adapters are not supported with tensor_parallel=True")
-        from .sharding import barrier, shard_model
+        from .distributed.sharding import barrier, shard_model
         model, _config = load_model(path, lazy=True)
         shard_model(model)
         if not lazy:

@@ -190,6 +190,15 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+CLIENT_ERRORS: tuple = (ValueError, TypeError, KeyError)
+
+
+def client_error(out: RequestOutput) -> bool:
+    """A failed output whose cause is the request (raised before any token)."""
+    return (out.finish_reason == "error" and not out.started
+            and isinstance(out.error, CLIENT_ERRORS))
+
+
 # --- prompts ------------------------------------------------------------------------
 
 
@@ -249,6 +258,27 @@ def model_context(model) -> Optional[int]:
     return None
 
 
+def model_vocab_size(model) -> Optional[int]:
+    """Rows of the model's token embedding (`vocab_size`, or its text config's)."""
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        n = a.get("vocab_size") if isinstance(a, dict) else getattr(a, "vocab_size", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def check_token_ids(ids: list, vocab_size: Optional[int]) -> None:
+    """Raise `PromptError` (a ValueError) naming the first id outside [0, vocab_size):
+    the embedding gather does not check its indices."""
+    if not ids or not vocab_size:
+        return
+    if 0 <= min(ids) and max(ids) < vocab_size:
+        return
+    bad = next(t for t in ids if not 0 <= t < vocab_size)
+    raise PromptError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
+
+
 class RequestState:
     """One submitted request's state inside `engine.core.Engine`, whichever lane runs it."""
 
@@ -265,6 +295,7 @@ class RequestState:
         self.tic = time.perf_counter()
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
+        self.prefix = None                # solo: caches holding the context before `ids`
         self.uid: Optional[int] = None    # batch row id
         self.steps = None                 # solo: the generate_step iterator (once prefilled)
         self.caches = None                # solo: its caches

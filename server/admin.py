@@ -25,8 +25,7 @@ def _model_card(state) -> dict:
     return {"id": state.model_id, "object": "model", "created": state.started_at,
             "owned_by": "mlx-parity", "context_length": state.max_position,
             "max_model_len": state.max_position, "context_window": state.ceiling,
-            "max_position_embeddings": state.max_position, "model_type": state.model_type,
-            "path": state.model_dir}
+            "max_position_embeddings": state.max_position, "model_type": state.model_type}
 
 
 async def models(request: Request):

@@ -165,7 +165,7 @@ _PARAM_FIELDS = frozenset(("max_tokens", "top_logprobs", "temperature", "top_p",
 
 
 def encode(state, call: Call) -> list:
-    from engine.request import PromptError, encode_prompt
+    from engine.request import PromptError, check_token_ids, encode_prompt
 
     try:
         if call.messages is not None:
@@ -178,10 +178,10 @@ def encode(state, call: Call) -> list:
         raise bad_request(f"prompt build failed: {e}") from None
     if not ids:
         raise bad_request("the prompt encodes to no tokens")
-    bad = [t for t in ids if not 0 <= t < state.vocab_size]
-    if bad:
-        raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary "
-                          f"(size {state.vocab_size})")
+    try:
+        check_token_ids(ids, state.vocab_size)
+    except PromptError as e:
+        raise bad_request(str(e)) from None
     return ids
 
 

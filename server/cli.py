@@ -5,7 +5,7 @@
                  [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
                  [--adapter DIR] [--api-key KEY] [--batch N] [--adapter-dir DIR ...]
                  [--cors-origins ORIGIN ...] [--max-body-mb MB] [--max-prompt-chars N]
-                 [--tensor-parallel [--tp-timeout S]]   (under mlx.launch: server/tp.py)
+                 [--tensor-parallel [--tp-timeout S]]   (under mlx.launch: docs/distributed.md)
 
 Without --model it serves the built-in default model (a tiny model built
 offline into the fixture cache; nothing is downloaded). mlx_lm.server flags
@@ -25,7 +25,7 @@ import logging
 import sys
 import time
 
-from engine.cli import parse_bool as _bool
+from engine.argparsing import CliParser, json_dict as _json_dict, parse_bool as _bool
 
 from .listen import BackgroundServer, bind, uvicorn_server, url_of  # noqa: F401  (re-exported)
 from .security import is_loopback
@@ -33,18 +33,8 @@ from .security import is_loopback
 NOT_YET = "continuous batching is not available"
 
 
-def _json_dict(v: str) -> dict:
-    try:
-        d = json.loads(v)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return d
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
+    p = CliParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", help="model directory or Hugging Face repo id (default: the built-in tiny "
@@ -99,7 +89,8 @@ def parser() -> argparse.ArgumentParser:
       help="grant the --cors-origins the admin routes too (/v1/adapters, /stats)")
     a("--allowed-hosts", nargs="*", default=None, metavar="HOST",
       help="Host header names answered (default: localhost, 127.0.0.1, ::1 when bound to "
-      "loopback, any otherwise; * = any)")
+      "loopback; otherwise IP addresses, loopback and this machine's names without --api-key, "
+      "any with it; * = any)")
     a("--adapter-dir", action="append", default=None, metavar="DIR",
       help="directory POST /v1/adapters may mount from (repeatable; default "
       "~/.cache/mlx-parity/adapters)")
@@ -117,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
     a("--max-header-kb", type=int, default=16, metavar="KB",
       help="request line + headers limit in KiB (16)")
     a("--shutdown-timeout", type=float, default=10.0, metavar="S",
-      help="on SIGTERM/SIGINT, running requests get S seconds to finish (10)")
+      help="on SIGTERM/SIGINT, queued requests get 503 at once; running ones get S seconds "
+      "to finish, then a 503 error (a stream's final error event) (10)")
     a("--stream-interval-ms", type=float, default=25.0, metavar="MS",
       help="coalesce streamed deltas into at most one write per MS while decoding (default "
       "25, as mlx-bun; 0 = a write per token; the first and last tokens are never delayed)")
@@ -249,13 +241,17 @@ def ready_line(state, url: str) -> str:
               f"{adm.budget_bytes / 1e9:.2f} GB budget (RAM x 0.75)")
     extra = f", adapter {'+'.join(state.default_adapters)}" if state.default_adapters else ""
     auth = "on" if state.config.api_key else "off"
+    context = (f" of the model's {state.max_position}-token context" if state.max_position
+               else "")
     return (f"engine-serve ready: {url} model={state.model_id} "
-            f"admission ceiling={state.ceiling} tokens ({budget}; kv {state.kv_mode}{extra}) "
-            f"auth={auth}")
+            f"admission ceiling={state.ceiling} tokens{context} ({budget}; kv {state.kv_mode}"
+            f"{extra}) auth={auth}")
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    from .first_run import note_kernel_cache
+    note_kernel_cache()     # before loading the model compiles anything
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     if args.draft_model:
         print("engine-serve: --draft-model (speculative decoding) is not supported",
@@ -264,14 +260,14 @@ def main(argv=None) -> int:
     config = config_from_args(args)
     security = security_from_args(args, config)
     if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
-        from . import tp, tp_follow
+        from . import tp
         why = tp.refusal(args, config)
         if why:
             print(f"engine-serve: {why}", file=sys.stderr)
             return 2
         import mlx.core as mx
         if mx.distributed.init().rank() != 0:
-            return tp_follow.follow(config, args.tp_timeout)
+            return tp.follow(config, args.tp_timeout)
     if not config.api_key and not is_loopback(config.host):
         print(f"engine-serve: warning: listening on {config.host} without --api-key: anyone "
               "who can reach this address can use the server", file=sys.stderr)
@@ -321,6 +317,8 @@ def main(argv=None) -> int:
                             header_timeout_s=args.header_timeout,
                             max_header_bytes=args.max_header_kb * 1024,
                             shutdown_timeout_s=args.shutdown_timeout)
+    from . import shutdown
+    shutdown.install(server, state.gateway, args.shutdown_timeout)   # SIGTERM answers everyone
     leader = tp.lead(state, args.tp_timeout, app, server) if config.tensor_parallel else None
     url = url_of(sock)
 

@@ -39,17 +39,9 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from engine.request import RequestOutput
+from engine.request import RequestOutput, client_error
 
 log = logging.getLogger("engine-serve")
-
-CLIENT_ERRORS: tuple = (ValueError, TypeError, KeyError)
-
-
-def client_error(out: RequestOutput) -> bool:
-    """A failed output whose cause is the request (raised before any token)."""
-    return (out.finish_reason == "error" and not out.started
-            and isinstance(out.error, CLIENT_ERRORS))
 
 
 class GenerationJob:
@@ -74,6 +66,7 @@ class GenerationJob:
         self.queued_at = time.perf_counter()
         self.started_at: Optional[float] = None
         self.finished = False
+        self.delivered = False             # the worker has handed over an output
         self._items: deque = deque()
         self._lock = threading.Lock()
         self._waiter: Optional[asyncio.Future] = None
@@ -185,11 +178,14 @@ class Gateway:
         self._jobs: dict = {}                     # request id -> running job
         self._deferred: deque = deque()           # items waiting for the engine to drain
         self._stopped = False
+        # set by `shed` (SIGTERM): jobs that have produced nothing yet end with this error
+        self.shedding: Optional[BaseException] = None
+        self._shed_done = False
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
         self.last_generation: Optional[dict] = None
-        # while idle, `on_tick()` runs on the worker every `tick_s` seconds (server.tp's
+        # while idle, `on_tick()` runs on the worker every `tick_s` seconds (the tensor-parallel
         # heartbeat to the other ranks)
         self.tick_s: Optional[float] = None
         self.on_tick: Optional[Callable] = None
@@ -243,6 +239,8 @@ class Gateway:
                 jobs.append(item[1])
             elif item[0] == "call" and item[4].set_running_or_notify_cancel():
                 item[4].set_exception(error)
+            elif item[0] == "wake":
+                continue
             else:
                 self._q.put(item)     # the stop signal stays
                 break
@@ -251,6 +249,14 @@ class Gateway:
                 job.finished = True
                 job.put(RequestOutput("", [], finish_reason="error", request_id=str(job.id),
                                       error=error, started=False))
+
+    def shed(self, error: BaseException) -> None:
+        """Shutting down (any thread): every job that has produced nothing yet -- queued in
+        the inbox, held behind a call, waiting in the engine, or arriving from now on -- ends
+        with `error` (the server answers it 503); running generations go on until
+        `abandon` or their end."""
+        self.shedding = error
+        self._q.put(("wake",))
 
     def close(self, timeout: float = 5.0) -> None:
         self._q.put(("stop",))
@@ -267,6 +273,8 @@ class Gateway:
             self._intake()
             if self._stopped:
                 break
+            if self.shedding is not None and not self._shed_done:
+                self._shed_waiting()
             for rid, job in list(self._jobs.items()):
                 if job.cancelled.is_set():
                     self.engine.abort(rid)
@@ -294,11 +302,30 @@ class Gateway:
                 if block and self.on_tick is not None:
                     self.on_tick()
                 return
+            if item[0] == "wake":
+                return                           # (shed: the loop applies it now)
+            if item[0] == "gen" and self.shedding is not None:
+                self._start(item[1])             # ends it at once (503)
+                continue
             if self._deferred or (item[0] != "gen" and self._busy()):
                 self._deferred.append(item)      # behind the running requests
             else:
                 self._handle(item)
             block = not self._busy() and not self._deferred
+
+    def _shed_waiting(self) -> None:
+        """End (503) the jobs in the engine that have not produced an output yet."""
+        self._shed_done = True
+        held = [i for i in self._deferred if i[0] == "gen"]
+        self._deferred = deque(i for i in self._deferred if i[0] != "gen")
+        for item in held:
+            self._start(item[1])
+        for rid, job in list(self._jobs.items()):
+            if job.clock.n == 0 and not job.delivered:
+                self.engine.abort(rid)
+                del self._jobs[rid]
+                self._end(job, RequestOutput("", [], finish_reason="error", request_id=rid,
+                                             error=self.shedding, started=False))
 
     def _handle(self, item) -> None:
         kind = item[0]
@@ -317,6 +344,10 @@ class Gateway:
 
     def _start(self, job: GenerationJob) -> None:
         rid = str(job.id)
+        if self.shedding is not None:
+            self._end(job, RequestOutput("", [], finish_reason="error", request_id=rid,
+                                         error=self.shedding, started=False))
+            return
         if job.cancelled.is_set():
             self._end(job, RequestOutput("", [], finish_reason="cancelled", request_id=rid,
                                          started=False))
@@ -344,6 +375,7 @@ class Gateway:
             if job is None:
                 continue
             job.clock.tick(out)
+            job.delivered = True
             if not out.finished:
                 job.put(out)
                 continue

@@ -143,6 +143,8 @@ class MetricsMiddleware:
         proto = protocol_of(scope["path"])
         t0 = time.perf_counter()
         status = [500]
+        started = [False]
+        gone = [False]                  # the client left (its body or the answer unfinished)
         kind = {"sse": False, "json": False}
         body_parts: list = []
         chunks = [0]
@@ -152,7 +154,7 @@ class MetricsMiddleware:
         async def timed_send(message):
             t = message["type"]
             if t == "http.response.start":
-                status[0] = message["status"]
+                status[0], started[0] = message["status"], True
                 ctype = dict(message.get("headers") or []).get(b"content-type", b"")
                 kind["sse"] = ctype.startswith(b"text/event-stream")
                 kind["json"] = ctype.startswith(b"application/json") and proto != "other"
@@ -173,9 +175,17 @@ class MetricsMiddleware:
                     body_parts.append(body)
             await send(message)
 
+        async def noted_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone[0] = True
+            return message
+
         try:
-            await self.app(scope, receive, timed_send)
+            await self.app(scope, noted_receive, timed_send)
         finally:
+            if gone[0] and not started[0]:
+                status[0] = 499         # client closed the request before any answer (nginx's 499)
             self.m.requests.labels(proto, str(status[0])).inc()
             self.m.latency.labels(proto).observe(time.perf_counter() - t0)
             if body_parts and status[0] < 400:

@@ -4,7 +4,9 @@
 
 - `OriginGuard`: at most `max_headers` headers of `max_header_bytes` in all (431;
   h11 only bounds headers that arrive in pieces); the `Host` header must name the bound interface when it is a
-  loopback one (DNS rebinding); a request that carries an `Origin` (a browser)
+  loopback one (DNS rebinding); bound to another interface without `--api-key`, the `Host`
+  must be an IP address, a loopback name or one of this machine's own names (a DNS-rebound
+  page names a host of its own, so its Origin would otherwise pass as same-origin); a request that carries an `Origin` (a browser)
   is served only when that origin is granted for the route: `--cors-origins`
   grants the API routes, admin routes (`/v1/adapters`, `/stats`) only with
   `--cors-admin`. Granted routes get CORS headers (Starlette's CORSMiddleware);
@@ -19,9 +21,11 @@ messages that never reveal whether a path outside the roots exists.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -66,6 +70,25 @@ def default_allowed_hosts(bind_host: str) -> Optional[tuple]:
     return LOOPBACK_NAMES if is_loopback(bind_host) else None
 
 
+@functools.lru_cache(maxsize=1)
+def machine_names() -> frozenset:
+    """This machine's own host names (what a LAN client may type to reach it)."""
+    names = {socket.gethostname().lower()}
+    try:
+        names.add(socket.getfqdn().lower())
+    except OSError:
+        pass
+    return frozenset(n for n in names if n)
+
+
+def is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
 def _host_name(value: bytes) -> str:
     v = value.decode("latin-1").strip().lower()
     if v.startswith("["):
@@ -89,6 +112,8 @@ class OriginGuard:
     def __init__(self, app, config: SecurityConfig):
         self.app = app
         self.hosts = config.allowed_hosts
+        # bound beyond loopback with no key and no --allowed-hosts: refuse DNS names that are not ours
+        self.names_only_ours = config.allowed_hosts is None and not config.api_key
         self.max_headers, self.max_header_bytes = config.max_headers, config.max_header_bytes
         origins = tuple(config.cors_origins)
         self.any_origin = "*" in origins
@@ -120,6 +145,14 @@ class OriginGuard:
                     403, "Host header not allowed (the server answers to "
                          f"{', '.join(self.hosts)}; see --allowed-hosts)",
                     type="permission_error"))
+        if self.names_only_ours:
+            host = _host_name(headers.get(b"host", b""))
+            if host and not (is_ip_literal(host) or is_loopback(host) or host in machine_names()):
+                return await reply(scope, send, APIError(
+                    403, "Host header not allowed: a server bound beyond loopback without "
+                         "--api-key answers only to IP addresses, localhost and this machine's "
+                         "names (DNS rebinding); name the host with --allowed-hosts or set "
+                         "--api-key", type="permission_error"))
         origin = headers.get(b"origin")
         if origin is None or _same_origin(origin, headers.get(b"host", b"")):
             return await self.app(scope, receive, send)
@@ -145,7 +178,7 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in self.public or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        given = headers.get(b"x-api-key")
+        given = headers.get(b"x-api-key") or None      # an empty header is no key
         auth = headers.get(b"authorization", b"")
         if given is None and auth[:7].lower() == b"bearer ":
             given = auth[7:].strip()

@@ -54,7 +54,7 @@ class ServerConfig:
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
-    tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py)
+    tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py, engine/distributed)
 
 
 def default_max_queue(batch: int) -> int:
@@ -221,7 +221,7 @@ class ServerState:
         g = self.gateway.stats()
         return {
             "server": {"owner": self.config.owner, "model": self.model_id,
-                       "started_at": self.started_at, "model_path": self.model_dir,
+                       "started_at": self.started_at,
                        "model_type": self.model_type},
             "prompt_cache": prompt_cache,
             "response_store": self.store.stats(),

@@ -39,7 +39,8 @@ def main(argv):
     rank = mx.distributed.init().rank()
     res = {"rank": rank, "size": mx.distributed.init().size()}
     rc, text = captured(generate_cli, ["--model", str(tp_model), "--prompt", PROMPT,
-                                       "--max-tokens", "8", "--temp", "0", "--tensor-parallel"])
+                                       "--max-tokens", "8", "--temp", "0", "--tensor-parallel",
+                                       "--ignore-chat-template"])
     m, tok = engine.load(tp_model, tensor_parallel=True)
     res["generate"] = {"rc": rc, "stdout": text, "expected": engine.generate(
         m, tok, PROMPT, max_tokens=8, temperature=0.0).text}

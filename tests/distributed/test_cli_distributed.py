@@ -23,7 +23,7 @@ def test_generate_and_train_clis_under_launch(tmp_path):
     g0, g1 = r0["generate"], r1["generate"]
     assert g0["rc"] == g1["rc"] == 0
     assert g0["expected"] == g1["expected"] and g0["expected"]
-    assert g0["stdout"].startswith(g0["expected"] + "\n" + "=" * 10)
+    assert g0["stdout"].startswith("=" * 10 + "\n" + g0["expected"] + "\n" + "=" * 10)
     assert g1["stdout"] == ""
 
     for name in ("straight", "first_half", "resumed"):

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 
 from engine.loader import load_model
-from engine.sharding import ShardingError, shard_model
+from engine.distributed.sharding import ShardingError, shard_model
 from parity.fixtures.models import ensure_fixture
 from parity.launch import launch
 
@@ -37,7 +37,7 @@ def test_tensor_parallel_equals_mlx_lm_sharded_load(tmp_path):
 
 
 def test_single_rank_broadcast_is_identity():
-    from engine.sharding import broadcast_json
+    from engine.distributed.sharding import broadcast_json
     obj = {"a": [1, 2]}
     assert broadcast_json(obj) is obj
 
@@ -59,7 +59,7 @@ def test_unsupported_family_is_refused(family):
 
 
 def test_heads_that_do_not_split_are_refused():
-    from engine.sharding import check_shardable
+    from engine.distributed.sharding import check_shardable
     model = load_model(ensure_fixture("llama"), lazy=True)[0]  # 1 KV head
     with pytest.raises(ShardingError, match="key/value heads do not split over 2"):
         check_shardable(model, 2)

@@ -26,7 +26,8 @@ from server.state import ServerConfig, build_state
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
 GREEDY = [{"prompt": p, "max_tokens": 16, "temperature": 0.0} for p in PROMPTS]
 SEEDED = {"prompt": "print(", "max_tokens": 16, "temperature": 0.8, "seed": 7}
-# its submit message is longer than one broadcast frame (engine.sharding.FRAME_BYTES)
+# its submit message is longer than one broadcast frame
+# (engine.distributed.sharding.FRAME_BYTES)
 LONG = {"prompt": "x = 1\n" * 250, "max_tokens": 8, "temperature": 0.0}
 TIMEOUT_S = 15   # generous: a false alarm on a loaded machine would fail the test
 

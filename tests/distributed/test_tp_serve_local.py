@@ -13,9 +13,11 @@ import mlx.core as mx
 import pytest
 
 from engine import SamplingParams
+from engine.distributed import Follower, params_from_json, params_to_json
 from parity.fixtures.models import ensure_fixture
-from server import tp, tp_follow
+from server import tp
 from server.state import ServerConfig, build_state
+from tests.distributed.drive import drive
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,8 @@ def model_dir():
 
 
 class Recorder:
-    """engine.sharding.broadcast_json for the tests: rank 0 records, a follower replays."""
+    """engine.distributed.sharding.broadcast_json for the tests: rank 0 records, a follower
+    replays."""
 
     def __init__(self, script=None):
         self.sent, self.script = [], list(script or ())
@@ -41,15 +44,7 @@ def _drive(leader, requests):
     """What the gateway does: submit, step until done (cancelling the last request after
     two steps); the token ids and finish reason per request."""
     rids = [leader.submit(ids, p) for ids, p in requests]
-    toks, ends, steps = {r: [] for r in rids}, {}, 0
-    while leader.has_unfinished():
-        for o in leader.step():
-            toks[o.request_id] += o.token_ids
-            ends[o.request_id] = o.finish_reason
-        steps += 1
-        if steps == 2:
-            leader.abort(rids[-1])
-    return [(toks[r], ends[r]) for r in rids]
+    return drive(leader, rids, cancel=rids[-1])
 
 
 # the llama fixture's EOS ids (its config.json): the unseeded sampling request below draws its
@@ -70,10 +65,10 @@ def _state(model_dir, **kw):
 @pytest.mark.parametrize("lane", [{"batch": 2}, {"batch": 1, "prompt_cache_bytes": 1 << 24},
                                   {"batch": 2, "kv_quant": "8"}], ids=["batch", "solo", "kv8"])
 def test_follower_replays_rank_0_and_stops_out_of_step(model_dir, monkeypatch, capsys, lane):
-    import engine.sharding
+    import engine.distributed.sharding
     lead_state = _state(model_dir, **lane)
     rec = Recorder()
-    monkeypatch.setattr(engine.sharding, "broadcast_json", rec)
+    monkeypatch.setattr(engine.distributed.sharding, "broadcast_json", rec)
     leader = tp.Leader(lead_state, timeout=30)
     tokens = lead_state.gateway.call_sync(_drive, leader, REQUESTS)
     lead_state.gateway.call_sync(leader.send_stop)
@@ -84,14 +79,14 @@ def test_follower_replays_rank_0_and_stops_out_of_step(model_dir, monkeypatch, c
     # the unseeded sampling request went out with a seed rank 0 drew; greedy ones stay as sent
     assert [s["params"]["seed"] is not None for s in subs] == [False, True, True, False]
     assert subs[2]["params"]["seed"] == 11
-    assert tp.params_from_json(subs[2]["params"]) == REQUESTS[2][1]
+    assert params_from_json(subs[2]["params"]) == REQUESTS[2][1]
     lead_state.gateway.close()
 
     def follow(script):
         st = _state(model_dir, **lane)
-        monkeypatch.setattr(engine.sharding, "broadcast_json", Recorder(script))
+        monkeypatch.setattr(engine.distributed.sharding, "broadcast_json", Recorder(script))
         try:
-            return st.gateway.call_sync(lambda: tp_follow.Follower(st, timeout=30).run())
+            return st.gateway.call_sync(lambda: Follower(st.engine, timeout=30).run())
         finally:
             st.gateway.close()
 
@@ -191,8 +186,8 @@ def test_leader_refuses_what_ranks_cannot_replay(model_dir):
 def test_params_cross_as_json():
     p = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=2 ** 64 - 1,
                        logit_bias={3: 1.5}, stop=("a", "b"), logprobs=True, top_logprobs=2)
-    d = json.loads(json.dumps(tp.params_to_json(p)))
-    assert tp.params_from_json(d) == p
+    d = json.loads(json.dumps(params_to_json(p)))
+    assert params_from_json(d) == p
     assert set(d) == {f.name for f in dataclasses.fields(p)} - {"processor_factories"}
     mx.synchronize()
 
@@ -200,12 +195,12 @@ def test_params_cross_as_json():
 def test_idle_heartbeat_and_silent_rank_0(model_dir, monkeypatch, capsys):
     """Idle, rank 0 sends a heartbeat every --tp-timeout/4 s; a follower that hears
     nothing for --tp-timeout s says so and exits with status 3."""
-    import engine.sharding
+    import engine.distributed.sharding
     from server.app import create_app
     from server.cli import uvicorn_server
 
     rec = Recorder()
-    monkeypatch.setattr(engine.sharding, "broadcast_json", rec)
+    monkeypatch.setattr(engine.distributed.sharding, "broadcast_json", rec)
     state = _state(model_dir)
     app = create_app(state)
     leader = tp.lead(state, 0.4, app, uvicorn_server(app))
@@ -217,11 +212,12 @@ def test_idle_heartbeat_and_silent_rank_0(model_dir, monkeypatch, capsys):
         state.gateway.close()
 
     silent = threading.Event()
-    monkeypatch.setattr(engine.sharding, "broadcast_json", lambda *a, **k: silent.wait(10))
+    monkeypatch.setattr(engine.distributed.sharding, "broadcast_json",
+                        lambda *a, **k: silent.wait(10))
     st = _state(model_dir)
     exits = []
     try:
-        follower = tp_follow.Follower(st, timeout=0.5)
+        follower = Follower(st.engine, timeout=0.5)
         follower.exit = exits.append
         threading.Thread(target=follower.run, daemon=True).start()
         time.sleep(1.2)

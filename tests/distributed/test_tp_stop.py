@@ -84,7 +84,7 @@ class Rig:
 
 @pytest.fixture
 def rig(monkeypatch):
-    import engine.sharding
+    import engine.distributed.sharding
     eng = FakeEngine()
     gw = Gateway("tp-stop-test")
     r = Rig(eng, gw, None)
@@ -92,7 +92,7 @@ def rig(monkeypatch):
     def broadcast(obj=None, group=None):
         r.sent.append(obj["kind"])
         return obj
-    monkeypatch.setattr(engine.sharding, "broadcast_json", broadcast)
+    monkeypatch.setattr(engine.distributed.sharding, "broadcast_json", broadcast)
     monkeypatch.setattr(tp, "SHUTDOWN_GRACE_S", 0.5)
 
     class State:
@@ -217,7 +217,7 @@ def test_other_step_error_without_a_signal_stays_a_server_error(rig):
 
 
 def test_failed_heartbeat_after_a_step_error_is_a_lost_rank(rig, monkeypatch):
-    import engine.sharding
+    import engine.distributed.sharding
 
     def broadcast(obj=None, group=None):
         if obj["kind"] == "ping":
@@ -225,7 +225,7 @@ def test_failed_heartbeat_after_a_step_error_is_a_lost_rank(rig, monkeypatch):
         return obj
 
     def then():
-        monkeypatch.setattr(engine.sharding, "broadcast_json", broadcast)
+        monkeypatch.setattr(engine.distributed.sharding, "broadcast_json", broadcast)
         rig.engine.fault = ValueError("nan logits")
     outs = _run(rig, 10_000, then)
     _assert_rank_lost(outs)
@@ -237,14 +237,14 @@ def test_a_step_that_ends_a_request_is_confirmed_by_every_rank(rig, monkeypatch)
     """A ring that lost a peer may hand back partial sums instead of an error: the wrong
     logits can end a request (a stop token). A step that ends a request is handed over
     only once a heartbeat reached every rank; here it does not: 503, not a finished 200."""
-    import engine.sharding
+    import engine.distributed.sharding
 
     def broadcast(obj=None, group=None):
         rig.sent.append(obj["kind"])
         if obj["kind"] == "ping":
             raise RuntimeError(PARTIAL_SUM)
         return obj
-    monkeypatch.setattr(engine.sharding, "broadcast_json", broadcast)
+    monkeypatch.setattr(engine.distributed.sharding, "broadcast_json", broadcast)
     outs = _run(rig, 3, lambda: None)
     _assert_rank_lost(outs)
     assert rig.sent.count("ping") == 1 and _wait_exit(rig) == [tp.EXIT_RANK_LOST]

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 import engine
 from engine.loader import load_model
-from engine.sharding import broadcast_json
+from engine.distributed.sharding import broadcast_json
 from parity.fixtures.models import ensure_fixture
 from parity.oracles.mlx_lm_oracle import greedy_generate, make_cache
 

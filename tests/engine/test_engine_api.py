@@ -130,3 +130,53 @@ def test_quantized_kv_runs_solo_and_equals_generate(qwen):
     assert [got[r]["ids"] for r in rids] == want
     # one at a time: never more than one row decoding
     assert eng.stats()["solo_reasons"] == {"kv_quant": 2} and eng.stats()["peak_rows"] == 1
+
+
+@pytest.mark.parametrize("bad", [1024, 10 ** 9, -1])
+def test_prompt_ids_outside_the_vocabulary_are_a_value_error(qwen, bad):
+    """Every way in (Engine lanes, generate, stream_generate, an mx.array prompt) refuses
+    an id the embedding has no row for, naming it and the vocabulary size, before any
+    compute (the gather does not check its indices: a far id crashed the process)."""
+    import mlx.core as mx
+
+    model, tok = qwen
+    assert model.args.vocab_size == 1024
+    ids = [1, 2, bad, 3]
+    msg = rf"token id {bad} is outside the vocabulary \(size 1024\)"
+    for eng in (Engine(model, tok), Engine(model, tok, max_batch=4)):
+        with pytest.raises(ValueError, match=msg):
+            eng.submit(ids, SamplingParams(max_tokens=2))
+        assert not eng.has_unfinished()
+    with pytest.raises(ValueError, match=msg):
+        engine.generate(model, tok, ids, max_tokens=2)
+    with pytest.raises(ValueError, match=msg):
+        list(engine.stream_generate(model, tok, mx.array(ids), max_tokens=2))
+    assert engine.generate(model, tok, [1, 2, 1023], max_tokens=1).token_ids
+
+
+def test_max_kv_size_and_prefix_caches(qwen):
+    """`max_kv_size` bounds full-attention caches (the solo lane runs it, whatever
+    max_batch); `prefix_caches` continue a saved context: the same tokens as feeding
+    prefix + prompt in one request."""
+    from engine.cache import RotatingKVCache
+
+    model, tok = qwen
+    ids = tok.encode("count " * 12)
+    eng = Engine(model, tok, max_batch=4, max_kv_size=16)
+    assert all(isinstance(c, RotatingKVCache) and c.max_size == 16 and c.keep == 4
+               for c in eng._new_caches())
+    eng.submit(ids, SamplingParams(max_tokens=6, temperature=0.0))
+    bounded = _run(eng)
+    assert eng.stats()["solo_reasons"] == {"max_kv_size": 1}
+    one = engine.generate(model, tok, ids, max_tokens=6, temperature=0.0, max_kv_size=16)
+    assert list(bounded.values())[0]["ids"] == one.token_ids
+    with pytest.raises(ValueError, match="max_kv_size"):
+        Engine(model, tok, max_kv_size=0)
+
+    caches = model.make_cache()
+    import mlx.core as mx
+    model(mx.array(ids[:10])[None], cache=caches)
+    cont = engine.generate(model, tok, ids[10:], max_tokens=6, temperature=0.0,
+                           prefix_caches=caches)
+    whole = engine.generate(model, tok, ids, max_tokens=6, temperature=0.0)
+    assert cont.token_ids == whole.token_ids and cont.prompt_tokens == len(ids) - 10

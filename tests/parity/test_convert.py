@@ -194,3 +194,45 @@ def test_convert_from_a_hub_id(hf, tmp_path, monkeypatch):
         if n != "README.md":
             assert (by_id / n).read_bytes() == (by_dir / n).read_bytes(), n
     assert "base_model: acme/tiny-llama" in (by_id / "README.md").read_text()
+
+
+@pytest.mark.parametrize("src,kw", [("llama-bfloat16", {"quantize": True}),
+                                    ("llama-bfloat16", {"quantize": True,
+                                                        "quant_predicate": "mixed_3_6",
+                                                        "q_group_size": 32}),
+                                    ("qwen3-bfloat16", {"quantize": True, "q_bits": 8})])
+def test_bits_per_weight_line_matches_mlx_lm(src, kw, hf, tmp_path, capsys):
+    logged = []
+    convert(hf[src], tmp_path / "ours", ConvertOptions(**kw), log=logged.append)
+    capsys.readouterr()
+    _mlx_lm_convert(hf[src], tmp_path / "theirs", **kw)
+    theirs = [ln for ln in capsys.readouterr().out.splitlines() if "bits per weight" in ln]
+    ours = [ln for ln in logged if "bits per weight" in ln]
+    assert len(theirs) == 1 and ours == [theirs[0].replace("[INFO] ", "")]
+
+
+@pytest.mark.parametrize("src,kw", [("llama-bfloat16", {}), ("qwen3-bfloat16", {"q_bits": 8}),
+                                    ("llama-bfloat16", {"quant_predicate": "mixed_3_6",
+                                                        "q_group_size": 32})])
+def test_dequantize_matches_mlx_lm_byte_for_byte(src, kw, hf, tmp_path):
+    q = tmp_path / "q"
+    convert(hf[src], q, ConvertOptions(quantize=True, **kw), log=lambda _: None)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    convert(q, ours, ConvertOptions(dequantize=True), log=lambda _: None)
+    _mlx_lm_convert(q, theirs, dequantize=True)
+    assert "quantization" not in json.loads((ours / "config.json").read_text())
+    assert_same_files(ours, theirs)
+    assert_same_logits(ours, theirs)
+
+
+def test_cli_dequantize_and_its_errors(hf, tmp_path):
+    q = tmp_path / "q"
+    assert _cli("--hf-path", str(hf["llama-bfloat16"]), "--mlx-path", str(q), "-q").returncode == 0
+    ok = _cli("--hf-path", str(q), "--mlx-path", str(tmp_path / "d"), "-d")
+    assert ok.returncode == 0, ok.stderr
+    assert "quantization" not in json.loads((tmp_path / "d" / "config.json").read_text())
+    for args, words in [((str(hf["llama-bfloat16"]), "-d"), "is not quantized"),
+                        ((str(q), "-q", "-d"), "not both")]:
+        bad = _cli("--hf-path", args[0], "--mlx-path", str(tmp_path / "x"), *args[1:])
+        assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr
+        assert not (tmp_path / "x").exists()

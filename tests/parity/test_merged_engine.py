@@ -123,7 +123,7 @@ def test_engine_generate_merged_proj_flag(monkeypatch, capsys):
     texts = []
     for extra in ([], ["--merged-proj"]):
         assert engine_cli.main(argv + extra) == 0
-        texts.append(capsys.readouterr().out.split("=" * 10)[0])
+        texts.append(capsys.readouterr().out.split("=" * 10)[1])   # (mlx-lm's layout)
     assert texts[0] == texts[1] and texts[0].strip()
     assert len(merged) == 1 and merged[0] > 0   # only the --merged-proj run merged
 

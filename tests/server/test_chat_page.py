@@ -159,3 +159,49 @@ def test_browser_streams_and_stops(browser, slow_srv):
     shot = os.environ.get("MLXP_CHAT_SCREENSHOT")
     if shot:
         d.save_screenshot(shot)
+
+
+SAMPLING = ("temperature", "top_p", "max_tokens")
+
+
+def test_sampling_inputs_start_empty_and_are_sent_only_when_filled():
+    """Static check of the page: the sampling inputs carry no preset value (a preset
+    would be sent with every request, overriding the server's and the model's
+    defaults) and the request body does not name them unconditionally."""
+    from pathlib import Path
+
+    import server
+    html = (Path(server.__file__).parent / "static" / "chat.html").read_text()
+    for name in SAMPLING:
+        tag = re.search(rf'<input id="{name}"[^>]*>', html, re.S).group(0)
+        assert "value=" not in tag and 'class="sampling"' in tag, tag
+    body = re.search(r"const body = \{(.*?)\};", html, re.S).group(1)
+    assert not any(name in body for name in SAMPLING), body
+
+
+def test_browser_sends_only_the_sampling_fields_the_user_set(browser, slow_srv):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    d, s = browser, slow_srv
+    d.get(s.url + "/chat")
+    find = d.find_element
+    wait_for(lambda: find(By.ID, "model").text == s.state.model_id)
+    d.execute_script("window.__bodies = []; const f = window.fetch;"
+                     "window.fetch = (u, o) => { if (o && o.body) window.__bodies.push(o.body);"
+                     " return f(u, o); };")
+
+    def send(text):
+        s.forced.arm("ok")
+        find(By.ID, "input").send_keys(text, Keys.ENTER)
+        wait_for(lambda: find(By.ID, "status").text == "done")
+        return json.loads(d.execute_script("return window.__bodies[window.__bodies.length - 1];"))
+
+    body = send("hello")
+    assert not set(SAMPLING) & set(body), body
+    find(By.ID, "temperature").send_keys("0.3")
+    body = send("again")
+    assert body["temperature"] == 0.3 and "top_p" not in body and "max_tokens" not in body
+    find(By.ID, "temperature").clear()
+    find(By.ID, "max_tokens").send_keys("7")
+    body = send("once more")
+    assert body["max_tokens"] == 7 and not {"temperature", "top_p"} & set(body)

@@ -18,8 +18,8 @@ READY = re.compile(r"engine-serve ready: (http://[\d.]+:\d+) model=(\S+) "
                    r"admission ceiling=(\d+) tokens")
 
 
-def spawn(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+def spawn(*args, **env_extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **env_extra}
     return subprocess.Popen([sys.executable, "-m", "server.cli", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -47,6 +47,8 @@ def test_default_model_ready_line_batch_warning_and_auth():
         url, model_id, ceiling = m.group(1), m.group(2), int(m.group(3))
         assert model_id == Path(default_model_dir()).name
         assert ceiling > 0 and "2.00 GB budget" in line
+        # the model's context beside the ceiling (the built-in model's is 4096 tokens)
+        assert f"admission ceiling={ceiling} tokens of the model's 4096-token context (" in line
         assert httpx.get(url + "/health").content == b'{"status": "ok"}'
         assert httpx.get(url + "/stats").status_code == 401
         s = httpx.get(url + "/stats", headers={"x-api-key": "k1"}).json()

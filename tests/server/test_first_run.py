@@ -14,8 +14,9 @@ from server.first_run import COMPILE_NOTICE
 from test_cli import spawn, wait_ready
 
 
-def test_ready_text_curl_and_compile_notice():
-    p = spawn("--port", "0", "--prompt-cache", "0")
+def test_ready_text_curl_and_compile_notice(tmp_path):
+    # a fresh temp dir: MLX's on-disk kernel cache (<tmp>/mlx/<version>/...) is cold
+    p = spawn("--port", "0", "--prompt-cache", "0", TMPDIR=str(tmp_path))
     try:
         _, first = wait_ready(p)
         # the ready text is printed in one write: the rest is already there
@@ -46,3 +47,30 @@ def test_ready_text_curl_and_compile_notice():
         p.terminate()
         _, err = p.communicate(timeout=30)
     assert err.count(COMPILE_NOTICE) == 1, err
+
+    # the same machine again: the kernels are cached, so no notice
+    p = spawn("--port", "0", "--prompt-cache", "0", TMPDIR=str(tmp_path))
+    try:
+        url = wait_ready(p)[0].group(1)
+        assert httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    finally:
+        p.terminate()
+        _, err = p.communicate(timeout=30)
+    assert COMPILE_NOTICE not in err, err
+
+
+def test_kernel_cache_cold_follows_the_cache_directory(tmp_path, monkeypatch):
+    import mlx.core as mx
+
+    from server.first_run import kernel_cache_cold, kernel_cache_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)      # re-read TMPDIR
+    d = kernel_cache_dir()
+    assert d == tmp_path / "mlx" / mx.__version__ / "cpu"
+    assert kernel_cache_cold()
+    d.mkdir(parents=True)
+    assert kernel_cache_cold()               # empty: still cold
+    (d / "libkernel.so").write_bytes(b"")
+    assert not kernel_cache_cold()

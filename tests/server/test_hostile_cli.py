@@ -130,3 +130,63 @@ def test_prompt_char_default_follows_the_model(llama_dir):
     sec = security_for(ServerConfig(host="0.0.0.0"))
     assert sec.allowed_hosts is None and sec.adapter_dirs == ("~/.cache/mlx-parity/adapters",)
     json.dumps(sec.limits.__dict__)
+
+
+def test_sigterm_answers_every_request_before_exit(llama_dir, tmp_path):
+    """SIGTERM with one stream running and one request queued behind it (--batch 1): the
+    queued request is answered 503 at once, the stream gets --shutdown-timeout seconds and then
+    a final error event (not a cut connection), and the server exits."""
+    p = spawn("--model", str(llama_dir), "--port", "0", "--shutdown-timeout", "1",
+              "--batch", "1", "--prompt-cache", "0", "--adapter-dir", str(tmp_path))
+    lines, queued, ended = [], {}, {}
+    try:
+        m, _ = wait_ready(p)
+        url = m.group(1)
+
+        def stream():
+            body = {"model": "m", "max_tokens": 20000, "stream": True,
+                    "messages": [{"role": "user", "content": "tell me everything"}]}
+            try:
+                with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                                  json={**body, "logit_bias": EOS}) as r:
+                    lines.extend(ln for ln in r.iter_lines() if ln.startswith("data: "))
+            except httpx.HTTPError as e:
+                lines.append(repr(e))
+            ended["at"] = time.monotonic()
+
+        def waiting():
+            body = {"model": "m", "max_tokens": 4, "system": "s",
+                    "messages": [{"role": "user", "content": "hi"}]}
+            r = httpx.post(url + "/v1/messages", json=body, timeout=60)
+            queued.update(status=r.status_code, body=r.json(), at=time.monotonic())
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        while len(lines) < 3 and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        q = threading.Thread(target=waiting, daemon=True)
+        q.start()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:          # the second request is inside, queued
+            st = httpx.get(url + "/stats", timeout=5).json()
+            if st["queue"]["queued"] >= 1:
+                break
+            time.sleep(0.05)
+        assert st["queue"]["queued"] >= 1, st["queue"]
+        p.send_signal(signal.SIGTERM)
+        q.join(20)
+        t.join(20)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=20)
+    assert queued["status"] == 503, queued
+    assert queued["body"]["type"] == "error" and queued["body"]["error"]["type"] == "overloaded_error"
+    assert "shutting down" in queued["body"]["error"]["message"]
+    assert queued["at"] < ended["at"]          # at once, not after the running one's grace
+    assert len(lines) >= 3, lines
+    last = [ln for ln in lines if ln != "data: [DONE]"][-1]
+    err = json.loads(last[len("data: "):])
+    assert "shutting down" in err["error"]["message"], lines[-3:]

@@ -128,6 +128,41 @@ def test_stream_timing_skips_the_opening_frame_and_reads_usage():
         assert got[("engine_generation_tokens_total", "openai_chat")] == 3
 
 
+def test_client_gone_before_its_body_is_499_not_500():
+    """A client that leaves before its body arrives is counted as 499 (client closed), not as a
+    server error; one that got an answer keeps that answer's status."""
+    import asyncio
+
+    from server.metrics import Metrics, MetricsMiddleware
+
+    async def reads_body(scope, receive, send):      # like BodyGuard: gives up on a disconnect
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def answers(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+        await receive()
+
+    async def drive(mw):
+        msgs = iter([{"type": "http.request", "body": b"{", "more_body": True},
+                     {"type": "http.disconnect"}])
+
+        async def receive():
+            return next(msgs)
+
+        async def send(_):
+            pass
+        await mw({"type": "http", "path": "/v1/messages", "method": "POST"}, receive, send)
+
+    for app, want in ((reads_body, "499"), (answers, "200")):
+        m = Metrics()
+        asyncio.run(drive(MetricsMiddleware(app, m)))
+        got = {s.labels.get("status"): s.value for fam in m.registry.collect()
+               for s in fam.samples if s.name == "engine_requests_total"}
+        assert got == {want: 1.0}, (app.__name__, got)
+
+
 @pytest.mark.parametrize("batched,configured,rows_max", [(True, 4, 4), (False, 4, 1)])
 def test_collector_reads_the_engine_counters_through_the_state(batched, configured, rows_max):
     """Batch gauges come from the state's `batch_stats()` (the Engine's `stats()`): the batched

@@ -67,7 +67,7 @@ def test_kv_sharing_presummed_order_is_the_only_inexact_cut(dtype):
             worst = max(worst, r["max_rel"])
         else:
             assert r["n_exact"] == r["n"], S
-    # the size of the effect (recorded in docs/training.md): ~1.6e-6 f32, ~3e-2 bf16
+    # the size of the effect (recorded in reports/training/JOURNAL.md): ~1.6e-6 f32, ~3e-2 bf16
     assert worst > 0
 
 

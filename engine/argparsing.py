@@ -1,0 +1,104 @@
+"""The argument parser every CLI of the project uses (engine-generate, engine-serve,
+engine-train, engine-convert).
+
+`CliParser` is an `argparse.ArgumentParser` whose errors are one line on stderr and
+exit status 2, without the usage block:
+
+- a flag it does not know is named; a near miss gets the closest flag
+  (`--max-token is not a flag of engine-generate; did you mean --max-tokens?`);
+- a flag of mlx-lm's CLI that this command does not implement says so, with why
+  (`CliParser.unsupported`);
+- the other argparse errors (missing required flag, bad value) keep argparse's text.
+
+`DefaultsHelpFormatter` shows "(default: X)" after a flag's help unless the help text
+already states its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+
+
+def parse_bool(v: str) -> bool:
+    """argparse type for true|false flags (shared by the project's CLIs)."""
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on", "t"):
+        return True
+    if s in ("0", "false", "no", "off", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+def json_dict(v: str) -> dict:
+    """argparse type for a JSON object flag."""
+    try:
+        d = json.loads(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return d
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" only where the help does not already say its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        return super()._get_help_string(action)
+
+
+class CliParser(argparse.ArgumentParser):
+    """ArgumentParser with one-line errors (exit 2) that name the offending flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._unsupported: dict[str, str] = {}
+
+    def unsupported(self, flags: dict) -> None:
+        """Flags (mlx-lm's) this command does not implement: {flag: why}. Using one is an
+        error naming it, instead of "unrecognized arguments"."""
+        self._unsupported.update(flags)
+
+    def parse_args(self, args=None, namespace=None):
+        # A misspelt flag is the error to report, even when a required flag is missing too
+        # (argparse would complain about the required one first).
+        required = [a for a in self._actions if a.required]
+        for a in required:
+            a.required = False
+        try:
+            _, extras = super().parse_known_args(args, None)
+        finally:
+            for a in required:
+                a.required = True
+        if extras:
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return super().parse_args(args, namespace)
+
+    def known_flags(self) -> list[str]:
+        return [s for a in self._actions if a.help is not argparse.SUPPRESS
+                for s in a.option_strings]
+
+    def unknown_flag_message(self, token: str) -> str:
+        flag = token.split("=", 1)[0]
+        if flag in self._unsupported:
+            return f"{flag} is not supported by {self.prog}: {self._unsupported[flag]}"
+        close = difflib.get_close_matches(flag, self.known_flags(), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else f" (see {self.prog} --help)"
+        return f"{flag} is not a flag of {self.prog}{hint}"
+
+    def error(self, message: str):
+        m = re.match(r"unrecognized arguments: (.*)", message)
+        if m:
+            tokens = m.group(1).split()
+            flags = [t for t in tokens if re.match(r"--?[A-Za-z]", t)]
+            if flags:
+                message = self.unknown_flag_message(flags[0])
+            else:
+                message = f"unexpected argument {tokens[0]!r} (see {self.prog} --help)"
+        self.exit(2, f"{self.prog}: error: {message}\n")

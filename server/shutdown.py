@@ -1,0 +1,45 @@
+"""SIGTERM / SIGINT: answer everyone before exiting.
+
+On the signal uvicorn stops listening and waits up to its graceful-shutdown timeout for the
+open requests. Before that, `install` makes the gateway shed: every request that has produced
+nothing yet (queued, waiting for a row, or arriving on a kept-alive connection) is answered
+503 at once. Running generations get `--shutdown-timeout` seconds to finish; then each one
+still running ends with the same 503 error -- a stream's final event is the protocol's error
+event -- and uvicorn, whose own timeout is a little longer, closes the connections only after
+those answers are written.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .errors import APIError
+
+WRITE_S = 2.0       # uvicorn waits this much longer than the grace, for the error answers
+
+
+def shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or later",
+                    type="overloaded_error", code="server_shutting_down")
+
+
+def install(server, gateway, grace_s: float) -> None:
+    """Wrap `server.handle_exit` (uvicorn looks it up on the instance when it installs its
+    signal handlers) so that the first signal sheds, then abandons after `grace_s`."""
+    handle_exit = server.handle_exit
+    started = threading.Event()
+
+    def on_signal(sig, frame):
+        if not started.is_set():
+            started.set()
+            err = shutdown_error()
+            gateway.shed(err)
+            timer = threading.Timer(grace_s, gateway.abandon, args=(err,))
+            timer.daemon = True
+            timer.start()
+        handle_exit(sig, frame)
+
+    server.handle_exit = on_signal
+    cfg = server.config
+    if cfg.timeout_graceful_shutdown is not None:
+        cfg.timeout_graceful_shutdown = grace_s + WRITE_S
