@@ -45,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     a("--memory-budget", type=float, metavar="GB",
       help="admission budget in decimal GB (x1e9); default: machine RAM x 0.75")
     a("--prompt-cache", type=float, metavar="GiB",
-      help="prompt (prefix KV) cache cap in binary GiB (x2^30); 0 disables; default 2e9 bytes")
+      help="prompt (prefix KV) cache cap in binary GiB (x2^30); 0 disables; default: a "
+      "quarter of the memory budget left after the weights")
     a("--prompt-cache-bytes", type=int, help="(mlx_lm.server) prompt cache cap in bytes")
     a("--prompt-cache-size", type=int, help="(mlx_lm.server) entry count: accepted, ignored "
       "(the cache is byte-capped)")
@@ -158,7 +159,7 @@ def chat_template_from(value):
 
 
 def config_from_args(args):
-    from .state import DEFAULT_PROMPT_CACHE_BYTES, ServerConfig
+    from .state import ServerConfig
 
     if args.prompt_cache is not None:
         if args.prompt_cache < 0:
@@ -167,7 +168,7 @@ def config_from_args(args):
     elif args.prompt_cache_bytes is not None:
         cache_bytes = max(0, args.prompt_cache_bytes)
     else:
-        cache_bytes = DEFAULT_PROMPT_CACHE_BYTES
+        cache_bytes = None   # a share of the memory budget (ServerState)
     kv = args.kv_quant if args.kv_quant is not None else (
         str(args.kv_bits) if args.kv_bits is not None else "config")
     if args.memory_budget is not None and args.memory_budget <= 0:

@@ -21,7 +21,6 @@ from .store import ResponseStore
 
 log = logging.getLogger("engine-serve")
 
-DEFAULT_PROMPT_CACHE_BYTES = 2_000_000_000
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 512
 
@@ -33,7 +32,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8090
     memory_budget_bytes: Optional[int] = None      # None = machine RAM x 0.75
-    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES   # 0 disables
+    prompt_cache_bytes: Optional[int] = None        # 0 disables; None = the budget left
+    #                                       after the weights x PROMPT_CACHE_FRACTION
     kv_quant: str = "config"                        # config | off | 4 | 8 (or any valid bits)
     kv_group_size: Optional[int] = None             # None = 64, or 32 when head_dim needs it
     thinking: Optional[bool] = None
@@ -102,12 +102,13 @@ class ServerState:
         self.vocab_size = int(getattr(getattr(model, "args", None), "vocab_size", 0)
                               or self.model_config.get("vocab_size") or tc.get("vocab_size")
                               or len(tokenizer))
-        self.prompt_cache = (PromptCache(config.prompt_cache_bytes)
-                             if config.prompt_cache_bytes > 0 else None)
         self.kv_options, self.kv_mode = self._kv_options()
         self.kv_policy = make_policy(model, **self.kv_options)
         self.admission = Admission.for_model(model, config.memory_budget_bytes, self.kv_policy,
                                              prefill_step=config.prefill_step_size)
+        cache_bytes = (self.admission.prompt_cache_bytes() if config.prompt_cache_bytes is None
+                       else config.prompt_cache_bytes)
+        self.prompt_cache = PromptCache(cache_bytes) if cache_bytes > 0 else None
         self.ceiling = self.admission.max_context()
         self.adapters = AdapterRegistry(model, self.prompt_cache)
         self.default_adapters: tuple = ()

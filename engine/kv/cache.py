@@ -112,6 +112,17 @@ class KVCache:
         c.__dict__.update(self.__dict__)
         return c
 
+    def head(self, n: int) -> "KVCache":
+        """A new cache holding only the first n tokens, in buffers of exactly n slots
+        (copies, evaluated; the cache must be trimmable)."""
+        c = self.copy()
+        c.offset = min(n, self.offset)
+        if self.keys is not None:
+            cut = lambda x: mx.contiguous(x[..., :c.offset, :])
+            c.keys, c.values = _tmap(cut, self.keys), _tmap(cut, self.values)
+            mx.eval(c.keys, c.values)
+        return c
+
     @property
     def nbytes(self) -> int:
         return _nbytes(self.keys) + _nbytes(self.values)
@@ -275,6 +286,13 @@ class RotatingKVCache(KVCache):
 
     def is_trimmable(self) -> bool:
         return self.offset < self.max_size
+
+    def head(self, n: int) -> "RotatingKVCache":
+        if not self.is_trimmable():
+            raise ValueError("a wrapped sliding-window ring cannot be cut to a prefix")
+        c = super().head(n)
+        c._idx = c.offset   # not wrapped: slot i holds token i
+        return c
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)

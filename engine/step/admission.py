@@ -27,6 +27,12 @@ from mlx.utils import tree_flatten
 
 STEP = 256
 
+# The prompt cache's default cap: this fraction of what the budget leaves after the
+# weights (the rest is for the running requests' KV and working memory; admission does
+# not reserve the cache's share, so a full cache and a request at the ceiling together
+# can go past the budget by at most this much).
+PROMPT_CACHE_FRACTION = 0.25
+
 
 class ContextOverBudget(ValueError):
     def __init__(self, requested: int, ceiling: int, budget_bytes: int):
@@ -175,6 +181,10 @@ class Admission:
             else:
                 hi = mid
         return lo
+
+    def prompt_cache_bytes(self, fraction: float = PROMPT_CACHE_FRACTION) -> int:
+        """The prompt cache's default cap: `fraction` of the budget left after the weights."""
+        return max(0, int((self.budget_bytes - self.weights) * fraction))
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         need = prompt_tokens + max_tokens

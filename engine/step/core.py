@@ -127,10 +127,13 @@ class Engine:
 
     @classmethod
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
-             memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: int = 0,
+             memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: Optional[int] = 0,
              tensor_parallel: bool = False, tp_timeout: Optional[float] = 60.0, **kw):
         """Load a model directory; memory admission on (budget: 75% of RAM by default).
 
+        prompt_cache_bytes: the prompt cache's cap (0: none; None: what the server takes by
+        default, `Admission.prompt_cache_bytes()`, a share of the budget left after the
+        weights).
         `tensor_parallel=True` (under `mlx.launch`): every rank loads its shard (see
         `engine.load`) and builds the same Engine (rank 0's memory budget). On rank 0
         this returns an `engine.distributed.Leader` with the Engine's interface, which
@@ -149,11 +152,13 @@ class Engine:
             from engine.distributed import sharding
             if memory_budget_bytes is None:     # every rank admits what rank 0 admits
                 memory_budget_bytes = sharding.broadcast_json(default_budget())
-        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
-        eng = cls(model, tokenizer, max_batch=max_batch, prompt_cache=cache,
-                  adapters=AdapterRegistry(model, cache), **kw)
+        eng = cls(model, tokenizer, max_batch=max_batch, **kw)
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
+        if prompt_cache_bytes is None:
+            prompt_cache_bytes = eng.admission.prompt_cache_bytes()
+        eng.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+        eng.adapters = AdapterRegistry(model, eng.prompt_cache)
         if tensor_parallel:
             from engine.distributed import coordinate
             return coordinate(eng, tp_timeout)

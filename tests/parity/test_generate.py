@@ -147,3 +147,35 @@ def test_prompt_cache_warm_equals_mlx_lm_with_same_prefix(family, scenario):
     assert warm.token_ids == ref_tokens[:len(warm.token_ids)]
     assert [e["logprob"] for e in warm.logprobs] == [
         float(lp[t].item()) for t, lp in zip(ref_tokens, (lp for _, lp in ref))][:len(warm.logprobs)]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in SLIDING])
+def test_prompt_cache_cut_to_the_cap_equals_mlx_lm(family):
+    """A prefix whose KV is larger than the cap is kept cut to its longest whole-block
+    prefix that fits (copied into buffers of exactly that length); the warm call from the
+    cut equals mlx-lm fed the same cache trimmed to the same prefix."""
+    from engine.kv.prompt_cache import BLOCK
+    (model, tok), (rmodel, rtok) = _pair(family)
+    a = (tok.encode(PROMPT) * 40)[:2 * BLOCK + 50]
+    more = tok.encode(" if n < 2:\n        return n\n", add_special_tokens=False)
+    probe = PromptCache(1 << 34)
+    engine.generate(model, tok, a, max_tokens=6, prompt_cache=probe, temperature=0.0)
+    pc = PromptCache(int(probe.bytes * 0.9))
+    cold = engine.generate(model, tok, a, max_tokens=6, prompt_cache=pc, temperature=0.0)
+    assert len(pc) == 1 and pc.bytes <= pc.max_bytes
+    b = a + cold.token_ids + more
+    warm = engine.generate(model, tok, b, max_tokens=12, prompt_cache=pc, logprobs=True,
+                           temperature=0.0)
+    assert warm.cached_tokens == 2 * BLOCK and pc.hits == 1
+
+    rc = make_prompt_cache(rmodel)
+    fed = list(ref_generate_step(mx.array(a), rmodel, max_tokens=6, prompt_cache=rc))
+    assert [int(t) for t, _ in fed][:len(cold.token_ids)] == cold.token_ids
+    trim_prompt_cache(rc, rc[0].offset - 2 * BLOCK)
+    ref = list(ref_generate_step(mx.array(b[2 * BLOCK:]), rmodel, max_tokens=12,
+                                 prompt_cache=rc))
+    ref_tokens = [int(t) for t, _ in ref]
+    assert warm.token_ids == ref_tokens[:len(warm.token_ids)]
+    assert [e["logprob"] for e in warm.logprobs] == [
+        float(lp[t].item()) for t, lp in zip(ref_tokens, (lp for _, lp in ref))
+    ][:len(warm.logprobs)]

@@ -97,11 +97,35 @@ def test_flag_units_and_aliases():
     assert c.kv_quant == "8" and c.thinking is False and c.template_kwargs == {"a": 1}
     d = config_from_args(parser().parse_args([]))
     assert (d.host, d.port, d.kv_quant, d.prompt_cache_bytes, d.batch) == (
-        "127.0.0.1", 8090, "config", 2_000_000_000, 8)
+        "127.0.0.1", 8090, "config", None, 8)            # None: a share of the budget
     assert config_from_args(parser().parse_args(["--prompt-cache-bytes", "123"])) \
         .prompt_cache_bytes == 123
     with pytest.raises(SystemExit):
         parser().parse_args(["--thinking", "maybe"])
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--memory-budget", "3"], "share"), (["--memory-budget", "40"], "share"),
+    (["--memory-budget", "3", "--prompt-cache-bytes", "123"], 123),
+    (["--memory-budget", "3", "--prompt-cache", "0.5"], 1 << 29),
+    (["--memory-budget", "3", "--prompt-cache", "0"], 0)])
+def test_prompt_cache_default_follows_the_memory_budget(qwen_dir, flags, want):
+    """Default cap: PROMPT_CACHE_FRACTION of the admission budget left after the weights
+    (0.2.10: a fixed 2e9 bytes, less than one 16K-token prefix of an 8B model); an
+    explicit size is kept as given, 0 turns the cache off."""
+    from engine.step.admission import PROMPT_CACHE_FRACTION
+    from server.state import build_state
+    cfg = config_from_args(parser().parse_args(["--model", str(qwen_dir), *flags]))
+    state = build_state(cfg)
+    try:
+        got = state.prompt_cache.max_bytes if state.prompt_cache is not None else 0
+        adm = state.admission
+        if want == "share":
+            want = int((adm.budget_bytes - adm.weights) * PROMPT_CACHE_FRACTION)
+            assert want == adm.prompt_cache_bytes() and 0 < want < adm.budget_bytes // 4
+        assert got == want == state.stats()["prompt_cache"]["max_bytes"]
+    finally:
+        state.gateway.close()
 
 
 def test_accepted_connections_are_nodelay_and_quickack():
