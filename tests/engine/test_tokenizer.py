@@ -713,7 +713,7 @@ def test_chat_template_jinja_file_takes_priority(model_dir, tmp_path):
 
 
 def test_engine_does_not_import_oracles():
-    src = Path(__file__).resolve().parents[2] / "engine" / "tokenizer.py"
+    src = Path(__file__).resolve().parents[2] / "engine" / "text" / "tokenizer.py"
     text = src.read_text()
     for banned in ("mlx_lm", "transformers", "optiq"):
         assert f"import {banned}" not in text and f"from {banned}" not in text
