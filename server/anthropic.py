@@ -96,9 +96,13 @@ def convert_messages(system, messages) -> list:
         if not isinstance(m, dict):
             raise bad_request(f"{where} must be an object")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}")
+        if role not in ("user", "assistant", "system"):
+            raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system', "
+                              f"got {role!r}")
         content = m.get("content")
+        if role == "system":      # where it occurs (Claude Code sends them after a user turn)
+            out.append({"role": "system", "content": _blocks_text(content, where)})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -199,17 +203,32 @@ def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
     thinking = F.obj(body, "thinking")
     if thinking:
         kind = thinking.get("type")
-        if kind not in ("enabled", "disabled"):
-            raise bad_request(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
-                              param="thinking.type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise bad_request(f"thinking.type must be 'enabled', 'disabled' or 'adaptive', "
+                              f"got {kind!r}", param="thinking.type")
         budget = thinking.get("budget_tokens")
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
                                    or budget < 1):
             raise bad_request("thinking.budget_tokens must be a positive integer",
                               param="thinking.budget_tokens")
-        kw["enable_thinking"] = kind == "enabled"
+        if kind != "adaptive":
+            kw["enable_thinking"] = kind == "enabled"
+        elif _reasons(state):
+            kw["enable_thinking"] = True      # adaptive: the model thinks when it can
     call.template_kwargs = kw
     return call
+
+
+def _reasons(state) -> bool:
+    """Whether the model's chat template has a reasoning (thinking) format."""
+    from engine.reasoning import reasoning_format_for
+    return reasoning_format_for(state.tokenizer) is not None
+
+
+def thinking_omitted(body: dict) -> bool:
+    """`thinking.display: "omitted"`: thinking blocks carry no text."""
+    thinking = body.get("thinking")
+    return isinstance(thinking, dict) and thinking.get("display") == "omitted"
 
 
 def usage(prompt_tokens: int, cached: int, output: int) -> dict:
@@ -220,10 +239,11 @@ def usage(prompt_tokens: int, cached: int, output: int) -> dict:
 class MessageRender:
     """Builds the content blocks from events; SSE frames when streaming."""
 
-    def __init__(self, model_id: str, streaming: bool):
+    def __init__(self, model_id: str, streaming: bool, omit_thinking: bool = False):
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = model_id
         self.streaming = streaming
+        self.omit_thinking = omit_thinking   # thinking blocks without their text
         self.blocks: list = []
         self._open = None   # index of the open text block
 
@@ -257,6 +277,8 @@ class MessageRender:
             self.blocks.append(block)
             out.append(self._ev("content_block_start", {
                 "index": self._open, "content_block": dict(block)}))
+        if kind == "thinking" and self.omit_thinking:
+            return b"".join(out)
         self.blocks[self._open][key] += ev.text
         out.append(self._ev("content_block_delta", {
             "index": self._open, "delta": {"type": delta, key: ev.text}}))
@@ -318,7 +340,7 @@ async def messages(request: Request, validated: MessagesRequest):
     call = parse_messages(body, state)
     stream = F.boolean(body, "stream", False)
     gen = await start(state, call, request)
-    render = MessageRender(state.model_id, stream)
+    render = MessageRender(state.model_id, stream, thinking_omitted(body))
     if stream:
         first = gen.first_output
         cached = first.cached_tokens if first is not None else 0

@@ -165,7 +165,8 @@ class ResponseRender:
             r["usage"] = {"input_tokens": done.prompt_tokens,
                           "input_tokens_details": {"cached_tokens": done.cached_tokens},
                           "output_tokens": done.completion_tokens,
-                          "output_tokens_details": {"reasoning_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens":
+                                                                done.reasoning_tokens},
                           "total_tokens": done.prompt_tokens + done.completion_tokens}
             if status == "incomplete":
                 r["incomplete_details"] = {"reason": "max_output_tokens"}
