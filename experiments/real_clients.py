@@ -6,8 +6,9 @@ Installs the pinned npm packages (CLIENTS) under --clients-dir, starts
 `python -m server.cli --model builtin:long` (the built-in long-context tiny model) on a
 free loopback port with the access log on, runs one prompt with each client in a fresh
 home and working directory, and checks, from the server's access log and /metrics, that
-every API request the client made (`/v1/...`) got a 200, and that the client exited on its
-own with status 0 within the timeout. The model's weights are random, so the clients
+every API request the client made (`/v1/...`) got a 200, that the server logged no fault,
+and that the client exited on its own with status 0 within the timeout. Other requests
+(Claude Code's `HEAD /api/hello` connectivity probe, answered 404) are listed, not judged. The model's weights are random, so the clients
 print gibberish: success here is protocol success.
 
 Writes reports/real_clients/<engine version>/: results.json, results.md, server.log and
@@ -126,7 +127,8 @@ def run_client(name: str, binary: str, url: str, server_log: Path, out: Path,
         seconds = round(time.time() - t0, 1)
     time.sleep(1.0)                      # the last access-log lines
     new = server_log.read_text()[before_log:]
-    requests = [{"method": m, "path": p, "status": int(s)} for m, p, s in ACCESS.findall(new)]
+    requests = [{"method": m, "path": p, "status": int(s)} for m, p, s in ACCESS.findall(new)
+                if (m, p) != ("GET", "/metrics")]          # (this script's own scrapes)
     api = [r for r in requests if r["path"].startswith("/v1/")]
     after = metrics(url)
     delta = {k: after[k] - before_metrics.get(k, 0.0) for k in after

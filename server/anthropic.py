@@ -33,10 +33,9 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from . import fields as F
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, sampling_from, start,
-                   template_kwargs_from)
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, plain, sampling_from,
+                   start, template_kwargs_from)
 from .messages import normalize_tools, parse_arguments
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
@@ -180,37 +179,23 @@ def convert_tools(tools):
     return normalize_tools(keep)
 
 
-def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
-    call = Call(messages=convert_messages(body.get("system"), body.get("messages")))
-    call.max_tokens = F.integer(body, "max_tokens", lo=1)
-    if call.max_tokens is None and require_max_tokens:
-        raise bad_request("max_tokens: Field required", param="max_tokens")
-    sampling_from(body, call, state)
-    seqs = F.array(body, "stop_sequences", [])
-    if not all(isinstance(s, str) for s in seqs):
-        raise bad_request("stop_sequences must be an array of strings", param="stop_sequences")
-    call.stop = [s for s in seqs if s]
-    tools = convert_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice is not None and not isinstance(choice, dict):
-        raise bad_request("tool_choice must be an object", param="tool_choice")
+def parse_messages(req: CountTokensRequest, state) -> Call:
+    """The `Call` of a validated Messages (or count_tokens) request: the model checked
+    the types, ranges and enumerations (`max_tokens` is required by MessagesRequest)."""
+    call = Call(messages=convert_messages(req.system, plain(req.messages)))
+    call.max_tokens = req.max_tokens
+    sampling_from(req, call, state)
+    call.stop = [s for s in req.stop_sequences or () if s]
+    tools = convert_tools(req.tools)
+    choice = plain(req.tool_choice)
     apply_constraints(call, None, choice, tools, parallel=not (
-        isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True))
-    if isinstance(choice, dict) and choice.get("type") == "none":
+        choice is not None and choice.get("disable_parallel_tool_use") is True))
+    if choice is not None and choice.get("type") == "none":
         tools = None
     call.tools = tools
-    kw = template_kwargs_from(body, state)
-    thinking = F.obj(body, "thinking")
-    if thinking:
-        kind = thinking.get("type")
-        if kind not in ("enabled", "disabled", "adaptive"):
-            raise bad_request(f"thinking.type must be 'enabled', 'disabled' or 'adaptive', "
-                              f"got {kind!r}", param="thinking.type")
-        budget = thinking.get("budget_tokens")
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
-                                   or budget < 1):
-            raise bad_request("thinking.budget_tokens must be a positive integer",
-                              param="thinking.budget_tokens")
+    kw = template_kwargs_from(req, state)
+    if req.thinking is not None:
+        kind = req.thinking.type
         if kind != "adaptive":
             kw["enable_thinking"] = kind == "enabled"
         elif _reasons(state):
@@ -225,10 +210,9 @@ def _reasons(state) -> bool:
     return reasoning_format_for(state.tokenizer) is not None
 
 
-def thinking_omitted(body: dict) -> bool:
+def thinking_omitted(req) -> bool:
     """`thinking.display: "omitted"`: thinking blocks carry no text."""
-    thinking = body.get("thinking")
-    return isinstance(thinking, dict) and thinking.get("display") == "omitted"
+    return req.thinking is not None and req.thinking.display == "omitted"
 
 
 def usage(prompt_tokens: int, cached: int, output: int) -> dict:
@@ -336,11 +320,10 @@ def _error_frame(e: APIError) -> bytes:
 
 async def messages(request: Request, validated: MessagesRequest):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    call = parse_messages(body, state)
-    stream = F.boolean(body, "stream", False)
+    call = parse_messages(validated, state)
+    stream = bool(validated.stream)
     gen = await start(state, call, request)
-    render = MessageRender(state.model_id, stream, thinking_omitted(body))
+    render = MessageRender(state.model_id, stream, thinking_omitted(validated))
     if stream:
         first = gen.first_output
         cached = first.cached_tokens if first is not None else 0
@@ -351,6 +334,5 @@ async def messages(request: Request, validated: MessagesRequest):
 
 async def count_tokens(request: Request, validated: CountTokensRequest):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    call = parse_messages(body, state, require_max_tokens=False)
+    call = parse_messages(validated, state)
     return JSONResponse({"input_tokens": len(encode(state, call))})

@@ -24,7 +24,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from . import fields as F
 from . import sse
 from .constraints import processor_factories
 from .errors import APIError, bad_request, from_exception
@@ -93,25 +92,58 @@ class Call:
     parallel_tool_calls: bool = True
 
 
-def sampling_from(body: dict, call: Call, state) -> None:
-    """The sampling fields every protocol shares (request values; None = absent)."""
-    call.temperature = F.number(body, "temperature", lo=0)
-    call.top_p = F.number(body, "top_p", lo=0, hi=1)
-    call.top_k = F.integer(body, "top_k", lo=0)
-    call.min_p = F.number(body, "min_p", lo=0, hi=1)
-    call.repetition_penalty = F.number(body, "repetition_penalty", lo=0)
-    call.repetition_context_size = F.integer(body, "repetition_context_size", lo=1)
-    call.presence_penalty = F.number(body, "presence_penalty")
-    call.frequency_penalty = F.number(body, "frequency_penalty")
-    call.seed = F.integer(body, "seed")     # ranges: engine.SamplingParams (sampling_params)
-    call.logit_bias = F.logit_bias(body, "logit_bias", state.vocab_size)
-    if "adapter" in body:
-        call.adapter = body["adapter"]
-    elif "adapters" in body and isinstance(body["adapters"], (str, list)):
-        call.adapter = body["adapters"]
+def plain(value):
+    """A validated request value as the JSON the client sent: a nested request model as
+    the dict of the fields it set (extras included), lists item by item."""
+    from pydantic import BaseModel
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
 
 
-def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -> dict:
+def stop_list(value) -> list:
+    """A validated stop string or list of them (`StringOrStrings`), empty strings dropped."""
+    if value is None:
+        return []
+    return [s for s in ([value] if isinstance(value, str) else value) if s]
+
+
+def check_logit_bias(bias: Optional[dict], vocab_size: int,
+                     key: str = "logit_bias") -> Optional[dict]:
+    """A validated `{str: float}` logit bias as `{token id: bias}`; a key that is not an
+    id in the vocabulary is a 400 naming the field."""
+    if not bias:
+        return None
+    out = {}
+    for k, b in bias.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise bad_request(f"{key} must be a dict of int to float (bad key {k!r})",
+                              param=key) from None
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"{key}: token id {tid} is outside the vocabulary "
+                              f"(size {vocab_size})", param=key)
+        out[tid] = float(b)
+    return out
+
+
+def sampling_from(req, call: Call, state) -> None:
+    """The sampling fields every protocol shares, from the validated request model
+    (`server.schemas.common.SamplingFields`: types and ranges checked; None = absent)."""
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "repetition_context_size", "presence_penalty", "frequency_penalty", "seed"):
+        setattr(call, name, getattr(req, name))   # seed's range: engine.SamplingParams
+    call.logit_bias = check_logit_bias(req.logit_bias, state.vocab_size)
+    if "adapter" in req.model_fields_set:
+        call.adapter = req.adapter
+    elif req.adapters is not None:
+        call.adapter = req.adapters
+
+
+def template_kwargs_from(req, state) -> dict:
     kw = dict(state.config.template_kwargs)
     if state.config.thinking is not None:
         kw["enable_thinking"] = state.config.thinking
@@ -120,12 +152,11 @@ def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -
         default = default_enable_thinking(state.tokenizer)   # MiniCPM5: off unless asked
         if default is not None:
             kw["enable_thinking"] = default
-    effort = body.get("reasoning_effort")
+    effort = req.reasoning_effort
     if isinstance(effort, str):
         kw["enable_thinking"] = effort.lower() != "none"
-    req = F.obj(body, key)
-    if req:
-        kw.update(req)
+    if req.chat_template_kwargs:
+        kw.update(req.chat_template_kwargs)
     return kw
 
 

@@ -1,16 +1,47 @@
 """Request messages and tools, normalized for the chat template (shared by the
 three protocol modules): OpenAI chat messages and tool calls, function tools in
-their nested or flat shapes. Client mistakes are `APIError`s (400)."""
+their nested or flat shapes, text content parts. They read the validated request
+model's values (`server.schemas`: a message's content and the tools keep the shape
+the client sent, checked here). Client mistakes are `APIError`s (400)."""
 
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
-from . import fields as F
 from .errors import bad_request
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def text_content(content: Any, where: str, text_types=("text", "input_text", "output_text")) -> str:
+    """A message `content` (string, null or a list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, str):
+                parts.append(p)
+                continue
+            if not isinstance(p, dict):
+                raise bad_request(f"{where}: content parts must be objects")
+            t = p.get("type")
+            if t in text_types:
+                text = p.get("text")
+                if not isinstance(text, str):
+                    raise bad_request(f"{where}: a {t} part needs a string 'text'")
+                parts.append(text)
+            elif t in ("image_url", "image", "input_image", "input_audio", "file", "input_file"):
+                raise bad_request(f"{where}: {t} content is not supported: this model has no "
+                                  "vision/audio sidecar")
+            else:
+                raise bad_request(f"{where}: unknown content part type {t!r}")
+        return "".join(parts)
+    raise bad_request(f"{where}: content must be a string or an array of parts")
+
 
 def parse_arguments(args):
     """Tool-call arguments as the template wants them (a dict when it is JSON)."""
@@ -59,7 +90,7 @@ def normalize_chat_messages(messages) -> list:
         if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
             raise bad_request(f"{where}.content is required (only an assistant message with "
                               "tool_calls may leave it out)", param="messages")
-        msg = {"role": role, "content": F.text_content(m.get("content"), where)}
+        msg = {"role": role, "content": text_content(m.get("content"), where)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = normalize_tool_calls(m["tool_calls"], where)
         if role == "assistant" and isinstance(m.get("reasoning_content"), str):
