@@ -95,13 +95,18 @@ def setup(name: str, url: str, home: Path, work: Path) -> tuple:
         "XDG_CONFIG_HOME": str(home / ".config"), "OPENCODE_CONFIG": str(work / "opencode.json")}
 
 
+COUNTERS = ("engine_requests_total{", "engine_prompt_tokens_total{",
+            "engine_generation_tokens_total{")
+
+
 def metrics(url: str) -> dict:
+    """The server's request and token counters (by protocol) from /metrics."""
     import httpx
     out = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("engine_requests_total{"):
+        if line.startswith(COUNTERS):
             key, val = line.rsplit(" ", 1)
-            out[key[len("engine_requests_total"):]] = float(val)
+            out[key] = float(val)
     return out
 
 
@@ -132,7 +137,7 @@ def run_client(name: str, binary: str, url: str, server_log: Path, out: Path,
     api = [r for r in requests if r["path"].startswith("/v1/")]
     after = metrics(url)
     delta = {k: after[k] - before_metrics.get(k, 0.0) for k in after
-             if after[k] != before_metrics.get(k, 0.0)}
+             if after[k] != before_metrics.get(k, 0.0) and 'protocol="other"' not in k}
     faults = [line for line in new.splitlines() if "Traceback" in line or " ERROR" in line]
     (out / f"{name}.log").write_text(f"$ {Path(binary).name} {' '.join(args)}\n"
                                      f"exit: {code}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
@@ -152,16 +157,20 @@ def write_report(out: Path, results: list, url: str) -> None:
     lines = [f"# Real agent clients against engine-serve {version()}", "",
              f"`python -m server.cli --model {MODEL}`; one prompt (\"{PROMPT}\") per client; "
              "`experiments/real_clients.py`.", "",
-             "| client | version | exit | seconds | API requests (status) | other requests | ok |",
-             "|---|---|---|---|---|---|---|"]
+             "| client | version | exit | seconds | API requests (status) | prompt tokens | "
+             "generated tokens | other requests | ok |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         api = ", ".join(f"{q['method']} {q['path']} {q['status']}" for q in r["requests"]
                         if q["path"].startswith("/v1/"))
         other = ", ".join(f"{q['method']} {q['path']} {q['status']}" for q in r["requests"]
                           if not q["path"].startswith("/v1/")) or "-"
         code = "timeout" if r["timed_out"] else r["exit_code"]
+        tokens = [int(sum(v for k, v in r["metrics_delta"].items() if k.startswith(c)))
+                  for c in COUNTERS[1:]]
         lines.append(f"| {r['client']} | {r['package']}@{r['version']} | {code} | "
-                     f"{r['seconds']} | {api or '-'} | {other} | {'yes' if r['ok'] else 'NO'} |")
+                     f"{r['seconds']} | {api or '-'} | {tokens[0]} | {tokens[1]} | {other} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
