@@ -1,7 +1,8 @@
 """Anthropic Messages: `POST /v1/messages` (+ `/v1/messages/count_tokens`).
 
-Request: `system` (string or text blocks), `messages` with string or block
-content. `tool_use` blocks become the assistant's `tool_calls` and
+Request (the validated `MessagesRequest`): `system` (string or text blocks), `messages`
+with string or block content; a system-role message may stand anywhere in `messages`
+and is placed in the prompt where it occurs. `tool_use` blocks become the assistant's `tool_calls` and
 `tool_result` blocks become `tool` messages, so tools ride the model's native
 chat-template path. `tools` are `{name, description, input_schema}`;
 server-tool types (web_search, bash, ...) are dropped. `max_tokens` is
@@ -9,9 +10,11 @@ required (as in the Anthropic API); `temperature`, `top_p`, `top_k` and the
 engine's extra sampling fields are read from the body (the SDK sends the
 latter through `extra_body`).
 
-`thinking: {type: "enabled" | "disabled", budget_tokens}` switches the chat
-template's `enable_thinking` (the budget is not enforced as a separate cap;
-`max_tokens` bounds reasoning and answer together).
+`thinking: {type: "enabled" | "disabled" | "adaptive", budget_tokens, display}` switches
+the chat template's `enable_thinking` (adaptive: on when the template reasons; the budget
+is not enforced as a separate cap: `max_tokens` bounds reasoning and answer together);
+`display: "omitted"` sends thinking blocks without their text. `metadata`,
+`output_config` and `context_management` are accepted and ignored.
 
 Response: `{id: "msg_...", type: "message", role, model, content: [thinking |
 text | tool_use], stop_reason: end_turn | max_tokens | stop_sequence | tool_use,
@@ -35,7 +38,7 @@ from starlette.responses import JSONResponse
 
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, plain, sampling_from,
-                   start, template_kwargs_from)
+                   shallow, start, template_kwargs_from)
 from .messages import normalize_tools, parse_arguments
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
@@ -182,7 +185,7 @@ def convert_tools(tools):
 def parse_messages(req: CountTokensRequest, state) -> Call:
     """The `Call` of a validated Messages (or count_tokens) request: the model checked
     the types, ranges and enumerations (`max_tokens` is required by MessagesRequest)."""
-    call = Call(messages=convert_messages(req.system, plain(req.messages)))
+    call = Call(messages=convert_messages(req.system, shallow(req.messages)))
     call.max_tokens = req.max_tokens
     sampling_from(req, call, state)
     call.stop = [s for s in req.stop_sequences or () if s]

@@ -103,6 +103,12 @@ def plain(value):
     return value
 
 
+def shallow(items: list) -> list:
+    """Validated messages as dicts of their fields (unset ones None, extras included;
+    nested models and content left as validated): what the message normalizers read."""
+    return [{**vars(m), **(m.model_extra or {})} for m in items]
+
+
 def stop_list(value) -> list:
     """A validated stop string or list of them (`StringOrStrings`), empty strings dropped."""
     if value is None:

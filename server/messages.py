@@ -59,6 +59,8 @@ def normalize_tool_calls(calls, where: str) -> list:
         raise bad_request(f"{where}: tool_calls must be an array")
     out = []
     for j, tc in enumerate(calls):
+        if hasattr(tc, "model_dump"):           # a validated ToolCall: the fields sent
+            tc = tc.model_dump(exclude_unset=True)
         if not isinstance(tc, dict):
             raise bad_request(f"{where}: tool_calls[{j}] must be an object")
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries, plain,
-                   sampling_from, start, stop_list, template_kwargs_from)
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
+                   sampling_from, shallow, start, stop_list, template_kwargs_from)
 from .messages import normalize_chat_messages, normalize_tools
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
@@ -64,7 +64,7 @@ def _single_choice(req):
 def parse_chat(req: ChatCompletionRequest, state) -> Call:
     """The `Call` of a validated chat request."""
     _single_choice(req)
-    call = Call(messages=normalize_chat_messages(plain(req.messages)))
+    call = Call(messages=normalize_chat_messages(shallow(req.messages)))
     call.max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                        else req.max_tokens)
     sampling_from(req, call, state)
