@@ -420,6 +420,11 @@ async def start(state, call: Call, request=None) -> Generation:
         ids = await asyncio.to_thread(encode, state, call)
     if uncapped(state, call):
         params = dataclasses.replace(params, max_tokens=context_left(state, len(ids)))
+    elif state.engine.max_context is not None and (
+            len(ids) + params.max_tokens > state.engine.max_context > len(ids)):
+        # a cap past the model's context (Claude Code asks 32,000-128,000): generation
+        # ends where the context does (finish "length"), never past the model's positions
+        params = dataclasses.replace(params, max_tokens=state.engine.max_context - len(ids))
     # context length, then memory admission, before queueing (the engine re-checks both)
     try:
         state.engine.check_context(len(ids))

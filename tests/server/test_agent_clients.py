@@ -128,6 +128,20 @@ def test_no_output_cap_when_the_client_sets_none(srv, forced, oai):
     assert cap == 7                                    # a client's cap still wins
 
 
+def test_a_cap_past_the_context_ends_where_the_context_does(srv, forced, claude):
+    """Claude Code asks max_tokens 32,000 (or 128,000) of any model: generation may not
+    run past the model's context, so the cap becomes the context left."""
+    forced.arm("ok")
+    cap, r = _captured_max_tokens(srv, lambda: claude.messages.create(
+        model="m", max_tokens=32000, messages=[{"role": "user", "content": uniq()}]))
+    prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
+    assert cap == srv.state.engine.max_context - prompt
+    forced.arm("ok")
+    cap, _ = _captured_max_tokens(srv, lambda: claude.messages.create(
+        model="m", max_tokens=50, messages=[{"role": "user", "content": uniq()}]))
+    assert cap == 50
+
+
 def test_uncapped_output_is_bounded_by_admission(srv, forced, oai):
     adm = srv.state.admission
     budget = adm.budget_bytes
