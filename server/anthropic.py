@@ -37,9 +37,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, plain, sampling_from,
-                   shallow, start, template_kwargs_from)
-from .messages import normalize_tools, parse_arguments
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, sampling_from, start,
+                   template_kwargs_from)
+from .messages import normalize_tools, parse_arguments, plain, shallow
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, anthropic_body, bad_request

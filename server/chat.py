@@ -28,6 +28,7 @@ from . import sse
 from .constraints import processor_factories
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
+from .messages import check_logit_bias
 
 log = logging.getLogger("engine-serve")
 
@@ -90,50 +91,6 @@ class Call:
     tool_choice: Any = None                # engine.constrained.ToolChoice
     format_param: str = "response_format"  # the request field the format came from
     parallel_tool_calls: bool = True
-
-
-def plain(value):
-    """A validated request value as the JSON the client sent: a nested request model as
-    the dict of the fields it set (extras included), lists item by item."""
-    from pydantic import BaseModel
-    if isinstance(value, BaseModel):
-        return value.model_dump(exclude_unset=True)
-    if isinstance(value, list):
-        return [plain(v) for v in value]
-    return value
-
-
-def shallow(items: list) -> list:
-    """Validated messages as dicts of their fields (unset ones None, extras included;
-    nested models and content left as validated): what the message normalizers read."""
-    return [{**vars(m), **(m.model_extra or {})} for m in items]
-
-
-def stop_list(value) -> list:
-    """A validated stop string or list of them (`StringOrStrings`), empty strings dropped."""
-    if value is None:
-        return []
-    return [s for s in ([value] if isinstance(value, str) else value) if s]
-
-
-def check_logit_bias(bias: Optional[dict], vocab_size: int,
-                     key: str = "logit_bias") -> Optional[dict]:
-    """A validated `{str: float}` logit bias as `{token id: bias}`; a key that is not an
-    id in the vocabulary is a 400 naming the field."""
-    if not bias:
-        return None
-    out = {}
-    for k, b in bias.items():
-        try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            raise bad_request(f"{key} must be a dict of int to float (bad key {k!r})",
-                              param=key) from None
-        if not 0 <= tid < vocab_size:
-            raise bad_request(f"{key}: token id {tid} is outside the vocabulary "
-                              f"(size {vocab_size})", param=key)
-        out[tid] = float(b)
-    return out
 
 
 def sampling_from(req, call: Call, state) -> None:

@@ -1,8 +1,9 @@
 """Request messages and tools, normalized for the chat template (shared by the
 three protocol modules): OpenAI chat messages and tool calls, function tools in
-their nested or flat shapes, text content parts. They read the validated request
-model's values (`server.schemas`: a message's content and the tools keep the shape
-the client sent, checked here). Client mistakes are `APIError`s (400)."""
+their nested or flat shapes, text content parts, stop strings and logit bias. They read
+the validated request model's values (`server.schemas`: a message's content and the
+tools keep the shape the client sent, checked here). Client mistakes are `APIError`s
+(400)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,47 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
         f["parameters"] = params
         out.append({"type": "function", "function": f})
     return out or None
+
+
+def plain(value):
+    """A validated request value as the JSON the client sent: a nested request model as
+    the dict of the fields it set (extras included), lists item by item."""
+    from pydantic import BaseModel
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def shallow(items: list) -> list:
+    """Validated messages as dicts of their fields (unset ones None, extras included;
+    nested models and content left as validated): what the message normalizers read."""
+    return [{**vars(m), **(m.model_extra or {})} for m in items]
+
+
+def stop_list(value) -> list:
+    """A validated stop string or list of them (`StringOrStrings`), empty strings dropped."""
+    if value is None:
+        return []
+    return [s for s in ([value] if isinstance(value, str) else value) if s]
+
+
+def check_logit_bias(bias: Optional[dict], vocab_size: int,
+                     key: str = "logit_bias") -> Optional[dict]:
+    """A validated `{str: float}` logit bias as `{token id: bias}`; a key that is not an
+    id in the vocabulary is a 400 naming the field."""
+    if not bias:
+        return None
+    out = {}
+    for k, b in bias.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise bad_request(f"{key} must be a dict of int to float (bad key {k!r})",
+                              param=key) from None
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"{key}: token id {tid} is outside the vocabulary "
+                              f"(size {vocab_size})", param=key)
+        out[tid] = float(b)
+    return out

@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
-                   sampling_from, shallow, start, stop_list, template_kwargs_from)
-from .messages import normalize_chat_messages, normalize_tools
+                   sampling_from, start, template_kwargs_from)
+from .messages import normalize_chat_messages, normalize_tools, shallow, stop_list
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
 from .errors import APIError, bad_request, openai_body

@@ -35,9 +35,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, start, stop_list,
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, start,
                    template_kwargs_from)
-from .messages import normalize_tools, parse_arguments, text_content
+from .messages import normalize_tools, parse_arguments, stop_list, text_content
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, bad_request, not_found, openai_body
