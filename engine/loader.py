@@ -39,12 +39,19 @@ def _looks_like_repo_id(name: str) -> bool:
 
 
 def resolve_model_path(path_or_id, revision: str | None = None, cache_dir=None) -> Path:
-    """A local model directory for a directory path or a Hugging Face repo id.
+    """A local model directory for a directory path, a Hugging Face repo id, or a
+    built-in tiny model (`builtin:default`, `builtin:long`: built offline on first use).
 
     An existing path is returned as is (it must be a directory). Anything else
     that looks like `org/name` is looked up with `huggingface_hub.snapshot_download`:
     the local hub cache (`HF_HUB_CACHE`, or `cache_dir`) answers when it holds the
     snapshot; otherwise the files are downloaded unless `HF_HUB_OFFLINE=1`."""
+    if str(path_or_id).startswith("builtin:"):     # a built-in tiny model (starter)
+        from starter import builtin_model_dir
+        try:
+            return Path(builtin_model_dir(str(path_or_id)))
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
     path = Path(path_or_id).expanduser()
     if path.exists():
         if not path.is_dir():

@@ -5,7 +5,6 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import fields as F
 from .errors import APIError, bad_request, from_exception
 from .schemas.admin import AdapterMount
 from .security import confine_adapter_dir
@@ -54,10 +53,7 @@ async def list_adapters(request: Request):
 
 async def mount_adapter(request: Request, validated: AdapterMount):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    aid = F.string(body, "id")
-    path = F.string(body, "path")
-    scale = F.number(body, "scale")
+    aid, path, scale = validated.id, validated.path, validated.scale
     if not path:
         raise bad_request("path required: the adapter directory (adapters.safetensors + "
                           "adapter_config.json)", param="path")

@@ -1,7 +1,8 @@
 """Anthropic Messages: `POST /v1/messages` (+ `/v1/messages/count_tokens`).
 
-Request: `system` (string or text blocks), `messages` with string or block
-content. `tool_use` blocks become the assistant's `tool_calls` and
+Request (the validated `MessagesRequest`): `system` (string or text blocks), `messages`
+with string or block content; a system-role message may stand anywhere in `messages`
+and is placed in the prompt where it occurs. `tool_use` blocks become the assistant's `tool_calls` and
 `tool_result` blocks become `tool` messages, so tools ride the model's native
 chat-template path. `tools` are `{name, description, input_schema}`;
 server-tool types (web_search, bash, ...) are dropped. `max_tokens` is
@@ -9,9 +10,11 @@ required (as in the Anthropic API); `temperature`, `top_p`, `top_k` and the
 engine's extra sampling fields are read from the body (the SDK sends the
 latter through `extra_body`).
 
-`thinking: {type: "enabled" | "disabled", budget_tokens}` switches the chat
-template's `enable_thinking` (the budget is not enforced as a separate cap;
-`max_tokens` bounds reasoning and answer together).
+`thinking: {type: "enabled" | "disabled" | "adaptive", budget_tokens, display}` switches
+the chat template's `enable_thinking` (adaptive: on when the template reasons; the budget
+is not enforced as a separate cap: `max_tokens` bounds reasoning and answer together);
+`display: "omitted"` sends thinking blocks without their text. `metadata`,
+`output_config` and `context_management` are accepted and ignored.
 
 Response: `{id: "msg_...", type: "message", role, model, content: [thinking |
 text | tool_use], stop_reason: end_turn | max_tokens | stop_sequence | tool_use,
@@ -33,11 +36,10 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from . import fields as F
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, sampling_from, start,
                    template_kwargs_from)
-from .messages import normalize_tools, parse_arguments
+from .messages import normalize_tools, parse_arguments, plain, shallow
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, anthropic_body, bad_request
@@ -96,9 +98,13 @@ def convert_messages(system, messages) -> list:
         if not isinstance(m, dict):
             raise bad_request(f"{where} must be an object")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}")
+        if role not in ("user", "assistant", "system"):
+            raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system', "
+                              f"got {role!r}")
         content = m.get("content")
+        if role == "system":      # where it occurs (Claude Code sends them after a user turn)
+            out.append({"role": "system", "content": _blocks_text(content, where)})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -176,40 +182,40 @@ def convert_tools(tools):
     return normalize_tools(keep)
 
 
-def parse_messages(body: dict, state, require_max_tokens: bool = True) -> Call:
-    call = Call(messages=convert_messages(body.get("system"), body.get("messages")))
-    call.max_tokens = F.integer(body, "max_tokens", lo=1)
-    if call.max_tokens is None and require_max_tokens:
-        raise bad_request("max_tokens: Field required", param="max_tokens")
-    sampling_from(body, call, state)
-    seqs = F.array(body, "stop_sequences", [])
-    if not all(isinstance(s, str) for s in seqs):
-        raise bad_request("stop_sequences must be an array of strings", param="stop_sequences")
-    call.stop = [s for s in seqs if s]
-    tools = convert_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice is not None and not isinstance(choice, dict):
-        raise bad_request("tool_choice must be an object", param="tool_choice")
+def parse_messages(req: CountTokensRequest, state) -> Call:
+    """The `Call` of a validated Messages (or count_tokens) request: the model checked
+    the types, ranges and enumerations (`max_tokens` is required by MessagesRequest)."""
+    call = Call(messages=convert_messages(req.system, shallow(req.messages)))
+    call.max_tokens = req.max_tokens
+    sampling_from(req, call, state)
+    call.stop = [s for s in req.stop_sequences or () if s]
+    tools = convert_tools(req.tools)
+    choice = plain(req.tool_choice)
     apply_constraints(call, None, choice, tools, parallel=not (
-        isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True))
-    if isinstance(choice, dict) and choice.get("type") == "none":
+        choice is not None and choice.get("disable_parallel_tool_use") is True))
+    if choice is not None and choice.get("type") == "none":
         tools = None
     call.tools = tools
-    kw = template_kwargs_from(body, state)
-    thinking = F.obj(body, "thinking")
-    if thinking:
-        kind = thinking.get("type")
-        if kind not in ("enabled", "disabled"):
-            raise bad_request(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
-                              param="thinking.type")
-        budget = thinking.get("budget_tokens")
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
-                                   or budget < 1):
-            raise bad_request("thinking.budget_tokens must be a positive integer",
-                              param="thinking.budget_tokens")
-        kw["enable_thinking"] = kind == "enabled"
+    kw = template_kwargs_from(req, state)
+    if req.thinking is not None:
+        kind = req.thinking.type
+        if kind != "adaptive":
+            kw["enable_thinking"] = kind == "enabled"
+        elif _reasons(state):
+            kw["enable_thinking"] = True      # adaptive: the model thinks when it can
     call.template_kwargs = kw
     return call
+
+
+def _reasons(state) -> bool:
+    """Whether the model's chat template has a reasoning (thinking) format."""
+    from engine import reasoning_format_for
+    return reasoning_format_for(state.tokenizer) is not None
+
+
+def thinking_omitted(req) -> bool:
+    """`thinking.display: "omitted"`: thinking blocks carry no text."""
+    return req.thinking is not None and req.thinking.display == "omitted"
 
 
 def usage(prompt_tokens: int, cached: int, output: int) -> dict:
@@ -220,10 +226,11 @@ def usage(prompt_tokens: int, cached: int, output: int) -> dict:
 class MessageRender:
     """Builds the content blocks from events; SSE frames when streaming."""
 
-    def __init__(self, model_id: str, streaming: bool):
+    def __init__(self, model_id: str, streaming: bool, omit_thinking: bool = False):
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = model_id
         self.streaming = streaming
+        self.omit_thinking = omit_thinking   # thinking blocks without their text
         self.blocks: list = []
         self._open = None   # index of the open text block
 
@@ -257,6 +264,8 @@ class MessageRender:
             self.blocks.append(block)
             out.append(self._ev("content_block_start", {
                 "index": self._open, "content_block": dict(block)}))
+        if kind == "thinking" and self.omit_thinking:
+            return b"".join(out)
         self.blocks[self._open][key] += ev.text
         out.append(self._ev("content_block_delta", {
             "index": self._open, "delta": {"type": delta, key: ev.text}}))
@@ -314,11 +323,10 @@ def _error_frame(e: APIError) -> bytes:
 
 async def messages(request: Request, validated: MessagesRequest):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    call = parse_messages(body, state)
-    stream = F.boolean(body, "stream", False)
+    call = parse_messages(validated, state)
+    stream = bool(validated.stream)
     gen = await start(state, call, request)
-    render = MessageRender(state.model_id, stream)
+    render = MessageRender(state.model_id, stream, thinking_omitted(validated))
     if stream:
         first = gen.first_output
         cached = first.cached_tokens if first is not None else 0
@@ -329,6 +337,5 @@ async def messages(request: Request, validated: MessagesRequest):
 
 async def count_tokens(request: Request, validated: CountTokensRequest):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    call = parse_messages(body, state, require_max_tokens=False)
+    call = parse_messages(validated, state)
     return JSONResponse({"input_tokens": len(encode(state, call))})

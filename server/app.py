@@ -101,8 +101,10 @@ def create_app(state, security: Optional[SecurityConfig] = None) -> FastAPI:
     security = security or security_for(state.config)
     if security.limits.max_prompt_chars <= 0:     # 0 = derive from the model's context
         from dataclasses import replace
-        chars = default_prompt_chars(getattr(state, "max_position", None))
-        security = replace(security, limits=replace(security.limits, max_prompt_chars=chars))
+        ctx = getattr(state, "max_position", None)
+        chars = default_prompt_chars(ctx)
+        security = replace(security, limits=replace(security.limits, max_prompt_chars=chars,
+                                                    context_tokens=ctx or 0))
     app.state.security = security
     add_security_middleware(app, security, public_paths=PUBLIC_PATHS)
     chat_page.install(app)

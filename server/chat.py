@@ -19,15 +19,16 @@ back (or raises `APIError` for a client mistake), so an error is a proper
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from . import fields as F
 from . import sse
 from .constraints import processor_factories
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
+from .messages import check_logit_bias
 
 log = logging.getLogger("engine-serve")
 
@@ -61,6 +62,7 @@ class Done:
     tool_calls: list = field(default_factory=list)
     token_ids: list = field(default_factory=list)
     reasoning: str = ""           # all reasoning shown
+    reasoning_tokens: int = 0     # generated tokens inside reasoning (markers included)
 
 
 @dataclass
@@ -91,25 +93,20 @@ class Call:
     parallel_tool_calls: bool = True
 
 
-def sampling_from(body: dict, call: Call, state) -> None:
-    """The sampling fields every protocol shares (request values; None = absent)."""
-    call.temperature = F.number(body, "temperature", lo=0)
-    call.top_p = F.number(body, "top_p", lo=0, hi=1)
-    call.top_k = F.integer(body, "top_k", lo=0)
-    call.min_p = F.number(body, "min_p", lo=0, hi=1)
-    call.repetition_penalty = F.number(body, "repetition_penalty", lo=0)
-    call.repetition_context_size = F.integer(body, "repetition_context_size", lo=1)
-    call.presence_penalty = F.number(body, "presence_penalty")
-    call.frequency_penalty = F.number(body, "frequency_penalty")
-    call.seed = F.integer(body, "seed")     # ranges: engine.SamplingParams (sampling_params)
-    call.logit_bias = F.logit_bias(body, "logit_bias", state.vocab_size)
-    if "adapter" in body:
-        call.adapter = body["adapter"]
-    elif "adapters" in body and isinstance(body["adapters"], (str, list)):
-        call.adapter = body["adapters"]
+def sampling_from(req, call: Call, state) -> None:
+    """The sampling fields every protocol shares, from the validated request model
+    (`server.schemas.common.SamplingFields`: types and ranges checked; None = absent)."""
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "repetition_context_size", "presence_penalty", "frequency_penalty", "seed"):
+        setattr(call, name, getattr(req, name))   # seed's range: engine.SamplingParams
+    call.logit_bias = check_logit_bias(req.logit_bias, state.vocab_size)
+    if "adapter" in req.model_fields_set:
+        call.adapter = req.adapter
+    elif req.adapters is not None:
+        call.adapter = req.adapters
 
 
-def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -> dict:
+def template_kwargs_from(req, state) -> dict:
     kw = dict(state.config.template_kwargs)
     if state.config.thinking is not None:
         kw["enable_thinking"] = state.config.thinking
@@ -118,12 +115,11 @@ def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -
         default = default_enable_thinking(state.tokenizer)   # MiniCPM5: off unless asked
         if default is not None:
             kw["enable_thinking"] = default
-    effort = body.get("reasoning_effort")
+    effort = req.reasoning_effort
     if isinstance(effort, str):
         kw["enable_thinking"] = effort.lower() != "none"
-    req = F.obj(body, key)
-    if req:
-        kw.update(req)
+    if req.chat_template_kwargs:
+        kw.update(req.chat_template_kwargs)
     return kw
 
 
@@ -144,7 +140,7 @@ def sampling_params(state, call: Call):
         kw["repetition_context_size"] = call.repetition_context_size
     try:
         return SamplingParams(
-            max_tokens=pick(call.max_tokens, cfg.max_tokens),
+            max_tokens=pick(call.max_tokens, cfg.max_tokens) or 1,   # uncapped: set in start()
             temperature=pick(call.temperature, cfg.temperature),
             top_p=pick(call.top_p, cfg.top_p), top_k=pick(call.top_k, cfg.top_k),
             min_p=pick(call.min_p, cfg.min_p), repetition_penalty=call.repetition_penalty,
@@ -162,6 +158,23 @@ def sampling_params(state, call: Call):
 _PARAM_FIELDS = frozenset(("max_tokens", "top_logprobs", "temperature", "top_p", "top_k", "min_p",
                            "repetition_penalty", "repetition_context_size", "presence_penalty",
                            "frequency_penalty", "logit_bias", "seed", "stop"))
+
+
+def uncapped(state, call: Call) -> bool:
+    """No max tokens from the request nor the server (`--max-tokens`): run to the context
+    limit, as OpenAI and Anthropic do."""
+    return call.max_tokens is None and state.config.max_tokens is None
+
+
+def context_left(state, prompt_tokens: int) -> int:
+    """Tokens a request of this prompt may generate at most: the model's context left,
+    bounded by memory admission (at least 1, so an over-long prompt still gets the
+    context or admission error)."""
+    limit = state.admission.max_context()
+    ctx = state.engine.max_context
+    if ctx is not None:
+        limit = min(limit, ctx)
+    return max(1, limit - prompt_tokens)
 
 
 def encode(state, call: Call) -> list:
@@ -285,6 +298,7 @@ class Generation:
         """Batches of events (Text / Tool / Done); the last batch ends with Done
         (or raises APIError(500) for a server fault mid-generation)."""
         self._text, self._calls, self._reasoning = [], [], []
+        self._reasoning_tokens = 0
         lps_all, ids_all, pending_lp = [], [], []
         items, self._first = self._first, []
         try:
@@ -304,9 +318,12 @@ class Generation:
                     ids_all.extend(o.token_ids)
                     lps_all.extend(o.logprobs)
                     pending_lp.extend(o.logprobs)
+                    was = self.router is not None and self.router.in_reasoning
                     if o.text:
                         evs = [Text(o.text)] if self.router is None else self.router.feed(o.text)
                         pending_lp = self._emit(evs, events, pending_lp)
+                    if was or (self.router is not None and self.router.in_reasoning):
+                        self._reasoning_tokens += len(o.token_ids)    # (markers count too)
                     if o.finished:
                         if self.router is not None:
                             pending_lp = self._emit(self.router.finish(), events, pending_lp)
@@ -330,7 +347,7 @@ class Generation:
         prompt_tokens = last.prompt_tokens or len(self.prompt_ids)
         return Done(finish, prompt_tokens, last.generation_tokens, last.cached_tokens,
                     stop_string, lps, "".join(self._text), self._calls, ids,
-                    "".join(self._reasoning))
+                    "".join(self._reasoning), self._reasoning_tokens)
 
 
 INLINE_ENCODE_CHARS = 8192
@@ -358,6 +375,13 @@ async def start(state, call: Call, request=None) -> Generation:
         ids = encode(state, call)
     else:
         ids = await asyncio.to_thread(encode, state, call)
+    if uncapped(state, call):
+        params = dataclasses.replace(params, max_tokens=context_left(state, len(ids)))
+    elif state.engine.max_context is not None and (
+            len(ids) + params.max_tokens > state.engine.max_context > len(ids)):
+        # a cap past the model's context (Claude Code asks 32,000-128,000): generation
+        # ends where the context does (finish "length"), never past the model's positions
+        params = dataclasses.replace(params, max_tokens=state.engine.max_context - len(ids))
     # context length, then memory admission, before queueing (the engine re-checks both)
     try:
         state.engine.check_context(len(ids))

@@ -62,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
     a("--top-p", type=float, help="default top-p")
     a("--top-k", type=int, help="default top-k")
     a("--min-p", type=float, help="default min-p")
-    a("--max-tokens", type=int, default=512, help="default max tokens per request (512)")
+    a("--max-tokens", type=int, default=None, help="default max tokens of a request that sets "
+      "none (default: no cap: the model's context left, bounded by memory admission)")
     a("--adapter-path", "--adapter", dest="adapter", metavar="DIR",
       help="LoRA adapter (mlx-lm format) mounted at start; the default for requests")
     a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
@@ -184,7 +185,7 @@ def config_from_args(args):
         raise SystemExit("engine-serve: --batch must be >= 1")
     if args.max_queue is not None and args.max_queue < 0:
         raise SystemExit("engine-serve: --max-queue must be >= 0")
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise SystemExit("engine-serve: --max-tokens must be >= 1")
     if args.api_key is not None and not args.api_key.strip():
         raise SystemExit("engine-serve: --api-key is empty (an unset variable?); give a key "

@@ -63,7 +63,8 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextLengthExceeded):
-        return APIError(400, f"{exc}. Shorten the prompt.", code="context_length_exceeded")
+        return APIError(400, f"prompt is too long: {exc}. Shorten the prompt.",
+                        code="context_length_exceeded")
     if isinstance(exc, ContextOverBudget):
         return APIError(400, f"{exc}. Lower max_tokens or shorten the prompt; the ceiling is "
                              f"visible at /stats.", type="memory_admission",

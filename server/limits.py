@@ -15,7 +15,11 @@
    reaches the recursive parser (400).
 4. Characters of string content in the parsed body (every string value and
    key, all messages, tools and system prompts together): over the limit is a
-   413 before the prompt is rendered or tokenized. A string holding an unpaired
+   413 before the prompt is rendered or tokenized. Under the default limit (derived from
+   the model's context) an Anthropic route answers as Anthropic does for a prompt that
+   cannot fit: 400 `invalid_request_error` "prompt is too long" (clients such as Claude
+   Code show that, and may compact; a 413 reads to them as "request too large"). A string
+   holding an unpaired
    UTF-16 surrogate escape (`"\\ud800"`: valid JSON, not Unicode text) is a 400.
 
 The body is then replayed unchanged to the app. Errors use the protocol's
@@ -32,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import APIError, body_for
+from .errors import APIError, body_for, is_anthropic_path
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64
@@ -50,6 +54,7 @@ class BodyLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     max_prompt_chars: int = 0        # 0 = 16 x the model's context (create_app)
+    context_tokens: int = 0          # the model's context when the limit derives from it
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
@@ -152,6 +157,15 @@ def too_large(what: str, size, limit: int, flag: str) -> APIError:
                     type="request_too_large")
 
 
+def prompt_too_long(chars: int, lim: BodyLimits) -> APIError:
+    """Anthropic's answer to a prompt over the context, for a body whose text alone cannot
+    fit (more than CHARS_PER_CONTEXT_TOKEN characters per token of the context)."""
+    return APIError(400, f"prompt is too long: {chars} characters of text cannot fit this "
+                         f"model's context of {lim.context_tokens} tokens (the limit is "
+                         f"{lim.max_prompt_chars} characters, --max-prompt-chars). Shorten "
+                         f"the prompt.", code="context_length_exceeded")
+
+
 class BodyGuard:
     """ASGI middleware: content type, body bytes, read time, JSON depth, prompt characters."""
 
@@ -216,6 +230,9 @@ class BodyGuard:
                                          "surrogate escape (such as \\ud800), which is not "
                                          "Unicode text"))
         chars = string_chars(parsed)
+        if chars > lim.max_prompt_chars and lim.context_tokens and is_anthropic_path(
+                scope["path"]):
+            raise _Refused(prompt_too_long(chars, lim))
         if chars > lim.max_prompt_chars:
             raise _Refused(too_large("text of", f"{chars} characters", lim.max_prompt_chars,
                                      "--max-prompt-chars"))

@@ -1,16 +1,48 @@
 """Request messages and tools, normalized for the chat template (shared by the
 three protocol modules): OpenAI chat messages and tool calls, function tools in
-their nested or flat shapes. Client mistakes are `APIError`s (400)."""
+their nested or flat shapes, text content parts, stop strings and logit bias. They read
+the validated request model's values (`server.schemas`: a message's content and the
+tools keep the shape the client sent, checked here). Client mistakes are `APIError`s
+(400)."""
 
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
-from . import fields as F
 from .errors import bad_request
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def text_content(content: Any, where: str, text_types=("text", "input_text", "output_text")) -> str:
+    """A message `content` (string, null or a list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, str):
+                parts.append(p)
+                continue
+            if not isinstance(p, dict):
+                raise bad_request(f"{where}: content parts must be objects")
+            t = p.get("type")
+            if t in text_types:
+                text = p.get("text")
+                if not isinstance(text, str):
+                    raise bad_request(f"{where}: a {t} part needs a string 'text'")
+                parts.append(text)
+            elif t in ("image_url", "image", "input_image", "input_audio", "file", "input_file"):
+                raise bad_request(f"{where}: {t} content is not supported: this model has no "
+                                  "vision/audio sidecar")
+            else:
+                raise bad_request(f"{where}: unknown content part type {t!r}")
+        return "".join(parts)
+    raise bad_request(f"{where}: content must be a string or an array of parts")
+
 
 def parse_arguments(args):
     """Tool-call arguments as the template wants them (a dict when it is JSON)."""
@@ -28,6 +60,8 @@ def normalize_tool_calls(calls, where: str) -> list:
         raise bad_request(f"{where}: tool_calls must be an array")
     out = []
     for j, tc in enumerate(calls):
+        if hasattr(tc, "model_dump"):           # a validated ToolCall: the fields sent
+            tc = tc.model_dump(exclude_unset=True)
         if not isinstance(tc, dict):
             raise bad_request(f"{where}: tool_calls[{j}] must be an object")
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
@@ -59,7 +93,7 @@ def normalize_chat_messages(messages) -> list:
         if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
             raise bad_request(f"{where}.content is required (only an assistant message with "
                               "tool_calls may leave it out)", param="messages")
-        msg = {"role": role, "content": F.text_content(m.get("content"), where)}
+        msg = {"role": role, "content": text_content(m.get("content"), where)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = normalize_tool_calls(m["tool_calls"], where)
         if role == "assistant" and isinstance(m.get("reasoning_content"), str):
@@ -109,3 +143,47 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
         f["parameters"] = params
         out.append({"type": "function", "function": f})
     return out or None
+
+
+def plain(value):
+    """A validated request value as the JSON the client sent: a nested request model as
+    the dict of the fields it set (extras included), lists item by item."""
+    from pydantic import BaseModel
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def shallow(items: list) -> list:
+    """Validated messages as dicts of their fields (unset ones None, extras included;
+    nested models and content left as validated): what the message normalizers read."""
+    return [{**vars(m), **(m.model_extra or {})} for m in items]
+
+
+def stop_list(value) -> list:
+    """A validated stop string or list of them (`StringOrStrings`), empty strings dropped."""
+    if value is None:
+        return []
+    return [s for s in ([value] if isinstance(value, str) else value) if s]
+
+
+def check_logit_bias(bias: Optional[dict], vocab_size: int,
+                     key: str = "logit_bias") -> Optional[dict]:
+    """A validated `{str: float}` logit bias as `{token id: bias}`; a key that is not an
+    id in the vocabulary is a 400 naming the field."""
+    if not bias:
+        return None
+    out = {}
+    for k, b in bias.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise bad_request(f"{key} must be a dict of int to float (bad key {k!r})",
+                              param=key) from None
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"{key}: token id {tid} is outside the vocabulary "
+                              f"(size {vocab_size})", param=key)
+        out[tid] = float(b)
+    return out

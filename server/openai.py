@@ -13,17 +13,17 @@ likewise). A mid-stream server fault is a
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from . import fields as F
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
                    sampling_from, start, template_kwargs_from)
-from .messages import normalize_chat_messages, normalize_tools
+from .messages import normalize_chat_messages, normalize_tools, shallow, stop_list
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
 from .errors import APIError, bad_request, openai_body
@@ -52,16 +52,8 @@ def reasoning_fields(text: str) -> dict:
     return {"reasoning_content": text, "reasoning": text}
 
 
-def _max_tokens(body: dict, *keys):
-    for k in keys:
-        v = F.integer(body, k, lo=1)
-        if v is not None:
-            return v
-    return None
-
-
-def _single_choice(body: dict):
-    n = F.integer(body, "n", 1, lo=1)
+def _single_choice(req):
+    n = req.n if req.n is not None else 1
     if n != 1:
         raise bad_request("n > 1 is not supported (one completion per request)", param="n")
 
@@ -69,38 +61,38 @@ def _single_choice(body: dict):
 # --- /v1/chat/completions ------------------------------------------------------
 
 
-def parse_chat(body: dict, state) -> Call:
-    if "messages" not in body or body.get("messages") is None:
-        raise bad_request("messages required", param="messages")
-    _single_choice(body)
-    call = Call(messages=normalize_chat_messages(body["messages"]))
-    call.max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
-    sampling_from(body, call, state)
-    call.stop = F.stop_list(body, "stop")
-    call.logprobs = F.boolean(body, "logprobs", False)
-    call.top_logprobs = F.integer(body, "top_logprobs", 0, lo=0, hi=20)
-    tools = normalize_tools(body.get("tools"))
-    choice = body.get("tool_choice")
+def parse_chat(req: ChatCompletionRequest, state) -> Call:
+    """The `Call` of a validated chat request."""
+    _single_choice(req)
+    call = Call(messages=normalize_chat_messages(shallow(req.messages)))
+    call.max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                       else req.max_tokens)
+    sampling_from(req, call, state)
+    call.stop = stop_list(req.stop)
+    call.logprobs = bool(req.logprobs)
+    call.top_logprobs = req.top_logprobs or 0
+    tools = normalize_tools(req.tools)
+    choice = req.tool_choice
     if choice is not None and not isinstance(choice, (str, dict)):
         raise bad_request("tool_choice must be a string or an object", param="tool_choice")
-    apply_constraints(call, body.get("response_format"), choice, tools,
-                      parallel=F.boolean(body, "parallel_tool_calls", True))
+    apply_constraints(call, req.response_format, choice, tools,
+                      parallel=req.parallel_tool_calls is not False)
     if choice == "none":
         tools = None
     call.tools = tools
-    call.template_kwargs = template_kwargs_from(body, state)
+    call.template_kwargs = template_kwargs_from(req, state)
     return call
 
 
-def include_usage(body: dict, stream: bool) -> bool:
+def include_usage(req, stream: bool) -> bool:
     """`stream_options: {"include_usage": true}` (only with `stream: true`, as OpenAI)."""
-    opts = F.obj(body, "stream_options")
+    opts = req.stream_options
     if opts is None:
         return False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
-    return F.boolean(opts, "include_usage", False)
+    return bool(opts.include_usage)
 
 
 class ChatRender:
@@ -189,10 +181,9 @@ def _openai_error_frame(e: APIError) -> bytes:
 
 async def chat_completions(request: Request, validated: ChatCompletionRequest):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    call = parse_chat(body, state)
-    stream = F.boolean(body, "stream", False)
-    usage_chunk = include_usage(body, stream)
+    call = parse_chat(validated, state)
+    stream = bool(validated.stream)
+    usage_chunk = include_usage(validated, stream)
     gen = await start(state, call, request)
     render = ChatRender(state, state.model_id, usage_chunk)
     if stream:
@@ -204,8 +195,9 @@ async def chat_completions(request: Request, validated: ChatCompletionRequest):
 # --- /v1/completions --------------------------------------------------------------
 
 
-def parse_completion(body: dict, state) -> Call:
-    prompt = body.get("prompt")
+def parse_completion(req: CompletionRequest, state) -> Call:
+    """The `Call` of a validated completion request."""
+    prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
@@ -221,21 +213,35 @@ def parse_completion(body: dict, state) -> Call:
     else:
         raise bad_request("prompt must be a string or an array of token ids (one prompt)",
                           param="prompt")
-    _single_choice(body)
-    if F.boolean(body, "echo", False):
+    _single_choice(req)
+    if req.echo:
         raise bad_request("echo is not supported", param="echo")
     call = Call(prompt=prompt)
-    apply_constraints(call, body.get("response_format"), None, None)
-    call.max_tokens = _max_tokens(body, "max_tokens")
-    sampling_from(body, call, state)
-    call.stop = F.stop_list(body, "stop")
-    lp = body.get("logprobs")
+    apply_constraints(call, req.response_format, None, None)
+    call.max_tokens = req.max_tokens
+    sampling_from(req, call, state)
+    call.stop = stop_list(req.stop)
+    lp = req.logprobs
     if isinstance(lp, bool):
         call.logprobs, call.top_logprobs = lp, 0
     else:
-        call.top_logprobs = F.integer(body, "logprobs", 0, lo=0, hi=20)
-        call.logprobs = "logprobs" in body and body["logprobs"] is not None
+        call.top_logprobs = _logprobs_count(lp)
+        call.logprobs = lp is not None
     return call
+
+
+def _logprobs_count(v) -> int:
+    """Completions' `logprobs: N` (0-20; its several shapes are checked here)."""
+    if v is None:
+        return 0
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int):
+        raise bad_request(f"logprobs must be an integer, got {json.dumps(v)}", param="logprobs")
+    if not 0 <= v <= 20:
+        raise bad_request(f"logprobs must be {'>= 0' if v < 0 else '<= 20'}, got {v}",
+                          param="logprobs")
+    return v
 
 
 def completion_logprobs(state, lps: list, offset: int = 0) -> dict:
@@ -317,10 +323,9 @@ class CompletionRender:
 
 async def completions(request: Request, validated: CompletionRequest):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    call = parse_completion(body, state)
-    stream = F.boolean(body, "stream", False)
-    usage_chunk = include_usage(body, stream)
+    call = parse_completion(validated, state)
+    stream = bool(validated.stream)
+    usage_chunk = include_usage(validated, stream)
     gen = await start(state, call, request)
     render = CompletionRender(state, state.model_id, call.logprobs, usage_chunk)
     if stream:

@@ -34,11 +34,10 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from . import fields as F
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, start,
                    template_kwargs_from)
-from .messages import normalize_tools, parse_arguments
+from .messages import normalize_tools, parse_arguments, stop_list, text_content
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
 from .errors import APIError, bad_request, not_found, openai_body
@@ -50,7 +49,7 @@ def _hex(n: int) -> str:
 
 
 def _part_text(content, where: str) -> str:
-    return F.text_content(content, where, text_types=("input_text", "output_text", "text",
+    return text_content(content, where, text_types=("input_text", "output_text", "text",
                                                       "refusal"))
 
 
@@ -165,7 +164,8 @@ class ResponseRender:
             r["usage"] = {"input_tokens": done.prompt_tokens,
                           "input_tokens_details": {"cached_tokens": done.cached_tokens},
                           "output_tokens": done.completion_tokens,
-                          "output_tokens_details": {"reasoning_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens":
+                                                                done.reasoning_tokens},
                           "total_tokens": done.prompt_tokens + done.completion_tokens}
             if status == "incomplete":
                 r["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -277,10 +277,11 @@ class ResponseRender:
         return r
 
 
-def parse_responses(body: dict, state):
-    prev_id = F.string(body, "previous_response_id")
-    instructions = F.string(body, "instructions")
-    items = normalize_input(body.get("input"))
+def parse_responses(req: ResponsesRequest, state):
+    """(Call, conversation items, instructions, echoed fields) of a validated request."""
+    prev_id = req.previous_response_id
+    instructions = req.instructions
+    items = normalize_input(req.input)
     history: list = []
     if prev_id:
         prior = state.store.get(prev_id)
@@ -291,27 +292,25 @@ def parse_responses(body: dict, state):
             instructions = prior["instructions"]
     conversation = history + items
     call = Call(messages=items_to_messages(conversation, instructions))
-    call.max_tokens = F.integer(body, "max_output_tokens", lo=1)
-    sampling_from(body, call, state)
-    call.stop = F.stop_list(body, "stop")
-    tools = normalize_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    text = body.get("text")
-    apply_constraints(call, text.get("format") if isinstance(text, dict) else None, choice,
+    call.max_tokens = req.max_output_tokens
+    sampling_from(req, call, state)
+    call.stop = stop_list(req.stop)
+    tools = normalize_tools(req.tools)
+    choice = req.tool_choice
+    apply_constraints(call, req.text.format if req.text is not None else None, choice,
                       tools, format_param="text.format",
-                      parallel=F.boolean(body, "parallel_tool_calls", True))
+                      parallel=req.parallel_tool_calls is not False)
     if choice == "none":
         tools = None
     call.tools = tools
-    call.template_kwargs = template_kwargs_from(body, state)
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
-        call.template_kwargs["enable_thinking"] = reasoning["effort"].lower() != "none"
+    call.template_kwargs = template_kwargs_from(req, state)
+    if req.reasoning is not None and isinstance(req.reasoning.effort, str):
+        call.template_kwargs["enable_thinking"] = req.reasoning.effort.lower() != "none"
     meta = {"instructions": instructions, "max_output_tokens": call.max_tokens,
-            "previous_response_id": prev_id, "store": F.boolean(body, "store", True),
+            "previous_response_id": prev_id, "store": req.store is not False,
             "temperature": call.temperature, "top_p": call.top_p,
             "tool_choice": choice if isinstance(choice, (str, dict)) else "auto",
-            "tools": flat_tools(normalize_tools(body.get("tools")))}
+            "tools": flat_tools(tools if tools is not None else normalize_tools(req.tools))}
     return call, conversation, instructions, meta
 
 
@@ -335,9 +334,8 @@ def _error_frame(render: ResponseRender, e: APIError) -> bytes:
 
 async def create_response(request: Request, validated: ResponsesRequest):
     state = request.app.state.server
-    body = await request.json()      # the dict FastAPI validated (`validated`), cached
-    call, conversation, instructions, meta = parse_responses(body, state)
-    stream = F.boolean(body, "stream", False)
+    call, conversation, instructions, meta = parse_responses(validated, state)
+    stream = bool(validated.stream)
     gen = await start(state, call, request)
     render = ResponseRender(state, stream, meta)
 

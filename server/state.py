@@ -22,7 +22,6 @@ from .store import ResponseStore
 log = logging.getLogger("engine-serve")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 512
 
 
 @dataclass
@@ -41,7 +40,7 @@ class ServerConfig:
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: Optional[int] = None   # None: no cap (the context left, bounded by admission)
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)

@@ -12,10 +12,26 @@ from __future__ import annotations
 
 from .paths import cache_root
 
-__all__ = ["cache_root", "default_model_dir"]
+__all__ = ["BUILTIN", "BUILTIN_PREFIX", "builtin_model_dir", "cache_root", "default_model_dir"]
+
+BUILTIN_PREFIX = "builtin:"
+# name -> (family, dtype, variant): `--model builtin:NAME` on every CLI
+BUILTIN = {"default": ("qwen3", "bfloat16", ""),        # context 4,096 tokens
+           "long": ("qwen3", "bfloat16", "long")}       # context 131,072 tokens
 
 
 def default_model_dir() -> str:
     """The built-in default model (qwen3 layout, bf16), built on first use."""
+    return builtin_model_dir("default")
+
+
+def builtin_model_dir(name: str) -> str:
+    """A built-in model by name (`default`, `long`; a `builtin:` prefix is allowed),
+    built on first use. An unknown name is a ValueError naming the known ones."""
     from .models import ensure_fixture
-    return str(ensure_fixture("qwen3", "bfloat16"))
+    key = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
+    if key not in BUILTIN:
+        raise ValueError(f"unknown built-in model {name!r}; have "
+                         f"{', '.join(BUILTIN_PREFIX + k for k in BUILTIN)}")
+    family, dtype, variant = BUILTIN[key]
+    return str(ensure_fixture(family, dtype, variant=variant))

@@ -161,9 +161,22 @@ DTYPES = ("float32", "bfloat16", "q4", "q8")
 #   family's architecture with another's tokenizer ({"family": ..., "tokenizer": ...}).
 #   Released MiniCPM5 checkpoints are `model_type: llama` with MiniCPM5's template (its
 #   thinking and tool-call format).
+#   "long": the built-in long-context model (`builtin:long`), a context of 131,072 tokens
+#   so a coding agent's first request (tools and system prompt, ~20-40K tokens) fits; its
+#   build tweaks (LONG_BUILD) make its answers end after a few dozen tokens.
 VARIANTS: dict[str, dict] = {
     "tp2": {"num_attention_heads": 4, "num_key_value_heads": 2},
+    "long": {"max_position_embeddings": 131072},
     "minicpm5_llama": {"family": "llama", "tokenizer": "minicpm"},
+}
+# Build tweaks of a config variant (part of the fixture's hash, never of config.json):
+# - eos_scale: the EOS tokens' embedding rows (= the tied head's rows) scaled by this, so a
+#   random model ends its answer after a few dozen tokens instead of running to the context
+#   limit (a client that sets no max tokens would wait minutes for a 100K-token answer);
+# - generation_config: written as generation_config.json (Qwen3's own sampling defaults).
+VARIANT_BUILD: dict[str, dict] = {
+    "long": {"eos_scale": 8.0, "generation_config": {
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}},
 }
 SEEDS = {"llama": 1, "qwen3": 2, "minicpm": 3, "gemma4_text": 4, "gemma4": 5, "qwen2": 6,
          "gemma3_text": 7, "gemma3": 8, "qwen3_moe": 9, "gemma4_moe": 10, "gemma4_unified": 11}
@@ -309,6 +322,22 @@ def _save_weights(out: Path, weights: dict, shards: int):
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
 
 
+def _apply_tweaks(weights: dict, tweaks: dict, tok_ids: dict, out: Path) -> dict:
+    eos = tok_ids["eos_token_id"]
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    scale = tweaks.get("eos_scale")
+    if scale:
+        keys = [k for k in weights if k.endswith(("embed_tokens.weight", "lm_head.weight"))]
+        for k in keys:
+            weights[k] = weights[k].at[mx.array(eos)].multiply(scale)
+    gc = tweaks.get("generation_config")
+    if gc is not None:          # over the tokenizer's (its EOS ids and the rest stay)
+        f = out / "generation_config.json"
+        have = json.loads(f.read_text()) if f.exists() else {"eos_token_id": eos}
+        f.write_text(json.dumps({**have, **gc}, indent=2, sort_keys=True))
+    return weights
+
+
 def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 1,
                   variant: str = "") -> Path:
     from .tokenizers import build_tokenizer
@@ -319,6 +348,9 @@ def build_fixture(out: Path, family: str, dtype: str = "float32", shards: int = 
     tok_ids = build_tokenizer(out, tok_family, vocab_size=VOCAB)
     config = config_for(arch, tok_ids, variant)
     model, weights = _random_weights(arch, config, SEEDS[arch])
+    tweaks = VARIANT_BUILD.get(variant, {})
+    if tweaks:
+        weights = _apply_tweaks(weights, tweaks, tok_ids, out)
     float_dtype = mx.float32 if dtype == "float32" else mx.bfloat16
     weights = {k: v.astype(float_dtype) for k, v in weights.items()}
     if dtype in ("q4", "q8"):
@@ -350,6 +382,8 @@ def fixture_name(family: str, dtype: str = "float32", shards: int = 1, variant: 
     if variant:
         name += f"-{variant}"
         parts.append(VARIANTS[variant])
+        if variant in VARIANT_BUILD:
+            parts.append(VARIANT_BUILD[variant])
     spec = json.dumps(parts, sort_keys=True)
     return f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
 

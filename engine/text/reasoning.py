@@ -237,6 +237,11 @@ class ChatOutputParser:
                          if reasoning is not None else None)
         self.router = ToolCallRouter(tool_format, tools, id_factory=id_factory)
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text fed so far leaves the output inside a reasoning block."""
+        return self.splitter is not None and self.splitter.in_reasoning
+
     def _route(self, events: List[Event], final: bool) -> list:
         out: list = []
         for e in events:

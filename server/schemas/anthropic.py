@@ -46,7 +46,9 @@ Tools = described({"anyOf": [{"type": "array", "items": {
 
 
 class InputMessage(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(description=(
+        "A system message may stand anywhere in the conversation: it is placed in the "
+        "prompt where it occurs (text only)."))
     content: MessageContent
 
 
@@ -58,10 +60,19 @@ class ToolChoice(Body):
 
 
 class Thinking(Body):
-    type: Literal["enabled", "disabled"] = Field(description=(
-        "Switches the chat template's enable_thinking."))
+    type: Literal["enabled", "disabled", "adaptive"] = Field(description=(
+        "Switches the chat template's enable_thinking; adaptive: on when the model's "
+        "template reasons, else unchanged."))
     budget_tokens: Optional[Int] = Field(None, ge=1, description=(
         "Accepted; max_tokens bounds reasoning and answer together."))
+    display: Optional[Literal["summarized", "omitted"]] = Field(None, description=(
+        "omitted: thinking blocks come back with empty text; summarized (default): the "
+        "reasoning as the model wrote it (nothing summarizes it)."))
+
+
+class OutputConfig(Body):
+    effort: Optional[str] = Field(None, description=(
+        "Accepted and ignored (a local model has no effort levels)."))
 
 
 class CountTokensRequest(SamplingFields):
@@ -76,6 +87,10 @@ class CountTokensRequest(SamplingFields):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
     metadata: Optional[dict[str, Any]] = Field(None, description="Accepted and ignored.")
+    output_config: Optional[OutputConfig] = None
+    context_management: Optional[dict[str, Any]] = Field(None, description=(
+        "Accepted and ignored: the server edits no context (the client sends what the "
+        "prompt holds)."))
 
 
 class MessagesRequest(CountTokensRequest):

@@ -147,3 +147,30 @@ def test_serve_and_train_clis_refuse_a_missing_id_with_one_line(hub_cache, tmp_p
                   "--adapter-path", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("acme/gone" in e and str(cache) in e for e in err), err
+
+
+def test_builtin_long_model_by_name():
+    """`--model builtin:long`: the built-in model with a 131,072-token context (a coding
+    agent's first request fits), Qwen3's sampling defaults and EOS rows scaled so its
+    random answers end after a few dozen tokens; an unknown name says which exist."""
+    import json
+
+    import mlx.core as mx
+
+    from engine.loader import ModelLoadError, resolve_model_path
+    from starter import default_model_dir
+
+    long_dir = resolve_model_path("builtin:long")
+    base_dir = resolve_model_path("builtin:default")
+    assert str(base_dir) == default_model_dir()
+    assert json.loads((long_dir / "config.json").read_text())["max_position_embeddings"] == 131072
+    gc = json.loads((long_dir / "generation_config.json").read_text())
+    assert (gc["temperature"], gc["top_p"], gc["top_k"]) == (0.6, 0.95, 20)
+    long_w = mx.load(str(long_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    base_w = mx.load(str(base_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    eos = gc["eos_token_id"]
+    assert mx.array_equal(long_w[eos], base_w[eos] * 8)
+    rest = [i for i in range(base_w.shape[0]) if i not in eos]
+    assert mx.array_equal(long_w[mx.array(rest)], base_w[mx.array(rest)])
+    with pytest.raises(ModelLoadError, match="builtin:default, builtin:long"):
+        resolve_model_path("builtin:huge")

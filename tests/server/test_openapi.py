@@ -101,7 +101,8 @@ def test_document_lists_every_operation_with_its_models(api):
     temp = next(a for a in chat["properties"]["temperature"]["anyOf"] if a["type"] == "number")
     assert (temp["minimum"], temp["maximum"]) == (0, 2)
     assert schemas["MessagesRequest"]["required"] == ["messages", "max_tokens"]
-    assert set(schemas["Thinking"]["properties"]["type"]["enum"]) == {"enabled", "disabled"}
+    assert set(schemas["Thinking"]["properties"]["type"]["enum"]) == {"enabled", "disabled",
+                                                                  "adaptive"}
 
 
 @pytest.mark.parametrize("path,body,param,needle", [
