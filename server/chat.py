@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Optional
+
+from engine.constrained import GrammarDeadEnd
 
 from . import fields as F
 from . import sse
-from .constraints import processor_factories
+from .constraints import compile_factories, constraint_param
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
 
@@ -88,6 +90,7 @@ class Call:
     response_format: Any = None            # engine.constrained.ResponseFormat (constraints.py)
     tool_choice: Any = None                # engine.constrained.ToolChoice
     format_param: str = "response_format"  # the request field the format came from
+    max_tokens_param: str = "max_tokens"   # the request field max_tokens came from
     parallel_tool_calls: bool = True
 
 
@@ -130,9 +133,10 @@ def template_kwargs_from(body: dict, state, key: str = "chat_template_kwargs") -
 # --- the engine call ----------------------------------------------------------
 
 
-def sampling_params(state, call: Call):
+def sampling_params(state, call: Call, factories: tuple = ()):
     """The request's `engine.SamplingParams` (server defaults for absent fields);
-    a bad value is a 400 before anything is queued."""
+    a bad value is a 400 before anything is queued. `factories`: the grammar
+    processors (`constraints.compile_factories`, compiled after the other checks)."""
     from engine import SamplingParams
 
     cfg = state.config
@@ -152,7 +156,7 @@ def sampling_params(state, call: Call):
             logit_bias=call.logit_bias, seed=call.seed, stop=list(call.stop),
             logprobs=bool(call.logprobs or call.top_logprobs),
             top_logprobs=call.top_logprobs or None,
-            processor_factories=processor_factories(state, call), **kw)
+            processor_factories=factories, **kw)
     except ValueError as e:          # the message starts with the field's name
         msg = str(e)
         param = msg.split(" ", 1)[0]
@@ -297,6 +301,10 @@ class Generation:
                     if o.finish_reason == "error":
                         if isinstance(o.error, APIError):   # the server's own answer (a 503)
                             raise o.error
+                        if isinstance(o.error, GrammarDeadEnd):   # never a success
+                            param = constraint_param(self.call)
+                            raise APIError(400, f"{param}: {o.error}", param=param,
+                                           code="grammar_dead_end")
                         client = client_error(o)
                         raise APIError(400 if client else 500,
                                        f"generation failed: {type(o.error).__name__}: {o.error}",
@@ -333,6 +341,23 @@ class Generation:
                     "".join(self._reasoning))
 
 
+def capped_max_tokens(state, call: Call, params, prompt_tokens: int):
+    """`params` with max_tokens at most the context the prompt leaves. A client
+    that asked for more than that (an explicit max_tokens) gets a 400
+    (`context_length_exceeded`, as OpenAI answers); the server's default is capped."""
+    left = state.engine.context_left(prompt_tokens)
+    if left is None or params.max_tokens <= left:
+        return params
+    if call.max_tokens is not None:
+        limit = state.engine.max_context
+        raise APIError(400, f"this model's context is {limit} tokens, but {prompt_tokens + call.max_tokens} "
+                            f"were requested ({prompt_tokens} in the prompt, {call.max_tokens} in "
+                            f"{call.max_tokens_param}); lower {call.max_tokens_param} to at most "
+                            f"{left} or shorten the prompt",
+                       code="context_length_exceeded", param=call.max_tokens_param)
+    return state.engine.capped(params, prompt_tokens)
+
+
 INLINE_ENCODE_CHARS = 8192
 
 
@@ -361,10 +386,15 @@ async def start(state, call: Call, request=None) -> Generation:
     # context length, then memory admission, before queueing (the engine re-checks both)
     try:
         state.engine.check_context(len(ids))
+        params = capped_max_tokens(state, call, params, len(ids))
         state.admission.check(len(ids), params.max_tokens)
     except ValueError as e:
         raise from_exception(e) from None
     state.check_capacity()                       # bounded queue: 503 + Retry-After beyond it
+    # the grammar last (it may take seconds): on the grammar threads, within its budget
+    factories = await compile_factories(state, call)
+    if factories:
+        params = replace(sampling_params(state, call, factories), max_tokens=params.max_tokens)
     router = make_parser(state, call, ids)
     job = GenerationJob(asyncio.get_running_loop(), ids, params, adapters)
     job.interval = state.config.stream_interval_ms / 1000.0

@@ -292,6 +292,7 @@ def parse_responses(body: dict, state):
     conversation = history + items
     call = Call(messages=items_to_messages(conversation, instructions))
     call.max_tokens = F.integer(body, "max_output_tokens", lo=1)
+    call.max_tokens_param = "max_output_tokens"
     sampling_from(body, call, state)
     call.stop = F.stop_list(body, "stop")
     tools = normalize_tools(body.get("tools"))
