@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["check_schema", "check_tool_names", "schema_nodes", "TOOL_NAME",
+__all__ = ["check_schema", "check_json_schema", "check_tool_names", "schema_nodes", "TOOL_NAME",
            "DEFAULT_MAX_SCHEMA_NODES"]
 
 DEFAULT_MAX_SCHEMA_NODES = 10_000
@@ -46,6 +46,17 @@ def schema_nodes(value, stop: Optional[int] = None) -> int:
         elif isinstance(v, list):
             stack.extend(v)
     return n
+
+
+def check_json_schema(schema, where: str = "schema") -> None:
+    """ValueError naming ``where`` when ``schema`` is not a JSON Schema (the meta-schema
+    its ``$schema`` names, Draft 2020-12 by default)."""
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"{where} must be a JSON Schema object")
+    try:
+        _meta_check(schema)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _meta_check(schema: dict) -> None:
