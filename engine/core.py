@@ -214,9 +214,10 @@ class Engine:
 
     def capped(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """`params` with `max_tokens` at most the context left after the prompt
-        (a generation cannot run past the model's context). Any thread."""
+        (a generation cannot run past the model's context; with `max_kv_size` the
+        bounded ring may, as mlx-lm's does). Any thread."""
         left = self.context_left(prompt_tokens)
-        if left is None or params.max_tokens <= left:
+        if left is None or self.max_kv_size or params.max_tokens <= left:
             return params
         from dataclasses import replace
         return replace(params, max_tokens=max(left, 1))
