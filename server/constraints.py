@@ -23,6 +23,7 @@ own, and its grammar is kept in the compiled-grammar cache).
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import bad_request
@@ -102,6 +103,12 @@ def constraint_param(call) -> str:
     return getattr(call, "format_param", "response_format")
 
 
+def _compile(abandoned: threading.Event, state, call) -> tuple:
+    if abandoned.is_set():        # its request was answered while it waited for a thread
+        return ()
+    return processor_factories(state, call)
+
+
 def _retrieve(fut) -> None:
     if not fut.cancelled():
         fut.exception()           # (a compile that outlived its budget: nobody awaits it)
@@ -113,11 +120,13 @@ async def compile_factories(state, call) -> tuple:
     if not constrained(call):
         return ()
     ms = getattr(state.config, "max_grammar_ms", None) or DEFAULT_MAX_GRAMMAR_MS
-    fut = asyncio.get_running_loop().run_in_executor(_POOL, processor_factories, state, call)
+    abandoned = threading.Event()
+    fut = asyncio.get_running_loop().run_in_executor(_POOL, _compile, abandoned, state, call)
     fut.add_done_callback(_retrieve)
     try:
         return await asyncio.wait_for(asyncio.shield(fut), ms / 1000.0)
     except asyncio.TimeoutError:
+        abandoned.set()           # (not started yet: it never will)
         param = constraint_param(call)
         raise bad_request(f"{param}: the grammar did not compile within {ms:g} ms, the limit "
                           f"(--max-grammar-ms); use a smaller or simpler schema",
