@@ -27,7 +27,7 @@ from engine.constrained import GrammarDeadEnd
 
 from . import fields as F
 from . import sse
-from .constraints import compile_factories, constraint_param
+from .constraints import check_tool_schemas, compile_factories, constraint_param
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
 
@@ -377,6 +377,7 @@ async def start(state, call: Call, request=None) -> Generation:
                     else state.adapters.resolve(call.adapter))
     except ValueError as e:
         raise from_exception(e) from None
+    await check_tool_schemas(call.tools)
     # tokenizing a long prompt must not stall the stream being served; a short one is
     # encoded inline (the thread hand-off and back costs more than the encode: TTFT)
     if _input_chars(call) <= INLINE_ENCODE_CHARS:

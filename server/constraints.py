@@ -134,3 +134,28 @@ async def compile_factories(state, call) -> tuple:
 
 
 DEFAULT_MAX_GRAMMAR_MS = 2000.0
+INLINE_SCHEMA_NODES = 2000
+
+
+def _check_tool_schemas(tools: list) -> None:
+    from engine.constrained.checks import check_json_schema
+
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        try:
+            check_json_schema(fn.get("parameters", fn.get("input_schema")),
+                              f"tools[{i}].parameters")
+        except ValueError as e:
+            raise bad_request(str(e), param="tools") from None
+
+
+async def check_tool_schemas(tools) -> None:
+    """Each tool's parameters checked against the JSON Schema meta-schema (a 400
+    naming `tools`); on a worker thread when they are large (the check is Python)."""
+    if not tools:
+        return
+    from engine.constrained.checks import schema_nodes
+    if schema_nodes(tools, stop=INLINE_SCHEMA_NODES) <= INLINE_SCHEMA_NODES:
+        _check_tool_schemas(tools)
+    else:
+        await asyncio.to_thread(_check_tool_schemas, tools)

@@ -17,7 +17,8 @@
    one regex, brackets counted with numpy a few MB at a time). A body of
    millions of empty objects never becomes millions of Python dicts (413
    naming `--max-json-nodes`), and a 10,000-deep array never reaches the
-   recursive parser (400). A body over 256 KiB is measured on a worker thread.
+   recursive parser (400). A body over 256 KiB is counted 1 MB per event-loop
+   turn, its strings removed on one scan thread (`scan_shape`).
 4. Characters of string content in the parsed body (every string value and
    key, all messages, tools and system prompts together): over the limit is a
    413 before the prompt is rendered or tokenized. A string holding an unpaired
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +49,7 @@ MIN_MAX_JSON_NODES = 100_000
 THREAD_SCAN_BYTES = 256 * 1024
 SCAN_CHUNK = 4 << 20
 COUNT_CHUNK = 1 << 20
+_SCAN = ThreadPoolExecutor(max_workers=1, thread_name_prefix="body-scan")
 CHARS_PER_CONTEXT_TOKEN = 16      # default prompt-character limit = 16 x the model's context
 FALLBACK_MAX_PROMPT_CHARS = 2_000_000
 
@@ -81,17 +84,30 @@ _STEP[[ord("["), ord("{")]] = 1
 _STEP[[ord("]"), ord("}")]] = -1
 
 
+def _count(c: np.ndarray) -> int:
+    return (int(np.count_nonzero(c == 44)) + int(np.count_nonzero(c == 91))
+            + int(np.count_nonzero(c == 123)))            # , [ {
+
+
 def _nodes_bound(raw: bytes) -> int:
-    """Commas and opening brackets, strings included (an upper bound of the values).
-    Counted with numpy 1 MB at a time: its comparisons let other threads (the event
-    loop) run, where `bytes.count` would hold the interpreter for the whole body."""
+    """Commas and opening brackets, strings included (an upper bound of the values)."""
     a = np.frombuffer(raw, dtype=np.uint8)
-    n = 1
+    return 1 + sum(_count(a[i:i + COUNT_CHUNK]) for i in range(0, a.size, COUNT_CHUNK))
+
+
+async def scan_shape(raw: bytes, max_nodes: int) -> tuple:
+    """`json_shape` for a large body without holding up the event loop: the upper
+    bound is counted 1 MB per loop turn (about a millisecond each), and the string
+    removal, when needed, runs on the one scan thread."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    bound = 1
     for i in range(0, a.size, COUNT_CHUNK):
-        c = a[i:i + COUNT_CHUNK]
-        n += (int(np.count_nonzero(c == 44)) + int(np.count_nonzero(c == 91))
-              + int(np.count_nonzero(c == 123)))          # , [ {
-    return n
+        bound += _count(a[i:i + COUNT_CHUNK])
+        await asyncio.sleep(0)
+    if bound > 4 * max_nodes:
+        return bound, 0
+    return await asyncio.get_running_loop().run_in_executor(_SCAN, json_shape, raw,
+                                                            max_nodes, bound)
 
 
 def json_depth(raw: bytes, bare: Optional[bytes] = None) -> int:
@@ -110,7 +126,7 @@ def json_depth(raw: bytes, bare: Optional[bytes] = None) -> int:
     return best
 
 
-def json_shape(raw: bytes, max_nodes: int) -> tuple:
+def json_shape(raw: bytes, max_nodes: int, bound: Optional[int] = None) -> tuple:
     """(values, depth) of a JSON text, values counted as commas and opening
     brackets outside strings. When even the count with strings included is
     more than 4 x `max_nodes`, that count is returned (and depth 0) without
@@ -249,7 +265,7 @@ class BodyGuard:
             return raw        # the handler answers "the body is empty"
         max_nodes = lim.max_json_nodes or MIN_MAX_JSON_NODES
         if len(raw) > THREAD_SCAN_BYTES:      # (the event loop keeps answering)
-            nodes, depth = await asyncio.to_thread(json_shape, raw, max_nodes)
+            nodes, depth = await scan_shape(raw, max_nodes)
         else:
             nodes, depth = json_shape(raw, max_nodes)
         if nodes > max_nodes:

@@ -113,15 +113,11 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
 
 
 def check_tools(tools: list, where: str = "tools") -> None:
-    """Tool names as OpenAI requires them (``^[a-zA-Z0-9_-]{1,64}$``, each once) and
-    parameters that are JSON Schemas: a 400 naming the field otherwise."""
-    from engine.constrained.checks import check_json_schema, check_tool_names
+    """Tool names as OpenAI requires them (``^[a-zA-Z0-9_-]{1,64}$``, each once): a 400
+    naming the field otherwise (their schemas: `constraints.check_tool_schemas`)."""
+    from engine.constrained.checks import check_tool_names
 
-    fns = [t["function"] for t in tools]
     try:
-        check_tool_names([fn["name"] for fn in fns], where)
-        for i, fn in enumerate(fns):
-            check_json_schema(fn.get("parameters", fn.get("input_schema")),
-                              f"{where}[{i}].parameters")
+        check_tool_names([t["function"]["name"] for t in tools], where)
     except ValueError as e:
         raise bad_request(str(e), param=where) from None
