@@ -83,6 +83,24 @@ def grammar_case(srv: Served) -> dict:
             "stream_chunks": stream.get("chunks")}
 
 
+def original_cases(srv: Served) -> list:
+    """The payloads that used to compile for 12-17 s on the event loop: answer and time."""
+    rows = []
+    for name, schema in (
+            ("10,000 optional properties", {"type": "object", "properties": {
+                f"p{i}": {"type": "integer"} for i in range(10_000)}}),
+            ("1,000,000-value enum", {"enum": list(range(1_000_000))})):
+        t0 = time.perf_counter()
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "o", "schema": schema}}})
+        rows.append({"case": name, "status": r.status_code,
+                     "seconds": round(time.perf_counter() - t0, 3),
+                     "message": r.json().get("error", {}).get("message", "")[:120]})
+    return rows
+
+
 def bodies_case(srv: Served, mb: int = 30, n: int = 4) -> dict:
     junk = b"{}," * (mb * (1 << 20) // 3)
     body = (b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], '
@@ -139,6 +157,7 @@ def main(argv=None) -> int:
         load0 = os.getloadavg()[0]
         res = {"machine": {**machine(), "cpus": os.cpu_count()},
                "grammar": grammar_case(srv), "bodies": bodies_case(srv, a.body_mb),
+               "original": original_cases(srv),
                "load_average_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     out = report_dir("grammar_budget", a.tag)
     (out / "report.json").write_text(json.dumps(res, indent=2))
@@ -156,7 +175,11 @@ def main(argv=None) -> int:
             [f"{b['bodies']} x {b['body_mb']} MB of empty objects at once",
              f"{b['statuses']} in {b['wall_s']} s",
              "{p50} / {p99} / {max}".format(**b["health_ms"]),
-             f"RSS growth {b['rss_growth_peak_mb']} MB; innocent {b['innocent']}"]]) + "\n")
+             f"RSS growth {b['rss_growth_peak_mb']} MB; innocent {b['innocent']}"]])
+        + "\n\nThe payloads that used to compile on the event loop:\n\n"
+        + md_table(["schema", "status", "answered in (s)", "message"],
+                   [[o["case"], o["status"], o["seconds"], o["message"]]
+                    for o in res["original"]]) + "\n")
     print(json.dumps(res, indent=2))
     return 0
 
