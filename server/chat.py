@@ -27,7 +27,8 @@ from engine.constrained import GrammarDeadEnd
 
 from . import fields as F
 from . import sse
-from .constraints import check_tool_schemas, compile_factories, constraint_param
+from .constraints import (check_tool_schemas, compile_factories, constraint_param,
+                          processor_factories)
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
 
@@ -393,7 +394,7 @@ async def start(state, call: Call, request=None) -> Generation:
         raise from_exception(e) from None
     state.check_capacity()                       # bounded queue: 503 + Retry-After beyond it
     # the grammar last (it may take seconds): on the grammar threads, within its budget
-    factories = await compile_factories(state, call)
+    factories = await compile_factories(state, call, processor_factories)
     if factories:
         params = replace(sampling_params(state, call, factories), max_tokens=params.max_tokens)
     router = make_parser(state, call, ids)

@@ -103,10 +103,10 @@ def constraint_param(call) -> str:
     return getattr(call, "format_param", "response_format")
 
 
-def _compile(abandoned: threading.Event, state, call) -> tuple:
+def _compile(abandoned: threading.Event, make, state, call) -> tuple:
     if abandoned.is_set():        # its request was answered while it waited for a thread
         return ()
-    return processor_factories(state, call)
+    return make(state, call)
 
 
 def _retrieve(fut) -> None:
@@ -114,14 +114,17 @@ def _retrieve(fut) -> None:
         fut.exception()           # (a compile that outlived its budget: nobody awaits it)
 
 
-async def compile_factories(state, call) -> tuple:
-    """`processor_factories` on the grammar threads, within `--max-grammar-ms`
-    (a 400 naming the limit past it); () at once when `call` asks for no grammar."""
+async def compile_factories(state, call, make=None) -> tuple:
+    """`make(state, call)` (`processor_factories`) on the grammar threads, within
+    `--max-grammar-ms` (a 400 naming the limit past it); inline when `call` asks
+    for no grammar (nothing to compile)."""
+    make = make or processor_factories
     if not constrained(call):
-        return ()
+        return tuple(make(state, call))
     ms = getattr(state.config, "max_grammar_ms", None) or DEFAULT_MAX_GRAMMAR_MS
     abandoned = threading.Event()
-    fut = asyncio.get_running_loop().run_in_executor(_POOL, _compile, abandoned, state, call)
+    fut = asyncio.get_running_loop().run_in_executor(_POOL, _compile, abandoned, make,
+                                                     state, call)
     fut.add_done_callback(_retrieve)
     try:
         return await asyncio.wait_for(asyncio.shield(fut), ms / 1000.0)
