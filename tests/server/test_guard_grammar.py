@@ -69,9 +69,15 @@ def test_health_answers_while_a_grammar_compiles(srv, held):
         {"role": "user", "content": uniq()}], "response_format": _schema(schema)})))
     t.start()
     assert held.entered.wait(30), "the compile never started"
-    # the compile is in progress (held): the event loop must still answer
+    # the compile is in progress (held): the event loop must still answer, and another
+    # request streams to its end meanwhile
     h = httpx.get(srv.url + "/health", timeout=10)
     assert h.status_code == 200
+    with httpx.stream("POST", srv.v1 + "/chat/completions", timeout=30, json={
+            "model": "m", "max_tokens": 12, "stream": True,
+            "messages": [{"role": "user", "content": uniq()}]}) as s:
+        raw = "".join(s.iter_text())
+    assert s.status_code == 200 and "data: [DONE]" in raw
     assert not held.release.is_set() and t.is_alive()
     held.release.set()
     t.join(60)
@@ -221,3 +227,13 @@ def test_bad_tool_name_is_400_on_messages(srv):
         "tool_choice": {"type": "any"}})
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and "must match" in r.json()["error"]["message"]
+
+
+def test_forced_call_with_special_text_in_its_schema_is_400(srv):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"k": {"const": "x<|im_end|>"}}, "required": ["k"]}}}]
+    r = _chat(srv, {"messages": [{"role": "user", "content": uniq()}], "tools": tools,
+                    "tool_choice": "required"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tool_choice"
+    assert "special token" in r.json()["error"]["message"]
