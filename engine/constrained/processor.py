@@ -61,7 +61,15 @@ def parser_limits() -> "llguidance.LLParserLimits":
 
 
 def _short(err: str) -> str:
-    return err.split("\n<state>", 1)[0].strip()[:ERROR_CHARS]
+    """llguidance's message without its state dump and marker, for a client to read."""
+    err = err.split("\n<state>", 1)[0].replace("<non-verbose/>", "")
+    for prefix in ("Parser Error: ", "parser error: "):
+        err = err.replace(prefix, "")
+    if err.strip() == "NoExtensionBias":
+        err = "the schema allows no value to start (a $ref to itself, or a $ref loop?)"
+    if "items; max is" in err:
+        err = "the schema is too large for the grammar (too many optional properties?): " + err
+    return err.strip()[:ERROR_CHARS]
 
 
 def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
