@@ -60,10 +60,16 @@ _LAZY = {
     "default_model_dir": "engine.cli",
     # engine.constrained
     "ConstraintError": "engine.constrained",
+    "GrammarDeadEnd": "engine.constrained",
     "parse_response_format": "engine.constrained",
     "parse_tool_choice": "engine.constrained",
     "response_format_factory": "engine.constrained",
     "tool_choice_factory": "engine.constrained",
+    # engine.constrained.checks
+    "DEFAULT_MAX_SCHEMA_NODES": "engine.constrained.checks",
+    "check_json_schema": "engine.constrained.checks",
+    "check_tool_names": "engine.constrained.checks",
+    "schema_nodes": "engine.constrained.checks",
     # engine.distributed
     "DEFAULT_TIMEOUT_S": "engine.distributed",
     "EXIT_RANK_LOST": "engine.distributed",

@@ -117,6 +117,38 @@ class Census:
             self.add(3, f"innocent stream next to seed {seed}",
                      "killed" if errors or not got else "ok", note=str(errors[:1])[:120])
 
+    def guard(self):
+        """Row 43: schemas no grammar can honour, bad tools, max_tokens past the
+        context, a body of many empty objects (each must be a 4xx, never a 200)."""
+        def fmt(schema):
+            return {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+        fn = {"type": "object", "properties": {"x": {"type": "integer"}}}
+        cases = {
+            "schema const with special-token text": {"response_format": fmt(
+                {"const": "x<|im_end|>y"})},
+            'schema {"$ref": "#"}': {"response_format": fmt({"$ref": "#"})},
+            "schema minItems 1e9": {"response_format": fmt({"type": "array",
+                                                            "minItems": 10 ** 9})},
+            "schema 600 optional properties": {"response_format": fmt({
+                "type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                 for i in range(600)}})},
+            "tool named a b<|im_end|>": {"tools": [{"type": "function", "function": {
+                "name": "a b<|im_end|>", "parameters": fn}}], "tool_choice": "required"},
+            "duplicate tool names": {"tools": [{"type": "function", "function": {
+                "name": "f", "parameters": fn}}] * 2},
+            "tool parameters not a schema": {"tools": [{"type": "function", "function": {
+                "name": "f", "parameters": {"type": 7}}}]},
+            "max_tokens 1e6": {"max_tokens": 10 ** 6},
+        }
+        for case, extra in cases.items():
+            self.check(43, case, self.request("POST", "/v1/chat/completions",
+                                              json={**CHAT, **extra}))
+        junk = (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                b'"junk": [' + b"{}," * 3_000_000 + b"{}]}")
+        self.check(43, "9 MB of empty objects in an unknown field", self.request(
+            "POST", "/v1/chat/completions", content=junk,
+            headers={"content-type": "application/json"}), want=(413,))
+
     def ranges(self):
         self.check(11, "temperature 1e9", self.request(
             "POST", "/v1/chat/completions", json={**CHAT, "temperature": 1e9}))
@@ -252,6 +284,7 @@ def run_root(name: str, root: Path, a) -> tuple:
         c.deep_json()
         c.poison_row()
         c.ranges()
+        c.guard()
         c.cors()
         c.adapter_paths()
         c.allow_405()

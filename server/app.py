@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import replace
 from typing import Optional
 
 from fastapi import FastAPI
@@ -26,7 +27,7 @@ from starlette.routing import Match
 from . import chat_page, metrics, routes
 from .first_run import FirstRequestNotice
 from .errors import APIError, body_for, from_validation, is_anthropic_path
-from .limits import BodyLimits, default_prompt_chars
+from .limits import BodyLimits, default_json_nodes, default_prompt_chars
 from .chat import cancel_generations
 from .security import SecurityConfig, add_security_middleware, default_allowed_hosts
 
@@ -99,12 +100,14 @@ def create_app(state, security: Optional[SecurityConfig] = None) -> FastAPI:
     app.state.server = state
     routes.install(app)           # every route, its request model and response bodies
     security = security or security_for(state.config)
+    context = getattr(state, "max_position", None)
     if security.limits.max_prompt_chars <= 0:     # 0 = derive from the model's context
-        from dataclasses import replace
-        ctx = getattr(state, "max_position", None)
-        chars = default_prompt_chars(ctx)
-        security = replace(security, limits=replace(security.limits, max_prompt_chars=chars,
-                                                    context_tokens=ctx or 0))
+        security = replace(security, limits=replace(security.limits,
+                                                    max_prompt_chars=default_prompt_chars(context),
+                                                    context_tokens=context or 0))
+    if security.limits.max_json_nodes <= 0:
+        security = replace(security, limits=replace(security.limits,
+                                                    max_json_nodes=default_json_nodes(context)))
     app.state.security = security
     add_security_middleware(app, security, public_paths=PUBLIC_PATHS)
     chat_page.install(app)

@@ -21,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Optional
 
+from engine import GrammarDeadEnd
 from . import sse
-from .constraints import processor_factories
+from .constraints import (check_tool_schemas, compile_factories, constraint_param,
+                          processor_factories)
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
 from .messages import check_logit_bias
@@ -126,9 +128,10 @@ def template_kwargs_from(req, state) -> dict:
 # --- the engine call ----------------------------------------------------------
 
 
-def sampling_params(state, call: Call):
+def sampling_params(state, call: Call, factories: tuple = ()):
     """The request's `engine.SamplingParams` (server defaults for absent fields);
-    a bad value is a 400 before anything is queued."""
+    a bad value is a 400 before anything is queued. `factories`: the grammar
+    processors (`constraints.compile_factories`, compiled after the other checks)."""
     from engine import SamplingParams
 
     cfg = state.config
@@ -148,7 +151,7 @@ def sampling_params(state, call: Call):
             logit_bias=call.logit_bias, seed=call.seed, stop=list(call.stop),
             logprobs=bool(call.logprobs or call.top_logprobs),
             top_logprobs=call.top_logprobs or None,
-            processor_factories=processor_factories(state, call), **kw)
+            processor_factories=factories, **kw)
     except ValueError as e:          # the message starts with the field's name
         msg = str(e)
         param = msg.split(" ", 1)[0]
@@ -311,6 +314,10 @@ class Generation:
                     if o.finish_reason == "error":
                         if isinstance(o.error, APIError):   # the server's own answer (a 503)
                             raise o.error
+                        if isinstance(o.error, GrammarDeadEnd):   # never a success
+                            param = constraint_param(self.call)
+                            raise APIError(400, f"{param}: {o.error}", param=param,
+                                           code="grammar_dead_end")
                         client = client_error(o)
                         raise APIError(400 if client else 500,
                                        f"generation failed: {type(o.error).__name__}: {o.error}",
@@ -369,6 +376,7 @@ async def start(state, call: Call, request=None) -> Generation:
                     else state.adapters.resolve(call.adapter))
     except ValueError as e:
         raise from_exception(e) from None
+    await check_tool_schemas(call.tools)
     # tokenizing a long prompt must not stall the stream being served; a short one is
     # encoded inline (the thread hand-off and back costs more than the encode: TTFT)
     if _input_chars(call) <= INLINE_ENCODE_CHARS:
@@ -377,18 +385,20 @@ async def start(state, call: Call, request=None) -> Generation:
         ids = await asyncio.to_thread(encode, state, call)
     if uncapped(state, call):
         params = dataclasses.replace(params, max_tokens=context_left(state, len(ids)))
-    elif state.engine.max_context is not None and (
-            len(ids) + params.max_tokens > state.engine.max_context > len(ids)):
-        # a cap past the model's context (Claude Code asks 32,000-128,000): generation
-        # ends where the context does (finish "length"), never past the model's positions
-        params = dataclasses.replace(params, max_tokens=state.engine.max_context - len(ids))
     # context length, then memory admission, before queueing (the engine re-checks both)
     try:
         state.engine.check_context(len(ids))
+        # a cap past the model's context (Claude Code asks 32,000-128,000 of any model) is
+        # the context left: generation ends where the context does (finish "length")
+        params = state.engine.capped(params, len(ids))
         state.admission.check(len(ids), params.max_tokens)
     except ValueError as e:
         raise from_exception(e) from None
     state.check_capacity()                       # bounded queue: 503 + Retry-After beyond it
+    # the grammar last (it may take seconds): on the grammar threads, within its budget
+    factories = await compile_factories(state, call, processor_factories)
+    if factories:
+        params = replace(sampling_params(state, call, factories), max_tokens=params.max_tokens)
     router = make_parser(state, call, ids)
     job = GenerationJob(asyncio.get_running_loop(), ids, params, adapters)
     job.interval = state.config.stream_interval_ms / 1000.0

@@ -99,6 +99,15 @@ def parser() -> argparse.ArgumentParser:
       help="largest adapters.safetensors POST /v1/adapters loads, in MiB (1024)")
     a("--max-body-mb", type=float, default=32.0, help="request body limit in MiB (32)")
     a("--max-json-depth", type=int, default=64, help="JSON nesting limit (64)")
+    a("--max-json-nodes", type=int, default=0, metavar="N",
+      help="JSON values a request body may hold, counted on the raw bytes before parsing "
+      "(default 0 = 8 x the model's context length, at least 100000)")
+    a("--max-grammar-ms", type=float, default=2000.0, metavar="MS",
+      help="a structured-output / forced-tool-call grammar that takes longer to compile is "
+      "refused with a 400 (2000)")
+    a("--max-schema-nodes", type=int, default=10_000, metavar="N",
+      help="JSON nodes a response_format schema (or a forced call's tool schemas) may hold "
+      "(10000)")
     a("--max-prompt-chars", type=int, default=0, metavar="N",
       help="characters of text a request may carry, checked before tokenizing (default 0 = "
       "16 x the model's context length)")
@@ -194,11 +203,14 @@ def config_from_args(args):
                     ("--body-timeout", args.body_timeout),
                     ("--header-timeout", args.header_timeout),
                     ("--max-header-kb", args.max_header_kb),
-                    ("--max-adapter-mb", args.max_adapter_mb)):
+                    ("--max-adapter-mb", args.max_adapter_mb),
+                    ("--max-grammar-ms", args.max_grammar_ms),
+                    ("--max-schema-nodes", args.max_schema_nodes)):
         if not v > 0:
             raise SystemExit(f"engine-serve: {flag} must be > 0")
-    if args.max_prompt_chars < 0 or args.shutdown_timeout < 0:
-        raise SystemExit("engine-serve: --max-prompt-chars and --shutdown-timeout must be >= 0")
+    if args.max_prompt_chars < 0 or args.shutdown_timeout < 0 or args.max_json_nodes < 0:
+        raise SystemExit("engine-serve: --max-prompt-chars, --max-json-nodes and "
+                         "--shutdown-timeout must be >= 0")
     return ServerConfig(
         levers=levers,
         model=args.model, model_id=args.model_id, host=args.host, port=args.port,
@@ -208,6 +220,7 @@ def config_from_args(args):
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
         api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        max_grammar_ms=args.max_grammar_ms, max_schema_nodes=args.max_schema_nodes,
         template_kwargs=dict(args.chat_template_args or {}),
         chat_template=chat_template_from(args.chat_template),
         prefill_step_size=args.prefill_step_size,
@@ -226,6 +239,7 @@ def security_from_args(args, config):
         if args.allowed_hosts is not None else None
     limits = BodyLimits(max_body_bytes=config.max_body_bytes, max_json_depth=args.max_json_depth,
                         max_prompt_chars=args.max_prompt_chars,
+                        max_json_nodes=args.max_json_nodes,
                         body_timeout_s=args.body_timeout)
     extra = {} if hosts is None else {"allowed_hosts": hosts}
     return security_for(config, cors_origins=tuple(args.cors_origins or ()),

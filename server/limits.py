@@ -10,9 +10,15 @@
 2. Body bytes: a `Content-Length` over the limit is refused before reading; a
    chunked body is counted while read and refused as soon as it passes the
    limit (413). The whole body must arrive within `body_timeout_s` (408).
-3. JSON nesting depth, measured on the raw bytes (strings removed by one regex,
-   brackets counted with numpy) *before* parsing, so a 10,000-deep array never
-   reaches the recursive parser (400).
+3. JSON structure, measured on the raw bytes *before* parsing: the values the
+   body holds (commas, `[` and `{` outside strings: every array element and
+   object member, counted with C-speed byte counts first, strings removed only
+   when that bound is near the limit) and the nesting depth (strings removed by
+   one regex, brackets counted with numpy a few MB at a time). A body of
+   millions of empty objects never becomes millions of Python dicts (413
+   naming `--max-json-nodes`), and a 10,000-deep array never reaches the
+   recursive parser (400). A body over 256 KiB is counted 1 MB per event-loop
+   turn, its strings removed on one scan thread (`scan_shape`).
 4. Characters of string content in the parsed body (every string value and
    key, all messages, tools and system prompts together): over the limit is a
    413 before the prompt is rendered or tokenized. Under the default limit (derived from
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,6 +48,12 @@ from .errors import APIError, body_for, is_anthropic_path
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64
 DEFAULT_BODY_TIMEOUT_S = 30.0
+NODES_PER_CONTEXT_TOKEN = 8       # default JSON-value limit = 8 x the model's context
+MIN_MAX_JSON_NODES = 100_000
+THREAD_SCAN_BYTES = 256 * 1024
+SCAN_CHUNK = 4 << 20
+COUNT_CHUNK = 1 << 20
+_SCAN = ThreadPoolExecutor(max_workers=1, thread_name_prefix="body-scan")
 CHARS_PER_CONTEXT_TOKEN = 16      # default prompt-character limit = 16 x the model's context
 FALLBACK_MAX_PROMPT_CHARS = 2_000_000
 
@@ -55,6 +68,7 @@ class BodyLimits:
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     max_prompt_chars: int = 0        # 0 = 16 x the model's context (create_app)
     context_tokens: int = 0          # the model's context when the limit derives from it
+    max_json_nodes: int = 0          # 0 = 8 x the model's context, at least 100,000 (create_app)
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
@@ -65,23 +79,69 @@ def default_prompt_chars(context_tokens: Optional[int]) -> int:
     return int(context_tokens) * CHARS_PER_CONTEXT_TOKEN
 
 
-def json_depth(raw: bytes) -> int:
+def default_json_nodes(context_tokens: Optional[int]) -> int:
+    """8 JSON values per token of the model's context, at least 100,000."""
+    return max(MIN_MAX_JSON_NODES, int(context_tokens or 0) * NODES_PER_CONTEXT_TOKEN)
+
+
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+
+
+def _count(c: np.ndarray) -> int:
+    return (int(np.count_nonzero(c == 44)) + int(np.count_nonzero(c == 91))
+            + int(np.count_nonzero(c == 123)))            # , [ {
+
+
+def _nodes_bound(raw: bytes) -> int:
+    """Commas and opening brackets, strings included (an upper bound of the values)."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    return 1 + sum(_count(a[i:i + COUNT_CHUNK]) for i in range(0, a.size, COUNT_CHUNK))
+
+
+async def scan_shape(raw: bytes, max_nodes: int) -> tuple:
+    """`json_shape` for a large body without holding up the event loop: the upper
+    bound is counted 1 MB per loop turn (about a millisecond each), and the string
+    removal, when needed, runs on the one scan thread."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    bound = 1
+    for i in range(0, a.size, COUNT_CHUNK):
+        bound += _count(a[i:i + COUNT_CHUNK])
+        await asyncio.sleep(0)
+    if bound > 4 * max_nodes:
+        return bound, 0
+    return await asyncio.get_running_loop().run_in_executor(_SCAN, json_shape, raw,
+                                                            max_nodes, bound)
+
+
+def json_depth(raw: bytes, bare: Optional[bytes] = None) -> int:
     """Maximum nesting depth of `[`/`{` in a JSON text (0 for a scalar).
 
-    Strings are removed first (one C-speed regex pass), then the brackets are
-    counted with a cumulative sum; exact for valid JSON, and never below the
-    true depth for malformed input (which the parser then refuses)."""
-    bare = _STRING.sub(b"", raw)
-    if not bare:
-        return 0
+    Strings are removed first (one C-speed regex pass; `bare`: already done),
+    then the brackets are counted with a cumulative sum, a few MB at a time;
+    exact for valid JSON, and never below the true depth for malformed input
+    (which the parser then refuses)."""
+    bare = _STRING.sub(b"", raw) if bare is None else bare
     a = np.frombuffer(bare, dtype=np.uint8)
-    step = np.zeros(256, dtype=np.int8)
-    step[[ord("["), ord("{")]] = 1
-    step[[ord("]"), ord("}")]] = -1
-    s = step[a]
-    if not s.any():
-        return 0
-    return int(np.cumsum(s, dtype=np.int64).max())
+    depth = best = 0
+    for i in range(0, a.size, SCAN_CHUNK):
+        s = np.cumsum(_STEP[a[i:i + SCAN_CHUNK]], dtype=np.int64) + depth
+        best, depth = max(best, int(s.max())), int(s[-1])
+    return best
+
+
+def json_shape(raw: bytes, max_nodes: int, bound: Optional[int] = None) -> tuple:
+    """(values, depth) of a JSON text, values counted as commas and opening
+    brackets outside strings. When even the count with strings included is
+    more than 4 x `max_nodes`, that count is returned (and depth 0) without
+    removing the strings (the cost of which grows with the strings' number)."""
+    bound = _nodes_bound(raw)
+    if bound > 4 * max_nodes:
+        return bound, 0
+    bare = _STRING.sub(b"", raw)
+    nodes = bound if bound <= max_nodes else _nodes_bound(bare)
+    return nodes, json_depth(raw, bare)
 
 
 def string_chars(value) -> int:
@@ -167,7 +227,8 @@ def prompt_too_long(chars: int, lim: BodyLimits) -> APIError:
 
 
 class BodyGuard:
-    """ASGI middleware: content type, body bytes, read time, JSON depth, prompt characters."""
+    """ASGI middleware: content type, body bytes, read time, JSON values and depth,
+    prompt characters."""
 
     def __init__(self, app, limits: BodyLimits):
         self.app = app
@@ -216,7 +277,14 @@ class BodyGuard:
             return None
         if not raw.strip():
             return raw        # the handler answers "the body is empty"
-        depth = json_depth(raw)
+        max_nodes = lim.max_json_nodes or MIN_MAX_JSON_NODES
+        if len(raw) > THREAD_SCAN_BYTES:      # (the event loop keeps answering)
+            nodes, depth = await scan_shape(raw, max_nodes)
+        else:
+            nodes, depth = json_shape(raw, max_nodes)
+        if nodes > max_nodes:
+            raise _Refused(too_large("body of", f"{nodes} JSON values", max_nodes,
+                                     "--max-json-nodes"))
         if depth > lim.max_json_depth:
             raise _Refused(APIError(400, f"invalid JSON body: nested {depth} levels deep, "
                                          f"the limit is {lim.max_json_depth} "

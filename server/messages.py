@@ -142,6 +142,7 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
             f["description"] = desc
         f["parameters"] = params
         out.append({"type": "function", "function": f})
+    check_tools(out, where)
     return out or None
 
 
@@ -187,3 +188,14 @@ def check_logit_bias(bias: Optional[dict], vocab_size: int,
                               f"(size {vocab_size})", param=key)
         out[tid] = float(b)
     return out
+
+
+def check_tools(tools: list, where: str = "tools") -> None:
+    """Tool names as OpenAI requires them (``^[a-zA-Z0-9_-]{1,64}$``, each once): a 400
+    naming the field otherwise (their schemas: `constraints.check_tool_schemas`)."""
+    from engine import check_tool_names
+
+    try:
+        check_tool_names([t["function"]["name"] for t in tools], where)
+    except ValueError as e:
+        raise bad_request(str(e), param=where) from None

@@ -46,6 +46,8 @@ class ServerConfig:
     batch: int = 8                      # rows decoding together (1: one request at a time)
     max_queue: Optional[int] = None     # requests waiting beyond the running ones (None: default)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_grammar_ms: float = 2000.0      # a grammar compile longer than this is a 400
+    max_schema_nodes: int = 10_000      # JSON nodes of a response/tool schema (400 beyond)
     template_kwargs: dict = field(default_factory=dict)
     chat_template: Optional[str] = None   # --chat-template: replaces the model's template
     prefill_step_size: int = 2048

@@ -29,14 +29,17 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from engine.text.reasoning import ReasoningFormat, get_reasoning_format
+from .checks import DEFAULT_MAX_SCHEMA_NODES, check_schema, check_tool_names
 from .grammars import Literals, json_grammar, reasoning_prefix, tool_call_grammar
-from .processor import GrammarProcessor, compile_grammar, ll_tokenizer
+from .processor import (GrammarDeadEnd, GrammarProcessor, compile_grammar, compile_matcher,
+                        ll_tokenizer)
 
 __all__ = [
     "ConstraintError", "ResponseFormat", "ToolChoice", "parse_response_format",
     "parse_tool_choice", "response_format_processor", "tool_choice_processor",
     "response_format_factory", "tool_choice_factory",
-    "GrammarProcessor", "compile_grammar", "ll_tokenizer", "json_grammar", "tool_call_grammar",
+    "GrammarProcessor", "GrammarDeadEnd", "compile_grammar", "compile_matcher", "ll_tokenizer",
+    "json_grammar", "tool_call_grammar", "check_schema", "check_tool_names",
 ]
 
 
@@ -156,21 +159,36 @@ def _prefix(tokenizer, reasoning, in_reasoning: bool, budget: Optional[int]):
     return reasoning_prefix(None if in_reasoning else fmt.start, fmt.end, lit, budget), in_reasoning
 
 
+def _specials(tokenizer) -> list:
+    """Texts the model writes only as single tokens, which llguidance never takes
+    as their text (it treats every added token as special)."""
+    lt = ll_tokenizer(tokenizer)
+    return [t for i, t in tokenizer.added_tokens.items() if lt.is_special_token(i)]
+
+
 def response_format_processor(tokenizer, fmt: Optional[ResponseFormat], *,
                               reasoning: Union[str, ReasoningFormat, None] = None,
                               in_reasoning: bool = False,
-                              reasoning_budget: Optional[int] = None) -> Optional[GrammarProcessor]:
+                              reasoning_budget: Optional[int] = None,
+                              max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES
+                              ) -> Optional[GrammarProcessor]:
     """A processor forcing ``fmt`` (None for ``text``). ``reasoning``: the
     family's reasoning format, to let the model reason first (the JSON starts
     after the block; ``in_reasoning``: the prompt opened it; ``reasoning_budget``
-    caps its tokens). ConstraintError for a schema llguidance cannot compile."""
+    caps its tokens). ConstraintError for a schema that cannot be honoured
+    (``checks.check_schema``: over ``max_schema_nodes`` nodes, not a JSON
+    Schema, special-token text, an impossible length) or that llguidance
+    cannot compile or finish."""
     if fmt is None or fmt.type == "text":
         return None
     prefix, required = _prefix(tokenizer, reasoning, in_reasoning, reasoning_budget)
-    lark = json_grammar(fmt.schema if fmt.type == "json_schema" else None, prefix, required,
-                        strict=fmt.strict is not False)
     try:
-        return GrammarProcessor(compile_grammar(lark, tokenizer), tokenizer)
+        if fmt.type == "json_schema":
+            check_schema(fmt.schema, _specials(tokenizer), where="the schema",
+                         max_nodes=max_schema_nodes)
+        lark = json_grammar(fmt.schema if fmt.type == "json_schema" else None, prefix,
+                            required, strict=fmt.strict is not False)
+        return GrammarProcessor(compile_matcher(lark, tokenizer), tokenizer)
     except ValueError as e:
         raise ConstraintError(f"response_format: {e}", "response_format") from None
 
@@ -179,17 +197,27 @@ def tool_choice_processor(tokenizer, tool_format: Any, tools: Optional[Sequence[
                           choice: ToolChoice, *, parallel: bool = True,
                           reasoning: Union[str, ReasoningFormat, None] = None,
                           in_reasoning: bool = False,
-                          reasoning_budget: Optional[int] = None) -> Optional[GrammarProcessor]:
+                          reasoning_budget: Optional[int] = None,
+                          max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES
+                          ) -> Optional[GrammarProcessor]:
     """A processor forcing the tool call(s) ``choice`` asks for, in
-    ``tool_format`` (a ``ToolFormat`` or its name); None for auto/none."""
+    ``tool_format`` (a ``ToolFormat`` or its name); None for auto/none. The
+    tools' names and parameter schemas are checked as ``response_format_processor``'s
+    schema is (``max_schema_nodes``: all the tools' schemas together)."""
     if not choice.forces_call:
         return None
     name = getattr(tool_format, "name", tool_format)
     prefix, required = _prefix(tokenizer, reasoning, in_reasoning, reasoning_budget)
     try:
+        fns = [t.get("function") if isinstance(t, dict) and isinstance(t.get("function"), dict)
+               else t for t in tools or []]
+        check_tool_names([fn.get("name") if isinstance(fn, dict) else None for fn in fns])
+        check_schema({"anyOf": [fn.get("parameters", fn.get("input_schema")) or {}
+                                for fn in fns]}, _specials(tokenizer),
+                     where="the tools' parameters", max_nodes=max_schema_nodes)
         lark = tool_call_grammar(name, tools or [], choice.name, Literals(tokenizer.added_tokens),
                                  parallel=parallel, prefix=prefix, prefix_required=required)
-        return GrammarProcessor(compile_grammar(lark, tokenizer), tokenizer)
+        return GrammarProcessor(compile_matcher(lark, tokenizer), tokenizer)
     except ValueError as e:
         raise ConstraintError(f"tool_choice: {e}", "tool_choice") from None
 
@@ -197,7 +225,7 @@ def tool_choice_processor(tokenizer, tool_format: Any, tools: Optional[Sequence[
 def _factory(proc: Optional[GrammarProcessor], tokenizer):
     if proc is None:
         return None
-    grammar = proc.grammar
+    grammar = proc.grammar      # the shared compiled matcher: each request copies it
     return lambda: GrammarProcessor(grammar, tokenizer)
 
 

@@ -28,7 +28,7 @@ lanes. A failure in one request's own code (building its processors or sampler,
 running them, detokenizing) ends that request only, in both lanes.
 `submit()` raises `ValueError` (bad prompt, `ContextLengthExceeded`: longer than
 the model's context, `ContextOverBudget`: over the memory budget) before
-anything runs; an exception while running ends the affected requests with
+anything runs, and caps `max_tokens` at the context the prompt leaves; an exception while running ends the affected requests with
 `finish_reason "error"` and the exception in `RequestOutput.error`.
 """
 
@@ -182,6 +182,7 @@ class Engine:
         check_token_ids(ids, self.vocab_size)
         before = prefix_caches[0].offset if prefix_caches else 0
         self.check_context(before + len(ids))
+        params = self.capped(params, before + len(ids))
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)
         adapter = tuple(adapter or ())
@@ -211,6 +212,20 @@ class Engine:
         limit = self.max_context
         if limit is not None and prompt_tokens + 1 > limit:
             raise ContextLengthExceeded(prompt_tokens, limit)
+
+    def context_left(self, prompt_tokens: int) -> Optional[int]:
+        """Tokens the model's context holds after a prompt this long (None: no limit)."""
+        return None if self.max_context is None else self.max_context - prompt_tokens
+
+    def capped(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """`params` with `max_tokens` at most the context left after the prompt
+        (a generation cannot run past the model's context; with `max_kv_size` the
+        bounded ring may, as mlx-lm's does). Any thread."""
+        left = self.context_left(prompt_tokens)
+        if left is None or self.max_kv_size or params.max_tokens <= left:
+            return params
+        from dataclasses import replace
+        return replace(params, max_tokens=max(left, 1))
 
     def _solo_reason(self, adapter: tuple) -> Optional[str]:
         if self._sched is None:

@@ -164,3 +164,57 @@ def _check_text_value(tokenizers, fmt, value, ok, parsed, schema):
     assert accepted is ok, m.get_error()
     if ok:
         assert [c.arguments for c in parse_tool_calls(text, fmt, tools)[1]] == [{"s": parsed}]
+
+
+# ------------------------------------------- hostile schemas: never invalid as success
+
+SPECIAL = st.sampled_from(["<|im_end|>", "<|endoftext|>", "<tool_call>", "<think>"])
+HOSTILE = st.one_of(
+    st.builds(lambda s, pre: {"const": pre + s + "y"}, SPECIAL, st.sampled_from(["", "x"])),
+    st.builds(lambda s: {"enum": ["ok", "a" + s]}, SPECIAL),
+    st.just({"$ref": "#"}),
+    st.just({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+             "$ref": "#/$defs/a"}),
+    st.just({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+    st.builds(lambda n: {"type": "array", "minItems": n}, st.sampled_from([10**6, 1e9])),
+    st.just({"type": "string", "pattern": "((a{100}){100}){100}"}),
+    st.builds(lambda n: {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                          for i in range(n)}},
+              st.sampled_from([520, 700])),
+    st.builds(lambda s: {"type": "string", "pattern": "^a" + s.replace("|", "\\|") + "$"},
+              SPECIAL),
+    st.just({"type": "strng"}),
+)
+
+
+@st.composite
+def hostile_schema(draw):
+    """A generated object schema with a hostile piece at the top or inside it."""
+    base = draw(tool_schema())
+    bad = draw(HOSTILE)
+    where = draw(st.sampled_from(["top", "property", "required_property"]))
+    if where == "top":
+        return bad
+    props = dict(base["properties"])
+    props["zz"] = bad
+    req = list(base["required"]) + (["zz"] if where == "required_property" else [])
+    return {"type": "object", "properties": props, "required": req}
+
+
+@HSET
+@given(schema=st.one_of(tool_schema(), hostile_schema()), seed=st.integers(0, 2**31))
+def test_property_json_schema_never_invalid_as_success(tokenizers, schema, seed):
+    """Refused up front (ConstraintError), or ended with GrammarDeadEnd, or cut by the
+    step limit (finish "length"); an output that ends on EOS always validates."""
+    from engine.constrained import ConstraintError, GrammarDeadEnd
+    tok = tokenizers["qwen3"]
+    try:
+        proc = response_format_processor(tok, ResponseFormat("json_schema", schema))
+    except ConstraintError:
+        return
+    try:
+        ids, ended = walk(proc, tok, seed, max_steps=120)
+    except GrammarDeadEnd:
+        return
+    if ended:
+        jsonschema.validate(json.loads(tok.decode(ids)), schema)
