@@ -5,6 +5,7 @@ template values as constexpr; the one-kernel step's constants from its generated
 
     python experiments/check_kernels_nvcc.py            # prints ptxas register/spill report
     MEGA_ONLY=1 ...                                     # only the float one-kernel steps
+    RB=4 FLOW=0 ...                                     # its rows a call (default 1), FLOW
     FAULTS=1 ...                                        # the L3 gate's fault build (L3_FAULT_*)
 """
 
@@ -75,14 +76,17 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
                 prof: int = 0, gs: int = 0) -> str:
     """The bf16 one-kernel step as a kernel `name` of the shapes (H, NQ, NKV, D, I, L, V), its
     weights float or `qb`-bit (groups of `gs`: 64, or for float weights the 32 MegaStep gives),
-    with the settings in `env` (RB: rows a call): its generated header and a wrapper that
+    with the settings in `env` (RB: rows a call; FLOW: 1 or 0, by default 1 for one row as
+    MegaStep chooses it): its generated header and a wrapper that
     includes mega_step.cu, in a namespace of their own. Needs mega_device.cuh before it."""
     H, NQ, NKV, D, I, L, V = shape
+    rb = int(env.get("RB", 1))
+    flow = int(env.get("FLOW", MG.flow(rb)))      # (as MegaStep chooses it, unless FLOW is set)
     names = MC.input_names(L, quantized=bool(qb), qk_norm=bool(qkn))
     mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(L)}
 
     def ty(n):
-        if n in ("tok", "rpos", "col", "start_col", "opt"):
+        if n in ("tok", "rpos", "col", "start_col"):
             return "int32_t"
         if n in ("inv_freq", "after"):
             return "float"
@@ -94,7 +98,7 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
     return (f"namespace {name}_build {{\n" + MC.config_header(params)
             + f"__global__ void {name}({args}, const __grid_constant__ Shape k_0_shape, "
             "__nv_bfloat16* logits, float* ws) {\n  using T = __nv_bfloat16;\n"
-            f"  constexpr int RB = {int(env.get('RB', 1))};\n  constexpr int ROW0 = 0;\n"
+            f"  constexpr int RB = {rb};\n  constexpr int ROW0 = 0;\n  constexpr int FLOW = {flow};\n"
             + inc("mega_step.cu") + "}\n}\n")
 
 
@@ -110,14 +114,17 @@ def source() -> str:
             src += f"__global__ void k_{name}_{T.strip('_')}({', '.join(args)}) {{\n  using T = {T};\n"
             src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tmpl.items()) + body + "\n}\n"
     # the one-kernel step (1B shapes, 16 layers): float, 4-bit and 8-bit weights, float with
-    # q/k norms, and float with 8B's head size (128) and an odd multiple of 32 (96); its header
-    # redefines __global__ (launch bounds)
+    # q/k norms, and float with 8B's head size (128) and an odd multiple of 32 (96), each of one
+    # row (FLOW 1), and float of 4 rows (FLOW 0); its header redefines __global__ (launch bounds)
     src += "}\n" + inc("mega_device.cuh") + "namespace mlx::core::cu {\n"
     shapes = ((0, 0, 64), (0, 0, 128)) if mega_only else ((0, 0, 64), (4, 0, 64), (8, 0, 64), (0, 1, 64),
                                                            (0, 0, 128), (0, 0, 96))
     for qb, qkn, D in shapes:
         src += mega_kernel(f"k_mega_q{qb}_n{qkn}_d{D}_bf16", (32 * D, 32, 8, D, 8192, 16, 128256), os.environ,
                            qb=qb, qkn=qkn, maxch=16, prof=1)
+    if not mega_only:    # the batch lane's build: 4 rows a call, FLOW 0 (the grid barrier before attention)
+        src += mega_kernel("k_mega_b4_q0_d64_bf16", (2048, 32, 8, 64, 8192, 16, 128256), {"RB": 4},
+                           maxch=16, prof=1)
     return src + "}\n"
 
 

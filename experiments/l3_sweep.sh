@@ -1,14 +1,11 @@
 #!/bin/bash
 # Device run: (CHECK2048=0 leaves out) experiments/mega_check.py on the presets CHECK_MODELS
 # (default 1b) at the prompts CHECK_PROMPTS (default 2048), with the settings CHECK_ENV
-# (the attention combine over 33+ chunks against L1); the one-kernel step's switches A/B
-# (experiments/mega_sweep.py) on the 8b preset
-# (VARIANTS8, prompts 128 and 2048) and the 1b preset (VARIANTS1), then with BENCH1=N N runs of
-# bench_decode l1,l3 on the 1b preset (defaults), with BENCH8=N N runs of
-# bench_decode l1,l3 on the 8b preset (MLXP_MEGA_OPT=$BENCH_OPT), with MMA=1 the
-# tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight Compute on the 8b step
-# (experiments/l3_ncu.sh, MLXP_MEGA_OPT as set); DEV (default h200) begins the benches' tags; the benches run before the sweeps (SWEEPS=0
-# leaves them out), BATCHCHK=1 then checks the batch lane; OVERHEAD=1 (before the benches)
+# (the attention combine over 33+ chunks against L1), then with BENCH1=N N runs of
+# bench_decode l1,l3 on the 1b preset, with BENCH8=N N runs of bench_decode l1,l3 on the 8b
+# preset, with MMA=1 the tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight
+# Compute on the 8b step (experiments/l3_ncu.sh); DEV (default h200) begins the benches' tags;
+# BATCHCHK=1 then checks the batch lane; OVERHEAD=1 (before the benches)
 # times what a step costs around the kernel (experiments/step_overhead.py). Results under $OUT.
 #   OUT=/tmp/sw BUDGET=540 bash experiments/l3_sweep.sh
 set -u
@@ -20,7 +17,7 @@ stage build
 python3 -m experiments.presets 8b /tmp/m/8b
 python3 -m experiments.presets 1b /tmp/m/1b
 if [ "${CHECK2048:-1}" = 1 ]; then     # the kernel against L1 with more than 32 attention chunks
-  for M in ${CHECK_MODELS:-1b}; do    # (CHECK_ENV: settings for the kernel, e.g. MLXP_MEGA_OPT=84)
+  for M in ${CHECK_MODELS:-1b}; do    # (CHECK_ENV: settings for the kernel, e.g. MLXP_MEGA_PROF=1)
   for P in ${CHECK_PROMPTS:-2048}; do
     stage check-$M-$P
     run $(lim 60 90) env ${CHECK_ENV:-} python3 experiments/mega_check.py --model /tmp/m/$M --prompt $P \
@@ -42,17 +39,9 @@ for R in $(seq 1 "${BENCH1:-0}"); do    # BENCH1=N: N bench runs on the 1b prese
 done
 for R in $(seq 1 "${BENCH8:-0}"); do    # BENCH8=N: N bench runs on the 8b preset
   stage bench-8b-$R
-  MLXP_MEGA_OPT=${BENCH_OPT:-} run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
-    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R${BENCH_OPT:+-opt$BENCH_OPT} --out "$OUT/bench-8b-r$R"
+  run $(lim 40 160) python3 experiments/bench_decode.py --model /tmp/m/8b \
+    --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag ${DEV:-h200}-8b-r$R --out "$OUT/bench-8b-r$R"
 done
-if [ "${SWEEPS:-1}" = 1 ]; then
-stage sweep-8b
-run $(lim 60 ${SW8_S:-300}) python3 experiments/mega_sweep.py --model /tmp/m/8b \
-  --variants "${VARIANTS8:-596,4692}" --prompts 128,2048 --out "$OUT/sweep_8b.json"
-stage sweep-1b
-run $(lim 30 ${SW1_S:-120}) python3 experiments/mega_sweep.py --model /tmp/m/1b \
-  --variants "${VARIANTS1:-596,84}" --prompts 128,2048 --out "$OUT/sweep_1b.json"
-fi
 if [ "${BATCHCHK:-0}" = 1 ]; then      # the batch lane (8 and 32 rows) against BatchGenerator
   stage batch
   run $(lim 5 100) python3 experiments/merged_exactness.py --model /tmp/m/1b \

@@ -3,7 +3,7 @@ fault with a tool around it, e.g. compute-sanitizer (which names the faulting in
 offset and threads), where a sweep would only see the CUDA error.
 
     compute-sanitizer --tool memcheck python experiments/mega_first_step.py --model DIR \
-        [--prompt 8] [--env MLXP_MEGA_OPT=596 ...]
+        [--prompt 8] [--env MLXP_MEGA_QKNORM=0 ...]
 
 Prints when the prompt was processed, then `ok SECONDS` (the step ran; the seconds include
 compiling the kernel) or `ERR SECONDS MESSAGE`; exit status 0 or 1.
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     from engine.fast.decode import FastDecoder
     from engine.levers import resolve
-    from experiments.mega_sweep import load_model
+    from engine.loader import load_model
     try:
         model = load_model(a.model)[0]
     except Exception as e:  # noqa: BLE001  (a model that does not load: a message, not a traceback)

@@ -4,7 +4,6 @@ the `Levers` (engine.levers.resolve: preset < environment < flag) and carried by
 
 | field | environment | values | what it does |
 |---|---|---|---|
-| `opt` | `MLXP_MEGA_OPT` | 0-5119, a sum of `OPT_BITS` | the one-kernel step's run-time switches (unset: `OPT_DEFAULT`; calls of several rows then leave FLOW out) |
 | `prof` | `MLXP_MEGA_PROF` | 0/1 | the one-kernel step's phase timer (`FastDecoder.mega_profile`) |
 | `quant` | `MLXP_MEGA_QUANT` | unset, 0, 1 | quantized models on the one-kernel step: 4-bit (unset), none (0), 8-bit too (1) |
 | `qk_norm` | `MLXP_MEGA_QKNORM` | 0/1 | qwen3 (per-head q/k norms) on the one-kernel step (0: off it) |
@@ -16,12 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-# the one-kernel step's switches (its `opt` input; engine/fast/cuda/mega_device.cuh's MEGA_OPT_*)
-OPT_BITS = {"pfo": 1, "kvpf": 2, "evf": 4, "qsplit": 8, "bar": 16, "spread": 32, "lean": 64,
-            "nopfa": 128, "akpf": 256, "flow": 512, "pfcap": 4096}
-# measured faster on the H200 (reports/l3/JOURNAL.md); lean and flow leave the logits bit-identical
-OPT_DEFAULT = OPT_BITS["evf"] | OPT_BITS["bar"] | OPT_BITS["lean"] | OPT_BITS["flow"]
-OPT_MAX = sum(OPT_BITS.values())
 KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega")
 
 
@@ -31,17 +24,12 @@ class FastConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FastConfig:
-    opt: Optional[int] = None          # None: OPT_DEFAULT
     prof: bool = False
     quant: Optional[bool] = None       # None: 4-bit weights; False: none; True: 8-bit too
     qk_norm: bool = True
     disabled: frozenset = field(default_factory=frozenset)
 
     def __post_init__(self):
-        if self.opt is not None and (isinstance(self.opt, bool) or not isinstance(self.opt, int)
-                                     or not 0 <= self.opt <= OPT_MAX):
-            raise FastConfigError(f"MLXP_MEGA_OPT (opt) must be an integer 0-{OPT_MAX} "
-                                  f"(a sum of {OPT_BITS}), not {self.opt!r}")
         for name in ("prof", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise FastConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
@@ -53,15 +41,8 @@ class FastConfig:
             raise FastConfigError(f"MLXP_DISABLE_KERNELS (disabled) names unknown kernels {bad}: "
                                   f"one of {', '.join(KERNELS)}")
 
-    def mask(self, rows: int = 1) -> int:
-        """The kernel's `opt` input for calls of `rows` rows: FLOW (measured on the one-row step)
-        only for one row unless the mask was set explicitly."""
-        if self.opt is not None:
-            return self.opt
-        return OPT_DEFAULT if rows == 1 else OPT_DEFAULT & ~OPT_BITS["flow"]
-
     def as_dict(self) -> dict:
-        return {"opt": self.opt, "prof": self.prof, "quant": self.quant, "qk_norm": self.qk_norm,
+        return {"prof": self.prof, "quant": self.quant, "qk_norm": self.qk_norm,
                 "disabled": sorted(self.disabled)}
 
     @classmethod
@@ -73,11 +54,7 @@ class FastConfig:
             if raw not in ("", "0", "1"):
                 raise FastConfigError(f"{name} must be 0 or 1, not {raw!r}")
             return None if raw == "" else raw == "1"
-        raw = env.get("MLXP_MEGA_OPT", "")
-        if raw and (not raw.isdigit() or int(raw) > OPT_MAX):
-            raise FastConfigError(f"MLXP_MEGA_OPT must be an integer 0-{OPT_MAX} (a sum of {OPT_BITS}), "
-                                  f"not {raw!r}")
         qkn = switch("MLXP_MEGA_QKNORM")
-        return cls(opt=int(raw) if raw else None, prof=bool(switch("MLXP_MEGA_PROF")),
+        return cls(prof=bool(switch("MLXP_MEGA_PROF")),
                    quant=switch("MLXP_MEGA_QUANT"), qk_norm=qkn is not False,
                    disabled=frozenset(k for k in env.get("MLXP_DISABLE_KERNELS", "").split(",") if k))

@@ -32,7 +32,7 @@ from ..models.base import silu_gate
 from . import gemv as G
 from . import kernels as K
 from . import mega_cuda as C
-from .config import OPT_BITS, OPT_DEFAULT, FastConfig  # noqa: F401  (OPT_*: re-exported)
+from .config import FastConfig
 from .merge import merged_of
 
 # 16-byte weight loads in flight per lane: one-row phases (o_proj too), paired-row phases
@@ -159,6 +159,15 @@ def rows_per_call(model) -> int:
                            weight_dtype(model.model.embed_tokens).size)
 
 
+def flow(rows: int) -> int:
+    """The kernel's FLOW (a template argument) for a step of `rows` rows: 1 for one row (no grid
+    barrier between q/k/v and attention: each head's pairs count up a flag, an attention unit
+    waits for its own heads; measured faster on the one-row step with identical logits,
+    reports/l3_profile/0.2.6/h200-sweep-flow/), 0 for the batch lane's steps (every call of a
+    step of several rows, one of a single row included, keeps the barrier)."""
+    return int(rows == 1)
+
+
 class MegaStep:
     """One decode step of B rows as one kernel per group of up to `rows_per_call` rows:
     `(tokens [B], rpos [B], col [1], start [B], keys, values) -> (logits [B, V], workspaces)`.
@@ -191,11 +200,8 @@ class MegaStep:
             self.layers += [w for layer in model.layers
                             for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
         self.prof = config.prof
-        self.opt = mx.array([config.mask(1)], dtype=mx.int32)
-        # several rows a call: FLOW only when asked for by name (it is measured on the solo step)
-        self.opt_rows = mx.array([config.mask(2)], dtype=mx.int32)
         self._first = mx.zeros((1,), dtype=mx.float32)     # (`after` of a step's first call)
-        # the build's constants (the generated header; the kernel's template: T, RB, ROW0)
+        # the build's constants (the generated header; the kernel's template: T, RB, ROW0, FLOW)
         self.params = C.MegaParams(
             H=self.H, NQ=self.NQ, NKV=self.NKV, D=self.D, I=self.I, L=self.L, V=self.V,
             EPS_NUM=int(round(self.eps * 1e12)), SCALE_NUM=int(round(self.scale * 1e9)),
@@ -217,13 +223,12 @@ class MegaStep:
         B = tokens.size
         ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
                col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B),
-               self.opt if B == 1 else self.opt_rows,
                *self.shared, *self.layers, *keys, *values]
         logits, wss = [], []
         for row0, rb in self.groups(B):
             lg, ws = self._kernel(rb)(
                 inputs=ins + [wss[-1] if wss else self._first],
-                template=[("T", self.dtype), ("RB", rb), ("ROW0", row0)],
+                template=[("T", self.dtype), ("RB", rb), ("ROW0", row0), ("FLOW", flow(B))],
                 grid=(self.blocks * C.THREADS, 1, 1), threadgroup=(C.THREADS, 1, 1),
                 output_shapes=[(rb, self.V),
                                (C.workspace_floats(self.H, self.NQ, self.D, self.I, self.L, rb,

@@ -2,7 +2,8 @@
 engine/fast/cuda/mega_step.cu (with mega_qkv.cu and mega_attn.cu), its device functions
 mega_device.cuh; this module makes the rest: the kernel's input names (`input_names`), and the
 generated header of one model's constants and per-layer pointer tables (`config_header`),
-which replaces what were two dozen template arguments (the kernel keeps three: T, RB, ROW0).
+which replaces what were two dozen template arguments (the kernel keeps four: T, RB, ROW0 and
+FLOW, 1 for the calls of one row).
 The workspace and shared-memory sizes are engine.fast.mega_layout's.
 """
 
@@ -70,7 +71,7 @@ def input_names(n_layers: int, quantized: bool = False, qk_norm: bool = False) -
     weights,) then the key and value caches; with `quantized` every weight matrix (the
     embedding and the head too) is followed by its group scales (`_s`) and biases (`_b`)."""
     q = (lambda n: [n, f"{n}_s", f"{n}_b"]) if quantized else (lambda n: [n])
-    names = ["tok", "rpos", "col", "start_col", "opt", *q("emb"), "inv_freq", "fnorm", *q("headw")]
+    names = ["tok", "rpos", "col", "start_col", *q("emb"), "inv_freq", "fnorm", *q("headw")]
     for i in range(n_layers):
         for k in PER_LAYER:
             names += q(f"{k}_{i}") if k in QUANT else [f"{k}_{i}"]

@@ -45,8 +45,8 @@ def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int,
 
 def static_bytes(head_dim: int, rows: int = 1) -> int:
     """Static shared memory of the kernel of `rows` rows (its __shared__ arrays: the block's
-    sums, the FLOW query slots; 16 bytes more), rounded up to the next KB for the compiler's own."""
-    n = 4 * (WPB * rows + rows + WPB * rows + WPB * head_dim) + 16
+    sums and norms, the FLOW query slots; 16 bytes more), rounded up to the next KB for the compiler's own."""
+    n = 4 * (WPB * rows + rows + WPB * head_dim) + 16
     return (n + 1024 + 1023) // 1024 * 1024
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.fast.config import KERNELS, OPT_DEFAULT, FastConfig, FastConfigError
+from engine.fast.config import KERNELS, FastConfig, FastConfigError
 from engine.levers import LeverError, parse_spec, resolve, with_levers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,34 +17,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_environment_then_flag():
     assert resolve("l3", env={}).fast == FastConfig()
-    env = {"MLXP_MEGA_OPT": "84", "MLXP_MEGA_PROF": "1", "MLXP_DISABLE_KERNELS": "attention"}
+    env = {"MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1", "MLXP_DISABLE_KERNELS": "attention"}
     lv = resolve("l3", env=env)
-    assert lv.fast.opt == 84 and lv.fast.prof and lv.fast.disabled == {"attention"}
+    assert lv.fast.quant is False and lv.fast.prof and lv.fast.disabled == {"attention"}
     # an explicit value beats the environment
-    assert resolve("l3", env=env, fast=FastConfig(opt=20)).fast == FastConfig(opt=20)
+    assert resolve("l3", env=env, fast=FastConfig(quant=True)).fast == FastConfig(quant=True)
     # with no fast lever on, the environment's settings are not read (nor checked)
-    assert resolve("l1", env={**env, "MLXP_MEGA_OPT": "x"}).fast == FastConfig()
+    assert resolve("l1", env={**env, "MLXP_MEGA_QUANT": "x"}).fast == FastConfig()
     # a fast lever switched on by a flag reads them
-    assert resolve("l1", env=env, perf_kernel=True).fast.opt == 84
+    assert resolve("l1", env=env, perf_kernel=True).fast.quant is False
 
 
 def test_bad_values_name_the_setting():
-    for name, value in (("MLXP_MEGA_OPT", "5120"), ("MLXP_MEGA_OPT", "pfo"), ("MLXP_MEGA_PROF", "yes"),
-                        ("MLXP_MEGA_QUANT", "2"), ("MLXP_MEGA_QKNORM", "off"),
+    for name, value in (("MLXP_MEGA_PROF", "yes"), ("MLXP_MEGA_QUANT", "2"), ("MLXP_MEGA_QKNORM", "off"),
                         ("MLXP_DISABLE_KERNELS", "gemv,qgemv")):
         with pytest.raises(LeverError, match=name):
             resolve("l3", env={name: value})
-    for bad in (dict(opt=-1), dict(opt=True), dict(prof=1), dict(quant="1"), dict(qk_norm=None),
+    for bad in (dict(prof=1), dict(quant="1"), dict(qk_norm=None),
                 dict(disabled={"warp"})):
         with pytest.raises(FastConfigError, match=next(iter(bad))):
             FastConfig(**bad)
-
-
-def test_mask_and_its_rows():
-    """Unset, one-row calls take the default with FLOW and calls of several rows without it;
-    a mask set explicitly is taken as it is by both."""
-    assert FastConfig().mask(1) == OPT_DEFAULT and FastConfig().mask(8) == OPT_DEFAULT & ~512
-    assert FastConfig(opt=OPT_DEFAULT).mask(8) == OPT_DEFAULT
 
 
 def test_frozen_hashable_and_reported():
@@ -53,15 +45,14 @@ def test_frozen_hashable_and_reported():
     with pytest.raises(Exception):
         a.prof = True
     lv = with_levers(resolve("l3", env={}), fast=a)
-    assert lv.as_dict()["fast"] == {"opt": None, "prof": False, "quant": None, "qk_norm": True,
-                                    "disabled": ["gemv"]}
+    assert lv.as_dict()["fast"] == {"prof": False, "quant": None, "qk_norm": True, "disabled": ["gemv"]}
     assert {lv: 1}[with_levers(resolve("l3", env={}), fast=b)] == 1    # (decoders are kept per levers)
     assert set(KERNELS) >= a.disabled
 
 
 def test_parse_spec_takes_the_fast_settings_from_env():
-    assert parse_spec("l3", env={"MLXP_MEGA_OPT": "20"}).fast.opt == 20
-    assert parse_spec("l1+merged_proj", env={"MLXP_MEGA_OPT": "20"}).fast == FastConfig()
+    assert parse_spec("l3", env={"MLXP_MEGA_PROF": "1"}).fast.prof is True
+    assert parse_spec("l1+merged_proj", env={"MLXP_MEGA_PROF": "1"}).fast == FastConfig()
 
 
 def test_nothing_in_engine_fast_reads_the_environment():

@@ -42,9 +42,9 @@ def test_rows_per_call_fits_shared_memory():
 
 def test_inputs_tables_and_workspace_layout():
     names = C.input_names(3)
-    assert names[:9] == ["tok", "rpos", "col", "start_col", "opt", "emb", "inv_freq", "fnorm", "headw"]
+    assert names[:8] == ["tok", "rpos", "col", "start_col", "emb", "inv_freq", "fnorm", "headw"]
     assert names[-1] == "after" and names[-7:-1] == ["k_0", "k_1", "k_2", "v_0", "v_1", "v_2"]
-    assert len(names) == 9 + 6 * 3 + 6 + 1
+    assert len(names) == 8 + 6 * 3 + 6 + 1
     p3 = C.MegaParams(H=64, NQ=4, NKV=2, D=16, I=128, L=3, V=100, EPS_NUM=10**7, SCALE_NUM=25 * 10**7)
     src = C.config_header(p3)
     assert "const void* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src and "const T* WQKV_S[3] = {};" in src
@@ -57,7 +57,7 @@ def test_inputs_tables_and_workspace_layout():
     assert C.n_stamps(16) == 2 + 5 * 16
     # q/k norms: per layer their two weights after the projections, before the caches
     qk = C.input_names(3, qk_norm=True)
-    assert qk[9 + 6 * 3: 9 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
+    assert qk[8 + 6 * 3: 8 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
     assert qk[-7:] == names[-7:] and len(qk) == len(names) + 6
     assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.config_header(replace(p3, QKN=1))
     assert "const T* QN[3] = {};" in src
@@ -83,7 +83,7 @@ def test_qwen3_q_k_norms_in_the_kernel_by_default(monkeypatch):
     assert step.qkn and len(step.layers) == 8 * step.L
     assert step.layers[6 * step.L] is a0.q_norm.weight and step.layers[6 * step.L + 1] is a0.k_norm.weight
     names = C.input_names(step.L, qk_norm=True)
-    assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
+    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     a0 = q4.layers[0].self_attn
     step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
     names = C.input_names(step.L, quantized=True)
-    assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
+    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
     assert step.dtype == q4.layers[0].mlp.down_proj.scales.dtype
     hdr = C.config_header(step.params)
     assert step.params.QB == 4 and "const T* WQKV_S[" in hdr and f"_S[{step.L}] = {{}}" not in hdr
@@ -185,20 +185,14 @@ def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
     assert MG.quantization(load_model(str(ensure_fixture("llama", "bfloat16")))[0]) is None
 
 
-def test_kernel_switches_mask():
-    """MLXP_MEGA_OPT: the one-kernel step's switches as a bit mask, 0 to all of them."""
-    assert resolve("l3", env={}).fast.mask() == MG.OPT_DEFAULT
-    for ok in ("0", "5", str(sum(MG.OPT_BITS.values()))):
-        assert resolve("l3", env={"MLXP_MEGA_OPT": ok}).fast.mask() == int(ok)
-    for bad in ("8192", "-1", "pfo", "1.0"):
-        with pytest.raises(ValueError, match="MLXP_MEGA_OPT must be an integer 0-5119"):
-            resolve("l3", env={"MLXP_MEGA_OPT": bad})
-    with pytest.raises(ValueError, match="opt"):
-        FastConfig(opt=8192)
-    # every switch is a bit the CUDA source defines
-    src = C.body()
-    for name, bit in MG.OPT_BITS.items():
-        assert f"#define MEGA_OPT_{name.upper()} {bit}u" in C.header() and f"MEGA_OPT_{name.upper()}" in src
+def test_no_run_time_switches_in_the_kernel():
+    """The one-kernel step takes no switch input: its choices are compiled in (the sources name
+    no MEGA_OPT bit), FLOW a template argument of the build; FastConfig has no `opt`."""
+    assert "opt" not in C.input_names(2) and "opt" not in C.input_names(2, quantized=True, qk_norm=True)
+    src = C.header() + C.body()
+    assert "MEGA_OPT" not in src and "opt[0]" not in src
+    assert "constexpr bool flow = FLOW != 0 && QKN == 0;" in src
+    assert "opt" not in FastConfig().as_dict() and not hasattr(FastConfig(), "mask")
 
 
 def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
@@ -224,12 +218,11 @@ def test_settings_checked_where_the_levers_are_resolved():
     import argparse
 
     from engine.levers import LeverError, levers_from_args
-    ok = {"MLXP_MEGA_OPT": "20", "MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1",
-          "MLXP_DISABLE_KERNELS": "gemv,mega"}
+    ok = {"MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1", "MLXP_DISABLE_KERNELS": "gemv,mega"}
     assert levers_from_args(argparse.Namespace(tier="l3"), env=ok).fast == FastConfig(
-        opt=20, quant=False, prof=True, disabled=frozenset({"gemv", "mega"}))
-    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_OPT": "8192",
-           "MLXP_MEGA_PROF": "on", "MLXP_DISABLE_KERNELS": "qgemv"}
+        quant=False, prof=True, disabled=frozenset({"gemv", "mega"}))
+    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_PROF": "on",
+           "MLXP_DISABLE_KERNELS": "qgemv"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             FastConfig.from_env({name: value})
@@ -238,18 +231,31 @@ def test_settings_checked_where_the_levers_are_resolved():
         assert not levers_from_args(argparse.Namespace(tier="l1"), env={name: value}).perf_kernel
 
 
-def test_flow_on_the_solo_step_only_unless_asked_for(llama):
-    """FLOW (attention started per head on flags) is a default of the one-row step; calls of
-    several rows get the default without it, unless MLXP_MEGA_OPT names it."""
+def test_flow_on_the_solo_step_only(llama, monkeypatch):
+    """FLOW (attention started per head on flags) is compiled into the one-row step's kernel
+    only: every call of a step of several rows, a last group of one row included, is built with
+    FLOW 0; each call passes the kernel exactly its declared inputs."""
     merge_projections(llama)
     a0 = llama.layers[0].self_attn
     step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)), resolve("l3", env={}).fast)
-    flow = MG.OPT_BITS["flow"]
-    assert MG.OPT_DEFAULT & flow and step.opt.item() == MG.OPT_DEFAULT
-    assert step.opt_rows.item() == MG.OPT_DEFAULT & ~flow
-    step = MG.MegaStep(llama, mx.ones((a0.head_dim // 2,)),
-                       resolve("l3", env={"MLXP_MEGA_OPT": str(MG.OPT_DEFAULT)}).fast)
-    assert step.opt_rows.item() == step.opt.item() == MG.OPT_DEFAULT
+    step.max_rows = 4                    # (so that 5 rows are two calls, the second of one row)
+    n_inputs = len(C.input_names(step.L, bool(step.quant), step.qkn))
+    seen = []
+
+    def kernel(rows):
+        def call(inputs, template, **kw):
+            t = dict(template)
+            seen.append((t["RB"], t["ROW0"], t["FLOW"], len(inputs)))
+            return mx.zeros((rows, step.V)), mx.zeros((1,))
+        return call
+    monkeypatch.setattr(step, "_kernel", kernel)
+    kv = [mx.zeros((1,))] * step.L
+    for B in (1, 2, 5):
+        z = mx.zeros((B,), dtype=mx.int32)
+        step(z, z, mx.zeros((1,), dtype=mx.int32), z, kv, kv)
+    assert [s[:3] for s in seen] == [(1, 0, 1), (2, 0, 0), (4, 0, 0), (1, 4, 0)]
+    assert all(s[3] == n_inputs for s in seen)
+    assert (MG.flow(1), MG.flow(2), MG.flow(8)) == (1, 0, 0)
 
 
 def test_token_ids_reach_the_step_as_int32_without_a_copy():

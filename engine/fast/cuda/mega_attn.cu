@@ -8,26 +8,18 @@
 // finish a (row, head)'s chunks (a counter each) combines them into the attention output, its
 // lanes sharing the chunks (a round trip to L2 for the maxima and sums, one per 16 chunks for
 // the outputs with head sizes up to 64, 12 up to 128).
-// With MEGA_OPT_FLOW no grid barrier precedes the phase: a unit waits for its query head's flag
-// (phase A counts the head's, its key head's and its value head's pairs into it), then reads
-// its query head into the warp's slot of shared memory; the last warps take the first units.
-// With MEGA_OPT_AKPF a unit first asks L2 for its chunk's keys and values; with
-// MEGA_OPT_NOPFA the phase leaves out the o_proj prefetch at its end; with MEGA_OPT_PFO each
-// warp first asks L2 for the o_proj rows it computes in the next phase.
+// With FLOW (one-row calls) no grid barrier precedes the phase: a unit waits for its query head's
+// flag (phase A counts the head's, its key head's and its value head's pairs into it), then
+// reads its query head into the warp's slot of shared memory; the last warps take the first
+// units. A chunk's counter is taken with one acquire/release add after a warp sync (no fences).
+// At its end each warp asks L2 for its first o_proj row of the next phase.
     // --- B: attention, a warp per (row, query head, chunk of CS columns): lane j scores
     // column j of each 32 (its key row read whole), then the lanes own DPL of the D
     // output dims and add up p_j * v_j (a batch of value loads issued at once); a chunk's
     // partial (max, sum, output) goes to the workspace, and the last warp to finish a
     // (row, head)'s chunks (a counter each) combines them into obuf.
     {
-      if (OPT & MEGA_OPT_PFO) {     // this warp's o_proj rows of phase C into L2 while attending
-        for (int n = gw; n < H; n += NW) {
-          const char* b_ = reinterpret_cast<const char*>(WO[l]) + (size_t)n * QD * WBITS / 8;
-          for (int o_ = lane * 128; o_ < QD * WBITS / 8; o_ += 32 * 128)
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(b_ + o_));
-        }
-      }
-      if (!flow) {
+      if constexpr (!flow) {
         mega_stage<float, RB * QD, CT>(qbuf, xf, [](int i) { return i; });
         MEGA_SYNC();
       }
@@ -49,13 +41,6 @@
           for (int d = lane; d < D; d += 32) qslot[warp][d] = __ldcg(qbuf + b * QD + hq * D + d);
           __syncwarp();
           qh = qslot[warp];
-        }
-        if (OPT & MEGA_OPT_AKPF) {     // the chunk's key and value rows into L2, all at once
-          const int nl = end > start ? ((end - start) * D * (int)sizeof(T) + 127) / 128 : 0;
-          for (int j = lane; j < 2 * nl; j += 32) {
-            const T* base = (j < nl ? kb : vb) + (size_t)start * D;
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(base) + (size_t)(j % nl) * 128));
-          }
         }
         float m = NEG_INF, lsum = 0.f, o[DPL];
 #pragma unroll
@@ -116,16 +101,10 @@
         if (lane == 0) { pr[D] = m; pr[D + 1] = lsum; }
         unsigned int done = 0;
         unsigned int* hc = hcnt + ((size_t)l * RB + b) * NQ + hq;
-        if (OPT & MEGA_OPT_LEAN) {      // the lanes' partials ordered by the warp sync + release
-          __syncwarp();
-          if (lane == 0) done = mega_atom_add_acq_rel(hc, 1u);
-        } else {
-          __threadfence();
-          if (lane == 0) done = atomicAdd(hc, 1u);
-        }
+        __syncwarp();                   // the lanes' partials ordered by the warp sync + release
+        if (lane == 0) done = mega_atom_add_acq_rel(hc, 1u);
         done = __shfl_sync(0xffffffffu, done, 0);
         if (done == (unsigned int)(nch - 1)) {        // the last chunk of (row, head): combine
-          if (!(OPT & MEGA_OPT_LEAN)) __threadfence();
           // lanes take chunks lane and lane + 32: the max and the weights in one round trip,
           // then every chunk's output (the lane's DPL values), CB chunks' loads at once
           const float* p2 = part + ((size_t)b * NQ + hq) * MAXCH * PSTR;
@@ -161,5 +140,5 @@
             obuf[b * QD + hq * D + lane * DPL + d] = static_cast<float>(T(ls > 0.f ? acc[d] / ls : 0.f));
         }
       }
-      if (!(OPT & (MEGA_OPT_PFO | MEGA_OPT_NOPFA))) MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
+      MEGA_PREFETCH(WO[l], QD, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
     }

@@ -21,21 +21,6 @@
 #undef __global__
 #define __global__ __attribute__((global)) __launch_bounds__(512, 1)
 #define MEGA_SYNC() __syncthreads()
-// the kernel's switches (its `opt` input), for A/B runs of one compiled kernel
-#define MEGA_OPT_PFO 1u      // phase B prefetches the warp's o_proj rows of phase C into L2
-#define MEGA_OPT_KVPF 2u     // phase A prefetches the layer's cached keys and values into L2
-#define MEGA_OPT_EVF 4u      // weight loads marked evict-first in L2 (read once per step)
-#define MEGA_OPT_QSPLIT 8u   // phase A: two warps of a block per q/k/v pair, each half of H
-#define MEGA_OPT_BAR 16u     // grid barrier arrivals as one release-add (no separate fence)
-#define MEGA_OPT_SPREAD 32u  // a phase's units dealt across the blocks first (warp w of every block)
-#define MEGA_OPT_LEAN 64u    // acquire/release atomics alone order the step's hand-offs (no extra fences)
-#define MEGA_OPT_NOPFA 128u  // phase B does not prefetch phase C's o_proj rows (no DRAM traffic
-                             // of idle warps queued ahead of the cache reads)
-#define MEGA_OPT_AKPF 256u   // a phase-B unit first asks L2 for its chunk's keys and values
-#define MEGA_OPT_FLOW 512u   // no barrier between phases A and B: a q/k/v head's pairs count up
-                             // a flag, and a phase-B unit waits for its three heads' flags only
-#define MEGA_OPT_PFCAP 4096u // a warp's L2 prefetch of its next unit at most 16 KB (all warps' fit)
-
 __device__ __forceinline__ unsigned int mega_ld_acquire(const unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -58,28 +43,21 @@ __device__ __forceinline__ void mega_wait_at_least(const unsigned int* p, unsign
   }
 }
 // all blocks meet here; `target` counts the arrivals every block waits for (at most 10 s:
-// mega_wait_at_least)
-__device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target, bool rel,
-                                               bool lean = false) {
+// mega_wait_at_least). A block arrives with one release-add (no separate fence), and the
+// acquire load of the wait orders what follows (no fence after it).
+__device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& target) {
   MEGA_SYNC();
   target += gridDim.x;
   if (threadIdx.x == 0) {
-    if (rel) {
-      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(ctr) : "memory");
-    } else {
-      __threadfence();
-      atomicAdd(ctr, 1u);
-    }
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(ctr) : "memory");
     mega_wait_at_least(ctr, target);
-    if (!lean) __threadfence();     // (the acquire load already orders what follows)
   }
   MEGA_SYNC();
 }
-// an L2 eviction policy for the weight loads: evict-first or normal
-__device__ __forceinline__ unsigned long long mega_policy(bool evict_first) {
+// the L2 eviction policy of the weight loads: evict-first (each weight is read once a step)
+__device__ __forceinline__ unsigned long long mega_policy() {
   unsigned long long p;
-  if (evict_first) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
   return p;
 }
 __device__ __forceinline__ uint4 mega_ld_w(const void* p, unsigned long long pol) {

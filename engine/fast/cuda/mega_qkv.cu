@@ -4,26 +4,12 @@
 //
 // A warp per rotation pair (rows i and i + D/2 of a head), its dot products over the normalised
 // input in shared memory; lane b rotates row b's pair and writes q into the workspace, k and v
-// into the cache at the position. With MEGA_OPT_QSPLIT two warps of a block take a pair, each
-// over half of H (added in shared memory), where that takes fewer rounds. With MEGA_OPT_FLOW
-// the pairs of the keys and values come first and each pair counts up its head's flag (phase B
-// waits on those instead of a barrier). With QKN, phase A leaves q and k unrotated; after a
+// into the cache at the position. With FLOW (one-row calls) the pairs of the keys and values
+// come first and each pair counts up its head's flag (phase B waits on those instead of a
+// barrier). With QKN, phase A leaves q and k unrotated; after a
 // barrier a warp per head normalises, then rotates it (A2).
-    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair; with
-    // QSPLIT two warps of a block per pair, each over half of H, added in shared memory)
+    // --- A: norm -> q/k/v -> RoPE, k/v into the cache (a warp per rotation pair)
     {
-      if (OPT & MEGA_OPT_KVPF) {   // the layer's cached keys and values into L2
-        constexpr int RBY = D * (int)sizeof(T);
-        for (int b = 0; b < RB; ++b) {
-          const size_t lo = (size_t)start_col[ROW0 + b] * RBY / 128 * 128, hi = (size_t)wcol * RBY;
-          const int nl = hi > lo ? (int)((hi - lo + 127) / 128) : 0;
-          for (int j = (int)(blockIdx.x * CT + threadIdx.x); j < 2 * NKV * nl; j += (int)(gridDim.x * CT)) {
-            const int g = (j / nl) % NKV;
-            const T* base = ((j / nl) < NKV ? KC[l] : VC[l]) + ((size_t)(ROW0 + b) * NKV + g) * CAP * D;
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(base) + lo + (size_t)(j % nl) * 128));
-          }
-        }
-      }
       load_normed(LN1[l], l == 0, hbuf);
       // lane b (< RB) writes row b's rotation pair u (rows i and i + HALF of its head) from
       // their two values (each the projection's output rounded to T)
@@ -72,48 +58,18 @@
           asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + t) : "memory");
         }
       };
-      constexpr int HS = H / 2, STEP = QB ? 32 * 4 * (32 / (QB ? QB : 32)) : 32 * VEC;
-      constexpr int PPB = WPB / 2;               // with QSPLIT: pairs a block takes per round
-      // (split only where the half-length rounds take less time than the whole ones)
-      const bool split = HS % STEP == 0 && HS % GS == 0 && (OPT & MEGA_OPT_QSPLIT)
-          && (NPAIR + (int)gridDim.x * PPB - 1) / ((int)gridDim.x * PPB) < 2 * ((NPAIR + NW - 1) / NW);
-      if (split) {
-        const int pr = warp % PPB, half = warp / PPB;
-        for (int base = (int)blockIdx.x * PPB; base < NPAIR; base += (int)gridDim.x * PPB) {
-          const int u = flow ? (base + pr + NQ * HALF) % NPAIR : base + pr;   // FLOW: k, v first
-          const int r1 = (u / HALF) * D + u % HALF;
-          const int idx[2] = {r1, r1 + HALF};
-          float acc[2 * RB];
-          if (u < NPAIR) {
-            mega_mat_dot<T, XN, HS, 2, RB, UN2, QB, GS, H>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn,
-                                                           lane, acc, pol, half * HS);
-            if (half == 1 && lane == 0)
-#pragma unroll
-              for (int j = 0; j < 2 * RB; ++j) part2[pr][j] = acc[j];
-          }
-          MEGA_SYNC();
-          if (half == 0 && u < NPAIR) {
-#pragma unroll
-            for (int j = 0; j < 2 * RB; ++j) acc[j] += part2[pr][j];
-            qkv_out(u, acc);
-            if (flow) head_done(u / HALF);
-          }
-          MEGA_SYNC();
-        }
-      } else {
-        for (int u0 = gw; u0 < NPAIR; u0 += NW) {
-          const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
-          const int r1 = (u / HALF) * D + u % HALF;
-          const int idx[2] = {r1, r1 + HALF};
-          float acc[2 * RB];
-          mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
-          qkv_out(u, acc);
-          if (flow) head_done(u / HALF);
-        }
+      for (int u0 = gw; u0 < NPAIR; u0 += NW) {
+        const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
+        const int r1 = (u / HALF) * D + u % HALF;
+        const int idx[2] = {r1, r1 + HALF};
+        float acc[2 * RB];
+        mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
+        qkv_out(u, acc);
+        if (flow) head_done(u / HALF);
       }
     }
     if constexpr (QKN != 0) {
-      mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
+      mega_grid_sync(ctr, target);
       // --- A2 (q/k norms): a warp per (row, q or k head): RMSNorm over the head's D values
       // (rounded as the model's RMSNorm rounds: normalised, then times the weight), RoPE on
       // the pairs (i, i + D/2) a lane owns, q back into qbuf, k into the cache

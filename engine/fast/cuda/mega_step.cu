@@ -1,12 +1,16 @@
 // The decode step as one persistent kernel (engine.fast.mega): the body mx.fast.cuda_kernel
-// wraps. Its parameters: the template arguments T (the model's dtype), RB (rows a call) and
-// ROW0 (the call's first row), and the model's constants in namespace mlxp_mega with the
+// wraps. Its parameters: the template arguments T (the model's dtype), RB (rows a call), ROW0
+// (the call's first row) and FLOW (1 for a step of one row: see below), and the model's
+// constants in namespace mlxp_mega with the
 // per-layer pointer tables MEGA_TABLES (engine.fast.mega_cuda.config_header); its device
 // functions in mega_device.cuh.
 //
 // Every block of THREADS threads (one block per SM, all resident at once) walks through the
 // layers, and the blocks meet at a grid barrier (an atomic counter in the workspace) between
-// the phases of a layer (between A and B only without FLOW: there, per-head flags):
+// the phases of a layer (between A and B only without FLOW: there, per-head flags; FLOW is the
+// one-row step's, measured faster there; the batch lane's calls keep the barrier). A block
+// arrives at a barrier with one release-add, and acquire/release atomics alone order the
+// step's hand-offs (no fences besides); weight loads are marked evict-first in L2:
 //
 //   A  RMSNorm (as a scale) -> merged q/k/v rows -> RoPE; k and v written into the cache
 //      at the position, q into the workspace          (a warp per rotation pair; mega_qkv.cu)
@@ -38,11 +42,8 @@
   constexpr int PSTR = D + 4;                      // a partial: D outputs, max, sum (16-byte rows)
   constexpr int VEC = 16 / sizeof(T);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned int OPT = (unsigned int)opt[0];
-  // a warp's place in the grid's units: block by block, or (SPREAD) across the blocks first,
-  // so that a phase with fewer units than warps keeps every SM busy
-  const int gw = (OPT & MEGA_OPT_SPREAD) ? warp * (int)gridDim.x + (int)blockIdx.x
-                                         : (int)blockIdx.x * WPB + warp;
+  // a warp's place in the grid's units: block by block
+  const int gw = (int)blockIdx.x * WPB + warp;
   const int NW = (int)gridDim.x * WPB;
   float* wsf = ws;
   unsigned int* ctr = reinterpret_cast<unsigned int*>(wsf);
@@ -63,8 +64,7 @@
   extern __shared__ __align__(16) unsigned char xraw[];
   __shared__ float red[WPB][RB];
   __shared__ float sinv[RB];
-  __shared__ float part2[WPB / 2][2 * RB];       // phase A with QSPLIT: the second halves' sums
-  const unsigned long long pol = mega_policy(OPT & MEGA_OPT_EVF);
+  const unsigned long long pol = mega_policy();
   float* xf = reinterpret_cast<float*>(xraw);
   // the normalised inputs (phases A, D and the head) are float, and o_proj, down_proj and
   // the head take one weight row per warp (bf16 inputs, 2 or 4 rows: measured no faster)
@@ -84,8 +84,8 @@
   // chunks of CS = 32 * k columns, at most MAXCH of them per (row, head)
   const int cs = 32 * max(1, (max(aend, 1) + 32 * MAXCH - 1) / (32 * MAXCH));
   const int nch = (max(aend, 1) + cs - 1) / cs;
-  // FLOW (models without q/k norms): phase B starts per head, not after a barrier
-  const bool flow = (OPT & MEGA_OPT_FLOW) && QKN == 0;
+  // FLOW (one-row calls of models without q/k norms): phase B starts per head, not after a barrier
+  constexpr bool flow = FLOW != 0 && QKN == 0;
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head
   unsigned int target = 0;
   // PROF: block 0 stamps the global timer (ns) as each phase ends (after its barrier)
@@ -98,13 +98,11 @@
     arrive[i_] = (unsigned int)t_; arrive[i_ + 1] = (unsigned int)(t_ >> 32); } } } while (0)
   // the end of a phase: every block's arrival (PROF), the grid barrier, block 0's stamp (PROF)
 #define MEGA_BARRIER() do { MEGA_ARRIVE(); \
-    mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN); MEGA_STAMP(); } while (0)
+    mega_grid_sync(ctr, target); MEGA_STAMP(); } while (0)
   // before a barrier: the warp's first unit of the next phase (RL rows of K elements,
-  // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait (PFCAP: at
-  // most the first 16 KB of a unit, so that all warps' prefetches fit in L2 together: the 8B's
-  // down rows are 28 KB, 59 MB for the 2112 warps)
+  // rows n and n + OFF) prefetched into L2, so its weights stream while blocks wait
 #define MEGA_PREFETCH(Wp, KK, NUNITS, RL_, OFF, ROW0_) do { if (gw < (NUNITS)) { \
-    const int cap_ = (OPT & MEGA_OPT_PFCAP) ? min((KK) * WBITS / 8, 16384 / (RL_)) : (KK) * WBITS / 8; \
+    const int cap_ = (KK) * WBITS / 8; \
     for (int r_ = 0; r_ < (RL_); ++r_) { \
       const char* b_ = reinterpret_cast<const char*>(Wp) + (size_t)((ROW0_) + gw + r_ * (OFF)) * (KK) * WBITS / 8; \
       for (int o_ = lane * 128; o_ < cap_; o_ += 32 * 128) \
@@ -197,7 +195,7 @@
   for (int l = 0; l < L; ++l) {
 #include "mega_qkv.cu"
     MEGA_ARRIVE();
-    if (!flow) mega_grid_sync(ctr, target, OPT & MEGA_OPT_BAR, OPT & MEGA_OPT_LEAN);
+    if constexpr (!flow) mega_grid_sync(ctr, target);
     MEGA_STAMP();
 #include "mega_attn.cu"
     MEGA_BARRIER();
