@@ -18,7 +18,7 @@ with the model's end tokens banned (`logit_bias`), so it is certainly still runn
 when its client leaves: then every client-side disconnect is one cancellation.
 Responses turns are sent with `store: false` unless --store (the store is a bounded
 cache that would otherwise grow to its cap: a slope, no leak); its size is sampled as
-`store_mb`. The prompt cache is off unless --prompt-cache-mb.
+`store_mb`. The prompt cache is off unless --prompt-cache-mb (-1: engine-serve's default size).
 
 Verdict: the slope of RSS and of MLX active memory over the second half of the run
 (after warm-up), by least squares, in MB/min; "flat" when both are under --flat-mb-min.
@@ -186,7 +186,8 @@ def start_server(a):
     if budget is None:   # the weights plus 2 GB of KV room, so a large model is not refused
         budget = 2.0 + (sum(f.stat().st_size for f in Path(a.model).glob("*.safetensors")) / 1e9
                         if a.model else 0.0)
-    cfg = ServerConfig(model=a.model, batch=a.batch, prompt_cache_bytes=a.prompt_cache_mb << 20,
+    cfg = ServerConfig(model=a.model, batch=a.batch,
+                       prompt_cache_bytes=None if a.prompt_cache_mb < 0 else a.prompt_cache_mb << 20,
                        memory_budget_bytes=int(budget * 1e9), max_tokens=64)
     state = build_state(cfg)
     app = create_app(state, security_for(cfg))
@@ -351,7 +352,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model dir (default: the built-in model)")
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="the server's --memory-budget (GB; default: the model's weights + 2)")
-    p.add_argument("--prompt-cache-mb", type=int, default=0)
+    p.add_argument("--prompt-cache-mb", type=int, default=0,
+                   help="prompt cache cap in MiB (0: off; -1: the server's default, a share of the budget)")
     p.add_argument("--store", action="store_true",
                    help="keep Responses turns (the store grows to its 32 MiB cap; off by "
                    "default so that a slope means a leak)")
