@@ -1,8 +1,13 @@
-"""Batching benchmark: aggregate tok/s and TTFT under C concurrent streaming clients,
-engine-serve --batch N vs mlx_lm.server --decode-concurrency N.
+"""Served benchmark: aggregate tok/s and TTFT under C concurrent streaming clients,
+engine-serve vs mlx_lm.server on the same model in the same run.
 
     python experiments/bench_batching.py --quick                 # CPU: llama fixture (bf16)
-    python experiments/bench_batching.py --model DIR --levels 1,4,8,16,32 --tag h200-1b
+    python experiments/bench_batching.py --model DIR --levels 1,8,32 --tag h100-1b
+    python experiments/bench_batching.py --model DIR --levels 1,8,32 --ours-args "--tier l3" \
+        --tag h100-1b-l3
+
+engine-serve runs with `--batch N` (N = the largest level unless --ours-batch) plus
+--ours-args; mlx_lm.server with `--decode-concurrency N` plus --mlx-lm-args.
 
 Both servers run as subprocesses on the same model in the same run. At each
 concurrency level C, C client threads each send one streaming `POST
@@ -21,7 +26,11 @@ trials is reported. For each level:
 Each level starts with an untimed round of C clients x 8 tokens on both servers
 (kernel compilation for the new batch shapes stays out of the figures).
 
-Writes bench_batching.{csv,md,png} to reports/bench_batching/<version>/<tag>/.
+Writes bench_batching.{csv,md,png} (a row per server and level) and served.csv (a row per
+level: model, clients, ours_tok_s, mlx_lm_tok_s, ratio, ours_ttft_ms, mlx_lm_ttft_ms,
+ours_failed, mlx_lm_failed, ours_stream_tok_s, mlx_lm_stream_tok_s, stream_ratio, ttft_ratio)
+to reports/bench_server/<version>/<tag>/ (or --out). A failed request is one that errored,
+was dropped, or did not stream exactly --gen tokens.
 """
 
 from __future__ import annotations
@@ -46,18 +55,47 @@ FIELDS = ["model", "server", "clients", "batch", "trials", "agg_tps", "ttft_p50_
           "ttft_p95_ms", "req_tps_p50", "lost", "duplicated", "wall_s"]
 
 
-def start(model_dir, hf_cache, batch, which):
+SERVED = ["model", "clients", "ours_tok_s", "mlx_lm_tok_s", "ratio", "ours_ttft_ms",
+          "mlx_lm_ttft_ms", "ours_failed", "mlx_lm_failed", "ours_stream_tok_s",
+          "mlx_lm_stream_tok_s", "stream_ratio", "ttft_ratio"]
+
+
+def served_rows(rows) -> list:
+    """The per-server rows joined per (model, level): ours / mlx-lm ratios (> 1 = we are
+    faster; ttft_ratio < 1 = our first token comes sooner) and failed counts."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["model"], r["clients"]), {})[r["server"]] = r
+    out = []
+    for (m, c), d in by.items():
+        o, ref = d.get("engine-serve"), d.get("mlx_lm.server")
+        if not (o and ref):
+            continue
+
+        def q(a, b):
+            return round(a / b, 3) if b else float("nan")
+        out.append(dict(model=m, clients=c, ours_tok_s=o["agg_tps"], mlx_lm_tok_s=ref["agg_tps"],
+                        ratio=q(o["agg_tps"], ref["agg_tps"]), ours_ttft_ms=o["ttft_p50_ms"],
+                        mlx_lm_ttft_ms=ref["ttft_p50_ms"], ours_failed=o["lost"] + o["duplicated"],
+                        mlx_lm_failed=ref["lost"] + ref["duplicated"],
+                        ours_stream_tok_s=o["req_tps_p50"], mlx_lm_stream_tok_s=ref["req_tps_p50"],
+                        stream_ratio=q(o["req_tps_p50"], ref["req_tps_p50"]),
+                        ttft_ratio=q(o["ttft_p50_ms"], ref["ttft_p50_ms"])))
+    return out
+
+
+def start(model_dir, hf_cache, batch, which, extra=()):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
         "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hf_cache), "TOKENIZERS_PARALLELISM": "false"}
     port = free_port()
     if which == "ours":
         argv = [sys.executable, "-m", "server.cli", "--model", str(model_dir), "--port",
-                str(port), "--batch", str(batch), "--prompt-cache", "0"]
+                str(port), "--batch", str(batch), "--prompt-cache", "0", *extra]
         name = "engine-serve"
     else:
         argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port",
-                str(port), "--decode-concurrency", str(batch)]
+                str(port), "--decode-concurrency", str(batch), *extra]
         name = "mlx_lm.server"
     s = Server(name, argv, port, env)
     s.wait()
@@ -126,7 +164,8 @@ def _pct(xs, q):
     return xs[k]
 
 
-def bench(model_dir, levels, prompt_len, gen, trials, hf_cache):
+def bench(model_dir, levels, prompt_len, gen, trials, hf_cache, ours_batch=None,
+          ours_args=(), mlx_lm_args=()):
     import numpy as np
     import engine
     _, tok = engine.load(model_dir)
@@ -134,7 +173,8 @@ def bench(model_dir, levels, prompt_len, gen, trials, hf_cache):
     eos = sorted(tok.eos_token_ids)
     bias = {str(t): -1000.0 for t in eos}
     batch = max(levels)
-    servers = {w: start(model_dir, hf_cache, batch, w) for w in ("ours", "mlx_lm")}
+    servers = {"ours": start(model_dir, hf_cache, ours_batch or batch, "ours", ours_args),
+               "mlx_lm": start(model_dir, hf_cache, batch, "mlx_lm", mlx_lm_args)}
     rows = []
     try:
         for w, s in servers.items():      # warm-up (kernels, JIT)
@@ -175,6 +215,7 @@ def bench(model_dir, levels, prompt_len, gen, trials, hf_cache):
 def write(rows, out: Path, note: str):
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "bench_batching.csv", rows, FIELDS)
+    write_csv(out / "served.csv", served_rows(rows), SERVED)
     by = {}
     for r in rows:
         by.setdefault((r["model"], r["clients"]), {})[r["server"]] = r
@@ -221,6 +262,10 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (64; --quick 32)")
     ap.add_argument("--gen", type=int, default=None, help="decode tokens (128; --quick 32)")
     ap.add_argument("--trials", type=int, default=None, help="(3; --quick 1)")
+    ap.add_argument("--ours-batch", type=int, default=None,
+                    help="engine-serve --batch (default: the largest level)")
+    ap.add_argument("--ours-args", default="", help='extra engine-serve flags, e.g. "--tier l3"')
+    ap.add_argument("--mlx-lm-args", default="", help="extra mlx_lm.server flags")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -234,14 +279,17 @@ def main(argv=None):
     gen = a.gen or (32 if quick else 128)
     trials = a.trials or (1 if quick else 3)
     with tempfile.TemporaryDirectory(prefix="hf-empty-") as hf:
-        rows = bench(model, levels, prompt_len, gen, trials, hf)
+        rows = bench(model, levels, prompt_len, gen, trials, hf, a.ours_batch,
+                     a.ours_args.split(), a.mlx_lm_args.split())
     tag = a.tag or ("cpu-fixtures" if quick else "custom")
-    out = Path(a.out) if a.out else report_dir("bench_batching", tag)
+    out = Path(a.out) if a.out else report_dir("bench_server", tag)
     cmd = "python experiments/bench_batching.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
     write(rows, out, f"Machine: {machine()}, {os.cpu_count()} CPU cores. Streaming "
                      f"`/v1/completions`, greedy, prompt {prompt_len} tokens, {gen} decode tokens "
-                     f"(EOS banned), batch N = {max(levels)} on both servers, median of {trials} "
+                     f"(EOS banned), engine-serve --batch {a.ours_batch or max(levels)} "
+                     f"{a.ours_args}, mlx_lm.server --decode-concurrency {max(levels)} "
+                     f"{a.mlx_lm_args}, median of {trials} "
                      f"trial(s). Reproduce: `{cmd.strip()}`")
     print(out / "bench_batching.md")
 
