@@ -80,6 +80,7 @@ _LAZY = {
     "PromptCache": "engine.kv.prompt_cache",
     # engine.kv.disk_cache
     "DiskCache": "engine.kv.disk_cache",
+    "disk_cache_for": "engine.kv.disk_cache",
     # engine.kv.quant
     "KVConfigError": "engine.kv.quant",
     "VALID_BITS": "engine.kv.quant",

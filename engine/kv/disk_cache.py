@@ -64,7 +64,7 @@ def fingerprint(*paths, extra: str = "") -> str:
     return h.hexdigest()[:32]
 
 
-def for_engine(directory, disk_gb: float, model_dir, engine, adapter_path=None) -> "DiskCache":
+def disk_cache_for(directory, disk_gb: float, model_dir, engine, adapter_path=None) -> "DiskCache":
     """The disk cache of an `engine.Engine` loaded from `model_dir` (plus a fused adapter):
     files of another model or KV setting are not used."""
     if not disk_gb > 0:
@@ -395,7 +395,7 @@ class DiskCache:
             self._drain()
 
     def stats(self) -> dict:
-        return {"dir": str(self.dir), "max_bytes": self.max_bytes, "bytes": self._bytes,
+        return {"enabled": True, "dir": str(self.dir), "max_bytes": self.max_bytes, "bytes": self._bytes,
                 "files": len(self._files), "hits": self.hits, "misses": self.misses,
                 "tokens_restored": self.tokens_restored, "bytes_read": self.bytes_read,
                 "writes": self.writes, "bytes_written": self.bytes_written,

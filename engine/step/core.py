@@ -167,10 +167,10 @@ class Engine:
         if prompt_cache_dir is not None:
             if tensor_parallel:
                 raise ValueError("prompt_cache_dir is not supported with tensor_parallel=True")
-            from engine.kv.disk_cache import for_engine
+            from engine.kv.disk_cache import disk_cache_for
             from engine.loader import resolve_model_path
-            eng.disk_cache = for_engine(prompt_cache_dir, prompt_cache_disk_gb,
-                                        resolve_model_path(path), eng, adapter_path)
+            eng.disk_cache = disk_cache_for(prompt_cache_dir, prompt_cache_disk_gb,
+                                            resolve_model_path(path), eng, adapter_path)
         if tensor_parallel:
             from engine.distributed import coordinate
             return coordinate(eng, tp_timeout)
