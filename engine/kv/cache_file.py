@@ -119,27 +119,36 @@ CODES = {v: k for k, v in DTYPES.items()}
 CHECKSUM = "0.checksum"     # the metadata key of a file's CRC-32
 
 
-def _crc(meta: dict, data) -> str:
-    """CRC-32 of the metadata (bar the checksum) and the data section."""
+def _crc(meta: dict, data: list) -> str:
+    """CRC-32 of the metadata (bar the checksum) and the data section (buffers, in order)."""
     head = json.dumps({k: v for k, v in meta.items() if k != CHECKSUM}, sort_keys=True)
-    return f"{zlib.crc32(data, zlib.crc32(head.encode())):08x}"
+    crc = zlib.crc32(head.encode())
+    for d in data:
+        crc = zlib.crc32(d, crc)
+    return f"{crc:08x}"
 
 
-def encode_file(arrays: dict, meta: dict) -> bytes:
-    """A .safetensors file (mlx-lm reads it with `mx.load`) whose metadata carries a
-    checksum of the whole file (arrays must be evaluated)."""
-    header, blobs, at = {}, [], 0
+def write_file(path, arrays: dict, meta: dict) -> int:
+    """Write a .safetensors file (mlx-lm reads it with `mx.load`) whose metadata carries
+    a checksum of the whole file; returns its size. The arrays must be evaluated and
+    contiguous: their buffers are read as they are (no MLX call: safe on another thread)."""
+    header, views, at, crc = {}, [], 0, None
     for key, a in arrays.items():
-        blob = bytes(memoryview(mx.contiguous(a))) if a.size else b""
+        v = memoryview(a) if a.size else memoryview(b"")
         header[key] = {"dtype": DTYPES[a.dtype], "shape": list(a.shape),
-                       "data_offsets": [at, at + len(blob)]}
-        blobs.append(blob)
-        at += len(blob)
-    data = b"".join(blobs)
-    meta = {**meta, CHECKSUM: _crc(meta, data)}
+                       "data_offsets": [at, at + v.nbytes]}
+        if not v.c_contiguous:
+            raise CacheFileError(f"{key}: not a contiguous array")
+        views.append(v)
+        at += v.nbytes
+    meta = {**meta, CHECKSUM: _crc(meta, views)}
     head = json.dumps({**header, "__metadata__": meta}, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + data
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for v in views:
+            f.write(v)
+    return 8 + len(head) + at
 
 
 def read_header(f) -> tuple[dict, int]:
@@ -162,7 +171,7 @@ def decode_file(path) -> tuple[list, dict]:
     meta = header.pop("__metadata__", None) or {}
     if meta.get(CHECKSUM) is None:
         raise CacheFileError("no checksum")
-    if _crc(meta, data) != meta[CHECKSUM]:
+    if _crc(meta, [data]) != meta[CHECKSUM]:
         raise CacheFileError("checksum mismatch (truncated or altered)")
     arrays = {}
     for key, h in header.items():

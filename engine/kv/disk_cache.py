@@ -38,8 +38,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .cache_file import (FIELDS, CacheFileError, decode_file, encode_file,
-                         prompt_cache_payload, read_header)
+from .cache_file import (FIELDS, CacheFileError, decode_file, prompt_cache_payload,
+                         read_header, write_file)
 from .prefix_tree import PrefixTree
 
 log = logging.getLogger("engine.prompt_cache")
@@ -309,7 +309,8 @@ class DiskCache:
 
     def store(self, ns: str, tokens, caches: list) -> int:
         """Queue the part of `tokens`' KV (held by `caches`, exactly those tokens) that no
-        file holds yet; returns the bytes it will write (0: nothing new or refused)."""
+        file holds yet; returns the K/V bytes it will write (0: nothing new or refused).
+        The file is written on a background thread (`flush()` waits for it)."""
         tokens = list(tokens)
         if len(tokens) < self.min_tokens or not caches:
             return 0
@@ -331,12 +332,13 @@ class DiskCache:
         arrays, meta = prompt_cache_payload(seg, {
             "format": FORMAT, "model": self.model, "kv": self.kv, "ns": ns,
             "parent": parent or "", "start": str(start), "tokens": json.dumps(tokens[start:])})
+        arrays = {k: mx.contiguous(a) for k, a in arrays.items()}
         mx.eval(list(arrays.values()))
-        blob = encode_file(arrays, meta)
+        size = sum(a.nbytes for a in arrays.values())    # (the header's bytes come later)
         with self.lock:
             if start and parent not in self._files:     # evicted meanwhile
                 return 0
-            f = _File(name, ns, parent, start, end, len(blob), ready=False)
+            f = _File(name, ns, parent, start, end, size, ready=False)
             self._add(f, tokens)
             if self._files.get(name) is not f:
                 return 0
@@ -344,21 +346,20 @@ class DiskCache:
                 self._files.move_to_end(g.name)
             self._files.move_to_end(name)
             self.writes += 1
-            self.last_write_bytes = len(blob)
-        self._q.put((f, blob))
+        self._q.put((f, (arrays, meta)))
         if not self._background:
             self._drain()
         elif self._thread is None:
             self._thread = threading.Thread(target=self._writer, name="prompt-cache-disk",
                                             daemon=True)
             self._thread.start()
-        return len(blob)
+        return size
 
-    def _write(self, f: _File, blob: bytes) -> None:
+    def _write(self, f: _File, payload) -> None:
         path = self.dir / (f.name + SUFFIX)
         tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_bytes(blob)
+            size = write_file(tmp, *payload)
             os.replace(tmp, path)
         except OSError as e:
             log.warning("prompt cache: cannot write %s (%s)", path, e)
@@ -370,21 +371,24 @@ class DiskCache:
                 path.unlink(missing_ok=True)
                 return
             f.ready = True
-            self.bytes_written += len(blob)
+            self._bytes += size - f.size
+            f.size = size
+            self.bytes_written += size
+            self.last_write_bytes = size
             self._evict()
 
     def _writer(self) -> None:
         while True:
-            f, blob = self._q.get()
+            f, payload = self._q.get()
             try:
-                self._write(f, blob)
+                self._write(f, payload)
             finally:
                 self._q.task_done()
 
     def _drain(self) -> None:
         while not self._q.empty():
-            f, blob = self._q.get()
-            self._write(f, blob)
+            f, payload = self._q.get()
+            self._write(f, payload)
             self._q.task_done()
 
     def flush(self) -> None:

@@ -42,11 +42,11 @@ from typing import Optional
 import mlx.core as mx
 
 from engine.step.batch import BatchRequest, BatchScheduler, RowEvent
-from engine.kv.prompt_cache import Hit
 from engine.kv.quant import make_policy
 from engine.step.request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
                       check_token_ids, encode_prompt, model_context, model_vocab_size,
                       token_logprob)
+from engine.step.reuse import PrefixReuse
 from engine.step.stepper import generate_step, prefill_chunk
 
 __all__ = ["Engine"]
@@ -54,7 +54,7 @@ __all__ = ["Engine"]
 BASE_NAMESPACE = "base"
 
 
-class Engine:
+class Engine(PrefixReuse):
     """Model, tokenizer, prompt cache, admission, adapters and the scheduler.
 
     max_batch: most requests decoding together (1: one at a time, each exactly
@@ -365,36 +365,6 @@ class Engine:
                                                                         add_special_tokens=False))
             self._samplers[key] = params.make_sampler(special)
         return self._samplers[key]
-
-    def _fetch(self, req: RequestState):
-        if req.prefix is not None:
-            return req.prefix
-        hit = self.prompt_cache.fetch(req.ns, req.ids) if self.prompt_cache is not None else None
-        if self.disk_cache is not None:   # a longer prefix on disk (after a restart) wins
-            got = self.disk_cache.restore(self._disk_ns(req), req.ids, hit.reused if hit else 0)
-            if got is not None:
-                hit = Hit(*got)
-        if hit is None:
-            return None
-        req.reused = hit.reused
-        return hit.caches
-
-    def _disk_ns(self, req: RequestState) -> str:
-        """The adapter set's name on disk: the adapters' files, not this process's mounts."""
-        return self.adapters.disk_key(req.adapters) if req.adapters else req.ns
-
-    def _keep(self, req: RequestState, tokens: list, caches, copy_caches: bool = True) -> None:
-        """Store `caches` (holding exactly `tokens`) on disk, then in RAM."""
-        if self.disk_cache is not None:
-            self.disk_cache.store(self._disk_ns(req), tokens, caches)
-        if self.prompt_cache is not None:
-            self.prompt_cache.store(req.ns, tokens, caches, copy_caches=copy_caches)
-
-    def _store(self, req: RequestState, caches) -> None:
-        if caches and req.prefix is None:
-            tokens = req.ids + req.fed
-            # the request is over: the caches are handed to the store, not copied
-            self._keep(req, tokens[:caches[0].offset], caches, copy_caches=False)
 
     # --- solo lane -------------------------------------------------------------------
 
