@@ -192,7 +192,7 @@ def config_from_args(args):
     if not args.prompt_cache_disk_gb > 0:
         raise SystemExit("engine-serve: --prompt-cache-disk-gb must be > 0")
     if args.prompt_cache_dir is not None:
-        d = Path(args.prompt_cache_dir)
+        d = Path(args.prompt_cache_dir).expanduser()
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:

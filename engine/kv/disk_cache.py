@@ -107,7 +107,7 @@ class _File:
 class DiskCache:
     def __init__(self, directory, max_bytes: int, model: str, kv: str = "",
                  min_tokens: int = MIN_TOKENS, background: bool = True):
-        self.dir = Path(directory)
+        self.dir = Path(directory).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.model, self.kv = int(max_bytes), model, kv
         self.min_tokens = max(2, int(min_tokens))
@@ -399,7 +399,7 @@ class DiskCache:
             self._drain()
 
     def stats(self) -> dict:
-        return {"enabled": True, "dir": str(self.dir), "max_bytes": self.max_bytes, "bytes": self._bytes,
+        return {"enabled": True, "max_bytes": self.max_bytes, "bytes": self._bytes,
                 "files": len(self._files), "hits": self.hits, "misses": self.misses,
                 "tokens_restored": self.tokens_restored, "bytes_read": self.bytes_read,
                 "writes": self.writes, "bytes_written": self.bytes_written,
