@@ -68,6 +68,26 @@ def test_restart_restores_the_prefix_bit_identical(tmp_path, qwen_path, cold):
     assert _same(got, cold["more"])               # logits equal a cold prefill's, bit for bit
 
 
+@pytest.mark.parametrize("kw", [{"max_batch": 4}, {"kv_bits": 8, "kv_group_size": 32}],
+                         ids=["batch-lane", "kv8"])
+def test_restart_restores_bit_identical_batch_lane_and_quantized_kv(tmp_path, qwen_path, kw):
+    """Batch lane: equal to a cold prefill. Quantized KV: equal to a hit in RAM (a cold
+    prefill attends to its prompt's K/V before they are quantized, a reused prefix's were
+    quantized already: mlx-lm's quantized prompt cache differs from its cold run alike)."""
+    if "kv_bits" in kw:
+        ram = _load(qwen_path, None, prompt_cache_bytes=1 << 30, **kw)
+        _one(ram, PREFIX)
+        want = _one(ram, PREFIX + MORE)
+        assert want[2].cached_tokens >= len(PREFIX)
+    else:
+        want = _one(_load(qwen_path, None, **kw), PREFIX + MORE)
+    _one(_load(qwen_path, tmp_path, **kw), PREFIX)
+    again = _load(qwen_path, tmp_path, **kw)
+    got = _one(again, PREFIX + MORE)
+    assert got[2].cached_tokens >= len(PREFIX) and again.disk_cache.hits == 1
+    assert _same(got, want)
+
+
 def test_mlx_lm_reads_our_file_and_continues_alike(tmp_path, qwen_path):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import load_prompt_cache, trim_prompt_cache
@@ -187,10 +207,12 @@ def test_lru_eviction_under_the_byte_cap(tmp_path, qwen_path):
     assert sum(p.stat().st_size for p in files(tmp_path)) == dc.bytes
 
 
-def test_sliding_window_wrapped_is_refused_unwrapped_restores(tmp_path, caplog):
-    """gemma3_text's rings hold 16 tokens: a longer sequence has lost its prefix's K/V
-    and is not written (counted, logged once); a shorter one restores bit-identical."""
-    path = str(ensure_fixture("gemma3_text"))
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma4_text"])
+def test_sliding_window_wrapped_is_refused_unwrapped_restores(tmp_path, caplog, family):
+    """The fixtures' rings hold 16 tokens (gemma4_text also shares KV between layers): a
+    longer sequence has lost its prefix's K/V and is not written (counted, logged once); a
+    shorter one restores bit-identical."""
+    path = str(ensure_fixture(family))
     eng = _load(path, tmp_path)
     with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
         _one(eng, PREFIX)
@@ -206,3 +228,21 @@ def test_sliding_window_wrapped_is_refused_unwrapped_restores(tmp_path, caplog):
     got = _one(again, longer, max_tokens=8)
     assert got[2].cached_tokens >= 8
     assert _same(got, _one(_load(path, None), longer, max_tokens=8))
+
+
+def test_an_mlx_lm_file_in_the_directory_is_ignored_not_broken(tmp_path, qwen_path, caplog):
+    """mlx_lm.cache_prompt's files carry no token ids: the directory cache cannot match
+    prompts against them (engine-generate --prompt-cache-file reads them); they are
+    skipped with one log line and left alone."""
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+    from parity.oracles import mlx_lm_oracle as oracle
+    rmodel, _ = oracle.load(qwen_path)
+    theirs = make_prompt_cache(rmodel)
+    rmodel(mx.array([PREFIX]), cache=theirs)
+    save_prompt_cache(str(tmp_path / "theirs.safetensors"), theirs, {"model": "x"})
+    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+        eng = _load(qwen_path, tmp_path)
+    assert eng.disk_cache.ignored == {"not a segment of this cache": 1} and len(eng.disk_cache) == 0
+    assert sum("theirs.safetensors" in r.getMessage() for r in caplog.records) == 1
+    assert _one(eng, PREFIX + MORE)[2].cached_tokens == 0
+    assert (tmp_path / "theirs.safetensors").exists()
