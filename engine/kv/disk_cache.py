@@ -20,8 +20,8 @@ a chain can be restored: K/V cut to it are the same bytes a cold prefill left th
 Not stored (counted in `refused`, logged once per reason): sequences shorter than
 `min_tokens`, a sliding-window ring that has wrapped (it no longer holds its prefix's
 K/V), caches of a type the file format has no name for. Writes run on a background
-thread; `flush()` waits for them. Size: the files' bytes, capped at `max_bytes`, least
-recently used evicted first (with the files that continue them).
+thread; `flush()` waits for them. Size: the files' bytes, capped at `max_bytes`; the least
+recently used file that no other file continues is deleted first.
 """
 
 from __future__ import annotations
@@ -155,30 +155,35 @@ class DiskCache:
                     found[p.stem] = (meta, p.stat().st_size)
             except (OSError, CacheFileError) as e:
                 self._ignore(p, "unreadable", str(e))
-        tokens: dict = {}
-
-        def chain(name):   # the file's whole token sequence (None: orphan or bad header)
-            if name in tokens:
-                return tokens[name]
-            tokens[name] = None
-            meta, size = found[name]
-            try:
-                own = json.loads(meta["0.tokens"])
-                parent, start = meta.get("0.parent") or None, int(meta["0.start"])
-                head = [] if parent is None else (chain(parent) if parent in found else None)
-                if head is None or len(head) < start:
-                    self._ignore(self.dir / (name + SUFFIX), "its parent segment is missing")
-                    return None
-                tokens[name] = head[:start] + own
-                self._add(_File(name, meta["0.ns"], parent, start, start + len(own), size),
-                          tokens[name])
-            except (KeyError, ValueError, TypeError) as e:
-                self._ignore(self.dir / (name + SUFFIX), "unreadable", f"metadata {e}")
-            return tokens[name]
-
+        tokens: dict = {}           # name -> its whole token sequence (None: unusable)
         for name in found:
-            chain(name)
+            path = [name]           # the file, then its ancestors not resolved yet
+            while path[-1] not in tokens:
+                tokens[path[-1]] = None
+                parent = found[path[-1]][0].get("0.parent") or None
+                if parent is None or parent in tokens or parent not in found:
+                    break
+                path.append(parent)
+            for n in reversed(path):
+                tokens[n] = self._index(n, found[n], tokens)
         self._evict()
+
+    def _index(self, name: str, found, tokens: dict):
+        """Index one scanned file whose parent (if any) was indexed before; its sequence."""
+        meta, size = found
+        try:
+            own = json.loads(meta["0.tokens"])
+            parent, start = meta.get("0.parent") or None, int(meta["0.start"])
+            head = [] if parent is None else tokens.get(parent)
+            if head is None or len(head) < start:
+                self._ignore(self.dir / (name + SUFFIX), "its parent segment is missing")
+                return None
+            seq = head[:start] + own
+            self._add(_File(name, meta["0.ns"], parent, start, len(seq), size), seq)
+            return seq
+        except (KeyError, ValueError, TypeError) as e:
+            self._ignore(self.dir / (name + SUFFIX), "unreadable", f"metadata {e}")
+            return None
 
     def _add(self, f: _File, tokens) -> None:
         tree = self._trees.setdefault(f.ns, PrefixTree())
@@ -210,8 +215,11 @@ class DiskCache:
                 pass
 
     def _evict(self) -> None:
+        """Least recently used *leaves* first (a file others continue stays while they do):
+        a shared prefix (the system prompt and tools) outlives the conversations on it."""
         while self._bytes > self.max_bytes:
-            victim = next((n for n, f in self._files.items() if f.ready), None)
+            victim = next((n for n, f in self._files.items()
+                           if f.ready and not self._children.get(n)), None)
             if victim is None:
                 return
             self._forget(victim)

@@ -246,3 +246,37 @@ def test_an_mlx_lm_file_in_the_directory_is_ignored_not_broken(tmp_path, qwen_pa
     assert sum("theirs.safetensors" in r.getMessage() for r in caplog.records) == 1
     assert _one(eng, PREFIX + MORE)[2].cached_tokens == 0
     assert (tmp_path / "theirs.safetensors").exists()
+
+
+def _kv(n: int, tag: float):
+    from engine.kv.cache import KVCache
+    c = KVCache()
+    c.keys = c.values = mx.full((1, 1, n, 64), tag)
+    c.offset = n
+    return [c]
+
+
+def test_eviction_takes_leaves_and_keeps_a_shared_prefix(tmp_path):
+    """A root prefix continued by two conversations: over the cap, the older conversation's
+    file goes, never the prefix the newer one needs (deleting it would orphan that one)."""
+    from engine import DiskCache
+    root = list(range(100, 400))
+    dc = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    dc.store("base", root, _kv(300, 1.0))
+    dc.store("base", root + [1] * 100, _kv(400, 2.0))
+    dc.store("base", root + [2] * 100, _kv(400, 3.0))
+    assert len(dc) == 3 and dc.writes == 3
+    one = dc.last_write_bytes
+    again = DiskCache(tmp_path, dc.bytes - one // 2, model="m", background=False)  # restart
+    assert len(again) == 2 and again.evictions == 1
+    caches, n = again.restore("base", root + [2] * 100 + [5])
+    assert n == 400 and mx.array_equal(caches[0].keys[..., 300:, :], mx.full((1, 1, 100, 64), 3.0))
+    assert again.restore("base", root + [1] * 100 + [5])[1] == 300    # the prefix alone
+    # a deep chain (one file per turn) is indexed without recursion
+    deep = DiskCache(tmp_path / "deep", 1 << 30, model="m", background=False)
+    seq = []
+    for turn in range(1200):
+        seq = seq + [turn % 50 + 10] * 2
+        if len(seq) >= 64:
+            deep.store("base", seq, _kv(len(seq), 0.0))
+    assert len(DiskCache(tmp_path / "deep", 1 << 30, model="m")) == len(deep)
