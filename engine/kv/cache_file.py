@@ -128,17 +128,29 @@ def _crc(meta: dict, data: list) -> str:
     return f"{crc:08x}"
 
 
-def write_file(path, arrays: dict, meta: dict) -> int:
-    """Write a .safetensors file (mlx-lm reads it with `mx.load`) whose metadata carries
-    a checksum of the whole file; returns its size. The arrays must be evaluated and
-    contiguous: their buffers are read as they are (no MLX call: safe on another thread)."""
-    header, views, at, crc = {}, [], 0, None
+def host_buffers(arrays: dict) -> dict:
+    """{key: (dtype code, shape, bytes-like)} of evaluated arrays, for `write_file` (call it
+    where MLX runs; the result is plain memory any thread may read). An array whose buffer
+    cannot be viewed as it is (not contiguous, or not in host memory) is copied out."""
+    out = {}
     for key, a in arrays.items():
-        v = memoryview(a) if a.size else memoryview(b"")
-        header[key] = {"dtype": DTYPES[a.dtype], "shape": list(a.shape),
-                       "data_offsets": [at, at + v.nbytes]}
-        if not v.c_contiguous:
-            raise CacheFileError(f"{key}: not a contiguous array")
+        try:
+            v = memoryview(a) if a.size else memoryview(b"")
+            if not v.c_contiguous:
+                raise BufferError("not contiguous")
+        except (BufferError, TypeError, ValueError, RuntimeError):
+            wide = a.view(mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a
+            v = memoryview(np.ascontiguousarray(np.array(wide)))
+        out[key] = (DTYPES[a.dtype], list(a.shape), v)
+    return out
+
+
+def write_file(path, buffers: dict, meta: dict) -> int:
+    """Write a .safetensors file (mlx-lm reads it with `mx.load`) of `host_buffers`' output
+    whose metadata carries a checksum of the whole file; returns its size (no MLX call)."""
+    header, views, at = {}, [], 0
+    for key, (code, shape, v) in buffers.items():
+        header[key] = {"dtype": code, "shape": shape, "data_offsets": [at, at + v.nbytes]}
         views.append(v)
         at += v.nbytes
     meta = {**meta, CHECKSUM: _crc(meta, views)}

@@ -38,8 +38,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .cache_file import (FIELDS, CacheFileError, decode_file, prompt_cache_payload,
-                         read_header, write_file)
+from .cache_file import (FIELDS, CacheFileError, decode_file, host_buffers,
+                         prompt_cache_payload, read_header, write_file)
 from .prefix_tree import PrefixTree
 
 log = logging.getLogger("engine.prompt_cache")
@@ -342,6 +342,7 @@ class DiskCache:
             "parent": parent or "", "start": str(start), "tokens": json.dumps(tokens[start:])})
         arrays = {k: mx.contiguous(a) for k, a in arrays.items()}
         mx.eval(list(arrays.values()))
+        buffers = host_buffers(arrays)
         size = sum(a.nbytes for a in arrays.values())    # (the header's bytes come later)
         with self.lock:
             if start and parent not in self._files:     # evicted meanwhile
@@ -354,7 +355,7 @@ class DiskCache:
                 self._files.move_to_end(g.name)
             self._files.move_to_end(name)
             self.writes += 1
-        self._q.put((f, (arrays, meta)))
+        self._q.put((f, (buffers, meta)))
         if not self._background:
             self._drain()
         elif self._thread is None:

@@ -280,3 +280,19 @@ def test_eviction_takes_leaves_and_keeps_a_shared_prefix(tmp_path):
         if len(seq) >= 64:
             deep.store("base", seq, _kv(len(seq), 0.0))
     assert len(DiskCache(tmp_path / "deep", 1 << 30, model="m")) == len(deep)
+
+
+def test_files_hold_exactly_the_arrays_contiguous_or_not(tmp_path):
+    """`host_buffers` views contiguous arrays as they are and copies the others out (a
+    transposed bf16 array's memoryview is not contiguous): mx.load gets the same values."""
+    from engine.kv.cache_file import CHECKSUM, host_buffers, write_file
+    arrays = {"a": mx.arange(12, dtype=mx.float32).reshape(3, 4).T,
+              "b": (mx.arange(24).reshape(2, 3, 4) / 7).astype(mx.bfloat16).transpose(2, 0, 1),
+              "c": mx.array([], dtype=mx.float32), "d": mx.array(5)}
+    mx.eval(list(arrays.values()))
+    p = tmp_path / "x.safetensors"
+    write_file(p, host_buffers(arrays), {"k": "v"})
+    back, meta = mx.load(str(p), return_metadata=True)
+    assert meta["k"] == "v" and len(meta[CHECKSUM]) == 8
+    for k, a in arrays.items():
+        assert back[k].dtype == a.dtype and mx.array_equal(back[k], a).item(), k
