@@ -75,6 +75,13 @@ def disk_cache_for(directory, disk_gb: float, model_dir, engine, adapter_path=No
     return DiskCache(directory, int(disk_gb * 1e9), model, kv)
 
 
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except OSError:       # (deleted meanwhile: skipped when opened)
+        return 0
+
+
 def _cut(x, a: int, b: int):
     if isinstance(x, (tuple, list)):
         return tuple(mx.contiguous(t[..., a:b, :]) for t in x)
@@ -140,7 +147,7 @@ class DiskCache:
 
     def _scan(self) -> None:
         found = {}
-        for p in sorted(self.dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime_ns):
+        for p in sorted(self.dir.glob("*" + SUFFIX), key=_mtime):
             try:
                 with open(p, "rb") as f:
                     header, _ = read_header(f)
@@ -248,11 +255,13 @@ class DiskCache:
 
     # --- restore ----------------------------------------------------------------------
 
-    def reusable(self, ns: str, prompt) -> int:
-        """How many leading tokens of `prompt` a restore would give (no I/O)."""
-        with self.lock:
-            n, _ = self._match(ns, tuple(prompt), len(prompt) - 1)
-        return n if n >= self.min_tokens else 0
+    def _check(self, meta: dict, f: _File, tokens: list) -> None:
+        """The verified file is the one indexed, and its tokens are the prompt's."""
+        own = json.loads(meta["tokens"])
+        if ((meta["model"], meta["kv"], meta["ns"], meta["parent"] or None, int(meta["start"]))
+                != (self.model, self.kv, f.ns, f.parent, f.start)
+                or f.start + len(own) != f.end or own[:len(tokens)] != list(tokens)):
+            raise CacheFileError("its metadata no longer matches the index")
 
     def restore(self, ns: str, prompt, more_than: int = 0):
         """(caches, tokens reused) for the longest prefix of `prompt` on disk (always
@@ -271,7 +280,8 @@ class DiskCache:
         for f, take in chain:
             path = self.dir / (f.name + SUFFIX)
             try:
-                caches, _ = decode_file(path)
+                caches, meta = decode_file(path)
+                self._check(meta, f, prompt[f.start:f.start + take])
                 if any(c.offset < take for c in caches):
                     raise CacheFileError("holds fewer tokens than its metadata says")
             except FileNotFoundError:

@@ -296,3 +296,20 @@ def test_files_hold_exactly_the_arrays_contiguous_or_not(tmp_path):
     assert meta["k"] == "v" and len(meta[CHECKSUM]) == 8
     for k, a in arrays.items():
         assert back[k].dtype == a.dtype and mx.array_equal(back[k], a).item(), k
+
+
+def test_a_valid_file_swapped_after_the_scan_is_not_used(tmp_path):
+    """Checksums hold, but the file under a name now holds another sequence (replaced
+    after the index was read): its tokens are checked against the prompt's."""
+    from engine import DiskCache
+    one, two = list(range(100, 200)), list(range(300, 400))
+    dc = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    dc.store("base", one, _kv(100, 1.0))
+    f1 = files(tmp_path)[0]
+    dc.store("base", two, _kv(100, 2.0))
+    (f2,) = [p for p in files(tmp_path) if p != f1]
+    again = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    f1.write_bytes(f2.read_bytes())
+    assert again.restore("base", one + [1]) is None
+    assert again.ignored == {"corrupted": 1}
+    assert again.restore("base", two + [1])[1] == 100
