@@ -374,6 +374,9 @@ def main(argv=None) -> int:
     finally:
         status = leader.close() if leader is not None else 0   # followers stop too
         state.gateway.close()
+        disk = getattr(state.engine, "disk_cache", None)
+        if disk is not None:
+            disk.flush()     # the last answers' files, for the next start to read
         # MLX tears down the worker thread's stream after Python's join returns;
         # exiting inside that window aborts the process ("terminate called ...")
         time.sleep(0.2)
