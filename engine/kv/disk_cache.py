@@ -266,7 +266,18 @@ class DiskCache:
     def restore(self, ns: str, prompt, more_than: int = 0):
         """(caches, tokens reused) for the longest prefix of `prompt` on disk (always
         leaving one token to compute), or None: when it would not reuse more than
-        `more_than` tokens (counted as a miss), or a file fails its checks (logged, deleted)."""
+        `more_than` tokens (counted as a miss), or a file fails its checks (logged, deleted).
+        Never raises: whatever goes wrong, the request runs cold."""
+        try:
+            return self._restore(ns, prompt, more_than)
+        except Exception as e:      # (a cache must never fail the request it serves)
+            log.warning("prompt cache: restore failed (%s: %s); running cold",
+                        type(e).__name__, e)
+            with self.lock:
+                self.misses += 1
+            return None
+
+    def _restore(self, ns: str, prompt, more_than: int):
         with self.lock:
             n, name = self._match(ns, tuple(prompt), len(prompt) - 1)
             if name is None or n < self.min_tokens or n <= more_than:
@@ -328,7 +339,14 @@ class DiskCache:
     def store(self, ns: str, tokens, caches: list) -> int:
         """Queue the part of `tokens`' KV (held by `caches`, exactly those tokens) that no
         file holds yet; returns the K/V bytes it will write (0: nothing new or refused).
-        The file is written on a background thread (`flush()` waits for it)."""
+        The file is written on a background thread (`flush()` waits for it). Never raises."""
+        try:
+            return self._store(ns, tokens, caches)
+        except Exception as e:      # (a cache must never fail the request it serves)
+            self._refuse(f"error ({type(e).__name__}: {e})")
+            return 0
+
+    def _store(self, ns: str, tokens, caches: list) -> int:
         tokens = list(tokens)
         if len(tokens) < self.min_tokens or not caches:
             return 0

@@ -313,3 +313,20 @@ def test_a_valid_file_swapped_after_the_scan_is_not_used(tmp_path):
     assert again.restore("base", one + [1]) is None
     assert again.ignored == {"corrupted": 1}
     assert again.restore("base", two + [1])[1] == 100
+
+
+def test_a_failing_cache_never_fails_the_request(tmp_path, qwen_path, cold, monkeypatch):
+    """Whatever breaks inside the disk cache (here: every array op it makes), the
+    request runs cold and answers as without it."""
+    import engine.kv.disk_cache as dcm
+    eng = _load(qwen_path, tmp_path)
+    _one(eng, PREFIX)
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(dcm, "_cat", boom)
+    monkeypatch.setattr(dcm, "_cut", boom)
+    again = _load(qwen_path, tmp_path)
+    got = _one(again, PREFIX + MORE)
+    assert got[2].cached_tokens == 0 and _same(got, cold["more"])
+    assert again.disk_cache.misses == 1 and list(again.disk_cache.refused) == ["error (RuntimeError: boom)"]
