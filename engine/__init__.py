@@ -78,6 +78,9 @@ _LAZY = {
     "describe": "engine.fast.apply",
     # engine.kv.prompt_cache
     "PromptCache": "engine.kv.prompt_cache",
+    # engine.kv.disk_cache
+    "DiskCache": "engine.kv.disk_cache",
+    "disk_cache_for": "engine.kv.disk_cache",
     # engine.kv.quant
     "KVConfigError": "engine.kv.quant",
     "VALID_BITS": "engine.kv.quant",

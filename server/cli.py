@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 
 from engine import CliParser, json_dict as _json_dict, parse_bool as _bool
 
@@ -47,6 +49,12 @@ def parser() -> argparse.ArgumentParser:
     a("--prompt-cache", type=float, metavar="GiB",
       help="prompt (prefix KV) cache cap in binary GiB (x2^30); 0 disables; default: a "
       "quarter of the memory budget left after the weights")
+    a("--prompt-cache-dir", metavar="DIR",
+      help="also keep prefixes' KV as files in DIR (mlx-lm's prompt-cache format), read "
+      "back after a restart")
+    a("--prompt-cache-disk-gb", type=float, default=20.0, metavar="GB",
+      help="cap of --prompt-cache-dir in decimal GB (default 20); least recently used "
+      "files are deleted first")
     a("--prompt-cache-bytes", type=int, help="(mlx_lm.server) prompt cache cap in bytes")
     a("--prompt-cache-size", type=int, help="(mlx_lm.server) entry count: accepted, ignored "
       "(the cache is byte-capped)")
@@ -181,6 +189,19 @@ def config_from_args(args):
         cache_bytes = None   # a share of the memory budget (ServerState)
     kv = args.kv_quant if args.kv_quant is not None else (
         str(args.kv_bits) if args.kv_bits is not None else "config")
+    if not args.prompt_cache_disk_gb > 0:
+        raise SystemExit("engine-serve: --prompt-cache-disk-gb must be > 0")
+    if args.prompt_cache_dir is not None:
+        d = Path(args.prompt_cache_dir).expanduser()
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"engine-serve: --prompt-cache-dir {d}: {e}") from None
+        if not os.access(d, os.W_OK):
+            raise SystemExit(f"engine-serve: --prompt-cache-dir {d} is not writable")
+        if getattr(args, "tensor_parallel", False):
+            raise SystemExit("engine-serve: --prompt-cache-dir is not supported with "
+                             "--tensor-parallel")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise SystemExit("engine-serve: --memory-budget must be > 0 (GB)")
     from engine import LeverError, levers_from_args
@@ -215,7 +236,8 @@ def config_from_args(args):
         levers=levers,
         model=args.model, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
-        prompt_cache_bytes=cache_bytes, kv_quant=kv, kv_group_size=args.kv_group_size,
+        prompt_cache_bytes=cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_gb=args.prompt_cache_disk_gb, kv_quant=kv, kv_group_size=args.kv_group_size,
         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
         api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
@@ -352,6 +374,9 @@ def main(argv=None) -> int:
     finally:
         status = leader.close() if leader is not None else 0   # followers stop too
         state.gateway.close()
+        disk = getattr(state.engine, "disk_cache", None)
+        if disk is not None:
+            disk.flush()     # the last answers' files, for the next start to read
         # MLX tears down the worker thread's stream after Python's join returns;
         # exiting inside that window aborts the process ("terminate called ...")
         time.sleep(0.2)

@@ -233,6 +233,11 @@ class ServerCollector:
             pc = st.prompt_cache.stats()
             for kind, name, help_, key in PROMPT_CACHE:
                 yield kind(name, help_, value=pc[key])
+        disk = getattr(getattr(st, "engine", None), "disk_cache", None)
+        if disk is not None:
+            dc = disk.stats()
+            for kind, name, help_, key in DISK_CACHE:
+                yield kind(name, help_, value=dc[key])
         import mlx.core as mx
         yield GaugeMetricFamily("engine_memory_active_bytes", "MLX active memory",
                                 value=mx.get_active_memory())
@@ -253,6 +258,14 @@ PROMPT_CACHE = (
     (GaugeMetricFamily, "engine_prompt_cache_bytes", "bytes held by the prompt cache", "bytes"),
     (GaugeMetricFamily, "engine_prompt_cache_max_bytes", "prompt-cache cap", "max_bytes"),
     (GaugeMetricFamily, "engine_prompt_cache_entries", "prompt-cache entries", "entries"),
+)
+DISK_CACHE = (
+    (CounterMetricFamily, "engine_prompt_cache_disk_hits", "prefixes read from disk", "hits"),
+    (CounterMetricFamily, "engine_prompt_cache_disk_written_bytes",
+     "bytes of prompt-cache files written", "bytes_written"),
+    (GaugeMetricFamily, "engine_prompt_cache_disk_bytes", "bytes of prompt-cache files held",
+     "bytes"),
+    (GaugeMetricFamily, "engine_prompt_cache_disk_files", "prompt-cache files held", "files"),
 )
 
 

@@ -33,6 +33,8 @@ class ServerConfig:
     memory_budget_bytes: Optional[int] = None      # None = machine RAM x 0.75
     prompt_cache_bytes: Optional[int] = None        # 0 disables; None = the budget left
     #                                       after the weights x PROMPT_CACHE_FRACTION
+    prompt_cache_dir: Optional[str] = None          # also keep prefixes as files there
+    prompt_cache_disk_gb: float = 20.0              # their cap, decimal GB
     kv_quant: str = "config"                        # config | off | 4 | 8 (or any valid bits)
     kv_group_size: Optional[int] = None             # None = 64, or 32 when head_dim needs it
     thinking: Optional[bool] = None
@@ -118,6 +120,11 @@ class ServerState:
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
                              levers=config.levers, **self.kv_options)
+        if config.prompt_cache_dir:
+            from engine import disk_cache_for
+            self.engine.disk_cache = disk_cache_for(config.prompt_cache_dir,
+                                                    config.prompt_cache_disk_gb, model_dir,
+                                                    self.engine)
         gateway.engine = self.engine
         # requests waiting to start (inbox, behind a call, or in the engine; the rows
         # running, at most --batch of them, are not counted) before a new one is refused
@@ -218,6 +225,8 @@ class ServerState:
                         "max_bytes": pc["max_bytes"], "hits": pc["hits"], "misses": pc["misses"],
                         "enabled": pc["enabled"], "evictions": pc["evictions"],
                         "tokens_reused": pc["tokens_reused"]}
+        dc = self.engine.disk_cache
+        prompt_cache["disk"] = dc.stats() if dc is not None else {"enabled": False}
         adm = self.admission
         g = self.gateway.stats()
         return {

@@ -98,6 +98,14 @@ class AdapterRegistry:
             self.mounted[i].namespaces.add(ns)
         return ns
 
+    def disk_key(self, ids: Iterable[str]) -> str:
+        """The adapter stack's name in prompt-cache files: each adapter's id, files and
+        scale (stable across restarts, unlike `namespace`)."""
+        from engine.kv.disk_cache import fingerprint
+
+        return "+".join(f"{i}:{fingerprint(self.mounted[i].path, extra=str(self.mounted[i].scale))}"
+                        for i in ids)
+
     def list(self) -> list:
         return [m.describe() for m in self.mounted.values()]
 

@@ -13,9 +13,13 @@ and which state entries were Python scalars, strings or None (`2.<j>`).
 
 from __future__ import annotations
 
+import json
+import struct
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.kv.cache import KVCache, QuantizedKVCache, RotatingKVCache
@@ -41,6 +45,12 @@ def _state(cache) -> tuple:
 
 def save_prompt_cache(path, caches: list, metadata: dict | None = None) -> None:
     """Write `caches` (one per layer) and string `metadata` to `path` (.safetensors)."""
+    arrays, meta = prompt_cache_payload(caches, metadata)
+    mx.save_safetensors(str(path), arrays, meta)
+
+
+def prompt_cache_payload(caches: list, metadata: dict | None = None) -> tuple[dict, dict]:
+    """The (arrays, string metadata) of a prompt cache file holding `caches`."""
     names, states = zip(*(_state(c) for c in caches))
     scalars: list = [""]              # (never empty: tree_flatten would drop it)
     arrays = {}
@@ -61,7 +71,7 @@ def save_prompt_cache(path, caches: list, metadata: dict | None = None) -> None:
     # (a non-empty first list, or tree_unflatten would shift the other two)
     meta = dict(tree_flatten([{"saved_by": "mlx-parity", **(metadata or {})}, list(names),
                               scalars]))
-    mx.save_safetensors(str(path), arrays, meta)
+    return arrays, meta
 
 
 def load_prompt_cache(path) -> tuple[list, dict]:
@@ -71,9 +81,18 @@ def load_prompt_cache(path) -> tuple[list, dict]:
         raise CacheFileError(f"{p} is not a file")
     try:
         arrays, raw = mx.load(str(p), return_metadata=True)
-        metadata, names, scalars = tree_unflatten(list(raw.items()))
     except (ValueError, RuntimeError, TypeError) as e:
         raise CacheFileError(f"{p} is not a prompt cache file ({e})") from None
+    return caches_from(arrays, raw, p)
+
+
+def caches_from(arrays: dict, raw: dict, where) -> tuple[list, dict]:
+    """(caches, metadata) from a file's arrays and its string metadata."""
+    try:
+        metadata, names, scalars = tree_unflatten(list(raw.items()))
+    except (ValueError, TypeError) as e:
+        raise CacheFileError(f"{where} is not a prompt cache file ({e})") from None
+    arrays = dict(arrays)
     for key, kind in scalars[1:]:
         a = arrays[key]
         arrays[key] = (a.item() if kind == "scalar" else
@@ -82,7 +101,7 @@ def load_prompt_cache(path) -> tuple[list, dict]:
     caches = []
     for name, state in zip(names, states):
         if name not in FIELDS:
-            raise CacheFileError(f"{p}: cache type {name} is not supported "
+            raise CacheFileError(f"{where}: cache type {name} is not supported "
                                  f"(supported: {', '.join(FIELDS)})")
         cls, fields = FIELDS[name]
         c = cls(0) if cls is RotatingKVCache else cls()
@@ -90,3 +109,90 @@ def load_prompt_cache(path) -> tuple[list, dict]:
             setattr(c, f, tuple(v) if isinstance(v, list) else v)
         caches.append(c)
     return caches, dict(metadata)
+
+
+# --- the same files, written and read as bytes with a checksum (engine.kv.disk_cache) ---
+
+DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32",
+          mx.int32: "I32", mx.uint8: "U8", mx.int64: "I64", mx.uint16: "U16", mx.bool_: "BOOL"}
+CODES = {v: k for k, v in DTYPES.items()}
+CHECKSUM = "0.checksum"     # the metadata key of a file's CRC-32
+
+
+def _crc(meta: dict, data: list) -> str:
+    """CRC-32 of the metadata (bar the checksum) and the data section (buffers, in order)."""
+    head = json.dumps({k: v for k, v in meta.items() if k != CHECKSUM}, sort_keys=True)
+    crc = zlib.crc32(head.encode())
+    for d in data:
+        crc = zlib.crc32(d, crc)
+    return f"{crc:08x}"
+
+
+def host_buffers(arrays: dict) -> dict:
+    """{key: (dtype code, shape, bytes-like)} of evaluated arrays, for `write_file` (call it
+    where MLX runs; the result is plain memory any thread may read). An array whose buffer
+    cannot be viewed as it is (not contiguous, or not in host memory) is copied out."""
+    out = {}
+    for key, a in arrays.items():
+        try:
+            v = memoryview(a) if a.size else memoryview(b"")
+            if not v.c_contiguous:
+                raise BufferError("not contiguous")
+        except (BufferError, TypeError, ValueError, RuntimeError):
+            wide = a.view(mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a
+            v = memoryview(np.ascontiguousarray(np.array(wide)))
+        out[key] = (DTYPES[a.dtype], list(a.shape), v)
+    return out
+
+
+def write_file(path, buffers: dict, meta: dict) -> int:
+    """Write a .safetensors file (mlx-lm reads it with `mx.load`) of `host_buffers`' output
+    whose metadata carries a checksum of the whole file; returns its size (no MLX call)."""
+    header, views, at = {}, [], 0
+    for key, (code, shape, v) in buffers.items():
+        header[key] = {"dtype": code, "shape": shape, "data_offsets": [at, at + v.nbytes]}
+        views.append(v)
+        at += v.nbytes
+    meta = {**meta, CHECKSUM: _crc(meta, views)}
+    head = json.dumps({**header, "__metadata__": meta}, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for v in views:
+            f.write(v)
+    return 8 + len(head) + at
+
+
+def read_header(f) -> tuple[dict, int]:
+    """(header, data offset) of an open .safetensors file."""
+    try:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 1 << 28:
+            raise ValueError("header too large")
+        return json.loads(f.read(n)), 8 + n
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CacheFileError(f"unreadable header ({e})") from None
+
+
+def decode_file(path) -> tuple[list, dict]:
+    """(caches, metadata) of a file written by `encode_file`; CacheFileError when it is
+    truncated, altered or has no checksum."""
+    with open(path, "rb") as f:
+        header, start = read_header(f)
+        data = f.read()
+    meta = header.pop("__metadata__", None) or {}
+    if meta.get(CHECKSUM) is None:
+        raise CacheFileError("no checksum")
+    if _crc(meta, [data]) != meta[CHECKSUM]:
+        raise CacheFileError("checksum mismatch (truncated or altered)")
+    arrays = {}
+    for key, h in header.items():
+        a, b = h["data_offsets"]
+        code = h["dtype"]
+        raw = np.frombuffer(data[a:b], dtype=np.uint16 if code in ("BF16", "F16") else
+                            {"F32": np.float32, "U32": np.uint32, "I32": np.int32,
+                             "U8": np.uint8, "I64": np.int64, "U16": np.uint16,
+                             "BOOL": np.bool_}[code])
+        x = mx.array(raw).reshape(h["shape"])
+        arrays[key] = x.view(CODES[code]) if code in ("BF16", "F16") else x
+    return caches_from(arrays, {k: v for k, v in meta.items() if k != CHECKSUM}, path)

@@ -46,6 +46,7 @@ from engine.kv.quant import make_policy
 from engine.step.request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
                       check_token_ids, encode_prompt, model_context, model_vocab_size,
                       token_logprob)
+from engine.step.reuse import PrefixReuse
 from engine.step.stepper import generate_step, prefill_chunk
 
 __all__ = ["Engine"]
@@ -53,7 +54,7 @@ __all__ = ["Engine"]
 BASE_NAMESPACE = "base"
 
 
-class Engine:
+class Engine(PrefixReuse):
     """Model, tokenizer, prompt cache, admission, adapters and the scheduler.
 
     max_batch: most requests decoding together (1: one at a time, each exactly
@@ -75,12 +76,13 @@ class Engine:
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
                  levers=None, max_context: Optional[int] = None,
-                 max_kv_size: Optional[int] = None):
+                 max_kv_size: Optional[int] = None, disk_cache=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.prompt_cache = prompt_cache
+        self.disk_cache = disk_cache      # engine.kv.disk_cache.DiskCache (None: RAM only)
         self.admission = admission
         self.adapters = adapters
         self.keep_logprob_arrays = keep_logprob_arrays
@@ -128,7 +130,8 @@ class Engine:
     @classmethod
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
              memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: Optional[int] = 0,
-             tensor_parallel: bool = False, tp_timeout: Optional[float] = 60.0, **kw):
+             tensor_parallel: bool = False, tp_timeout: Optional[float] = 60.0,
+             prompt_cache_dir=None, prompt_cache_disk_gb: float = 20.0, **kw):
         """Load a model directory; memory admission on (budget: 75% of RAM by default).
 
         prompt_cache_bytes: the prompt cache's cap (0: none; None: what the server takes by
@@ -140,7 +143,9 @@ class Engine:
         makes every call on every rank; on the other ranks it does not return: they
         replay rank 0's calls until rank 0 closes it (or exits), then the process ends
         (`engine.distributed.coordinate`). `tp_timeout`: seconds a step may take on
-        rank 0 before the ranks are given up (None: no limit)."""
+        rank 0 before the ranks are given up (None: no limit).
+        prompt_cache_dir: keep prefixes' KV as files there too, read back after a restart
+        (`engine.kv.disk_cache`), at most `prompt_cache_disk_gb` GB (10^9 bytes)."""
         from engine.step.admission import Admission, default_budget
         from engine.loader import load
         from engine.kv.prompt_cache import PromptCache
@@ -159,6 +164,13 @@ class Engine:
             prompt_cache_bytes = eng.admission.prompt_cache_bytes()
         eng.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         eng.adapters = AdapterRegistry(model, eng.prompt_cache)
+        if prompt_cache_dir is not None:
+            if tensor_parallel:
+                raise ValueError("prompt_cache_dir is not supported with tensor_parallel=True")
+            from engine.kv.disk_cache import disk_cache_for
+            from engine.loader import resolve_model_path
+            eng.disk_cache = disk_cache_for(prompt_cache_dir, prompt_cache_disk_gb,
+                                            resolve_model_path(path), eng, adapter_path)
         if tensor_parallel:
             from engine.distributed import coordinate
             return coordinate(eng, tp_timeout)
@@ -354,23 +366,6 @@ class Engine:
             self._samplers[key] = params.make_sampler(special)
         return self._samplers[key]
 
-    def _fetch(self, req: RequestState):
-        if req.prefix is not None:
-            return req.prefix
-        if self.prompt_cache is None:
-            return None
-        hit = self.prompt_cache.fetch(req.ns, req.ids)
-        if hit is None:
-            return None
-        req.reused = hit.reused
-        return hit.caches
-
-    def _store(self, req: RequestState, caches) -> None:
-        if self.prompt_cache is not None and caches and req.prefix is None:
-            tokens = req.ids + req.fed
-            # the request is over: the caches are handed to the store, not copied
-            self.prompt_cache.store(req.ns, tokens[:caches[0].offset], caches, copy_caches=False)
-
     # --- solo lane -------------------------------------------------------------------
 
     def _start_solo(self, req: RequestState) -> None:
@@ -426,9 +421,9 @@ class Engine:
         # A sliding-window ring that wraps while decoding can no longer be trimmed back to
         # a shared prefix; keep a snapshot at the end of the prompt too (all tokens but
         # the last), so a prompt that branches after it still hits.
-        if (self.prompt_cache is not None and req.prefix is None and req.prompt.size > 1
+        if (req.prefix is None and req.prompt.size > 1
                 and any(isinstance(c, RotatingKVCache) for c in req.caches)):
-            self.prompt_cache.store(req.ns, req.ids[:len(req.ids) - 1], req.caches)
+            self._keep(req, req.ids[:len(req.ids) - 1], req.caches)
         req.steps, req.start_decode = req.start_decode(), None
 
     def _solo_token(self, req: RequestState, tok: int, lp) -> list:
@@ -467,7 +462,7 @@ class Engine:
             req.ids[req.reused:], max_tokens=p.max_tokens, sampler=self._sampler(p),
             seed=p.seed, logits_processors=p.make_processors(), stop=list(p.stop),
             caches=caches, history=req.ids[:req.reused],
-            return_cache=self.prompt_cache is not None))
+            return_cache=self.prompt_cache is not None or self.disk_cache is not None))
         self._rows[req.uid] = req
 
     def _batch_events(self, events) -> list:

@@ -1,0 +1,42 @@
+"""The Engine's prefix reuse: a request's starting caches from the prompt cache in RAM
+(`engine.kv.prompt_cache`) or, when longer, on disk (`engine.kv.disk_cache`), and a
+finished request's caches stored in both."""
+
+from __future__ import annotations
+
+from engine.kv.prompt_cache import Hit
+from engine.step.request import RequestState
+
+
+class PrefixReuse:
+    """Mixed into `engine.step.core.Engine` (its prompt_cache, disk_cache, adapters)."""
+
+    def _fetch(self, req: RequestState):
+        if req.prefix is not None:
+            return req.prefix
+        hit = self.prompt_cache.fetch(req.ns, req.ids) if self.prompt_cache is not None else None
+        if self.disk_cache is not None:   # a longer prefix on disk (after a restart) wins
+            got = self.disk_cache.restore(self._disk_ns(req), req.ids, hit.reused if hit else 0)
+            if got is not None:
+                hit = Hit(*got)
+        if hit is None:
+            return None
+        req.reused = hit.reused
+        return hit.caches
+
+    def _disk_ns(self, req: RequestState) -> str:
+        """The adapter set's name on disk: the adapters' files, not this process's mounts."""
+        return self.adapters.disk_key(req.adapters) if req.adapters else req.ns
+
+    def _keep(self, req: RequestState, tokens: list, caches, copy_caches: bool = True) -> None:
+        """Store `caches` (holding exactly `tokens`) on disk, then in RAM."""
+        if self.disk_cache is not None:
+            self.disk_cache.store(self._disk_ns(req), tokens, caches)
+        if self.prompt_cache is not None:
+            self.prompt_cache.store(req.ns, tokens, caches, copy_caches=copy_caches)
+
+    def _store(self, req: RequestState, caches) -> None:
+        if caches and req.prefix is None:
+            tokens = req.ids + req.fed
+            # the request is over: the caches are handed to the store, not copied
+            self._keep(req, tokens[:caches[0].offset], caches, copy_caches=False)

@@ -1,0 +1,244 @@
+"""An agent session through HTTP: TTFT per turn, warm, after a server restart, and cold.
+
+A coding agent (Claude Code, Codex, OpenCode) sends the same long prefix every turn: a
+system prompt and tool definitions, then the conversation so far. This replays such a
+session: a `--prefix-tokens` system prompt + tools (shaped like theirs: instructions,
+then JSON-schema tools), then `--turns` turns, each adding a user message of about
+`--turn-tokens` tokens and the model's previous answer (`--max-tokens`, greedy).
+
+Phases, each a fresh server process on the same model:
+- `warm`: engine-serve with `--prompt-cache-dir` (an empty directory): turn 1 is cold,
+  the others reuse the prefix from RAM;
+- `restart`: a server restarted before every turn, on its own directory (nothing in
+  RAM): turn 1 is cold, every later turn reads the earlier turns' prefix back from disk
+  and prefills only the new tokens;
+- `replay`: engine-serve started again on the `warm` directory: the same session resumed,
+  every turn's whole prompt but its last token already on disk;
+- `cold`: engine-serve with no prompt cache (`--prompt-cache 0`): the prefill each turn
+  would cost without reuse;
+- `mlx_lm` (with `--mlx-lm`): `mlx_lm.server` on the same model, the same turns (its own
+  RAM prompt cache).
+
+TTFT = request sent -> first streamed content chunk (client side, streaming chat
+completions, `max_tokens` answers). Also per turn: prompt tokens, cached tokens (our
+usage), and the disk cache's bytes written by the turn (/stats).
+
+    python experiments/agent_session.py --model builtin:long --prefix-tokens 4000   # CPU
+    python experiments/agent_session.py --model DIR --prefix-tokens 24000 --mlx-lm --tag h100-8b
+
+Writes agent_session.csv, .md and run.json to reports/prompt_cache_disk/<version>/<tag>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from experiments._common import dump_json, machine, md_table, report_dir, write_csv  # noqa: E402
+from experiments.served import Served  # noqa: E402
+
+FIELDS = ["phase", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "disk_bytes_written"]
+WORDS = ("file read write edit search grep run test build diff patch commit branch module "
+         "function class return value error path line column token cache prefix model "
+         "request answer tool call argument schema string number object array").split()
+
+
+def _text(rnd: random.Random, words: int) -> str:
+    return " ".join(rnd.choice(WORDS) for _ in range(words))
+
+
+def _tools(rnd: random.Random, n: int) -> list:
+    return [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": _text(rnd, 40),
+        "parameters": {"type": "object", "properties": {
+            f"arg_{j}": {"type": "string", "description": _text(rnd, 12)} for j in range(4)},
+            "required": ["arg_0"]}}} for i in range(n)]
+
+
+def session(model_dir: str, prefix_tokens: int, turns: int, turn_tokens: int, seed: int = 0):
+    """(system text, tools, user messages): the system prompt sized so that system +
+    tools come to about `prefix_tokens` tokens under the model's tokenizer."""
+    from engine.loader import resolve_model_path
+    from engine.text.tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve_model_path(model_dir))
+    rnd = random.Random(seed)
+    tools = _tools(rnd, 12)
+    per_word = len(tok.encode(_text(random.Random(1), 1000))) / 1000
+    tool_tokens = len(tok.encode(json.dumps(tools)))
+    system = _text(rnd, max(100, int((prefix_tokens - tool_tokens) / per_word)))
+    users = [_text(rnd, max(10, int(turn_tokens / per_word))) for _ in range(turns)]
+    return system, tools, users
+
+
+def ttft(url: str, model: str, messages: list, tools: list, max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "tools": tools, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, text, usage = None, [], {}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            for ch in ev.get("choices") or ():
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+            usage = ev.get("usage") or usage
+    done = time.perf_counter()
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ttft_ms": round(((first or done) - t0) * 1000, 1), "text": "".join(text),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": details.get("cached_tokens")}
+
+
+def _disk_written(url: str) -> int:
+    try:
+        disk = httpx.get(url + "/stats", timeout=30).json()["prompt_cache"].get("disk") or {}
+    except (httpx.HTTPError, ValueError, KeyError):     # (mlx_lm.server has no /stats)
+        return 0
+    return int(disk.get("bytes_written", 0))
+
+
+def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
+              answers: list, max_tokens: int) -> list:
+    """`url`: the server's address, or a callable giving the address of a server (re)started
+    for each turn."""
+    rows, messages = [], [{"role": "system", "content": system}]
+    restart = url if callable(url) else None
+    before = 0 if restart else _disk_written(url)
+    for i, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        if restart:
+            url = restart()
+        got = ttft(url, model, messages, tools, max_tokens)
+        time.sleep(0.3)     # (the background write of the turn's new tokens)
+        after = _disk_written(url)
+        rows.append({"phase": name, "turn": i + 1, "prompt_tokens": got["prompt_tokens"],
+                     "cached_tokens": got["cached_tokens"], "ttft_ms": got["ttft_ms"],
+                     "disk_bytes_written": after - before})
+        before = 0 if restart else after
+        if len(answers) <= i:      # the first phase's answers make every phase's history
+            answers.append(got["text"])
+        messages.append({"role": "assistant", "content": answers[i]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+class MlxLmServer:
+    """`python -m mlx_lm.server` on a free port (the comparison; needs mlx-lm installed)."""
+
+    def __init__(self, model: str):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", model,
+                                      "--port", str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError("mlx_lm.server did not start")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="builtin:long")
+    ap.add_argument("--prefix-tokens", type=int, default=24000)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--turn-tokens", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--disk-gb", type=float, default=20.0)
+    ap.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server")
+    ap.add_argument("--server-args", default="", help="extra engine-serve flags")
+    ap.add_argument("--tag", default="cpu")
+    a = ap.parse_args(argv)
+    from engine.loader import resolve_model_path
+    model_dir = str(resolve_model_path(a.model))
+    system, tools, users = session(a.model, a.prefix_tokens, a.turns, a.turn_tokens)
+    extra = a.server_args.split()
+    rows, answers = [], []
+    base = ["--model", model_dir, "--batch", "1", *extra]
+    with tempfile.TemporaryDirectory(prefix="agent-session-") as tmp:
+        disk = ["--prompt-cache-disk-gb", str(a.disk_gb), "--prompt-cache-dir"]
+        warm, per_turn = disk + [str(Path(tmp) / "warm")], disk + [str(Path(tmp) / "restart")]
+        for phase, flags in (("warm", warm), ("cold", ["--prompt-cache", "0"]), ("replay", warm)):
+            with Served(REPO, base + flags) as s:
+                rows += run_phase(phase, s.url, "m", system, tools, users, answers, a.max_tokens)
+        held: list = []
+
+        def restarted() -> str:     # a fresh server process for each turn
+            while held:
+                held.pop().terminate(20)
+            held.append(Served(REPO, base + per_turn).start())
+            return held[-1].url
+        try:
+            rows += run_phase("restart", restarted, "m", system, tools, users, answers,
+                              a.max_tokens)
+        finally:
+            while held:
+                held.pop().terminate(20)
+        files = sorted((Path(tmp) / "warm").glob("*.safetensors"))
+        disk_files = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    if a.mlx_lm:
+        with MlxLmServer(model_dir) as m:
+            rows += run_phase("mlx_lm", m.url, model_dir, system, tools, users, answers,
+                              a.max_tokens)
+    by = {}
+    for r in rows:
+        by.setdefault(r["phase"], {})[r["turn"]] = r
+    summary = {}
+    for phase, turns in by.items():
+        later = [turns[t]["ttft_ms"] for t in turns if t > 1]
+        summary[phase] = {"turn1_ms": turns[1]["ttft_ms"],
+                          "turns2_n_median_ms": statistics.median(later) if later else None}
+    cold = by["cold"]
+    ratio = [round(by["restart"][t]["ttft_ms"] / cold[t]["ttft_ms"], 3) for t in cold]
+    summary["restart_vs_cold"] = {"per_turn": ratio, "max_turns_2_n": max(ratio[1:] or ratio)}
+    if "mlx_lm" in by:
+        summary["warm_vs_mlx_lm_max"] = max(
+            by["warm"][t]["ttft_ms"] / by["mlx_lm"][t]["ttft_ms"] for t in by["mlx_lm"])
+    out = report_dir("prompt_cache_disk", a.tag)
+    write_csv(out / "agent_session.csv", rows, FIELDS)
+    dump_json(out / "run.json", {"args": vars(a), "machine": machine(), "summary": summary,
+                                 "disk_files": disk_files})
+    head = ["turn", *[f"{p} TTFT ms" for p in by], "prompt tokens", "restart cached",
+            "restart/cold", "warm: bytes written"]
+    table = [[t, *[by[p][t]["ttft_ms"] for p in by], by["warm"][t]["prompt_tokens"],
+              by["restart"][t]["cached_tokens"], ratio[t - 1],
+              by["warm"][t]["disk_bytes_written"]] for t in sorted(cold)]
+    (out / "agent_session.md").write_text(
+        f"# Agent session: {a.turns} turns, ~{a.prefix_tokens}-token prefix ({a.model})\n\n"
+        + md_table(head, table) + "\n\n```json\n" + json.dumps(summary, indent=2) + "\n```\n")
+    print(json.dumps(summary, indent=2))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""The prompt cache on disk (`engine.kv.disk_cache`): a prefix written by one Engine is
+restored by a new one (a restart) with logits bit-identical to a cold prefill; mlx-lm
+reads the files; corrupted, truncated, other-model, other-KV-type and other-adapter files
+are never used (one log line each); wrapped sliding windows are refused, not reused."""
+
+import logging
+import random
+
+import mlx.core as mx
+import pytest
+
+from engine import Engine, SamplingParams
+from engine.kv.disk_cache import SUFFIX
+from parity.fixtures.models import ensure_fixture
+
+rnd = random.Random(0)
+PREFIX = [rnd.randrange(10, 1000) for _ in range(150)]
+MORE = [rnd.randrange(10, 1000) for _ in range(20)]
+
+
+def _load(path, d, **kw):
+    return Engine.load(path, keep_logprob_arrays=True,
+                       **({"prompt_cache_dir": d} if d is not None else {}), **kw)
+
+
+def _one(eng, prompt, max_tokens=4, **kw):
+    eng.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), **kw)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    if eng.disk_cache is not None:
+        eng.disk_cache.flush()
+    ids = [t for o in outs for t in o.token_ids]
+    arrays = [a for o in outs for a in o.logprob_arrays]
+    return ids, arrays, outs[-1]
+
+
+def _same(a, b):
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
+        mx.array_equal(x, y).item() for x, y in zip(a[1], b[1]))
+
+
+@pytest.fixture(scope="module")
+def qwen_path():
+    return str(ensure_fixture("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def cold(qwen_path):
+    eng = _load(qwen_path, None)
+    return {"prefix": _one(eng, PREFIX), "more": _one(eng, PREFIX + MORE)}
+
+
+def files(d):
+    return sorted(p for p in d.iterdir() if p.name.endswith(SUFFIX))
+
+
+def test_restart_restores_the_prefix_bit_identical(tmp_path, qwen_path, cold):
+    first = _load(qwen_path, tmp_path)
+    assert _same(_one(first, PREFIX), cold["prefix"])
+    st = first.disk_cache.stats()
+    assert st["writes"] == 1 and st["bytes_written"] > 0 and len(files(tmp_path)) == 1
+    again = _load(qwen_path, tmp_path)            # a restart: nothing in RAM
+    assert len(again.disk_cache) == 1
+    got = _one(again, PREFIX + MORE)
+    assert got[2].cached_tokens >= len(PREFIX)
+    assert again.disk_cache.stats()["hits"] == 1
+    assert _same(got, cold["more"])               # logits equal a cold prefill's, bit for bit
+
+
+@pytest.mark.parametrize("kw", [{"max_batch": 4}, {"kv_bits": 8, "kv_group_size": 32}],
+                         ids=["batch-lane", "kv8"])
+def test_restart_restores_bit_identical_batch_lane_and_quantized_kv(tmp_path, qwen_path, kw):
+    """Batch lane: equal to a cold prefill. Quantized KV: equal to a hit in RAM (a cold
+    prefill attends to its prompt's K/V before they are quantized, a reused prefix's were
+    quantized already: mlx-lm's quantized prompt cache differs from its cold run alike)."""
+    if "kv_bits" in kw:
+        ram = _load(qwen_path, None, prompt_cache_bytes=1 << 30, **kw)
+        _one(ram, PREFIX)
+        want = _one(ram, PREFIX + MORE)
+        assert want[2].cached_tokens >= len(PREFIX)
+    else:
+        want = _one(_load(qwen_path, None, **kw), PREFIX + MORE)
+    _one(_load(qwen_path, tmp_path, **kw), PREFIX)
+    again = _load(qwen_path, tmp_path, **kw)
+    got = _one(again, PREFIX + MORE)
+    assert got[2].cached_tokens >= len(PREFIX) and again.disk_cache.hits == 1
+    assert _same(got, want)
+
+
+def test_mlx_lm_reads_our_file_and_continues_alike(tmp_path, qwen_path):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import load_prompt_cache, trim_prompt_cache
+    from parity.oracles import mlx_lm_oracle as oracle
+
+    eng = _load(qwen_path, tmp_path)
+    _one(eng, PREFIX)
+    (f,) = files(tmp_path)
+    theirs, meta = load_prompt_cache(str(f), return_metadata=True)
+    assert meta["format"].startswith("mlx-parity") and meta["checksum"]
+    restored, n = eng.disk_cache.restore("base", PREFIX + MORE)
+    assert n == len(PREFIX) and theirs[0].offset == n + 4     # (the prompt + its answer)
+    for a, b in zip(restored, theirs):
+        assert mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()
+    trim_prompt_cache(theirs, 4)
+    rmodel, _ = oracle.load(qwen_path)
+    ref = [lp for _, lp in generate_step(mx.array((PREFIX + MORE)[n:]), rmodel, max_tokens=3,
+                                          prompt_cache=theirs)]
+    mine = _one(_load(qwen_path, tmp_path), PREFIX + MORE, max_tokens=3)[1]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ref, mine))
+
+
+def test_each_turn_writes_only_its_new_tokens(tmp_path, qwen_path):
+    eng = _load(qwen_path, tmp_path)
+    ids, _, _ = _one(eng, PREFIX)
+    first = eng.disk_cache.last_write_bytes
+    turn2 = PREFIX + ids + MORE
+    _, _, out = _one(eng, turn2)
+    second = eng.disk_cache.last_write_bytes
+    assert out.cached_tokens > 0 and eng.disk_cache.writes == 2
+    assert second < first / 3          # ~24 new tokens, not the 150-token prefix again
+    _one(eng, PREFIX)                   # nothing new: no file
+    assert eng.disk_cache.writes == 2
+    # the second file continues the first: after a restart the whole turn 2 comes back
+    again = _load(qwen_path, tmp_path)
+    _, _, out = _one(again, turn2 + [7, 8, 9])
+    assert out.cached_tokens >= len(turn2) and again.disk_cache.hits == 1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupted_file_is_ignored(tmp_path, qwen_path, cold, caplog, damage):
+    _one(_load(qwen_path, tmp_path), PREFIX)
+    (f,) = files(tmp_path)
+    raw = bytearray(f.read_bytes())
+    if damage == "flip":
+        raw[-100] ^= 0x01                # one bit of K/V
+        f.write_bytes(bytes(raw))
+    else:
+        f.write_bytes(bytes(raw[:len(raw) // 2]))
+    again = _load(qwen_path, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+        got = _one(again, PREFIX + MORE)
+    assert got[2].cached_tokens == 0 and _same(got, cold["more"])
+    assert again.disk_cache.ignored == {"corrupted": 1}
+    assert len([r for r in caplog.records if "corrupted" in r.getMessage()]) == 1
+
+
+def test_metadata_altered_is_ignored(tmp_path, qwen_path, cold):
+    """The token ids live in the header: changing one must not map K/V to other tokens."""
+    _one(_load(qwen_path, tmp_path), PREFIX)
+    (f,) = files(tmp_path)
+    raw = f.read_bytes()
+    t = PREFIX[2] + (1 if PREFIX[2] % 10 < 9 else -1)       # as many digits: same length
+    a, b = str(PREFIX[:3])[1:-1].encode(), str([PREFIX[0], PREFIX[1], t])[1:-1].encode()
+    assert raw.count(a) == 1
+    f.write_bytes(raw.replace(a, b))
+    again = _load(qwen_path, tmp_path)
+    prompt = [PREFIX[0], PREFIX[1], t] + PREFIX[3:] + MORE
+    got = _one(again, prompt)
+    assert got[2].cached_tokens == 0 and again.disk_cache.ignored == {"corrupted": 1}
+
+
+def test_another_model_or_kv_type_is_ignored(tmp_path, qwen_path, caplog):
+    _one(_load(qwen_path, tmp_path), PREFIX)
+    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+        other = _load(str(ensure_fixture("qwen3", "bfloat16")), tmp_path)
+        q8 = _load(qwen_path, tmp_path, kv_bits=8, kv_group_size=32)
+    assert other.disk_cache.ignored == {"another model": 1} and len(other.disk_cache) == 0
+    assert q8.disk_cache.ignored == {"another KV type": 1} and len(q8.disk_cache) == 0
+    assert _one(other, PREFIX + MORE)[2].cached_tokens == 0
+    assert _one(q8, PREFIX + MORE)[2].cached_tokens == 0
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("another model" in m for m in msgs) == 1
+    assert sum("another KV type" in m for m in msgs) == 1
+    assert len(files(tmp_path)) == 3        # their own files, beside the first (not deleted)
+
+
+def test_another_adapter_set_is_not_reused(tmp_path, qwen_path):
+    from tests.server.srv_helpers import make_adapter
+    a = make_adapter(qwen_path, tmp_path / "a", seed=1)
+    b = make_adapter(qwen_path, tmp_path / "b", seed=2)
+    d = tmp_path / "cache"
+    eng = _load(qwen_path, d)
+    eng.adapters.mount("x", str(a))
+    _one(eng, PREFIX, adapter=("x",))
+    base = _load(qwen_path, d)               # restart: base model, then "x" from other files
+    assert _one(base, PREFIX + MORE)[2].cached_tokens == 0
+    base.adapters.mount("x", str(b))
+    cold_b = _load(qwen_path, None)
+    cold_b.adapters.mount("x", str(b))
+    got = _one(base, PREFIX + MORE, adapter=("x",))
+    assert got[2].cached_tokens == 0 and _same(got, _one(cold_b, PREFIX + MORE, adapter=("x",)))
+    same = _load(qwen_path, d)               # the same adapter files: restored
+    same.adapters.mount("x", str(a))
+    assert _one(same, PREFIX + MORE, adapter=("x",))[2].cached_tokens >= len(PREFIX)
+
+
+def test_lru_eviction_under_the_byte_cap(tmp_path, qwen_path):
+    eng = _load(qwen_path, tmp_path)
+    _one(eng, PREFIX)
+    size = eng.disk_cache.bytes
+    small = _load(qwen_path, tmp_path, prompt_cache_disk_gb=2.5 * size / 1e9)
+    for i in range(4):
+        _one(small, [11 + i] + PREFIX)
+    dc = small.disk_cache
+    assert dc.bytes <= dc.max_bytes and len(dc) == 2 and dc.evictions == 3
+    assert sum(p.stat().st_size for p in files(tmp_path)) == dc.bytes
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma4_text"])
+def test_sliding_window_wrapped_is_refused_unwrapped_restores(tmp_path, caplog, family):
+    """The fixtures' rings hold 16 tokens (gemma4_text also shares KV between layers): a
+    longer sequence has lost its prefix's K/V and is not written (counted, logged once); a
+    shorter one restores bit-identical."""
+    path = str(ensure_fixture(family))
+    eng = _load(path, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+        _one(eng, PREFIX)
+        _one(eng, MORE + PREFIX)
+    assert eng.disk_cache.writes == 0 and not files(tmp_path)
+    assert sum(eng.disk_cache.refused.values()) >= 2
+    assert sum("wrapped" in r.getMessage() for r in caplog.records) == 1
+    eng.disk_cache.min_tokens = 4
+    short, longer = PREFIX[:8], PREFIX[:8] + [5, 6]
+    _one(eng, short, max_tokens=2)
+    again = _load(path, tmp_path)
+    again.disk_cache.min_tokens = 4
+    got = _one(again, longer, max_tokens=8)
+    assert got[2].cached_tokens >= 8
+    assert _same(got, _one(_load(path, None), longer, max_tokens=8))
+
+
+def test_an_mlx_lm_file_in_the_directory_is_ignored_not_broken(tmp_path, qwen_path, caplog):
+    """mlx_lm.cache_prompt's files carry no token ids: the directory cache cannot match
+    prompts against them (engine-generate --prompt-cache-file reads them); they are
+    skipped with one log line and left alone."""
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+    from parity.oracles import mlx_lm_oracle as oracle
+    rmodel, _ = oracle.load(qwen_path)
+    theirs = make_prompt_cache(rmodel)
+    rmodel(mx.array([PREFIX]), cache=theirs)
+    save_prompt_cache(str(tmp_path / "theirs.safetensors"), theirs, {"model": "x"})
+    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+        eng = _load(qwen_path, tmp_path)
+    assert eng.disk_cache.ignored == {"not a segment of this cache": 1} and len(eng.disk_cache) == 0
+    assert sum("theirs.safetensors" in r.getMessage() for r in caplog.records) == 1
+    assert _one(eng, PREFIX + MORE)[2].cached_tokens == 0
+    assert (tmp_path / "theirs.safetensors").exists()
+
+
+def _kv(n: int, tag: float):
+    from engine.kv.cache import KVCache
+    c = KVCache()
+    c.keys = c.values = mx.full((1, 1, n, 64), tag)
+    c.offset = n
+    return [c]
+
+
+def test_eviction_takes_leaves_and_keeps_a_shared_prefix(tmp_path):
+    """A root prefix continued by two conversations: over the cap, the older conversation's
+    file goes, never the prefix the newer one needs (deleting it would orphan that one)."""
+    from engine import DiskCache
+    root = list(range(100, 400))
+    dc = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    dc.store("base", root, _kv(300, 1.0))
+    dc.store("base", root + [1] * 100, _kv(400, 2.0))
+    dc.store("base", root + [2] * 100, _kv(400, 3.0))
+    assert len(dc) == 3 and dc.writes == 3
+    one = dc.last_write_bytes
+    again = DiskCache(tmp_path, dc.bytes - one // 2, model="m", background=False)  # restart
+    assert len(again) == 2 and again.evictions == 1
+    caches, n = again.restore("base", root + [2] * 100 + [5])
+    assert n == 400 and mx.array_equal(caches[0].keys[..., 300:, :], mx.full((1, 1, 100, 64), 3.0))
+    assert again.restore("base", root + [1] * 100 + [5])[1] == 300    # the prefix alone
+    # a deep chain (one file per turn) is indexed without recursion
+    deep = DiskCache(tmp_path / "deep", 1 << 30, model="m", background=False)
+    seq = []
+    for turn in range(1200):
+        seq = seq + [turn % 50 + 10] * 2
+        if len(seq) >= 64:
+            deep.store("base", seq, _kv(len(seq), 0.0))
+    assert len(DiskCache(tmp_path / "deep", 1 << 30, model="m")) == len(deep)
+
+
+def test_files_hold_exactly_the_arrays_contiguous_or_not(tmp_path):
+    """`host_buffers` views contiguous arrays as they are and copies the others out (a
+    transposed bf16 array's memoryview is not contiguous): mx.load gets the same values."""
+    from engine.kv.cache_file import CHECKSUM, host_buffers, write_file
+    arrays = {"a": mx.arange(12, dtype=mx.float32).reshape(3, 4).T,
+              "b": (mx.arange(24).reshape(2, 3, 4) / 7).astype(mx.bfloat16).transpose(2, 0, 1),
+              "c": mx.array([], dtype=mx.float32), "d": mx.array(5)}
+    mx.eval(list(arrays.values()))
+    p = tmp_path / "x.safetensors"
+    write_file(p, host_buffers(arrays), {"k": "v"})
+    back, meta = mx.load(str(p), return_metadata=True)
+    assert meta["k"] == "v" and len(meta[CHECKSUM]) == 8
+    for k, a in arrays.items():
+        assert back[k].dtype == a.dtype and mx.array_equal(back[k], a).item(), k
+
+
+def test_a_valid_file_swapped_after_the_scan_is_not_used(tmp_path):
+    """Checksums hold, but the file under a name now holds another sequence (replaced
+    after the index was read): its tokens are checked against the prompt's."""
+    from engine import DiskCache
+    one, two = list(range(100, 200)), list(range(300, 400))
+    dc = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    dc.store("base", one, _kv(100, 1.0))
+    f1 = files(tmp_path)[0]
+    dc.store("base", two, _kv(100, 2.0))
+    (f2,) = [p for p in files(tmp_path) if p != f1]
+    again = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    f1.write_bytes(f2.read_bytes())
+    assert again.restore("base", one + [1]) is None
+    assert again.ignored == {"corrupted": 1}
+    assert again.restore("base", two + [1])[1] == 100
+
+
+def test_a_failing_cache_never_fails_the_request(tmp_path, qwen_path, cold, monkeypatch):
+    """Whatever breaks inside the disk cache (here: every array op it makes), the
+    request runs cold and answers as without it."""
+    import engine.kv.disk_cache as dcm
+    eng = _load(qwen_path, tmp_path)
+    _one(eng, PREFIX)
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(dcm, "_cat", boom)
+    monkeypatch.setattr(dcm, "_cut", boom)
+    again = _load(qwen_path, tmp_path)
+    got = _one(again, PREFIX + MORE)
+    assert got[2].cached_tokens == 0 and _same(got, cold["more"])
+    assert again.disk_cache.misses == 1 and list(again.disk_cache.refused) == ["error (RuntimeError: boom)"]

@@ -1,0 +1,68 @@
+"""engine-serve --prompt-cache-dir: a prefix written by one server is read back by the
+next one started on the same directory (both lanes); /stats counts the bytes written
+per request and the restores; bad flag values are CLI errors."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server.cli import config_from_args, parser
+
+from srv_helpers import start_server, stop_server
+
+SYSTEM = "You are a careful coding agent. " * 40
+
+
+def _ask(url: str, text: str) -> dict:
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+            "max_tokens": 3, "temperature": 0.0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _disk(url: str) -> dict:
+    return httpx.get(url + "/stats", timeout=10).json()["prompt_cache"]["disk"]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_restart_reads_the_prefix_back(qwen_dir, tmp_path, batch):
+    s = start_server(qwen_dir, batch=batch, prompt_cache_dir=str(tmp_path))
+    try:
+        first = _ask(s.url, "hello")
+        s.state.engine.disk_cache.flush()
+        d = _disk(s.url)
+        assert d["enabled"] and d["writes"] == 1 and d["files"] == 1
+        assert d["bytes_written"] == d["last_write_bytes"] == d["bytes"] > 0
+    finally:
+        stop_server(s)
+    s = start_server(qwen_dir, batch=batch, prompt_cache_dir=str(tmp_path))
+    try:
+        assert _disk(s.url)["files"] == 1          # indexed at start, nothing read yet
+        again = _ask(s.url, "hello again")
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0.95 * first["usage"]["prompt_tokens"]     # the system prompt, at least
+        d = _disk(s.url)
+        assert d["hits"] == 1 and d["tokens_restored"] == cached and d["bytes_read"] > 0
+        m = httpx.get(s.url + "/metrics", timeout=10).text
+        assert "engine_prompt_cache_disk_hits_total 1.0" in m
+        assert f"engine_prompt_cache_disk_files {d['files']}.0" in m
+    finally:
+        stop_server(s)
+
+
+def test_without_the_flag_there_is_no_disk_cache(srv):
+    assert _disk(srv.url) == {"enabled": False}
+
+
+def test_flags(tmp_path):
+    c = config_from_args(parser().parse_args(
+        ["--prompt-cache-dir", str(tmp_path / "pc"), "--prompt-cache-disk-gb", "1.5"]))
+    assert c.prompt_cache_dir == str(tmp_path / "pc") and c.prompt_cache_disk_gb == 1.5
+    assert (tmp_path / "pc").is_dir()
+    with pytest.raises(SystemExit, match="must be > 0"):
+        config_from_args(parser().parse_args(["--prompt-cache-disk-gb", "0"]))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit, match="--prompt-cache-dir"):
+        config_from_args(parser().parse_args(["--prompt-cache-dir", str(tmp_path / "file")]))
