@@ -9,10 +9,10 @@ from pydantic import Field
 from .common import Body, Int, Out, described
 
 TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+TEXT = {"type": "string", "minLength": 1}
 INPUT_SCHEMA = {"anyOf": [
-    {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string"},
-                                         "minItems": 1},
-    TOKENS, {"type": "array", "items": TOKENS, "minItems": 1}],
+    TEXT, {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 2048},
+    TOKENS, {"type": "array", "items": TOKENS, "minItems": 1, "maxItems": 2048}],
     "description": "A string, a list of strings, a list of token ids or a list of lists of "
                    "token ids (at most 2048 inputs, each within the model's context)."}
 
