@@ -12,7 +12,8 @@ decoder). Inputs are tokenized as the checkpoint's tokenizer does by default (it
 special tokens included) or given as token ids.
 
 Batching: inputs are sorted by length and run in groups of at most ``batch_tokens``
-padded tokens, right-padded. The attention is causal, so a real token never attends to
+padded tokens, right-padded, each row at least ``min_fill`` of its group's longest (at most
+a quarter of a group is padding by default). The attention is causal, so a real token never attends to
 a pad after it, and pooling reads only real positions (each row's own slice): an input's
 vector does not depend on what it is batched with (tests/engine/test_embed.py checks it
 bit for bit on the CPU).
@@ -34,6 +35,7 @@ from .step.request import model_context, model_vocab_size
 POOLINGS = ("last", "mean")
 MAX_INPUTS = 2048          # inputs per call (OpenAI's limit per request)
 BATCH_TOKENS = 8192        # padded tokens per forward
+MIN_FILL = 0.75            # a row is batched with longer ones down to 3/4 of their length
 NORM_EPS = 1e-9
 
 Inputs = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]]]
@@ -128,12 +130,14 @@ def l2_normalize(v: mx.array) -> mx.array:
     return v / mx.maximum(mx.linalg.norm(v, ord=2, axis=-1, keepdims=True), NORM_EPS)
 
 
-def _groups(lengths: list, batch_tokens: int) -> list:
-    """Input indices, longest first, in groups of at most `batch_tokens` padded tokens."""
+def group_inputs(lengths: list, batch_tokens: int, min_fill: float) -> list:
+    """Input indices, longest first, in groups of at most `batch_tokens` padded tokens whose
+    rows are each at least `min_fill` x the group's longest (padding stays bounded)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups, cur = [], []
     for i in order:
-        if cur and lengths[cur[0]] * (len(cur) + 1) > batch_tokens:
+        if cur and (lengths[cur[0]] * (len(cur) + 1) > batch_tokens
+                    or lengths[i] < min_fill * lengths[cur[0]]):
             groups.append(cur)
             cur = []
         cur.append(i)
@@ -142,9 +146,10 @@ def _groups(lengths: list, batch_tokens: int) -> list:
 
 def embed(model, tokenizer, inputs: Inputs, pooling: str = "last", normalize: bool = True,
           dimensions: Optional[int] = None, max_tokens: Optional[int] = None,
-          batch_tokens: int = BATCH_TOKENS) -> Embeddings:
+          batch_tokens: int = BATCH_TOKENS, min_fill: float = MIN_FILL) -> Embeddings:
     """Embed `inputs` (see the module docstring); `max_tokens` defaults to the model's
-    context; `dimensions` keeps the first d components (then renormalises)."""
+    context; `dimensions` keeps the first d components (then renormalises); `batch_tokens`
+    and `min_fill` shape the batches (`min_fill=0`: any lengths together)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
     hidden = getattr(getattr(model, "args", None), "hidden_size", None)
@@ -154,7 +159,7 @@ def embed(model, tokenizer, inputs: Inputs, pooling: str = "last", normalize: bo
                                   f"{dimensions!r}", "dimensions")
     seqs = tokenize(tokenizer, inputs, model_vocab_size(model), max_tokens or model_context(model))
     rows: list = [None] * len(seqs)
-    for group in _groups([len(s) for s in seqs], max(1, batch_tokens)):
+    for group in group_inputs([len(s) for s in seqs], max(1, batch_tokens), min_fill):
         width = len(seqs[group[0]])
         batch = mx.array([seqs[i] + [0] * (width - len(seqs[i])) for i in group])
         h = hidden_states(model, batch)

@@ -86,12 +86,22 @@ def test_formula_against_float64(pair, pooling):
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_padding_never_changes_a_row(pair, pooling):
     ours, tok, _, _ = pair
-    batched = embed(ours, tok, SEQS, pooling=pooling)
-    split = embed(ours, tok, SEQS, pooling=pooling, batch_tokens=12)   # several forwards
+    padded = embed(ours, tok, SEQS, pooling=pooling, min_fill=0)      # one padded forward
+    split = embed(ours, tok, SEQS, pooling=pooling, min_fill=0, batch_tokens=12)
+    default = embed(ours, tok, SEQS + [s[:-1] for s in SEQS if len(s) > 1], pooling=pooling)
     for i, ids in enumerate(SEQS):
         alone = embed(ours, tok, [ids], pooling=pooling).vectors[0]
-        assert mx.array_equal(batched.vectors[i], alone).item(), (pooling, i)
+        assert mx.array_equal(padded.vectors[i], alone).item(), (pooling, i)
         assert mx.array_equal(split.vectors[i], alone).item(), (pooling, i)
+        assert mx.array_equal(default.vectors[i], alone).item(), (pooling, i)
+
+
+def test_groups_bound_the_padding():
+    from engine.embeddings import group_inputs
+    lengths = [100, 10, 80, 76, 74, 9, 100]
+    assert group_inputs(lengths, 8192, 0.75) == [[0, 6, 2, 3], [4], [1, 5]]
+    assert group_inputs(lengths, 8192, 0) == [[0, 6, 2, 3, 4, 1, 5]]
+    assert group_inputs(lengths, 250, 0) == [[0, 6], [2, 3, 4], [1, 5]]
 
 
 def test_text_is_tokenized_with_the_tokenizers_defaults(pair):
