@@ -12,6 +12,7 @@ The package is grouped by concern:
 - ``engine.models``: one file per ``model_type``;
 - ``engine.fast``: the L3 fast path (CUDA kernels under ``engine/fast/cuda``) and its config;
 - ``engine.distributed``: tensor parallelism (sharding, the step broadcast, followers);
+- ``engine.embeddings``: text embeddings (pooled final hidden states);
 - ``engine.loader``, ``engine.convert``, ``engine.levers``, ``engine.cli``: loading, converting,
   the speed levers, the command line.
 """
@@ -74,13 +75,18 @@ _LAZY = {
     "DEFAULT_TIMEOUT_S": "engine.distributed",
     "EXIT_RANK_LOST": "engine.distributed",
     "SHUTDOWN_GRACE_S": "engine.distributed",
+    # engine.embeddings
+    "EmbeddingInputError": "engine.embeddings",
+    "POOLINGS": "engine.embeddings",
+    "checkpoint_pooling": "engine.embeddings",
+    "embed": "engine.embeddings",
     # engine.fast.apply
     "describe": "engine.fast.apply",
-    # engine.kv.prompt_cache
-    "PromptCache": "engine.kv.prompt_cache",
     # engine.kv.disk_cache
     "DiskCache": "engine.kv.disk_cache",
     "disk_cache_for": "engine.kv.disk_cache",
+    # engine.kv.prompt_cache
+    "PromptCache": "engine.kv.prompt_cache",
     # engine.kv.quant
     "KVConfigError": "engine.kv.quant",
     "VALID_BITS": "engine.kv.quant",

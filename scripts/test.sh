@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q -e ".[test]"
 # mlx-optiq is only the L2 oracle (its KV modules); its other requirements are irrelevant here.
 python3 -m pip install -q --no-deps "mlx-optiq==0.7.7"
+# mlx-embeddings is the embeddings oracle; it imports parts of mlx-vlm whose other
+# requirements (torch, vision stacks) the checks never touch.
+python3 -m pip install -q --no-deps "mlx-embeddings==0.1.0" "mlx-vlm==0.7.10"
 # The chat-page test drives a headless Chromium (Debian's chromium + chromium-driver).
 # Installed once when missing; where it cannot be installed that test skips and says why.
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then

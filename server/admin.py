@@ -91,7 +91,8 @@ async def unmount_adapter(request: Request):
 
 async def index(request: Request):
     return JSONResponse({"object": "list", "endpoints": [
-        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/embeddings",
+        "POST /v1/messages",
         "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/models",
         "GET /v1/adapters", "POST /v1/adapters", "DELETE /v1/adapters/{id}", "GET /stats",
         "GET /metrics", "GET /health", "GET /openapi.json", "GET / (chat page)"]})

@@ -131,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
     a("--stream-interval-ms", type=float, default=25.0, metavar="MS",
       help="coalesce streamed deltas into at most one write per MS while decoding (default "
       "25, as mlx-bun; 0 = a write per token; the first and last tokens are never delayed)")
+    a("--embeddings-pooling", choices=["last", "mean"], default=None,
+      help="POST /v1/embeddings pooling: last (the last token's hidden state, Qwen3-Embedding "
+      "style) or mean (over the input's tokens); default: the checkpoint's "
+      "1_Pooling/config.json, else last")
     a("--log-level", default="warning", choices=["debug", "info", "warning", "error",
                                                   "critical", "DEBUG", "INFO", "WARNING",
                                                   "ERROR", "CRITICAL"])
@@ -248,6 +252,7 @@ def config_from_args(args):
         prefill_step_size=args.prefill_step_size,
         allowed_origins=list(args.cors_origins or []),
         stream_interval_ms=max(0.0, args.stream_interval_ms),
+        embeddings_pooling=args.embeddings_pooling,
         tensor_parallel=bool(getattr(args, "tensor_parallel", False)))
 
 

@@ -2,7 +2,8 @@
 
 The event loop hands it messages on one FIFO queue: a generation job
 (`submit`), a call to run on the worker (`call`: loading, mounting or
-unmounting an adapter), or the stop signal. The worker submits jobs to the
+unmounting an adapter; `between_steps`: an embeddings forward, run at once
+between two engine steps), or the stop signal. The worker submits jobs to the
 Engine at once and keeps stepping it while any request is unfinished; each
 step's `RequestOutput`s go back to their jobs through a thread-safe hand-off.
 A call waits until every job submitted before it has finished (an adapter
@@ -205,6 +206,13 @@ class Gateway:
     async def call_async(self, fn: Callable, *args, **kwargs):
         return await asyncio.wrap_future(self.call(fn, *args, **kwargs))
 
+    async def between_steps(self, fn: Callable, *args, **kwargs):
+        """Run `fn` on the worker between two engine steps, without waiting for the running
+        requests to finish (a read-only use of the model: an embeddings forward)."""
+        fut: Future = Future()
+        self._q.put(("now", fn, args, kwargs, fut))
+        return await asyncio.wrap_future(fut)
+
     def submit(self, job: GenerationJob) -> GenerationJob:
         self._q.put(("gen", job))
         return job
@@ -237,7 +245,7 @@ class Gateway:
                 break
             if item[0] == "gen":
                 jobs.append(item[1])
-            elif item[0] == "call" and item[4].set_running_or_notify_cancel():
+            elif item[0] in ("call", "now") and item[4].set_running_or_notify_cancel():
                 item[4].set_exception(error)
             elif item[0] == "wake":
                 continue
@@ -307,7 +315,9 @@ class Gateway:
             if item[0] == "gen" and self.shedding is not None:
                 self._start(item[1])             # ends it at once (503)
                 continue
-            if self._deferred or (item[0] != "gen" and self._busy()):
+            if item[0] == "now":
+                self._handle(item)               # between steps, nothing drained
+            elif self._deferred or (item[0] != "gen" and self._busy()):
                 self._deferred.append(item)      # behind the running requests
             else:
                 self._handle(item)
@@ -331,7 +341,7 @@ class Gateway:
         kind = item[0]
         if kind == "stop":
             self._stopped = True
-        elif kind == "call":
+        elif kind in ("call", "now"):
             _, fn, args, kwargs, fut = item
             if not fut.set_running_or_notify_cancel():
                 return

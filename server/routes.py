@@ -13,9 +13,10 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from . import admin, anthropic, openai, responses
+from . import admin, anthropic, embeddings, openai, responses
 from .schemas import admin as A
 from .schemas import anthropic as M
+from .schemas import embeddings as E
 from .schemas import openai as O
 from .schemas import responses as R
 from .schemas.common import GENERATION_ERRORS, READ_ERRORS, responses_for
@@ -23,7 +24,7 @@ from .schemas.common import GENERATION_ERRORS, READ_ERRORS, responses_for
 OPENAPI_PATH = "/openapi.json"
 
 
-DESCRIPTION = ("OpenAI chat/completions, Anthropic Messages and OpenAI Responses on one "
+DESCRIPTION = ("OpenAI chat/completions and embeddings, Anthropic Messages and OpenAI Responses on one "
                "local model. Every route but /health takes the API key (when the server has "
                "one) as `Authorization: Bearer` or `x-api-key`.")
 
@@ -81,6 +82,9 @@ def install(app: FastAPI) -> None:
                     responses=responses_for(O.TextCompletion, GENERATION_ERRORS,
                                             stream=O.COMPLETION_EVENTS),
                     summary="OpenAI text completion")
+    r.add_api_route("/v1/embeddings", embeddings.embeddings, **gen, tags=["openai"],
+                    responses=responses_for(E.EmbeddingList, GENERATION_ERRORS),
+                    summary="OpenAI embeddings (pooled final hidden states)")
     r.add_api_route("/v1/messages", anthropic.messages, **gen, tags=["anthropic"],
                     responses=responses_for(M.Message, GENERATION_ERRORS, anthropic=True,
                                             stream=M.EVENTS),

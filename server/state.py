@@ -57,6 +57,7 @@ class ServerConfig:
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
+    embeddings_pooling: Optional[str] = None   # last | mean (None: the checkpoint's, else last)
     tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py, engine/distributed)
 
 
@@ -105,6 +106,9 @@ class ServerState:
         self.vocab_size = int(getattr(getattr(model, "args", None), "vocab_size", 0)
                               or self.model_config.get("vocab_size") or tc.get("vocab_size")
                               or len(tokenizer))
+        from engine import checkpoint_pooling
+        self.embeddings_pooling = (config.embeddings_pooling or checkpoint_pooling(model_dir)
+                                   or "last")
         self.kv_options, self.kv_mode = self._kv_options()
         self.kv_policy = make_policy(model, **self.kv_options)
         self.admission = Admission.for_model(model, config.memory_budget_bytes, self.kv_policy,

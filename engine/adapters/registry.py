@@ -18,6 +18,7 @@ server's worker), so a mount never races a forward pass. Bad input raises
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -151,6 +152,18 @@ class AdapterRegistry:
             for ns in m.namespaces:
                 self.prompt_cache.clear(ns)
         return {"id": adapter_id, "removed_layers": m.mounted_layers}
+
+    @contextmanager
+    def base_model(self):
+        """No adapter active for the duration (an embeddings forward between two steps),
+        the previous set again after. Worker thread."""
+        prev = self._active
+        self.activate(())
+        try:
+            yield
+        finally:
+            if prev is not None:
+                self.activate(prev)
 
     def activate(self, ids: tuple) -> None:
         """Exactly `ids` active (called on the worker before each generation)."""

@@ -42,7 +42,7 @@ from .cache_file import (FIELDS, CacheFileError, decode_file, host_buffers,
                          prompt_cache_payload, read_header, write_file)
 from .prefix_tree import PrefixTree
 
-log = logging.getLogger("engine.prompt_cache")
+log = logging.getLogger("engine.kv.prompt_cache")
 
 FORMAT = "mlx-parity-segment-1"
 SUFFIX = ".safetensors"

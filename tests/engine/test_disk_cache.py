@@ -138,7 +138,7 @@ def test_corrupted_file_is_ignored(tmp_path, qwen_path, cold, caplog, damage):
     else:
         f.write_bytes(bytes(raw[:len(raw) // 2]))
     again = _load(qwen_path, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.prompt_cache"):
         got = _one(again, PREFIX + MORE)
     assert got[2].cached_tokens == 0 and _same(got, cold["more"])
     assert again.disk_cache.ignored == {"corrupted": 1}
@@ -162,7 +162,7 @@ def test_metadata_altered_is_ignored(tmp_path, qwen_path, cold):
 
 def test_another_model_or_kv_type_is_ignored(tmp_path, qwen_path, caplog):
     _one(_load(qwen_path, tmp_path), PREFIX)
-    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.prompt_cache"):
         other = _load(str(ensure_fixture("qwen3", "bfloat16")), tmp_path)
         q8 = _load(qwen_path, tmp_path, kv_bits=8, kv_group_size=32)
     assert other.disk_cache.ignored == {"another model": 1} and len(other.disk_cache) == 0
@@ -214,7 +214,7 @@ def test_sliding_window_wrapped_is_refused_unwrapped_restores(tmp_path, caplog, 
     shorter one restores bit-identical."""
     path = str(ensure_fixture(family))
     eng = _load(path, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.prompt_cache"):
         _one(eng, PREFIX)
         _one(eng, MORE + PREFIX)
     assert eng.disk_cache.writes == 0 and not files(tmp_path)
@@ -240,7 +240,7 @@ def test_an_mlx_lm_file_in_the_directory_is_ignored_not_broken(tmp_path, qwen_pa
     theirs = make_prompt_cache(rmodel)
     rmodel(mx.array([PREFIX]), cache=theirs)
     save_prompt_cache(str(tmp_path / "theirs.safetensors"), theirs, {"model": "x"})
-    with caplog.at_level(logging.WARNING, logger="engine.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.prompt_cache"):
         eng = _load(qwen_path, tmp_path)
     assert eng.disk_cache.ignored == {"not a segment of this cache": 1} and len(eng.disk_cache) == 0
     assert sum("theirs.safetensors" in r.getMessage() for r in caplog.records) == 1

@@ -27,13 +27,14 @@ MAX_CHARS = 20_000
 BOUND_S = 3.0               # every refusal comes back within this
 EOS = {"1009": -100, "1016": -100, "1017": -100}
 JSON_POSTS = ["/v1/chat/completions", "/chat/completions", "/v1/completions", "/v1/messages",
-              "/v1/messages/count_tokens", "/v1/responses", "/v1/adapters"]
+              "/v1/messages/count_tokens", "/v1/responses", "/v1/embeddings", "/v1/adapters"]
 OPERATIONS = [("GET", "/health"), ("GET", "/v1"), ("GET", "/v1/models"),
               ("GET", "/v1/models/x"), ("GET", "/stats"), ("GET", "/v1/adapters"),
               ("POST", "/v1/adapters"), ("DELETE", "/v1/adapters/x"),
               ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"),
               ("POST", "/v1/completions"), ("POST", "/v1/messages"),
               ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
+              ("POST", "/v1/embeddings"),
               ("GET", "/v1/responses/x"), ("DELETE", "/v1/responses/x"),
               ("GET", "/openapi.json")]
 
@@ -118,6 +119,7 @@ def minimal(path):
             "/v1/messages": {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
             "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
             "/v1/adapters": {"id": "z", "path": "nowhere"},
+            "/v1/embeddings": {"input": "hi"},
             }.get(path, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
 

@@ -38,7 +38,7 @@ OPERATIONS = {("get", "/health"), ("get", "/v1"), ("get", "/v1/models"),
               ("get", "/v1/models/{model_id}"), ("get", "/stats"), ("get", "/v1/adapters"),
               ("post", "/v1/adapters"), ("delete", "/v1/adapters/{adapter_id}"),
               ("post", "/v1/chat/completions"), ("post", "/v1/completions"),
-              ("post", "/v1/messages"), ("post", "/v1/messages/count_tokens"),
+              ("post", "/v1/embeddings"), ("post", "/v1/messages"), ("post", "/v1/messages/count_tokens"),
               ("post", "/v1/responses"), ("get", "/v1/responses/{response_id}"),
               ("delete", "/v1/responses/{response_id}"), ("get", "/metrics")}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

@@ -1,0 +1,63 @@
+"""OpenAI embeddings: `POST /v1/embeddings`.
+
+The input is tokenized, checked (a 400 naming `input[i]` for an empty string, a token id
+outside the vocabulary, an input over the context) and run on the worker thread between
+two engine steps (`Gateway.between_steps`:
+generations keep running, an embeddings request does not wait for them to finish),
+with no adapter active. Pooling is the server's (`--embeddings-pooling`, else the
+checkpoint's `1_Pooling/config.json`, else last-token); vectors are L2-normalised.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .errors import APIError, bad_request
+from .schemas.embeddings import EmbeddingRequest
+
+
+def _refused(e: ValueError) -> APIError:
+    return bad_request(str(e), param=getattr(e, "param", "input"))
+
+
+def encode_vector(v: np.ndarray, fmt: str):
+    """A float list, or base64 of the little-endian float32 bytes (OpenAI's encoding)."""
+    if fmt == "base64":
+        le = v.astype("<f4", copy=False)
+        return base64.b64encode(le.tobytes()).decode("ascii")
+    return v.tolist()
+
+
+async def embeddings(request: Request, validated: EmbeddingRequest):
+    from engine import EmbeddingInputError, embed
+
+    state = request.app.state.server
+    if state.config.tensor_parallel:
+        raise bad_request("embeddings are not served with --tensor-parallel")
+    hidden = getattr(getattr(state.model, "args", None), "hidden_size", None)
+    dims = validated.dimensions
+    if dims is not None and hidden and dims > hidden:
+        raise bad_request(f"dimensions must be at most {hidden} (this model's hidden size), "
+                          f"got {dims}", param="dimensions")
+
+    def run():
+        with state.adapters.base_model():
+            return embed(state.model, state.tokenizer, validated.input,
+                         pooling=state.embeddings_pooling, dimensions=dims,
+                         max_tokens=limit)
+    limit = min((n for n in (state.ceiling, state.max_position) if n), default=None)
+    try:
+        out = await state.gateway.between_steps(run)
+    except EmbeddingInputError as e:
+        raise _refused(e) from None
+    fmt = validated.encoding_format or "float"
+    vectors = np.array(out.vectors, copy=False)
+    data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, fmt)}
+            for i, v in enumerate(vectors)]
+    n = out.prompt_tokens
+    return JSONResponse({"object": "list", "data": data, "model": state.model_id,
+                         "usage": {"prompt_tokens": n, "total_tokens": n}})
