@@ -80,13 +80,11 @@ class Attention(nn.Module):
 class Block(nn.Module):
     branch_scale = None  # MiniCPM scales both residual branches
 
-    def __init__(self, a: Args, sliding: bool, attention=None):
+    def __init__(self, a: Args, sliding: bool):
         super().__init__()
         self.sliding = sliding
         self.window = a.sliding_window if sliding else None
-        # a family's own attention is built here, once (building a second one would draw
-        # the random initialisation twice: a seeded run would then differ from mlx-lm's)
-        self.self_attn = (attention or Attention)(a)
+        self.self_attn = Attention(a)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
@@ -128,10 +126,10 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, a: Args, attention=None):
+    def __init__(self, a: Args):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = [Block(a, t == "sliding_attention", attention) for t in a.layer_types]
+        self.layers = [Block(a, t == "sliding_attention") for t in a.layer_types]
         self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
 
 
@@ -139,13 +137,11 @@ class Model(nn.Module):
     """Decoder stack; `begin` / `layer_step` / `head` split the forward so the
     trainer can run it segment by segment."""
 
-    attention = None       # a family's attention class (None: llama's)
-
     def __init__(self, args: Args):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Backbone(args, self.attention)
+        self.model = Backbone(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         types = args.layer_types

@@ -40,4 +40,7 @@ class Attention(llama.Attention):
 
 
 class Model(llama.Model):
-    attention = Attention
+    def __init__(self, args: Args):
+        super().__init__(args)
+        for layer in self.model.layers:
+            layer.self_attn = Attention(args)
