@@ -9,7 +9,6 @@ Each lever is an A/B switch with a CLI flag and an environment variable:
 | perf_kernel | --perf-kernel | MLXP_PERF_KERNEL | L3 | fused kernels in the compiled step: residual add + RMSNorm, RoPE + q/k/v split |
 | fused_sdpa | --fused-sdpa | MLXP_FUSED_SDPA | L3 | a decode-attention kernel that reads only the filled part of the preallocated cache |
 | force_wire | --force-wire | MLXP_FORCE_WIRE | L1 | keep the model's weights wired in memory (Metal only; a no-op elsewhere) |
-| fast_batch | --fast-batch | MLXP_FAST_BATCH | L3, opt-in | rows of the continuous batch decode through the fast step too (only with a fast lever on) |
 
 `merged_proj` is bit-exact with the separate projections on the CPU (tests/parity
 proves it against mlx-lm), so it belongs to L1. The compiled step attends over a
@@ -19,8 +18,8 @@ opt-in, and gated by KL against L1 (parity/l3_gate.py).
 The CUDA kernels exist only on an NVIDIA GPU; elsewhere `perf_kernel` and
 `fused_sdpa` run the same math with stock MLX ops, so every switch runs on the CPU.
 
-`fast_batch` is off in every preset: the batch's rows use the fast step only when
-asked (`--tier l3 --fast-batch`), and only together with a fast lever.
+With a fast lever on, every decode step runs on the fast runner (engine.fast): the rows of
+the continuous batch, any number of them, and a request that runs alone.
 
 Resolution order: tier preset < environment variables < explicit flags. With a fast lever
 on, the fast path's own settings (`engine.fast.config.FastConfig`: the one-kernel step's
@@ -39,8 +38,7 @@ from typing import Mapping, Optional
 from .fast.config import FastConfig, FastConfigError
 
 TIERS = ("l1", "l2", "l3")
-LEVER_NAMES = ("merged_proj", "compiled_decode", "perf_kernel", "fused_sdpa", "force_wire",
-               "fast_batch")
+LEVER_NAMES = ("merged_proj", "compiled_decode", "perf_kernel", "fused_sdpa", "force_wire")
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,6 @@ class Levers:
     perf_kernel: bool = False
     fused_sdpa: bool = False
     force_wire: bool = False
-    fast_batch: bool = False
     fast: FastConfig = field(default_factory=FastConfig)     # the fast path's own settings
 
     @property
@@ -59,26 +56,17 @@ class Levers:
         """Whether decode steps leave the L1 path for engine.fast.decode's step."""
         return self.compiled_decode or self.perf_kernel or self.fused_sdpa
 
-    @property
-    def fast_batch_decode(self) -> bool:
-        """Whether rows of the continuous batch decode through engine.fast.batch_decode's
-        step: `fast_batch` is opt-in and only counts with a fast lever on."""
-        return self.fast_batch and self.fast_decode
-
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fast"}
         return {**out, "fast": self.fast.as_dict()}
 
 
 # L1 keeps mlx-lm's exact kernels and order; L2 changes only the KV cache (kv_config),
-# which is chosen elsewhere; L3 turns on every lever but fast_batch (opt-in everywhere).
+# which is chosen elsewhere; L3 turns on every lever.
 PRESETS: dict[str, dict[str, bool]] = {
-    "l1": dict(merged_proj=False, compiled_decode=False, perf_kernel=False, fused_sdpa=False,
-               fast_batch=False),
-    "l2": dict(merged_proj=False, compiled_decode=False, perf_kernel=False, fused_sdpa=False,
-               fast_batch=False),
-    "l3": dict(merged_proj=True, compiled_decode=True, perf_kernel=True, fused_sdpa=True,
-               fast_batch=False),
+    "l1": dict(merged_proj=False, compiled_decode=False, perf_kernel=False, fused_sdpa=False),
+    "l2": dict(merged_proj=False, compiled_decode=False, perf_kernel=False, fused_sdpa=False),
+    "l3": dict(merged_proj=True, compiled_decode=True, perf_kernel=True, fused_sdpa=True),
 }
 
 

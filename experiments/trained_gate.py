@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--gate-steps", type=int, default=32)
-    ap.add_argument("--gate-batch", type=int, default=0, help="also gate the batch fast step")
+    ap.add_argument("--gate-batch", default="", help="also gate the fast runner's rows, joining "
+                    "and leaving mid-flight, at these row counts (e.g. 1,8,32)")
     ap.add_argument("--bits", default="", help="also gate the trained model quantized to these "
                     "bits (comma list, e.g. 4): saved in --out/model-qN, results in --out/gate-qN")
     ap.add_argument("--out", required=True)
@@ -140,8 +141,8 @@ def main(argv=None) -> int:
         w = lang.walk(half)
         prompts.append(w + w[:8])
     results = l3_gate.run_gate(mdir, parse_spec("l3"), prompt_list=prompts, steps=a.gate_steps)
-    if a.gate_batch:
-        results += l3_gate.run_batch_gate(mdir, a.gate_batch, parse_spec("l3+fast_batch"),
+    for rows in [int(x) for x in str(a.gate_batch).split(",") if x.strip()]:
+        results += l3_gate.run_batch_gate(mdir, rows, parse_spec("l3"),
                                           prompt_list=prompts, steps=a.gate_steps)
     info = {"preset": a.preset, "steps": a.steps, "batch": a.batch, "length": a.length, "lr": a.lr,
             "first_loss": losses[0], "last_loss": losses[-1], "train_s": round(train_s, 1),

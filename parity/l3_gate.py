@@ -15,10 +15,11 @@ against the L1 run in the stored dtype. Any two roundings of the same network
 disagree by about that much; when the model's next-token distributions are
 nearly flat (random weights) the floor's top-1 agreement is itself below 0.99.
 
-With `--batch N` the gate also runs the batch fast step (`fast_batch`): N prompts of
-different lengths decode together as rows of one batch (left-padded, as the scheduler
-stacks them), teacher-forced through the L1 batch forward and through
-`engine.fast.batch_decode.FastBatchDecoder`; variants `batchN:l3`, `batchN:fault:*`.
+With `--batch N` the gate also runs the fast runner's rows: N prompts of different
+lengths, joining the batch at different steps and leaving when their sequence ends (rows
+join and leave mid-flight, so the rows bucket changes), teacher-forced through the fast
+runner (`engine.fast.slots.SlotPool` over `engine.fast.decode.FastStep`) against each row
+alone on L1; variants `batchN:l3`, `batchN:fault:*`.
 
     python -m parity.l3_gate                         # CPU fixtures -> reports/l3_gate/<version>/cpu-fixtures/
     python -m parity.l3_gate --model DIR --tag h200-1b [--batch 8]
@@ -39,8 +40,8 @@ import numpy as np
 import engine
 from engine.fast import kernels
 from engine.kv.batch_cache import batch_caches
-from engine.fast.batch_decode import FastBatchDecoder
-from engine.fast.decode import FastDecoder
+from engine.fast.decode import FastDecoder, FastStep
+from engine.fast.slots import SlotPool
 from engine.levers import Levers, parse_spec, resolve
 from engine.loader import load_model
 from engine.step.stepper import generate_step
@@ -85,53 +86,66 @@ def teacher_forced(model, seq: list[int], prompt_len: int, decoder=None) -> mx.a
     return mx.stack(out)
 
 
-def teacher_forced_batch(model, seqs: list[list[int]], prompt_lens: list[int], decoder=None) -> list:
-    """Rows decoded together: each row's prompt (all but its last token) is prefilled alone
-    by the L1 forward, the rows' caches are stacked right-aligned (left padding, as
-    `engine.step.batch.BatchScheduler` does), then every row is fed its own sequence, one
-    token per step, through the L1 batch forward or `decoder` (a FastBatchDecoder).
-    Returns, per row, float32 log-probs [steps, V]; steps = the shortest continuation."""
-    per_row = []
-    for seq, pl in zip(seqs, prompt_lens):
-        c = model.make_cache()
-        mx.eval(model(mx.array(seq[: pl - 1])[None], cache=c))
-        per_row.append(c)
-    caches = batch_caches(per_row)
-    steps = min(len(seq) - pl + 1 for seq, pl in zip(seqs, prompt_lens))
+def teacher_forced_pool(model, seqs: list[list[int]], prompt_lens: list[int], step: FastStep,
+                        joins: list[int]) -> list:
+    """The rows through the fast runner, joining and leaving: row b's prompt (all but its
+    last token) is prefilled alone by the L1 forward and the row joins the pool at step
+    joins[b]; then it is fed its own sequence, one token per step, and leaves once it is
+    consumed. Returns, per row, float32 log-probs [len(seq) - prompt_len + 1, V]."""
+    pool = SlotPool(step, model)
+    order: list = []                       # the pool's rows (row indices, its order)
+    fed = [0] * len(seqs)
     out = [[] for _ in seqs]
-    for i in range(steps):
-        toks = mx.array([seq[pl - 1 + i] for seq, pl in zip(seqs, prompt_lens)])
-        lg = decoder(toks, caches) if decoder is not None else model(toks[:, None], cache=caches)[:, -1]
-        lg = lg.astype(mx.float32)
-        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-        mx.eval(lp)
-        for b in range(len(seqs)):
-            out[b].append(lp[b])
+    t = 0
+    while any(fed[b] < len(s) - pl + 1 for b, (s, pl) in enumerate(zip(seqs, prompt_lens))):
+        for b, (seq, pl) in enumerate(zip(seqs, prompt_lens)):
+            if joins[b] == t:
+                c = model.make_cache()
+                mx.eval(model(mx.array(seq[: pl - 1])[None], cache=c))
+                pool.extend(batch_caches([c]))
+                order.append(b)
+        if order:
+            toks = mx.array([seqs[b][prompt_lens[b] - 1 + fed[b]] for b in order])
+            lg = pool(toks).astype(mx.float32)
+            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+            mx.eval(lp)
+            for i, b in enumerate(order):
+                out[b].append(lp[i])
+                fed[b] += 1
+            keep = [i for i, b in enumerate(order) if fed[b] < len(seqs[b]) - prompt_lens[b] + 1]
+            if len(keep) < len(order):
+                pool.filter(keep)
+                order = [order[i] for i in keep]
+        t += 1
     return [mx.stack(o) for o in out]
 
 
 def run_batch_gate(model_dir, rows: int, levers: Optional[Levers] = None, prompt_list=None,
                    steps: int = 32, faults=kernels.FAULTS, name: Optional[str] = None) -> list[GateResult]:
-    """The batch fast step (and each fault) against the L1 batch forward: `rows` prompts,
-    the b-th cut to a different length so the rows are left-padded differently."""
-    levers = levers or parse_spec("l3+fast_batch")
+    """The fast runner's rows (and each fault) against each row alone on L1: `rows`
+    prompts, the b-th cut to a different length, joining at staggered steps and each
+    continuing for a different number of tokens, so rows join and leave mid-flight."""
+    levers = levers or parse_spec("l3")
     ref_model = load_model(model_dir)[0]
     fast_model = load_model(model_dir)[0]
     vocab = ref_model.args.vocab_size
     base = prompt_list or prompts(rows, vocab=min(vocab, 1024))
     plist = [p[: max(8, len(p) - 5 * (b % 8))] for b, p in enumerate((base * rows)[:rows])]
-    seqs = [p + [t for t, _ in generate_step(mx.array(p), ref_model, max_tokens=steps)] for p in plist]
+    gens = [steps - 4 * (b % 4) for b in range(rows)]
+    seqs = [p + [t for t, _ in generate_step(mx.array(p), ref_model, max_tokens=g)]
+            for p, g in zip(plist, gens)]
     lens = [len(p) for p in plist]
-    ref = teacher_forced_batch(ref_model, seqs, lens)
+    joins = [4 * (b % 3) for b in range(rows)]
+    ref = [teacher_forced(ref_model, s, pl) for s, pl in zip(seqs, lens)]
     name = name or Path(model_dir).name
     results = []
     for fault in (None, *faults):
-        dec = FastBatchDecoder(fast_model, levers)
+        step = FastStep(fast_model, levers)       # (fresh: no trace carries a fault over)
         if fault is None:
-            got = teacher_forced_batch(fast_model, seqs, lens, dec)
+            got = teacher_forced_pool(fast_model, seqs, lens, step, joins)
         else:
             with kernels.inject_fault(fault):
-                got = teacher_forced_batch(fast_model, seqs, lens, dec)
+                got = teacher_forced_pool(fast_model, seqs, lens, step, joins)
         parts = [compare(r, g) for r, g in zip(ref, got)]
         results.append(summarize(name, f"batch{rows}:" + ("l3" if fault is None else f"fault:{fault}"), parts))
     return results
@@ -162,7 +176,7 @@ def run_gate(model_dir, levers: Optional[Levers] = None, prompt_list=None, steps
     levers = levers or resolve("l3")
     ref_model = load_model(model_dir)[0]
     fast_model = load_model(model_dir)[0]
-    dec = FastDecoder(fast_model, levers)
+    dec = FastDecoder(FastStep(fast_model, levers))
     vocab = ref_model.args.vocab_size
     prompt_list = prompt_list or prompts(vocab=min(vocab, 1024))
     name = name or Path(model_dir).name
@@ -185,7 +199,8 @@ def run_gate(model_dir, levers: Optional[Levers] = None, prompt_list=None, steps
             else:
                 with kernels.inject_fault(fault):
                     # a fresh decoder: a traced step must not carry the fault into others
-                    got = teacher_forced(fast_model, seq, len(p), FastDecoder(fast_model, levers))
+                    got = teacher_forced(fast_model, seq, len(p),
+                                           FastDecoder(FastStep(fast_model, levers)))
             parts[v].append(compare(ref, got))
     return [summarize(name, v, parts[v]) for v in variants]
 
@@ -256,8 +271,7 @@ def main(argv=None) -> int:
         results += run_gate(m, levers, prompt_list=prompts(a.prompts, vocab=vocab), steps=a.steps,
                             faults=() if a.no_faults else kernels.FAULTS)
         if a.batch:
-            from dataclasses import replace
-            results += run_batch_gate(m, a.batch, replace(levers, fast_batch=True),
+            results += run_batch_gate(m, a.batch, levers,
                                       prompt_list=prompts(a.prompts, vocab=vocab), steps=a.steps,
                                       faults=() if a.no_faults else kernels.FAULTS)
     for r in results:

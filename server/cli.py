@@ -77,10 +77,10 @@ def parser() -> argparse.ArgumentParser:
     a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
       "/health")
     a("--batch", "--decode-concurrency", dest="batch", type=int, default=None, metavar="N",
-      help="continuous batching of up to N rows (default 8; 1 with --tier l3, whose fast "
-           "decode runs one request at a time, unless --fast-batch); 1 = one request at a time, "
-           "each exactly mlx_lm.generate's token loop (docs/server.md); quantized KV and "
-           "per-request adapters run one at a time")
+      help="continuous batching of up to N rows (default 8; 32 with --tier l3, whose fast "
+           "runner decodes any number of rows); 1 = one request at a time, each exactly "
+           "mlx_lm.generate's token loop (docs/server.md; with --tier l3, one fast row); "
+           "quantized KV and per-request adapters run one at a time beside the batch")
     a("--max-queue", type=int, default=None, metavar="N",
       help="requests waiting to start, both lanes, before 503 + Retry-After (default 8 x "
            "--batch, at least 16)")
@@ -213,8 +213,8 @@ def config_from_args(args):
         levers = levers_from_args(args)
     except LeverError as e:
         raise SystemExit(f"engine-serve: {e}") from None
-    if args.batch is None:   # the fast decode step is the solo lane's: l3 serves one at a time
-        args.batch = 1 if levers.fast_decode and not levers.fast_batch else 8   # (unless asked)
+    if args.batch is None:   # (the fast runner's row buckets cost nothing while unused)
+        args.batch = 32 if levers.fast_decode else 8
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
     if args.max_queue is not None and args.max_queue < 0:
@@ -321,16 +321,6 @@ def main(argv=None) -> int:
         print(f"engine-serve: --batch {config.batch}: {NOT_YET} with quantized KV "
               "(--kv-quant); serving one request at a time (/stats batch.batched = false)",
               file=sys.stderr)
-    lv = config.levers
-    if lv is not None and (lv.fast_batch != lv.fast_decode or lv.fast_decode and config.batch > 1):
-        print("engine-serve: " + (
-            "--fast-batch has no effect without a fast lever (--tier l3, --compiled-decode, "
-            "--perf-kernel or --fused-sdpa): batched rows decode on L1" if not lv.fast_decode
-            else "--fast-batch: batched rows decode through the fast step too (/stats "
-            "levers.lanes)" if lv.fast_batch else
-            f"--tier {lv.tier} with --batch {config.batch}: batched requests decode on L1; the "
-            "fast step runs only in the one-at-a-time lane (use --batch 1 for it on every "
-            "request, or --fast-batch; /stats levers.lanes)"), file=sys.stderr)
     sock = bind(config.host, config.port)
 
     from engine import KVConfigError

@@ -253,11 +253,11 @@ class ServerState:
     def _levers_stats(self) -> dict:
         from engine import describe
         out = describe(self.config.levers, self.model)
-        # which lane decodes through the fast step: the solo one; batch rows only with
-        # fast_batch (the Engine's scheduler then holds the batch step)
-        fast = bool(out.get("fast_decode")) and not self.engine.policy.active  # (quantized KV: L1)
+        # which runner decodes each lane: with a fast lever, the fast runner for both (the
+        # batch's rows, and requests that run alone), but quantized KV stays on L1
+        fast = bool(out.get("fast_decode")) and not self.engine.policy.active
         batch = "off" if not self.engine.batching else (
-            "fast" if self.engine.batch_decoder is not None else "l1")
+            "fast" if self.engine.fast_step is not None else "l1")
         out["lanes"] = {"solo": "fast" if fast else "l1", "batch": batch}
         return out
 

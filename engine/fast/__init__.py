@@ -6,6 +6,7 @@
   reference of the same math that runs everywhere else; `mega`: the whole decode step as one
   kernel (`mega_cuda`, `mega_layout`: its build and its memory).
 - `cuda/`: the kernels' CUDA sources (`sources` reads them).
-- `decode`, `batch_decode`, `step`: the compiled decode steps over a preallocated cache (L3).
-- `apply`: turning a `Levers` value into a prepared model and its decoders.
+- `decode`, `step`: the fast runner's compiled decode step for 1..N rows (L3); `slots`: the
+  batch rows' KV for it (a slot a row).
+- `apply`: turning a `Levers` value into a prepared model and its fast step.
 """

@@ -1,12 +1,12 @@
-"""From a `Levers` value to what the token loop uses: the fast decoder, if any.
+"""From a `Levers` value to what the runners use: the fast step, if any.
 
-`decoder_for` is called once per solo-lane request (engine.step.core.Engine._start_solo);
-`batch_decoder_for` once per batch scheduler (engine.step.core.Engine, with `fast_batch`);
-`prepare` applies the model-wide levers, `merged_proj` and `force_wire`, once per model
-(Engine construction, and decoder_for).
+`fast_step_for` is called once per batch scheduler (engine.step.core.Engine: the fast
+runner's rows), `decoder_for` once per request the exact runner takes
+(engine.step.core.Engine._start_solo); `prepare` applies the model-wide levers,
+`merged_proj` and `force_wire`, once per model (Engine construction, and fast_step_for).
 
-One `FastDecoder` (and one `FastBatchDecoder`) per (model, levers) is kept on the model
-object, so its traced steps are reused from one request to the next.
+One `FastStep` per (model, levers) is kept on the model object, so its traced steps are
+reused from one request to the next and by both runners.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from typing import Optional
 import mlx.core as mx
 
 from ..levers import Levers
-from .batch_decode import FastBatchDecoder
-from .decode import FastDecoder, why_not
+from .decode import FastDecoder, FastStep, why_not
 from .merge import is_merged, merge_projections
 
 log = logging.getLogger("engine.fast")
-_ATTR = "_mlxp_fast_decoders"
-_BATCH_ATTR = "_mlxp_fast_batch_decoders"
+_ATTR = "_mlxp_fast_steps"
 _WIRED = "_mlxp_wired"
 
 
@@ -54,43 +52,40 @@ def prepare(model, levers: Optional[Levers]) -> None:
         object.__setattr__(model, _WIRED, apply_force_wire(model, levers) or "n/a")
 
 
-def decoder_for(model, levers: Optional[Levers], caches=None, policy=None) -> Optional[FastDecoder]:
-    """The fast decoder for this model and levers, or None where decode stays on L1
-    (levers off, or a model/cache the fast step does not cover: logged once)."""
+def fast_step_for(model, levers: Optional[Levers], policy=None) -> Optional[FastStep]:
+    """The fast runner's step for this model and levers (one per pair, kept on the model so
+    its traces serve every request and both runners), or None where decode stays on L1
+    (levers off, or a model the fast step does not cover: logged once)."""
     if levers is None:
         return None
     prepare(model, levers)
     if not levers.fast_decode:
         return None
+    reason = why_not(model, None, policy)
+    if reason:
+        log.info("fast decode not used: %s", reason)
+        return None
+    store = getattr(model, _ATTR, None)
+    if store is None:
+        store = {}
+        object.__setattr__(model, _ATTR, store)
+    step = store.get(levers)
+    if step is None:
+        step = store[levers] = FastStep(model, levers)
+    return step
+
+
+def decoder_for(model, levers: Optional[Levers], caches=None, policy=None) -> Optional[FastDecoder]:
+    """The fast decode for one request's own caches (a request the exact runner takes), or
+    None where it stays on L1 (also caches the step does not cover: logged)."""
+    step = fast_step_for(model, levers, policy)
+    if step is None:
+        return None
     reason = why_not(model, caches, policy)
     if reason:
         log.info("fast decode not used: %s", reason)
         return None
-    return _kept(model, _ATTR, levers, FastDecoder)
-
-
-def batch_decoder_for(model, levers: Optional[Levers], policy=None) -> Optional[FastBatchDecoder]:
-    """The batch rows' fast decoder (`fast_batch` with a fast lever on), or None where the
-    rows stay on L1 (lever off, or a model the fast step does not cover: logged once)."""
-    if levers is None or not levers.fast_batch_decode:
-        return None
-    prepare(model, levers)
-    reason = why_not(model, None, policy)
-    if reason:
-        log.info("fast batch decode not used: %s", reason)
-        return None
-    return _kept(model, _BATCH_ATTR, levers, FastBatchDecoder)
-
-
-def _kept(model, attr: str, levers: Levers, make):
-    store = getattr(model, attr, None)
-    if store is None:
-        store = {}
-        object.__setattr__(model, attr, store)
-    dec = store.get(levers)
-    if dec is None:
-        dec = store[levers] = make(model, levers)
-    return dec
+    return FastDecoder(step)
 
 
 def describe(levers: Optional[Levers], model=None) -> dict:
@@ -101,11 +96,7 @@ def describe(levers: Optional[Levers], model=None) -> dict:
         out["fast_decode"] = reason is None
         if reason:
             out["fast_decode_reason"] = reason
-        store = getattr(model, _ATTR, {}) or {}
-        dec = store.get(levers)
-        if dec is not None:
-            out["fast_stats"] = dict(vars(dec.stats))
-        bdec = (getattr(model, _BATCH_ATTR, {}) or {}).get(levers)
-        if bdec is not None:
-            out["fast_batch_stats"] = dict(vars(bdec.stats))
+        step = (getattr(model, _ATTR, {}) or {}).get(levers)
+        if step is not None:
+            out["fast_stats"] = dict(vars(step.stats))
     return out

@@ -1,28 +1,36 @@
-"""L3 decode step: one token per row over a preallocated cache, traced once.
+"""The fast runner's decode step (L3): one token for each of 1..N rows over preallocated KV.
 
-`FastDecoder(model, levers)` replaces the model's forward for decode steps only
-(prefill stays on the L1 path, so prompt processing and its logits are exactly
-L1's). Before the first decode step the layer caches get a buffer of fixed
-capacity (the filled part copied in once); each step then
+`FastStep(model, levers)` is the one step every fast decode runs, the batch's rows
+(`engine.fast.slots.SlotPool`) and a request decoding alone (`FastDecoder`, the exact
+runner's decode with a fast lever on):
 
-- writes the new K/V at the position held in a device scalar (`mx.slice_update`),
-- attends over the filled part of the buffer (`kernels.decode_attention`),
-- folds every residual add into the next RMSNorm (`kernels.add_rms_norm`),
-- rotates q/k straight out of the merged q/k/v projection (`kernels.rope_qkv`),
+    (tokens [B], pos [B], active [B], keys, values) -> (logits [B, V], pos + active, keys, values)
 
-and with `compiled_decode` the whole step is traced once per capacity
-(`mx.compile`): no per-token graph building in Python, the position never leaves
-the device. Shapes are fixed, so a trace is reused until the capacity grows.
+Row b's token is at RoPE position pos[b]; its key and value are written at column pos[b] of
+row b of each layer's buffer [B, Hkv, capacity, D] and it attends over columns [0, pos[b]]:
+every row sits in a row of the buffers of its own, from column 0, so rows join and leave
+without moving anyone's KV. Prefill stays on the L1 path (prompt processing and its logits
+are L1's). Each step
 
-The caches stay `engine.kv.cache.KVCache` objects (buffer + offset), so the prompt
-cache and any later L1 request can continue from them.
+- writes the new K/V at each row's own column,
+- attends over each row's filled part (`kernels.decode_attention`, one length a row),
+- folds every residual add into the next RMSNorm and rotates q/k out of the merged q/k/v
+  projection (`kernels`, `engine.fast.gemv`), or on an NVIDIA GPU runs as one kernel
+  (`engine.fast.mega`, up to `mega.rows_per_call` rows) that writes the KV in place,
 
-Supported: the llama and qwen3 families with full attention and float KV.
-`why_not(model, ...)` says why another model stays on the L1 path.
+and with `compiled_decode` is traced once per (rows, capacity) with `mx.compile` (at most
+MAX_TRACES kept, least recently used dropped): the caller picks fixed shapes (row buckets,
+capacity in CAPACITY_STEP columns) so a trace serves every later step of that shape.
+`stats.traces` counts the traces actually made (the step's Python body runs only while
+`mx.compile` traces it), so a test can prove serving does not retrace.
+
+Supported: the llama and qwen3 families with full attention and float KV. `why_not(model,
+...)` says why another model stays on the L1 path.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,24 +46,21 @@ from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_sta
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
+MAX_TRACES = 16
 
 
-def own_contiguous(caches, own: list) -> list:
-    """Before a step that writes the caches' buffers in place (engine.fast.mega): every
-    buffer not among `own` (the ones that step used last time: replaced since by a reserve,
-    an L1 step, a filter...) becomes a row-contiguous array of its own (`mx.contiguous`; the
-    kernel would otherwise get a copy and the write would be lost). Returns the new `own`."""
-    n = len(caches)
-    out = []
-    for i, c in enumerate(caches):
-        for j, name in ((i, "keys"), (n + i, "values")):
-            a = getattr(c, name)
-            if not (j < len(own) and own[j] is a):
-                a = mx.contiguous(a)
-                setattr(c, name, a)
-    for name in ("keys", "values"):
-        out += [getattr(c, name) for c in caches]
-    return out
+def capacity_for(need: int) -> int:
+    """Buffers come in multiples of CAPACITY_STEP columns, so traces are reused."""
+    return (need + CAPACITY_STEP - 1) // CAPACITY_STEP * CAPACITY_STEP
+
+
+def own_contiguous(arrays: list, own: list) -> list:
+    """Before a step that writes buffers in place (engine.fast.mega): every array of
+    `arrays` not among `own` (the ones that step used last time) becomes a row-contiguous
+    array of its own (`mx.contiguous`; the kernel would otherwise get a copy and the write
+    would be lost). Returns the arrays to use (and keep as the new `own`)."""
+    return [a if (j < len(own) and own[j] is a) else mx.contiguous(a)
+            for j, a in enumerate(arrays)]
 
 
 def as_int32(tokens: mx.array) -> mx.array:
@@ -88,83 +93,140 @@ def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
 
 @dataclass
 class FastStats:
-    traces: int = 0        # distinct compiled steps built (one per capacity)
-    steps: int = 0         # decode steps run through the fast path
+    traces: int = 0        # traces made (the step's body run by mx.compile): new shapes only
+    traces_kept: int = 0   # compiled steps held (at most MAX_TRACES)
+    steps: int = 0         # decode steps run through the fast step
+    row_steps: int = 0     # rows x steps (inactive rows of a bucket included)
     kernels: bool = False  # CUDA kernels in use (False: stock-MLX reference ops)
     attn_kernel: bool = False
     gemv: bool = False     # projections through engine.fast.gemv (norm / residual / SiLU fused)
-    mega: bool = False     # the whole step as one kernel (engine.fast.mega)
+    mega: bool = False     # the last shape built runs as one kernel (engine.fast.mega)
     mega_reason: Optional[str] = None   # why not, where it is not used
 
 
-class FastDecoder:
-    """Callable `(tokens [B], caches) -> logits [B, V]` for one decode step."""
+class FastStep:
+    """The fast decode step for B rows (see the module's docstring). One per (model,
+    levers), kept on the model by `engine.fast.apply`, so its traces serve every request."""
 
-    def __init__(self, model, levers: Levers):
+    def __init__(self, model, levers: Levers, max_traces: int = MAX_TRACES):
         reason = why_not(model)
         if reason:
             raise ValueError(reason)
+        if max_traces < 1:
+            raise ValueError(f"max_traces must be >= 1, got {max_traces}")
         self.model = model
         self.levers = levers
+        self.max_traces = max_traces
         kc = KernelChoice.for_model(model, levers)
         self.use_kernels, self.use_attn_kernel, self._inv_freq, self._mega_freq = (
             kc.use_kernels, kc.use_attn_kernel, kc.inv_freq, kc.mega_freq)
         self._add_rms, self._rope_kernel = kc.add_rms, kc.rope_kernel
-        self._fns: dict = {}
+        self._fns: OrderedDict = OrderedDict()
         self._version = module_version(model)
-        self._pos: Optional[mx.array] = None
-        self._pos_host = -1
         self._mega = None
         self._mega_ws = None
         self._own: list = []      # the buffers the one-kernel step last wrote in place
-        self._zero = mx.zeros((1,), dtype=mx.int32)     # (the solo row's first column)
+        self._zeros: dict = {}    # rows -> int32 zeros [rows] (the rows' first column)
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
 
-    # --- the step, as a pure function of (tokens, position, buffers) ----------------
+    # --- the step, as a pure function of (tokens, positions, active, buffers) -----------
 
-    def _attention(self, attn, x, pos, keys, values):
-        q, k, v = rotated_qkv(attn, x, pos, self._inv_freq, self._rope_kernel)
-        keys = mx.slice_update(keys, k, pos, axes=(2,))
-        values = mx.slice_update(values, v, pos, axes=(2,))
-        o = K.decode_attention(q, keys, values, pos + 1, attn.scale, self.use_attn_kernel)
-        return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1)), keys, values
+    def _traced(self):
+        if self.levers.compiled_decode:    # (the body runs only while mx.compile traces it)
+            self.stats.traces += 1
 
-    def _forward(self, tokens, pos, *buffers):
-        n = len(self.model.layers)
-        ks, vs = list(buffers[:n]), list(buffers[n:])
-
-        def attend(i, attn, x):
-            a, ks[i], vs[i] = self._attention(attn, x, pos, ks[i], vs[i])
-            return a
-        logits = layer_stack(self.model, tokens, attend, self._add_rms)
-        return (logits, pos + 1, *ks, *vs)
-
-    # --- the step with every projection through engine.fast.gemv ----------------------
-
-    def gemv_ok(self) -> bool:
-        """Whether every projection goes through engine.fast.gemv (see step.gemv_ok)."""
-        return gemv_ok(self.model, self.levers)
-
-    def _forward_gemv(self, tokens, pos, *buffers):
-        """The step with every projection through engine.fast.gemv (step.gemv_stack)."""
+    def _forward(self, tokens, pos, active, *buffers):
+        """The model's own projections with the fused add + RMSNorm and RoPE steps."""
+        self._traced()
         n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
         length = pos + 1
-        attend = cached_attention(ks, vs, pos, length, self.use_attn_kernel)
+        attend_qkv = cached_attention(ks, vs, pos, length, self.use_attn_kernel)
+
+        def attend(i, attn, x):
+            q, k, v = rotated_qkv(attn, x, pos, self._inv_freq, self._rope_kernel)
+            return attn.o_proj(attend_qkv(i, attn, q, k, v))
+        logits = layer_stack(self.model, tokens, attend, self._add_rms)
+        return (logits, pos + active, *ks, *vs)
+
+    def _forward_gemv(self, tokens, pos, active, *buffers):
+        """Every projection through engine.fast.gemv (step.gemv_stack)."""
+        self._traced()
+        n = len(self.model.layers)
+        ks, vs = list(buffers[:n]), list(buffers[n:])
+        attend = cached_attention(ks, vs, pos, pos + 1, self.use_attn_kernel)
         logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels,
                             self._rope_kernel)
-        return (logits, length, *ks, *vs)
+        return (logits, pos + active, *ks, *vs)
 
-    # --- the step as one kernel (engine.fast.mega) -----------------------------------
-
-    def _forward_mega(self, tokens, pos, *buffers):
+    def _forward_mega(self, tokens, pos, active, *buffers):
+        """The step as one kernel per group of rows (engine.fast.mega): the buffers are
+        written in place and stay the KV."""
+        self._traced()
         n = len(self.model.layers)
         if self._mega is None:
             self._mega = MG.MegaStep(self.model, self._mega_freq, self.levers.fast)
-        logits, wss = self._mega(tokens, pos, pos, self._zero, buffers[:n], buffers[n:])
-        # (the buffers are written in place, and stay the caches); the workspace holds
-        # the phase timer's stamps with MLXP_MEGA_PROF=1
-        return (logits, pos + 1, wss[0]) if self._mega.prof else (logits, pos + 1)
+        B = tokens.size
+        zeros = self._zeros.get(B)
+        if zeros is None:
+            zeros = self._zeros[B] = mx.zeros((B,), dtype=mx.int32)
+        logits, wss = self._mega(tokens, pos, pos, zeros, buffers[:n], buffers[n:])
+        # the workspace holds the phase timer's stamps with MLXP_MEGA_PROF=1
+        return (logits, pos + active, wss[0]) if self._mega.prof else (logits, pos + active)
+
+    def _fn(self, rows: int, capacity: int):
+        """(the compiled step for this shape, whether it is the one-kernel step, which writes
+        the buffers in place)."""
+        # a trace holds the modules as they were (adapters, merged groups) and the fault
+        # active when it was built (the negative control): either changing needs a new one
+        version = module_version(self.model)
+        if version != self._version:
+            self._fns.clear()
+            self._version, self._mega = version, None
+        key = (rows, capacity, K.active_fault())
+        entry = self._fns.get(key)
+        if entry is None:
+            self.stats.gemv = gemv_ok(self.model, self.levers)
+            reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None
+                      else "no RoPE kernel")
+            if reason is None and rows > MG.rows_per_call(self.model):
+                # (several calls a step, each reading every weight: measured slower on the
+                # H200 at 32 rows than the step of separate kernels: reports/l3/JOURNAL.md)
+                reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
+            self.stats.mega, self.stats.mega_reason = reason is None, reason
+            fwd = (self._forward_mega if self.stats.mega
+                   else self._forward_gemv if self.stats.gemv else self._forward)
+            entry = (mx.compile(fwd) if self.levers.compiled_decode else fwd, self.stats.mega)
+            self._fns[key] = entry
+            while len(self._fns) > self.max_traces:
+                self._fns.popitem(last=False)
+        else:
+            self._fns.move_to_end(key)
+        self.stats.traces_kept = len(self._fns)
+        return entry
+
+    @property
+    def trace_keys(self) -> list:
+        """(rows, capacity, fault) of the compiled steps held, least recently used first."""
+        return list(self._fns)
+
+    def __call__(self, tokens: mx.array, pos: mx.array, active: mx.array, keys: list,
+                 values: list):
+        """One step: (logits [B, V], the next positions, keys, values) — the buffers to keep
+        (the same arrays when the step wrote them in place)."""
+        B, cap = keys[0].shape[0], keys[0].shape[2]
+        n = len(keys)
+        fn, in_place = self._fn(B, cap)
+        if in_place:                         # (the one-kernel step: contiguous buffers of our own)
+            self._own = own_contiguous(list(keys) + list(values), self._own)
+            keys, values = self._own[:n], self._own[n:]
+        out = fn(as_int32(tokens).reshape(-1), pos, active, *keys, *values)
+        self.stats.steps += 1
+        self.stats.row_steps += B
+        if in_place:
+            self._mega_ws = out[2] if len(out) > 2 else None
+            return out[0], out[1], keys, values
+        return out[0], out[1], list(out[2:2 + n]), list(out[2 + n:])
 
     def mega_profile(self) -> dict:
         """The one-kernel step's phase times of the last step (MLXP_MEGA_PROF=1), else {}."""
@@ -173,53 +235,40 @@ class FastDecoder:
         return self._mega.profile(self._mega_ws)
 
     def mega_block_arrivals(self) -> dict:
-        """The last step's per-block phase arrivals (MLXP_MEGA_PROF=1; MegaStep.block_arrivals), else {}."""
+        """The last step's per-block phase arrivals (MLXP_MEGA_PROF=1), else {}."""
         if self._mega is None or self._mega_ws is None:
             return {}
         return self._mega.block_arrivals(self._mega_ws)
 
-    def _fn(self, capacity: int, rows: int = 1):
-        """(the compiled step for this capacity and rows, whether it is the one-kernel step, which
-        writes the buffers in place)."""
-        # a trace holds the modules as they were: adapters mounted, switched or merged
-        # groups split since then need a new one (module_version changes)
-        version = module_version(self.model)
-        if version != self._version:         # (the old traces are dropped, not kept)
-            self._fns, self._version, self._mega = {}, version, None
-        entry = self._fns.get((capacity, rows))
-        if entry is None:
-            self.stats.gemv = self.gemv_ok()
-            reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None else "no RoPE kernel")
-            if reason is None and rows != 1:
-                reason = "the solo step's one kernel takes one row (the batch lane's takes more)"
-            self.stats.mega, self.stats.mega_reason = reason is None, reason
-            fwd = (self._forward_mega if self.stats.mega
-                   else self._forward_gemv if self.stats.gemv else self._forward)
-            entry = (mx.compile(fwd) if self.levers.compiled_decode else fwd, self.stats.mega)
-            self._fns[(capacity, rows)] = entry
-            self.stats.traces += 1
-        return entry
 
-    # --- cache preparation ---------------------------------------------------------
+class FastDecoder:
+    """`(tokens [1], caches) -> logits [1, V]`: the fast step for one request's own
+    `KVCache` layers (the exact runner's decode with a fast lever on: requests that run
+    alone, e.g. with adapters). The caches get a buffer of CAPACITY_STEP multiples (the
+    filled part copied in once) and stay `KVCache` objects (buffer + offset), so the prompt
+    cache and any later L1 step can continue from them."""
 
-    @staticmethod
-    def capacity_for(need: int) -> int:
-        """Buffers come in multiples of CAPACITY_STEP tokens, so traces are reused."""
-        return (need + CAPACITY_STEP - 1) // CAPACITY_STEP * CAPACITY_STEP
+    def __init__(self, step: FastStep):
+        self.step = step
+        self.stats = step.stats
+        self._pos: Optional[mx.array] = None
+        self._pos_host = -1
+        self._one = mx.ones((1,), dtype=mx.int32)
 
     def reserve(self, caches, extra: int) -> None:
         """Give every cache a buffer with room for `extra` more tokens (copying once)."""
         off = caches[0].offset
-        cap = self.capacity_for(off + extra)
+        cap = capacity_for(off + extra)
+        model = self.step.model
         for c in caches:
             have = c.keys.shape[2] if c.keys is not None else 0
             if have >= off + extra and have % CAPACITY_STEP == 0:
                 continue
-            a0 = self.model.layers[0].self_attn
-            B = c.keys.shape[0] if c.keys is not None else 1
-            dtype = c.keys.dtype if c.keys is not None else self.model.layers[0].input_layernorm.weight.dtype
-            kb = mx.zeros((B, a0.n_kv_heads, cap, a0.head_dim), dtype)
-            vb = mx.zeros((B, a0.n_kv_heads, cap, a0.head_dim), dtype)
+            a0 = model.layers[0].self_attn
+            dtype = (c.keys.dtype if c.keys is not None
+                     else model.layers[0].input_layernorm.weight.dtype)
+            kb = mx.zeros((1, a0.n_kv_heads, cap, a0.head_dim), dtype)
+            vb = mx.zeros((1, a0.n_kv_heads, cap, a0.head_dim), dtype)
             if off:
                 kb[..., :off, :] = c.keys[..., :off, :]
                 vb[..., :off, :] = c.values[..., :off, :]
@@ -227,26 +276,22 @@ class FastDecoder:
         mx.eval([c.state for c in caches])
 
     def __call__(self, tokens: mx.array, caches) -> mx.array:
-        """Logits [B, V] for one new token per row; updates the caches."""
         off = caches[0].offset
         if caches[0].keys is None or off + 1 > caches[0].keys.shape[2]:
             self.reserve(caches, CAPACITY_STEP)
         if self._pos is None or self._pos_host != off:
             self._pos = mx.array([off], dtype=mx.int32)
-        n = len(caches)
-        fn, in_place = self._fn(caches[0].keys.shape[2], caches[0].keys.shape[0])
-        if in_place:                         # (the one-kernel step: contiguous buffers of our own)
-            self._own = own_contiguous(caches, self._own)
-        out = fn(
-            as_int32(tokens).reshape(-1), self._pos,
-            *[c.keys for c in caches], *[c.values for c in caches])
-        logits, self._pos = out[0], out[1]
-        if in_place:                         # (the caches were written in place)
-            self._mega_ws = out[2] if len(out) > 2 else None
-        for i, c in enumerate(caches):
-            if not in_place:
-                c.keys, c.values = out[2 + i], out[2 + n + i]
+        logits, self._pos, ks, vs = self.step(tokens, self._pos, self._one,
+                                              [c.keys for c in caches],
+                                              [c.values for c in caches])
+        for c, k, v in zip(caches, ks, vs):
+            c.keys, c.values = k, v
             c.offset += 1
         self._pos_host = off + 1
-        self.stats.steps += 1
         return logits
+
+    def mega_profile(self) -> dict:
+        return self.step.mega_profile()
+
+    def mega_block_arrivals(self) -> dict:
+        return self.step.mega_block_arrivals()

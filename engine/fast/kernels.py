@@ -188,19 +188,20 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
                      scale: float, use_kernel: bool, start: Optional[mx.array] = None) -> mx.array:
     """softmax(q K[start:length]^T * scale) V[start:length] for one query token per row.
 
-    q [B,H,1,D]; keys/values [B,Hkv,CAP,D] preallocated; length: int32 [1] on the device;
+    q [B,H,1,D]; keys/values [B,Hkv,CAP,D] preallocated; length: int32 on the device, [1]
+    (every row) or [B] (one a row: the fast runner's rows each at their own column);
     start: int32 [B], row b's first key column (rows of the batch are left-padded), or
     None (every row from column 0)."""
     drop = 1 if _fault == "attn_drop_last_key" else 0
     B, H, _, D = q.shape
     Hkv, cap = keys.shape[1], keys.shape[2]
+    rowlen = int(length.size > 1)
     if not use_kernel:
         cols = mx.arange(cap)
-        valid = cols < (length - drop)
-        if start is None:
-            valid = valid.reshape(1, 1, 1, cap)
-        else:
-            valid = (valid & (cols >= start.reshape(B, 1))).reshape(B, 1, 1, cap)
+        valid = cols < (length - drop).reshape(-1, 1)
+        if start is not None:
+            valid = valid & (cols >= start.reshape(B, 1))
+        valid = valid.reshape(valid.shape[0], 1, 1, cap)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=valid)
     if D % 32 or D > 256:
         raise ValueError("decode_attention kernel needs head_dim a multiple of 32, at most 256")
@@ -209,7 +210,7 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
     # (the solo step passes no start column: the kernel then reads none, and no zeros
     # array is made every layer of every step)
     extra = [("CAP", cap), ("SCALE_NUM", int(round(scale * 1e9))),
-             ("USE_START", int(start is not None))]
+             ("USE_START", int(start is not None)), ("ROWLEN", rowlen)]
     ins = [q, keys, values, length, start.astype(mx.int32) if start is not None else length]
     if ns == 1:
         single = cuda_kernel("mlxp_attn_single", ["q", "keys", "values", "length", "start"], ["out"],

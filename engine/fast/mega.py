@@ -170,10 +170,10 @@ def flow(rows: int) -> int:
 
 class MegaStep:
     """One decode step of B rows as one kernel per group of up to `rows_per_call` rows:
-    `(tokens [B], rpos [B], col [1], start [B], keys, values) -> (logits [B, V], workspaces)`.
-    Row b is rotated at rpos[b], writes its key and value at column col[0] of its row of
+    `(tokens [B], rpos [B], col [B], start [B], keys, values) -> (logits [B, V], workspaces)`.
+    Row b is rotated at rpos[b], writes its key and value at column col[b] of its row of
     each layer's cache buffer [B, Hkv, capacity, D] (in place) and attends over columns
-    [start[b], col[0]]. The solo step is B = 1 with rpos = col = the position, start 0."""
+    [start[b], col[b]]. The fast runner passes col = rpos (each row from column 0), start 0."""
 
     def __init__(self, model, inv_freq: mx.array, config: FastConfig = FastConfig()):
         parts = _parts(model)
@@ -222,7 +222,7 @@ class MegaStep:
     def __call__(self, tokens: mx.array, rpos: mx.array, col: mx.array, start: mx.array, keys, values):
         B = tokens.size
         ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
-               col.astype(mx.int32).reshape(1), start.astype(mx.int32).reshape(B),
+               col.astype(mx.int32).reshape(B), start.astype(mx.int32).reshape(B),
                *self.shared, *self.layers, *keys, *values]
         logits, wss = [], []
         for row0, rb in self.groups(B):

@@ -1,5 +1,4 @@
-"""Pieces shared by the solo and the batch fast decode steps (engine.fast.decode,
-engine.fast.batch_decode).
+"""Pieces of the fast decode step (engine.fast.decode.FastStep).
 
 - `KernelChoice.for_model`: which kernels a step uses for this model and levers (merging
   the projections where `merged_proj` is on);
@@ -134,14 +133,25 @@ def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], us
     return attn.rope(q.transpose(0, 2, 1, 3), offset=p), attn.rope(k.transpose(0, 2, 1, 3), offset=p), v
 
 
+def write_rows(buf: mx.array, x: mx.array, cols: mx.array) -> mx.array:
+    """buf [B, Hkv, CAP, D] with row b's x [b, :, 0, :] written at column cols[b] (cols: [B],
+    or [1] for every row)."""
+    B = x.shape[0]
+    if cols.size == 1:
+        return mx.slice_update(buf, x, cols.reshape(1), axes=(2,))
+    idx = mx.broadcast_to(cols.reshape(B, 1, 1, 1), x.shape)
+    return mx.put_along_axis(buf, idx, x, axis=2)
+
+
 def cached_attention(ks: list, vs: list, write_at: mx.array, length: mx.array, use_attn_kernel: bool,
                      start: Optional[mx.array] = None) -> Callable:
     """`attend(i, attn, q, k, v)` for `gemv_stack` over per-layer buffers (lists updated in
-    place): k and v written at column `write_at`, attention over columns [start, length)
-    (start: None, or one column per row), output [B, 1, H*D]."""
+    place): row b's k and v written at column `write_at[b]` (or `write_at[0]` for every row),
+    attention over columns [start, length) (length and start: one for every row, or one a
+    row), output [B, 1, H*D]."""
     def attend(i, attn, q, k, v):
-        ks[i] = mx.slice_update(ks[i], k, write_at, axes=(2,))
-        vs[i] = mx.slice_update(vs[i], v, write_at, axes=(2,))
+        ks[i] = write_rows(ks[i], k, write_at)
+        vs[i] = write_rows(vs[i], v, write_at)
         o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, use_attn_kernel, start=start)
         return o.transpose(0, 2, 1, 3).reshape(q.shape[0], 1, -1)
     return attend

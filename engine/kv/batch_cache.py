@@ -178,44 +178,6 @@ class BatchKVCache:
         c.offset = c.keys.shape[2]
         return c
 
-    # -- a decode step computed elsewhere (engine.fast.batch_decode) ----------------
-    @property
-    def write_column(self) -> int:
-        """The column the next token of every row is written to (shared by all rows)."""
-        return self._idx
-
-    @property
-    def capacity(self) -> int:
-        """Columns in the buffers (filled or not)."""
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def reserve(self, capacity: int) -> None:
-        """Resize the buffers to `capacity` columns (at least the filled ones), keeping
-        the filled columns; the new ones are zeros. Later L1 steps write into them."""
-        if self.keys is None:
-            raise ValueError("reserve() needs a cache that holds tokens")
-        if capacity < self._idx:
-            raise ValueError(f"capacity {capacity} < the {self._idx} filled columns")
-        have = self.keys.shape[2]
-        if have > capacity:
-            self.keys = self.keys[..., :capacity, :]
-            self.values = self.values[..., :capacity, :]
-        elif have < capacity:
-            self.keys = _pad_time(self.keys[..., :self._idx, :], 0, capacity - self._idx)
-            self.values = _pad_time(self.values[..., :self._idx, :], 0, capacity - self._idx)
-
-    def advance(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
-        """Take the buffers of a decode step that wrote one token per row at
-        `write_column` (same shapes as now), and the rows' new offsets."""
-        if self.keys is None or keys.shape != self.keys.shape or values.shape != self.values.shape:
-            raise ValueError("advance() takes buffers of the cache's own shape")
-        if self._idx + 1 > keys.shape[2]:
-            raise ValueError("advance() past the buffer's capacity: reserve() first")
-        if offset.shape != self.offset.shape:
-            raise ValueError("advance() takes one offset per row")
-        self.keys, self.values, self.offset = keys, values, offset
-        self._idx += 1
-
     # -- bookkeeping --------------------------------------------------------------
     @property
     def state(self):

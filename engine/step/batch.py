@@ -101,12 +101,25 @@ class _Row:
         return self.sampler(logprobs, key=sub)
 
 
-class _Group:
-    """Rows that share batched caches (one prefill group, one decode group)."""
+def _pooled(caches) -> bool:
+    """Whether a group's caches are the fast runner's slot pool (engine.fast.slots.SlotPool)
+    rather than a list of per-layer batch caches."""
+    return not isinstance(caches, list)
 
-    def __init__(self):
+
+def _extract(caches, i: int) -> list:
+    """Row i of a group's caches as single-row caches (one per layer)."""
+    return caches.extract(i) if _pooled(caches) else [c.extract(i) for c in caches]
+
+
+class _Group:
+    """Rows that share batched caches (one prefill group, one decode group). The decode
+    group of the fast runner keeps its rows' KV in a slot pool (`caches` is then an
+    `engine.fast.slots.SlotPool`, for the group's lifetime)."""
+
+    def __init__(self, caches=None):
         self.rows: List[_Row] = []
-        self.caches: list = []
+        self.caches = [] if caches is None else caches
         self.next_tokens = None            # decode group: [B] sampled, not yet emitted
         self.next_logprobs: list = []
         self.procs_key = None              # row uids `procs` was built for
@@ -117,12 +130,16 @@ class _Group:
 
     def filter(self, keep: List[int]):
         self.rows = [self.rows[i] for i in keep]
-        if not keep:
+        if _pooled(self.caches):
+            self.caches.filter(keep)
+        elif not keep:
             self.caches = []
+        else:
+            for c in self.caches:
+                c.filter(keep)
+        if not keep:
             self.next_tokens, self.next_logprobs = None, []
             return
-        for c in self.caches:
-            c.filter(keep)
         if self.next_tokens is not None:
             self.next_tokens = self.next_tokens[mx.array(keep)]
             self.next_logprobs = [self.next_logprobs[i] for i in keep]
@@ -140,7 +157,8 @@ class _Group:
 
     def extend(self, other: "_Group"):
         self.rows.extend(other.rows)
-        self.caches = extend_caches(self.caches, other.caches)
+        self.caches = (self.caches.extend(other.caches) if _pooled(self.caches)
+                       else extend_caches(self.caches, other.caches))
         if other.next_tokens is not None:
             self.next_tokens = (other.next_tokens if self.next_tokens is None
                                 else mx.concatenate([self.next_tokens, other.next_tokens]))
@@ -208,11 +226,10 @@ class BatchScheduler:
 
     completion_batch_size: most rows decoding at once; prefill_batch_size: most
     rows prefilling at once; prefill_step_size: prompt tokens per row per step.
-    eos_token_ids: default stop tokens (the tokenizer's if given). decoder: an
-    optional `(tokens [B], caches) -> logits [B, V]` for the decode step (the L3 batch
-    step, `engine.fast.batch_decode.FastBatchDecoder`); its `covers(caches)` says
-    whether it runs this step (else the model's own forward does). Prefill and a
-    row's first step always run the model.
+    eos_token_ids: default stop tokens (the tokenizer's if given). decoder: the fast
+    runner's step (`engine.fast.decode.FastStep`, L3) or None: with it the decoding rows
+    keep their KV in a slot pool (`engine.fast.slots.SlotPool`) and every decode step is
+    the fast step; prefill and a row's first step always run the model (L1).
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
@@ -229,7 +246,11 @@ class BatchScheduler:
         self.prefill_step_size = prefill_step_size
         self._queue: deque[_Row] = deque()
         self._prefill = _Group()
-        self._decode = _Group()
+        pool = None
+        if decoder is not None:
+            from engine.fast.slots import SlotPool   # (engine.fast imports the models)
+            pool = SlotPool(decoder, model)
+        self._decode = _Group(pool)
         self._uid = 0
         self._cancelled: List[RowEvent] = []
         self.steps = 0
@@ -279,7 +300,8 @@ class BatchScheduler:
         return bool(self._queue or self._prefill.rows or self._decode.rows or self._cancelled)
 
     def kv_nbytes(self) -> int:
-        return sum(c.nbytes for g in (self._prefill, self._decode) for c in g.caches)
+        return sum(g.caches.nbytes if _pooled(g.caches) else sum(c.nbytes for c in g.caches)
+                   for g in (self._prefill, self._decode))
 
     # -- the loop -----------------------------------------------------------------
     def step(self) -> List[RowEvent]:
@@ -352,9 +374,8 @@ class BatchScheduler:
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
         inputs, cur_lp = g.next_tokens, g.next_logprobs
-        dec = self.decoder
-        if dec is not None and dec.covers(g.caches):
-            logits = dec(inputs, g.caches)
+        if _pooled(g.caches):                  # the fast runner (L3)
+            logits = g.caches(inputs)
         else:
             logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
         sampled, logprobs = self._sample(g, inputs, logits)
@@ -384,7 +405,7 @@ class BatchScheduler:
             if ev.finish_reason is None:
                 keep.append(i)
             elif row.req.return_cache:
-                ev.caches = [c.extract(i) for c in g.caches]
+                ev.caches = _extract(g.caches, i)
             events.append(ev)
         if len(keep) < len(g):
             g.filter(keep)
@@ -450,7 +471,7 @@ class BatchScheduler:
         for g in (self._decode, self._prefill):
             for i, r in enumerate(g.rows):
                 if r.uid == uid:
-                    return [c.extract(i) for c in g.caches]
+                    return _extract(g.caches, i)
         return None
 
 

@@ -64,9 +64,9 @@ class Engine(PrefixReuse):
     `activate(ids)` and `namespace(ids)`), needed only for requests that select
     adapters; `Engine.load` makes one. keep_logprob_arrays:
     outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
-    levers: an `engine.levers.Levers` (None: L1). A fast-decode lever (tier l3)
-    runs the solo lane's decode steps through `engine.fast`; batch rows stay L1
-    unless `fast_batch` is on too (`engine.fast.batch_decode`).
+    levers: an `engine.levers.Levers` (None: L1). A fast-decode lever (tier l3) puts
+    every decode step on the fast runner (`engine.fast`): the batch's rows (any number,
+    max_batch 1 too, their KV in `engine.fast.slots.SlotPool`) and a request running alone.
     `merged_proj` merges the model's q/k/v and gate/up projections here, once, for
     both lanes (`engine.fast.apply.prepare`).
     """
@@ -101,7 +101,13 @@ class Engine(PrefixReuse):
                                   quantized_kv_start=quantized_kv_start, kv_config=kv_config)
         self.eos = set(tokenizer.eos_token_ids)
         self.prefill_batch_size = min(max_batch, prefill_batch_size)
-        self._sched = self._new_scheduler() if max_batch > 1 else None
+        # the runners: exact (mlx-lm's token loop, one request: stepper.generate_step), batch
+        # (BatchGenerator's steps, L1) or fast (the batch's decode on engine.fast's step, L3:
+        # any number of rows, max_batch 1 included)
+        from engine.fast.apply import fast_step_for   # (engine.fast imports the models)
+        self._fast_step = fast_step_for(model, levers, self.policy)
+        self._sched = (self._new_scheduler()
+                       if max_batch > 1 or self._fast_step is not None else None)
         self._ids = itertools.count()
         self._waiting: deque = deque()
         self._live: dict = {}            # rid -> RequestState (waiting or running)
@@ -116,16 +122,15 @@ class Engine(PrefixReuse):
         self.solo_reasons: dict = {}
 
     def _new_scheduler(self) -> BatchScheduler:
-        from engine.fast.apply import batch_decoder_for   # L3 batch step: None unless fast_batch
         return BatchScheduler(self.model, tokenizer=self.tokenizer,
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
                               prefill_step_size=self.prefill_step_size,
-                              decoder=batch_decoder_for(self.model, self.levers, self.policy))
+                              decoder=self._fast_step)
 
     @property
-    def batch_decoder(self):   # the batch rows' fast step in force (None: L1)
-        return None if self._sched is None else self._sched.decoder
+    def fast_step(self):   # the fast runner's step in force (None: the rows decode on L1)
+        return self._fast_step
 
     @classmethod
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
@@ -282,7 +287,10 @@ class Engine(PrefixReuse):
         return {"max_batch": self.max_batch, "active_rows": len(self._rows),
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
                 "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
-                "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons)}
+                "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons),
+                # the fast runner's counters: traces (made only for shapes not seen before)
+                "fast": (dict(vars(self._fast_step.stats)) if self._fast_step is not None
+                         else None)}
 
     # --- the loop ------------------------------------------------------------------
 

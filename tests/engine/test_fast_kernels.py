@@ -185,7 +185,9 @@ def test_add_rms_norm_mirror():
 
 
 def test_off_gpu_the_decoder_runs_the_references():
-    from engine.fast.decode import FastDecoder
+    """Off the GPU the fast step runs the stock-MLX references (no CUDA kernel), and a
+    decode step through them gives the L1 forward's logits exactly."""
+    from engine.fast.decode import FastDecoder, FastStep
     from engine.levers import resolve
     from engine.loader import load_model
     from parity.fixtures.models import ensure_fixture
@@ -193,8 +195,18 @@ def test_off_gpu_the_decoder_runs_the_references():
     if mx.default_device() == mx.gpu:
         pytest.skip("this checks the CPU fallback")
     assert not K.cuda_available()
-    dec = FastDecoder(load_model(ensure_fixture("llama", "bfloat16"))[0], resolve("l3", env={}))
+    path = ensure_fixture("llama", "bfloat16")
+    model, ref = load_model(path)[0], load_model(path)[0]
+    dec = FastDecoder(FastStep(model, resolve("l3", env={})))
+    assert dec.stats is dec.step.stats
     assert dec.stats.kernels is False and dec.stats.attn_kernel is False
+    prompt = mx.array([[1, 5, 9, 2]])
+    caches, ref_caches = model.make_cache(), ref.make_cache()
+    mx.eval(model(prompt, cache=caches), ref(prompt, cache=ref_caches))
+    got = dec(mx.array([7]), caches)
+    want = ref(mx.array([[7]]), cache=ref_caches)[:, -1, :]
+    assert mx.array_equal(got.reshape(want.shape), want)
+    assert dec.stats.steps == 1 and dec.stats.kernels is False and dec.stats.mega is False
 
 
 def test_empty_kernels_are_separate_kernels():

@@ -15,7 +15,7 @@ from engine.fast import kernels as K
 from engine.fast import mega as MG
 from engine.fast import mega_cuda as C
 from engine.fast.config import FastConfig
-from engine.fast.decode import FastDecoder, own_contiguous
+from engine.fast.decode import FastDecoder, FastStep, own_contiguous
 from engine.fast.merge import merge_projections
 from engine.levers import resolve
 from engine.loader import load_model
@@ -133,29 +133,35 @@ def test_groups_and_profile_arithmetic(llama):
 
 
 def test_own_contiguous_replaces_foreign_buffers_only():
-    class Cache:
-        def __init__(self, k, v):
-            self.keys, self.values = k, v
+    """A flat list of buffers (every layer's keys, then values): each one not identical to
+    the one at its place in `own` becomes an array of its own, the others are kept."""
     big = mx.arange(2 * 3 * 8 * 4, dtype=mx.float32).reshape(2, 3, 8, 4)
-    caches = [Cache(big[..., 2:, :], big[..., 2:, :] + 1), Cache(mx.zeros((2, 3, 6, 4)), mx.ones((2, 3, 6, 4)))]
-    before = [c.keys for c in caches]
-    own = own_contiguous(caches, [])
-    assert all(a is b for a, b in zip(own[:2], [c.keys for c in caches]))
-    assert all(a is b for a, b in zip(own[2:], [c.values for c in caches]))
-    assert mx.array_equal(caches[0].keys, before[0])      # same values, now an array of its own
-    # unchanged caches keep their arrays; a replaced one is taken in again
-    again = own_contiguous(caches, own)
+    arrays = [big[..., 2:, :], mx.zeros((2, 3, 6, 4)), big[..., 2:, :] + 1, mx.ones((2, 3, 6, 4))]
+    own = own_contiguous(arrays, [])
+    assert len(own) == len(arrays)
+    assert all(a is not b for a, b in zip(own, arrays))          # nothing was its own yet
+    assert all(mx.array_equal(a, b) for a, b in zip(own, arrays))  # same values
+    # unchanged buffers keep their arrays; a replaced one is taken in again
+    again = own_contiguous(list(own), own)
     assert all(a is b for a, b in zip(again, own))
-    caches[1].values = mx.full((2, 3, 6, 4), 2.0)
-    third = own_contiguous(caches, again)
-    assert third[3] is caches[1].values and third[3] is not again[3] and third[0] is again[0]
+    changed = list(again)
+    changed[3] = mx.full((2, 3, 6, 4), 2.0)
+    third = own_contiguous(changed, again)
+    assert third[3] is not changed[3] and third[3] is not again[3]
+    assert mx.array_equal(third[3], changed[3])
+    assert all(third[j] is again[j] for j in (0, 1, 2))
+    # a longer list than `own` (more layers or a first step): the extra ones are taken in
+    more = own_contiguous(list(again) + [big], again)
+    assert all(more[j] is again[j] for j in range(4)) and more[4] is not big
+    assert mx.array_equal(more[4], big)
 
 
 def test_decoder_reports_why_the_kernel_is_not_used(llama):
-    dec = FastDecoder(llama, resolve("l3", env={}))
+    dec = FastDecoder(FastStep(llama, resolve("l3", env={})))
     caches = llama.make_cache()
     mx.eval(llama(mx.array([[1, 2, 3]]), cache=caches))
     dec(mx.array([3]), caches)
+    assert dec.stats is dec.step.stats and dec.stats.steps == 1
     assert dec.stats.mega is False and dec.stats.mega_reason
     assert dec.mega_profile() == {}
 
@@ -196,20 +202,23 @@ def test_no_run_time_switches_in_the_kernel():
 
 
 def test_in_place_flag_belongs_to_each_trace(llama, monkeypatch):
-    """The batch lane keeps one trace per shape; whether a trace writes the buffers in
-    place (the one-kernel step) is its own, not the last-built trace's: a shape that
-    returns after another was built must still get its buffers made contiguous first."""
-    from engine.fast.batch_decode import FastBatchDecoder
+    """The fast step keeps one trace per (rows, capacity); whether a trace writes the
+    buffers in place (the one-kernel step) is its own, not the last-built trace's: a shape
+    that returns after another was built must still get its buffers made contiguous first.
+    One step serves the batch rows and a request decoding alone (one row)."""
     monkeypatch.setattr(MG, "why_not", lambda model, levers: None)
     monkeypatch.setattr(MG, "rows_per_call", lambda model: 2)
-    dec = FastBatchDecoder(llama, resolve("l3", env={}))
-    dec._mega_freq = mx.ones((llama.layers[0].self_attn.head_dim // 2,))   # (as on a GPU)
-    assert dec._fn(2, 512)[1] is True
-    assert dec._fn(4, 512)[1] is False and dec.stats.mega is False
-    assert dec._fn(2, 512)[1] is True                   # (reused: still the in-place step)
-    solo = FastDecoder(llama, resolve("l3", env={}))
-    solo._mega_freq = dec._mega_freq
-    assert solo._fn(512, 1)[1] is True and solo._fn(512, 2)[1] is False and solo._fn(512, 1)[1] is True
+    step = FastStep(llama, resolve("l3", env={}))
+    step._mega_freq = mx.ones((llama.layers[0].self_attn.head_dim // 2,))   # (as on a GPU)
+    assert step._fn(2, 512)[1] is True and step.stats.mega is True
+    assert step._fn(4, 512)[1] is False and step.stats.mega is False
+    assert "more rows than one kernel call takes (2)" in step.stats.mega_reason
+    assert step._fn(2, 512)[1] is True                   # (reused: still the in-place step)
+    assert step._fn(1, 512)[1] is True and step._fn(1, 1024)[1] is True
+    assert step._fn(4, 1024)[1] is False and step._fn(1, 512)[1] is True
+    # (least recently used first: a reused shape moves to the end)
+    assert [k[:2] for k in step.trace_keys] == [(4, 512), (2, 512), (1, 1024), (4, 1024), (1, 512)]
+    assert step.stats.traces_kept == 5
 
 
 def test_settings_checked_where_the_levers_are_resolved():
@@ -252,7 +261,7 @@ def test_flow_on_the_solo_step_only(llama, monkeypatch):
     kv = [mx.zeros((1,))] * step.L
     for B in (1, 2, 5):
         z = mx.zeros((B,), dtype=mx.int32)
-        step(z, z, mx.zeros((1,), dtype=mx.int32), z, kv, kv)
+        step(z, z, z, z, kv, kv)
     assert [s[:3] for s in seen] == [(1, 0, 1), (2, 0, 0), (4, 0, 0), (1, 4, 0)]
     assert all(s[3] == n_inputs for s in seen)
     assert (MG.flow(1), MG.flow(2), MG.flow(8)) == (1, 0, 0)

@@ -68,16 +68,22 @@ def test_engine_generate_bad_env_exits_2(monkeypatch, capsys):
     assert "MLXP_FUSED_SDPA" in capsys.readouterr().err
 
 
-def test_fast_batch_is_opt_in_and_needs_a_fast_lever():
-    for tier in ("l1", "l2", "l3"):
-        assert resolve(tier, env={}).fast_batch is False
-    assert not resolve("l3", env={}).fast_batch_decode
-    lv = _parse(["--l3", "--fast-batch"])
-    assert lv.fast_batch and lv.fast_batch_decode
-    assert resolve("l3", env={"MLXP_FAST_BATCH": "on"}).fast_batch_decode
-    # alone it does nothing: the batch step is the fast step's
-    lv = _parse(["--fast-batch"])
-    assert lv.fast_batch and not lv.fast_batch_decode and not lv.fast_decode
-    assert _parse(["--fast-batch", "--compiled-decode"]).fast_batch_decode
-    with pytest.raises(LeverError, match="MLXP_FAST_BATCH"):
-        resolve("l3", env={"MLXP_FAST_BATCH": "sometimes"})
+def test_fast_batch_lever_is_gone_and_refused_by_name(capsys):
+    """The fast runner takes every row of the batch whenever a fast lever is on: there is no
+    `fast_batch` lever any more. Naming it is a clear error (spec, flag, keyword), and
+    MLXP_FAST_BATCH is no lever variable (it changes nothing)."""
+    from engine.levers import parse_spec
+    assert "fast_batch" not in LEVER_NAMES
+    lv = resolve("l3", env={})
+    assert not hasattr(lv, "fast_batch") and not hasattr(lv, "fast_batch_decode")
+    assert "fast_batch" not in lv.as_dict() and lv.fast_decode
+    with pytest.raises(LeverError, match="fast_batch"):
+        parse_spec("l3+fast_batch", env={})
+    with pytest.raises(LeverError, match="fast_batch"):
+        resolve("l3", env={}, fast_batch=True)
+    with pytest.raises(LeverError, match="fast_batch"):
+        with_levers(lv, fast_batch=True)
+    with pytest.raises(SystemExit) as e:
+        _parse(["--l3", "--fast-batch"])
+    assert e.value.code == 2 and "--fast-batch" in capsys.readouterr().err
+    assert resolve("l3", env={"MLXP_FAST_BATCH": "on"}) == lv

@@ -1,8 +1,9 @@
-"""The L3 batch step (`--tier l3 --fast-batch`) against mlx-lm's BatchGenerator, exactly.
+"""The fast runner (`--tier l3`: every row of the batch) against mlx-lm's BatchGenerator, exactly.
 
-On the CPU the kernels' stock-MLX stand-ins run, and the batch fast step (a masked SDPA
-over a preallocated buffer of 512-column multiples, per-row RoPE offsets, a shared write
-column) gives the same logprobs as our L1 rows, bit for bit, and so as mlx-lm 0.32.2's
+On the CPU the kernels' stock-MLX stand-ins run, and the fast runner (each row in a slot
+of its own, from column 0, of buffers of 512-column multiples and a power-of-two number of
+rows; per-row RoPE offsets and write columns; a masked SDPA) gives the same logprobs as our
+L1 rows, bit for bit, and so as mlx-lm 0.32.2's
 `BatchGenerator` driven with the same schedule (tests/parity/test_batch.py proves our L1
 rows equal it). `mx.array_equal` on every step's logprobs and every token:
 
@@ -26,7 +27,7 @@ from parity.oracles import mlx_lm_oracle as oracle
 
 pytestmark = pytest.mark.parity
 
-FAST_BATCH = parse_spec("l3+fast_batch")
+FAST = parse_spec("l3")
 
 
 def _prompts(n, seed):
@@ -45,8 +46,8 @@ def _schedule(cancel: bool = False):
 def _fast_engine(family, dtype):
     path = str(ensure_fixture(family, dtype))
     model, tok = engine.load(path)
-    eng = Engine(model, tok, max_batch=4, keep_logprob_arrays=True, levers=FAST_BATCH)
-    assert eng.batch_decoder is not None, "the Engine did not take the batch fast step"
+    eng = Engine(model, tok, max_batch=4, keep_logprob_arrays=True, levers=FAST)
+    assert eng.fast_step is not None, "the Engine did not take the fast runner"
     return eng, oracle.load_model(path)
 
 
@@ -60,12 +61,12 @@ def test_fast_batch_rows_equal_batch_generator(family, dtype):
         assert not set(r.tokens) & eng.eos, "fixture produced EOS: pick other prompts"
     problems = compare(run_engine(eng, schedule), ref)
     assert not problems, problems[:3]
-    st = eng.batch_decoder.stats
+    st = eng.fast_step.stats
     # every decode forward of the rows went through the fast step: one per emitted token
     # (the step is pipelined: a row's first forward is L1's, as it comes out of prefill,
-    # and the step that emits its last token still runs one over it)
-    assert st.row_steps == sum(i.max_tokens for i in schedule)
-    assert st.fallbacks == 0 and st.steps > 0
+    # and the step that emits its last token still runs one over it); idle slots of a
+    # bucket count too
+    assert st.row_steps >= sum(i.max_tokens for i in schedule) and st.steps > 0
     assert eng.stats()["lanes"] == {"batch": 5, "solo": 0}
     # float weights: the rows' projections went through engine.fast.gemv (its stock path here)
     assert st.gemv
@@ -90,4 +91,3 @@ def test_negative_control_injected_faults_differ(fault):
     with K.inject_fault(fault):
         problems = compare(run_engine(eng, schedule), ref)
     assert problems, f"fault {fault} went unnoticed"
-    assert eng.batch_decoder.stats.fallbacks == 0

@@ -98,27 +98,43 @@ def test_uncovered_models_fall_back_to_l1(family):
     _assert_same(list(generate_step(mx.array(PROMPT), model, max_tokens=8)), _ref_steps(path, 8))
 
 
-def test_engine_levers_fast_in_the_solo_lane_l1_in_the_batch_lane():
-    """`Engine(levers=...)`: the solo lane decodes through the fast step, batch rows stay
-    L1; both give mlx-lm's text on the CPU."""
+def test_engine_l3_decodes_every_batch_row_on_the_fast_runner():
+    """`Engine(levers=l3)`: every batch row decodes on the fast runner, max_batch 1 included
+    (requests are then batch rows, not solo); on the CPU its tokens are the L1 engine's
+    greedy tokens (and a single request's text is mlx-lm's)."""
     path = str(ensure_fixture("llama", "bfloat16"))
     model, tok = engine.load(path)
+    l1_model, l1_tok = engine.load(path)          # (l3 merges the projections in place)
     rmodel, rtok = oracle.load(path)
     from mlx_lm.generate import generate as ref_generate
     want = ref_generate(rmodel, rtok, "def f(x):", max_tokens=12)
     lv = resolve("l3", env={})
+    prompts = ["def f(x):", "count to ten", "the quick brown fox", "import numpy as"]
 
-    def run(max_batch):
-        eng = engine.Engine(model, tok, max_batch=max_batch, levers=lv)
-        eng.submit("def f(x):", engine.SamplingParams(max_tokens=12, temperature=0.0))
-        text = ""
+    def run(m, t, max_batch, levers, ps):
+        eng = engine.Engine(m, t, max_batch=max_batch, levers=levers)
+        ids = [eng.submit(p, engine.SamplingParams(max_tokens=12, temperature=0.0)) for p in ps]
+        text, toks = {i: "" for i in ids}, {i: [] for i in ids}
         while eng.has_unfinished():
-            text += "".join(o.text for o in eng.step())
-        return text, eng.stats()["lanes"]
+            for o in eng.step():
+                text[o.request_id] += o.text
+                toks[o.request_id] += list(o.token_ids)
+        return [text[i] for i in ids], [toks[i] for i in ids], eng
 
-    solo, lanes = run(1)
-    steps = describe(lv, model)["fast_stats"]["steps"]
-    assert solo == want and lanes["solo"] == 1 and steps >= 11
-    batched, lanes = run(4)
-    assert batched == want and lanes["batch"] == 1
-    assert describe(lv, model)["fast_stats"]["steps"] == steps     # no fast step in the batch
+    # max_batch 1: the request is a batch row on the fast runner
+    (solo,), (solo_toks,), eng = run(model, tok, 1, lv, prompts[:1])
+    assert eng.fast_step is not None
+    assert eng.stats()["lanes"] == {"batch": 1, "solo": 0}
+    steps, row_steps = eng.stats()["fast"]["steps"], eng.stats()["fast"]["row_steps"]
+    assert steps >= 11 and solo == want
+    # max_batch 4, four requests at once: rows of one batch, each on the fast runner
+    texts, toks, eng = run(model, tok, 4, lv, prompts)
+    st = eng.stats()
+    assert st["lanes"] == {"batch": 4, "solo": 0} and st["peak_rows"] >= 2
+    assert st["fast"]["steps"] >= steps + 11
+    assert st["fast"]["row_steps"] - row_steps >= 4 * 11       # every row's decode steps
+    assert describe(lv, model)["fast_stats"]["steps"] == st["fast"]["steps"]   # the one kept step
+    ref_texts, ref_toks, ref = run(l1_model, l1_tok, 4, None, prompts)
+    assert ref.fast_step is None and ref.stats()["fast"] is None
+    assert toks == ref_toks and texts == ref_texts
+    assert all(len(t) == 12 for t in toks) and texts[0] == want

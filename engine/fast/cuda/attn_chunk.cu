@@ -10,7 +10,7 @@
   const int b = blockIdx.x / (NS * H);
   const int kvh = h / (H / HKV);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int len = length[0] - L3_FAULT_DROP;
+  const int len = length[ROWLEN ? b : 0] - L3_FAULT_DROP;   // (ROWLEN: one length a row)
   const int lo = USE_START ? start[b] : 0;   // the row's first key (its left padding)
   const int chunk = (len - lo + NS - 1) / NS;
   const int j0 = lo + s * chunk;

@@ -32,7 +32,7 @@
         const size_t row = (size_t)(ROW0 + b);
         const T* kb = kcache + (row * NKV + g) * CAP * D;
         const T* vb = vcache + (row * NKV + g) * CAP * D;
-        const int start = max(c * cs, start_col[ROW0 + b]), end = min(aend, c * cs + cs);
+        const int start = max(c * cs, start_col[ROW0 + b]), end = min(col[ROW0 + b] + 1 - L3_FAULT_DROP, c * cs + cs);
         const float* qh = xf + b * QD + hq * D;
         if (flow) {     // the query head, its keys and its values out of phase A, then q here
           // (one flag: the query's, key's and value's pairs)

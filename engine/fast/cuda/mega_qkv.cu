@@ -29,12 +29,12 @@
             qbuf[b * QD + head * D + i] = static_cast<float>(y1);
             qbuf[b * QD + head * D + i + HALF] = static_cast<float>(y2);
           } else {
-            T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + wcol) * D;
+            T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + col[row]) * D;
             kc[i] = y1;
             kc[i + HALF] = y2;
           }
         } else {
-          T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + wcol) * D;
+          T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + col[row]) * D;
           vc[i] = T(x1);
           vc[i + HALF] = T(x2);
         }
@@ -101,7 +101,7 @@
             src[i] = static_cast<float>(z1);
             src[i + HALF] = static_cast<float>(z2);
           } else {
-            T* kc = KC[l] + (((size_t)(ROW0 + b) * NKV + (hd - NQ)) * CAP + wcol) * D;
+            T* kc = KC[l] + (((size_t)(ROW0 + b) * NKV + (hd - NQ)) * CAP + col[ROW0 + b]) * D;
             kc[i] = z1;
             kc[i + HALF] = z2;
           }

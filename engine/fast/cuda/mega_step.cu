@@ -34,8 +34,8 @@
 // arrays stay the cache: nothing is copied).
   using namespace mlxp_mega;
   // rows ROW0 .. ROW0 + RB - 1 of the batch; row b: token tok[ROW0 + b], RoPE position
-  // rpos[ROW0 + b], keys and values written at column col[0] of cache row ROW0 + b,
-  // attention over columns [start[ROW0 + b], col[0]] (the solo step: one row, start 0)
+  // rpos[ROW0 + b], keys and values written at column col[ROW0 + b] of cache row ROW0 + b,
+  // attention over columns [start[ROW0 + b], col[ROW0 + b]] (the fast runner: col = rpos, start 0)
   constexpr int WPB = THREADS / 32, CT = 32 * WPB;
   constexpr int QD = NQ * D, HALF = D / 2, DPL = D / 32;
   constexpr int NPAIR = (NQ + 2 * NKV) * HALF;
@@ -78,12 +78,15 @@
   const float NEG_INF = -__int_as_float(0x7f800000);
   const float eps = EPS_NUM / 1e12f;
   const float scale = SCALE_NUM / 1e9f;
-  const int wcol = col[0];
   const int CAP = k_0_shape[2];
-  const int aend = wcol + 1 - L3_FAULT_DROP;                // columns attended end here (exclusive)
+  // row b writes at column col[ROW0 + b] and attends up to it: the call's longest row sets the
+  // chunking (a shorter row's chunks past its end are empty)
+  int amax = 1;
+#pragma unroll
+  for (int b = 0; b < RB; ++b) amax = max(amax, col[ROW0 + b] + 1 - L3_FAULT_DROP);
   // chunks of CS = 32 * k columns, at most MAXCH of them per (row, head)
-  const int cs = 32 * max(1, (max(aend, 1) + 32 * MAXCH - 1) / (32 * MAXCH));
-  const int nch = (max(aend, 1) + cs - 1) / cs;
+  const int cs = 32 * max(1, (amax + 32 * MAXCH - 1) / (32 * MAXCH));
+  const int nch = (amax + cs - 1) / cs;
   // FLOW (one-row calls of models without q/k norms): phase B starts per head, not after a barrier
   constexpr bool flow = FLOW != 0 && QKN == 0;
   __shared__ __align__(16) float qslot[WPB][D];    // FLOW: a warp's query head

@@ -1,0 +1,40 @@
+#!/bin/bash
+# The fast runner's GPU run (issue "One step for every row"), results under $OUT.
+#   bash experiments/runner_gpu.sh    (repo root, MLX's CUDA build on PYTHONPATH)
+# STAGES: a comma list of gate (trained 1b, L3 gate solo + rows joining/leaving at GATE_BATCH,
+# 4-bit too), inproc (Engine API decode at 1/8/32 rows, l1 vs l3, vs mlx-lm), served (HTTP:
+# engine-serve vs mlx_lm.server at LEVELS clients, SERVED_ARGS), served8b (8B 4-bit).
+set -u
+export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/runner}; mkdir -p "$OUT"; T0=$(date +%s)
+STAGES=${STAGES:-gate,served}
+stage() { echo "### $1 (t=$(( $(date +%s) - T0 ))s)"; }
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+stage env
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+[ -d /tmp/m/1b ] || python3 -m experiments.presets 1b /tmp/m/1b
+if has gate; then
+  stage gate
+  timeout ${GATE_S:-300} python3 experiments/trained_gate.py --preset 1b --steps ${GATE_STEPS:-500} \
+    --gate-batch ${GATE_BATCH:-8,32} --bits ${GATE_BITS:-4} --out "$OUT/gate" 2>&1 | grep -v '"step"' | tail -40
+fi
+if has inproc; then
+  stage inproc
+  timeout ${INPROC_S:-200} python3 experiments/bench_rows.py --model /tmp/m/1b --rows ${ROWS:-1,8,32} \
+    --out "$OUT/inproc" 2>&1 | tail -20
+fi
+if has served; then
+  stage served
+  timeout ${SERVED_S:-300} python3 experiments/bench_batching.py --model /tmp/m/1b --levels ${LEVELS:-1,8,32} \
+    --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-args "${SERVED_ARGS:---tier l3}" --tag ${TAG:-h100-1b-l3} \
+    --out "$OUT/served" 2>&1 | tail -20
+fi
+if has served8b; then
+  stage served8b
+  [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
+  timeout ${SERVED8_S:-300} python3 experiments/bench_batching.py --model /tmp/m/8b-q4 --levels ${LEVELS8:-1,16} \
+    --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-args "${SERVED_ARGS:---tier l3}" --tag ${TAG8:-h100-8b-q4-l3} \
+    --out "$OUT/served8b" 2>&1 | tail -20
+fi
+stage done
