@@ -7,7 +7,7 @@ prefilled and WARM steps ran, STEPS decode steps are timed, first plain (ms per 
 then under cProfile (the top functions by own time). The GPU's share is measured by timing
 a step that ends in `mx.synchronize()` against the time the host spends before it waits.
 
-    python experiments/batch_profile.py --model DIR --batches 8,32 [--spec l3+fast_batch] \
+    python experiments/batch_profile.py --model DIR --batches 8,32 [--spec l3] \
         [--steps 32] [--out FILE.json]
     python experiments/batch_profile.py --quick          # CPU dry run on a fixture
 """
@@ -81,7 +81,7 @@ def profile_batch(model, tok, spec: str, B: int, prompt: int, steps: int, warm: 
     return {"spec": spec, "B": B, "prompt": prompt, "steps": steps, "step_ms": round(med(plain), 3),
             "tok_s": round(B / (med(plain) / 1e3), 1), "host_ms_until_return": round(med(host), 3),
             "synced_step_ms": round(med(total), 3),
-            "levers": describe(parse_spec(spec), model).get("fast_batch_stats"),
+            "levers": describe(parse_spec(spec), model).get("fast_stats"),
             "profile_top": s.getvalue().splitlines()[:60]}
 
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--spec", default="l3+fast_batch")
+    ap.add_argument("--spec", default="l3")
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)

@@ -38,9 +38,9 @@ SPECS = {
     "rope_qkv": (inc("rope_qkv.cu"), [("qkv", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
                  [("q", "T"), ("k", "T"), ("v", "T")], dict(B=8, H=32, HKV=8, D=64, PER_ROW=1)),
     "attn_partial": (inc("attn_partial.cu"), _ATTN_IN, [("partial", "float")],
-                     dict(H=32, HKV=8, D=64, NS=9, CAP=2304, SCALE_NUM=125000000, USE_START=1)),
+                     dict(H=32, HKV=8, D=64, NS=9, CAP=2304, SCALE_NUM=125000000, USE_START=1, ROWLEN=0)),
     "attn_single": (inc("attn_single.cu"), _ATTN_IN, [("out", "T")],
-                    dict(H=32, HKV=8, D=64, NS=1, CAP=512, SCALE_NUM=125000000, USE_START=0)),
+                    dict(H=32, HKV=8, D=64, NS=1, CAP=512, SCALE_NUM=125000000, USE_START=0, ROWLEN=1)),
     "attn_combine": (inc("attn_combine.cu"), [("partial", "float")], [("out", "T")],
                      dict(H=32, HKV=8, D=64, NS=9)),
 }

@@ -47,7 +47,7 @@ fi
 if [ "${BATCH:-0}" = 1 ]; then
   stage batch
   timeout $(lim 3) python3 experiments/merged_exactness.py --model "$M" \
-    --specs ${BATCH_SPECS:-l1+merged_proj,l3+fast_batch} --batches 8,32 --trials ${BATCH_TRIALS:-3} \
+    --specs ${BATCH_SPECS:-l1+merged_proj,l3} --batches 8,32 --trials ${BATCH_TRIALS:-3} \
     --out "$OUT/batch.jsonl"
 fi
 if [ "${FULL:-0}" = 1 ]; then

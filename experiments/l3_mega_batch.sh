@@ -15,7 +15,7 @@ stage check
 run $(lim 200 45) python3 experiments/mega_check.py --model /tmp/m/1b --steps 16 --out "$OUT/mega_check.json"
 stage batch
 run $(lim 110 100) python3 experiments/merged_exactness.py --model /tmp/m/1b \
-  --specs l3+fast_batch --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
+  --specs l3 --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
 stage trained-gate
 run $(lim 2 320) python3 experiments/trained_gate.py --preset 1b --steps ${TRAINED_STEPS:-500} --gate-batch 8 \
   --out /tmp/trained

@@ -36,7 +36,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast import kernels as K  # noqa: E402
-from engine.fast.decode import FastDecoder  # noqa: E402
+from engine.fast.decode import FastDecoder, FastStep  # noqa: E402
 from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
@@ -69,9 +69,9 @@ def run_mode(model, mode: str, prompt: list[int], steps: int) -> float:
     lv = with_levers(lv, fast=replace(lv.fast, disabled=lv.fast.disabled | off))
     if mode.endswith("-empty"):
         with K.empty_kernels():
-            dec = FastDecoder(model, lv)
+            dec = FastDecoder(FastStep(model, lv))
             return per_step_ms(lambda y: mx.argmax(dec(y, caches), axis=-1), first, steps)
-    dec = FastDecoder(model, lv)
+    dec = FastDecoder(FastStep(model, lv))
     return per_step_ms(lambda y: mx.argmax(dec(y, caches), axis=-1), first, steps)
 
 

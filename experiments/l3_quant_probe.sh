@@ -84,10 +84,10 @@ if [ "${MMA:-0}" = 1 ]; then
 fi
 if [ "${BATCH:-1}" = 1 ]; then
   stage batch
-  run $(lim 5 120) python3 experiments/merged_exactness.py --model /tmp/m/1b --specs l3+fast_batch \
+  run $(lim 5 120) python3 experiments/merged_exactness.py --model /tmp/m/1b --specs l3 \
     --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
   MLXP_DISABLE_KERNELS=gemv run $(lim 3 60) python3 experiments/merged_exactness.py --model /tmp/m/1b \
-    --specs l3+fast_batch,l1+merged_proj --batches 32 --trials 3 --out "$OUT/batch32_nogemv.jsonl"
+    --specs l3,l1+merged_proj --batches 32 --trials 3 --out "$OUT/batch32_nogemv.jsonl"
 fi
 if [ "${PROFB:-0}" = 1 ]; then
   stage batch-profile

@@ -45,7 +45,7 @@ done
 if [ "${BATCHCHK:-0}" = 1 ]; then      # the batch lane (8 and 32 rows) against BatchGenerator
   stage batch
   run $(lim 5 100) python3 experiments/merged_exactness.py --model /tmp/m/1b \
-    --specs l3+fast_batch --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
+    --specs l3 --batches 8,32 --trials 3 --out "$OUT/batch.jsonl"
 fi
 if [ "${MMA:-0}" = 1 ]; then
   stage mma

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fast.decode import FastDecoder  # noqa: E402
+from engine.fast.decode import FastDecoder, FastStep  # noqa: E402
 from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
@@ -47,7 +47,7 @@ def run_path(model, prompt, seq, path: str):
     lv = resolve("l3")                      # (the fast path's settings from the environment)
     if path == "nomega":
         lv = with_levers(lv, fast=replace(lv.fast, disabled=lv.fast.disabled | {"mega"}))
-    dec = None if path == "l1" else FastDecoder(model, lv)
+    dec = None if path == "l1" else FastDecoder(FastStep(model, lv))
     y = mx.array([prompt[-1]])
     for t in seq:
         if dec is None:

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     import mlx.core as mx
 
-    from engine.fast.decode import FastDecoder
+    from engine.fast.decode import FastDecoder, FastStep
     from engine.levers import resolve
     from engine.loader import load_model
     try:
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"mega_first_step: {e}", file=sys.stderr)
         return 2
-    dec = FastDecoder(model, levers)
+    dec = FastDecoder(FastStep(model, levers))
     caches = model.make_cache()
     mx.eval(model(mx.array(prompt)[None], cache=caches))
     print("prompt done", round(time.time() - t0, 2), flush=True)

@@ -1,8 +1,8 @@
-"""Merged projections (`l1+merged_proj`) and the batch fast step (`l3+fast_batch`) on this
+"""Merged projections (`l1+merged_proj`) and the batch fast step (`l3`) on this
 device: exact with mlx-lm, and faster?
 
 For each lever spec (default `l1` and `l1+merged_proj`; any spec of
-`engine.levers.parse_spec`, e.g. `l3+fast_batch`: L3 with the batch rows on the fast step),
+`engine.levers.parse_spec`, e.g. `l3`: L3 with the batch rows on the fast step),
 through `engine.Engine`:
 
 1. exactness against mlx-lm (`mx.array_equal`, diffs printed, no tolerance):
@@ -23,8 +23,8 @@ none), so every row runs its full length in both engines.
     python -m experiments.presets 1b /tmp/m/1b
     python experiments/merged_exactness.py --model /tmp/m/1b               # GPU, ~2 min
     python experiments/merged_exactness.py --quick                        # CPU dry run
-    python experiments/merged_exactness.py --model /tmp/m/1b --specs l1,l1+merged_proj,l3+fast_batch
-    python experiments/merged_exactness.py --quick --specs l1,l3+fast_batch   # CPU, ~25 s
+    python experiments/merged_exactness.py --model /tmp/m/1b --specs l1,l1+merged_proj,l3
+    python experiments/merged_exactness.py --quick --specs l1,l3   # CPU, ~25 s
 """
 
 from __future__ import annotations

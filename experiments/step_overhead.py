@@ -43,7 +43,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.fast.decode import FastDecoder  # noqa: E402
+from engine.fast.decode import FastDecoder, FastStep  # noqa: E402
 from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.step.stepper import generate_step  # noqa: E402
@@ -95,7 +95,7 @@ def timed(mode: str, model, dec, caches, prompt, gen: int) -> float:
 def kernel_ms(model, caches, prompt, gen: int) -> float:
     """Mean of the kernel's own timer (ms) over gen steps, or -1 where it did not run."""
     lv = resolve("l3")                      # (the fast path's settings from the environment)
-    dec = FastDecoder(model, with_levers(lv, fast=replace(lv.fast, prof=True)))    # (the timer on)
+    dec = FastDecoder(FastStep(model, with_levers(lv, fast=replace(lv.fast, prof=True))))    # (the timer on)
     dec.reserve(caches, gen + 8)
     _reset(caches, len(prompt))
     y, tot = mx.array([prompt[-1]]), []
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     prompt = [(7 * i + 3) % 1000 + 32 for i in range(a.prompt)]
     caches = model.make_cache()
     mx.eval(model(mx.array(prompt)[None], cache=caches))
-    dec = FastDecoder(model, resolve("l3"))
+    dec = FastDecoder(FastStep(model, resolve("l3")))
     dec.reserve(caches, a.gen + 8)
     for m in MODES:                                   # warm-up: traces and kernels built
         timed(m, model, dec, caches, prompt, 8)

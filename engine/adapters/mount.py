@@ -35,6 +35,20 @@ def _group_weights(weights: dict, where) -> dict:
     return groups
 
 
+_ACTIVE = "_mlxp_active_adapters"
+
+
+def active_adapters(model) -> tuple:
+    """Names of the mounted adapters switched on (sorted): with `module_version`, what a
+    traced step of this model depends on (`engine.fast.decode.FastStep` keys its traces on
+    both; switching adapters on and off does not bump the version)."""
+    return getattr(model, _ACTIVE, ())
+
+
+def _set_active(model, names) -> None:
+    object.__setattr__(model, _ACTIVE, tuple(sorted(names)))
+
+
 def _registry(model) -> dict:
     reg = model.__dict__.get("_lora_registry")
     if reg is None:
@@ -103,6 +117,7 @@ def mount_adapter(model, adapter_dir, name: Optional[str] = None,
             slots.append((path, "stack"))
     mx.eval([a for _, _, a, _ in plan] + [b for _, _, _, b in plan])
     reg[name] = {"path": str(adapter_dir), "scale": s, "slots": slots, "config": cfg}
+    _set_active(model, set(active_adapters(model)) | {name})   # (mounted switched on)
     bump_version(model)
     return name
 
@@ -132,7 +147,11 @@ def set_adapter(model, name: str, *, active: Optional[bool] = None,
                 it["scale"] = float(scale)
     if scale is not None:
         _registry(model)[name]["scale"] = float(scale)
-    bump_version(model)
+        bump_version(model)
+    if active is not None:      # (a traced step keys on this: switching back reuses its trace)
+        on = set(active_adapters(model))
+        _set_active(model, on | {name} if active else on - {name})
+
 
 
 def unmount_adapter(model, name: str):
@@ -153,6 +172,7 @@ def unmount_adapter(model, name: str):
         if not m.has_primary and not m._stack.items:
             set_module(model, path, m.linear)
     del reg[name]
+    _set_active(model, set(active_adapters(model)) - {name})
     bump_version(model)
     remerge(model)          # merged_proj: groups left without an adapter merge again
 

@@ -42,6 +42,7 @@ from ..levers import Levers
 from . import kernels as K
 from . import mega as MG
 from .merge import module_version
+from ..adapters.mount import active_adapters
 from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_stack, rotated_qkv
 
 SUPPORTED_TYPES = ("llama", "qwen3")
@@ -128,6 +129,26 @@ class FastStep:
         self._own: list = []      # the buffers the one-kernel step last wrote in place
         self._zeros: dict = {}    # rows -> int32 zeros [rows] (the rows' first column)
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
+        # rows one call of the one-kernel step takes (0: that step is not used), and whether
+        # the weights are quantized: then a step of more rows is several calls of it (MLX's
+        # quantized matmul of several rows measured far slower: reports/l3/JOURNAL.md)
+        mega_ok = self._mega_freq is not None and MG.why_not(model, levers) is None
+        self.mega_rows = MG.rows_per_call(model) if mega_ok else 0
+        self.quantized = mega_ok and MG.quantization(model, levers.fast.quant) is not None
+
+    def rows_for(self, n: int) -> int:
+        """The rows a step runs for n rows in use (a bucket, so shapes repeat): a power of
+        two, at most what one call of the one-kernel step takes while n fits one call; past
+        that, a multiple of it for quantized weights (several calls), else a power of two."""
+        b = 1
+        while b < n:
+            b *= 2
+        R = self.mega_rows
+        if R and n <= R:
+            return min(b, R)
+        if R and self.quantized:
+            return -(-n // R) * R
+        return b
 
     # --- the step, as a pure function of (tokens, positions, active, buffers) -----------
 
@@ -177,21 +198,23 @@ class FastStep:
     def _fn(self, rows: int, capacity: int):
         """(the compiled step for this shape, whether it is the one-kernel step, which writes
         the buffers in place)."""
-        # a trace holds the modules as they were (adapters, merged groups) and the fault
-        # active when it was built (the negative control): either changing needs a new one
+        # a trace holds the modules as they were (adapters mounted, merged groups: the
+        # version), the adapters switched on and the fault active when it was built (the
+        # negative control): a change of version drops the traces, the others are keys
         version = module_version(self.model)
         if version != self._version:
             self._fns.clear()
             self._version, self._mega = version, None
-        key = (rows, capacity, K.active_fault())
+        key = (rows, capacity, K.active_fault(), active_adapters(self.model))
         entry = self._fns.get(key)
         if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None
                       else "no RoPE kernel")
-            if reason is None and rows > MG.rows_per_call(self.model):
-                # (several calls a step, each reading every weight: measured slower on the
-                # H200 at 32 rows than the step of separate kernels: reports/l3/JOURNAL.md)
+            if reason is None and rows > MG.rows_per_call(self.model) and not self.quantized:
+                # (several calls a step, each reading every weight: for float weights measured
+                # slower on the H200 at 32 rows than the step of separate kernels:
+                # reports/l3/JOURNAL.md; quantized weights take several calls)
                 reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega
@@ -207,7 +230,8 @@ class FastStep:
 
     @property
     def trace_keys(self) -> list:
-        """(rows, capacity, fault) of the compiled steps held, least recently used first."""
+        """(rows, capacity, fault, adapters on) of the compiled steps held, least recently
+        used first."""
         return list(self._fns)
 
     def __call__(self, tokens: mx.array, pos: mx.array, active: mx.array, keys: list,

@@ -7,9 +7,10 @@ at its own column n (`engine.fast.decode.FastStep`: one position a row). A row l
 its slot; nobody's KV moves. So rows join and leave between any two steps without a copy of
 the others' KV and without a new shape:
 
-- S, the rows the step runs, is a power of two (a bucket) just above the highest slot in
-  use; free slots inside it run as idle rows (token 0 at column 0 of their own slot, their
-  logits never read);
+- S, the rows the step runs, is a bucket (`FastStep.rows_for`: a power of two, or a multiple
+  of the one-kernel step's rows a call) just above the highest slot in use; free slots
+  inside it run as idle rows (token 0 at column 0 of their own slot, their logits never
+  read);
 - C, the columns, is a multiple of CAPACITY_STEP (512) above the longest row's next column;
 - S and C grow when a row needs it and shrink (with slack, so a boundary does not flip
   back and forth) when rows leave: the buffers are copied then, and the step for the new
@@ -30,14 +31,6 @@ import mlx.core as mx
 
 from engine.kv.cache import KVCache
 from .decode import CAPACITY_STEP, FastStep, capacity_for
-
-
-def bucket(rows: int) -> int:
-    """The rows a step runs for `rows` slots in use: the next power of two."""
-    b = 1
-    while b < rows:
-        b *= 2
-    return b
 
 
 class SlotPool:
@@ -88,7 +81,7 @@ class SlotPool:
         """Grow to hold `need_rows` slots and `need_cols` columns; shrink where the
         buffers are at least four times (columns) or twice (rows) what is needed."""
         rows, cap = self.rows, self.capacity
-        want_r = bucket(max(need_rows, 1))
+        want_r = self.step.rows_for(max(need_rows, 1))
         want_c = capacity_for(max(need_cols, 1))
         new_r = want_r if (want_r > rows or want_r * 2 <= rows) else rows
         new_c = want_c if (want_c > cap or (cap > CAPACITY_STEP and want_c * 4 <= cap)) else cap

@@ -215,6 +215,8 @@ class Engine(PrefixReuse):
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
         req.prefix = prefix_caches or None
+        # sampling from the global seeded stream alone: the batch's draws must not interleave
+        req.exclusive = req.lane == "solo" and params.seed is not None and bool(params.temperature)
         # (copied on write: stats() may be read from another thread)
         if reason is not None:
             self.solo_reasons = {**self.solo_reasons, reason: self.solo_reasons.get(reason, 0) + 1}
@@ -295,56 +297,78 @@ class Engine(PrefixReuse):
     # --- the loop ------------------------------------------------------------------
 
     def step(self) -> list:
-        """One scheduler step; the outputs it produced (a request appears at most once)."""
+        """One scheduler step; the outputs it produced (a request appears at most once).
+
+        schedule (`_schedule`) -> execute: one unit of the request running alone (a prefill
+        chunk or a token: the exact runner) and one step of the batch (the batch or the fast
+        runner), side by side -> update (`_update`, the same for both)."""
         outs, self._done_now = self._done_now, []
         outs += self._schedule()
         solo = self._solo
-        decoded = 0                        # rows in this step's decode forward
-        try:      # the forward runs right below here (one frame to the model in each lane)
-            if solo is not None and solo.steps is None:
-                self._solo_prefill(solo)   # one chunk per step: abort() lands between chunks
-            elif solo is not None:
-                decoded = 1
-                outs += self._solo_token(solo, *next(solo.steps))
-            elif self._sched is not None and self._sched.has_work():
-                events = self._sched.step()
-                decoded = self._sched.decoded_rows
-                outs += self._batch_events(events)
-        except Exception as e:   # a fault: the solo request, or every row of the batch, ends
-            if solo is not None:
+        decoded = 0                        # rows in this step's decode forwards
+        if solo is not None:
+            try:      # the forward runs right below here (one frame to the model)
+                if self.adapters is not None:
+                    self.adapters.activate(solo.adapters)
+                if solo.steps is None:
+                    self._solo_prefill(solo)   # one chunk per step: abort() lands between chunks
+                else:
+                    decoded = 1
+                    outs += self._solo_token(solo, *next(solo.steps))
+            except Exception as e:         # a fault: the request running alone ends
                 self._end_solo(solo, store=False)
                 outs.append(self._fail(solo, e))
-            else:
+        if self._sched is not None and self._sched.has_work():
+            try:
+                if self.adapters is not None:
+                    self.adapters.activate(())
+                events = self._sched.step()
+                decoded += self._sched.decoded_rows
+                outs += self._batch_events(events)
+            except Exception as e:         # a fault: every row of the batch ends
                 rows = list(self._rows.values())
                 self._sched, self._rows = self._new_scheduler(), {}
                 outs += [self._fail(r, e) for r in rows]
         self.steps += 1
         self.peak_rows = max(self.peak_rows, decoded)
-        self.rows_now = (int(self._solo.steps is not None) if self._solo is not None
-                         else self._sched.decoding if self._sched is not None else 0)
+        self.rows_now = ((1 if self._solo is not None and self._solo.steps is not None else 0)
+                         + (self._sched.decoding if self._sched is not None else 0))
         return outs
 
     def _schedule(self) -> list:
+        """Start waiting requests, in arrival order within each lane: a request that runs
+        alone starts when no other one does (beside the batch, which keeps decoding); a batch
+        request joins while `max_batch` and the aggregate memory estimate allow (a later batch
+        request never passes an earlier one). One exception keeps seeded sampling
+        reproducible: a request that samples from the global seeded stream (a seed,
+        temperature > 0) running alone starts only once the batch has drained, and batch
+        requests after it wait for it."""
         failed = []
-        while self._waiting:
-            req = self._waiting[0]
-            if self._solo is not None:
-                break
+        batch_blocked = False
+        for req in list(self._waiting):
             if req.lane == "solo":
-                if self._rows:
-                    break
-                self._waiting.popleft()
+                if self._solo is not None:
+                    batch_blocked = batch_blocked or req.exclusive
+                    continue
+                if req.exclusive and self._rows:
+                    batch_blocked = True
+                    continue
+                self._waiting.remove(req)
                 try:
                     self._start_solo(req)
                 except Exception as e:     # (an adapter unmounted since submit, ...)
                     failed.append(self._fail(req, e))
-                break
-            if len(self._rows) >= self.max_batch:     # at most max_batch rows handed over
-                break
-            if self._rows and not self.batch_fits([r.need for r in self._rows.values()]
-                                                  + [req.need]):
-                break
-            self._waiting.popleft()
+                if req.exclusive:
+                    batch_blocked = True
+                continue
+            if batch_blocked or (self._solo is not None and self._solo.exclusive):
+                continue
+            if len(self._rows) >= self.max_batch or (
+                    self._rows and not self.batch_fits([r.need for r in self._rows.values()]
+                                                       + [req.need])):
+                batch_blocked = True       # (later batch requests keep their turn)
+                continue
+            self._waiting.remove(req)
             try:
                 self._start_row(req)
             except Exception as e:         # (its processors, sampler or seed): this row only

@@ -18,7 +18,7 @@ from engine import Engine
 from engine.step.batch import BatchRequest, BatchScheduler
 from engine.fast.apply import describe, fast_step_for
 from engine.fast.decode import CAPACITY_STEP, FastStep
-from engine.fast.slots import SlotPool, bucket
+from engine.fast.slots import SlotPool
 from engine.kv.quant import make_policy
 from engine.levers import parse_spec
 from parity.batch import Insert, compare, run_ours
@@ -107,11 +107,26 @@ def test_slots_reused_lowest_first_and_buffers_shrink():
     assert isinstance(pool, SlotPool)
     # row 1 finished after 4 tokens; the row that joined at step 8 took its slot (1)
     assert pool.slots == [0, 2, 1] and pool.rows == 4
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
+    assert [step.rows_for(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
     pool.filter([0])                      # rows 2 and 3 leave: slots 1 and 2 freed
     assert pool.rows == 1 and pool.slots == [0] and pool.held[0] > 9
     pool.filter([])
     assert pool.rows == 1 and pool.slots == [] and pool.held == [-1]
+
+
+def test_row_buckets_follow_the_one_kernel_steps_rows_a_call():
+    """Powers of two up to the rows one call of the one-kernel step takes; past them,
+    multiples of it for quantized weights (several calls a step), else powers of two."""
+    model, _ = _model("llama", "bfloat16")
+    step = FastStep(model, FAST)
+    assert step.mega_rows == 0 and not step.quantized          # (no CUDA here)
+    ns = (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 33)
+    assert [step.rows_for(n) for n in ns] == [1, 2, 4, 8, 8, 8, 16, 16, 16, 32, 64]
+    step.mega_rows = 8                                       # (as on a GPU: float, 1B)
+    assert [step.rows_for(n) for n in ns] == [1, 2, 4, 8, 8, 8, 16, 16, 16, 32, 64]
+    step.mega_rows, step.quantized = 7, True                 # (4-bit 8B: 7 rows a call)
+    assert [step.rows_for(n) for n in ns] == [1, 2, 4, 7, 7, 14, 14, 21, 21, 21, 35]
+    assert all(step.rows_for(n) >= n for n in range(1, 70))
 
 
 def test_one_trace_per_shape_reused_and_bounded():
