@@ -129,26 +129,19 @@ class FastStep:
         self._own: list = []      # the buffers the one-kernel step last wrote in place
         self._zeros: dict = {}    # rows -> int32 zeros [rows] (the rows' first column)
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
-        # rows one call of the one-kernel step takes (0: that step is not used), and whether
-        # the weights are quantized: then a step of more rows is several calls of it (MLX's
-        # quantized matmul of several rows measured far slower: reports/l3/JOURNAL.md)
+        # rows one call of the one-kernel step takes (0: that step is not used)
         mega_ok = self._mega_freq is not None and MG.why_not(model, levers) is None
         self.mega_rows = MG.rows_per_call(model) if mega_ok else 0
-        self.quantized = mega_ok and MG.quantization(model, levers.fast.quant) is not None
 
     def rows_for(self, n: int) -> int:
         """The rows a step runs for n rows in use (a bucket, so shapes repeat): a power of
-        two, at most what one call of the one-kernel step takes while n fits one call; past
-        that, a multiple of it for quantized weights (several calls), else a power of two."""
+        two, but at most what one call of the one-kernel step takes while n fits one call
+        (e.g. 7 for an 8B model, whose 5 to 7 rows then stay on the one kernel)."""
         b = 1
         while b < n:
             b *= 2
         R = self.mega_rows
-        if R and n <= R:
-            return min(b, R)
-        if R and self.quantized:
-            return -(-n // R) * R
-        return b
+        return min(b, R) if R and n <= R else b
 
     # --- the step, as a pure function of (tokens, positions, active, buffers) -----------
 
@@ -211,10 +204,10 @@ class FastStep:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None
                       else "no RoPE kernel")
-            if reason is None and rows > MG.rows_per_call(self.model) and not self.quantized:
-                # (several calls a step, each reading every weight: for float weights measured
-                # slower on the H200 at 32 rows than the step of separate kernels:
-                # reports/l3/JOURNAL.md; quantized weights take several calls)
+            if reason is None and rows > MG.rows_per_call(self.model):
+                # (several calls a step, each reading every weight: measured slower on the
+                # H200 at 32 rows than the step of separate kernels, and for 4-bit 8B rows on
+                # an H100 no faster than MLX's quantized matmul: reports/l3/JOURNAL.md)
                 reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega

@@ -7,8 +7,8 @@ at its own column n (`engine.fast.decode.FastStep`: one position a row). A row l
 its slot; nobody's KV moves. So rows join and leave between any two steps without a copy of
 the others' KV and without a new shape:
 
-- S, the rows the step runs, is a bucket (`FastStep.rows_for`: a power of two, or a multiple
-  of the one-kernel step's rows a call) just above the highest slot in use; free slots
+- S, the rows the step runs, is a bucket (`FastStep.rows_for`: a power of two, capped at the
+  one-kernel step's rows a call while they fit one) just above the highest slot in use; free slots
   inside it run as idle rows (token 0 at column 0 of their own slot, their logits never
   read);
 - C, the columns, is a multiple of CAPACITY_STEP (512) above the longest row's next column;

@@ -115,17 +115,17 @@ def test_slots_reused_lowest_first_and_buffers_shrink():
 
 
 def test_row_buckets_follow_the_one_kernel_steps_rows_a_call():
-    """Powers of two up to the rows one call of the one-kernel step takes; past them,
-    multiples of it for quantized weights (several calls a step), else powers of two."""
+    """Powers of two, capped at the rows one call of the one-kernel step takes while they
+    fit one call (so an 8B model's 5 to 7 rows stay on the one kernel)."""
     model, _ = _model("llama", "bfloat16")
     step = FastStep(model, FAST)
-    assert step.mega_rows == 0 and not step.quantized          # (no CUDA here)
+    assert step.mega_rows == 0                                # (no CUDA here)
     ns = (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 33)
     assert [step.rows_for(n) for n in ns] == [1, 2, 4, 8, 8, 8, 16, 16, 16, 32, 64]
     step.mega_rows = 8                                       # (as on a GPU: float, 1B)
     assert [step.rows_for(n) for n in ns] == [1, 2, 4, 8, 8, 8, 16, 16, 16, 32, 64]
-    step.mega_rows, step.quantized = 7, True                 # (4-bit 8B: 7 rows a call)
-    assert [step.rows_for(n) for n in ns] == [1, 2, 4, 7, 7, 14, 14, 21, 21, 21, 35]
+    step.mega_rows = 7                                       # (8B: 7 rows a call)
+    assert [step.rows_for(n) for n in ns] == [1, 2, 4, 7, 7, 8, 16, 16, 16, 32, 64]
     assert all(step.rows_for(n) >= n for n in range(1, 70))
 
 
