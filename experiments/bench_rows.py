@@ -20,7 +20,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import engine  # noqa: E402

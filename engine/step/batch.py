@@ -7,7 +7,9 @@ BatchGenerator's schedule, so the same inserts give the same forwards):
    sample each row's next token with its own sampler / PRNG key / processors,
    emit each row's *current* token with its logprobs (the step is pipelined:
    the token emitted now was sampled by the previous forward), and drop rows
-   that finished (EOS or stop token, stop string, `max_tokens`);
+   that finished (EOS or stop token, stop string, `max_tokens`: with a tokenizer,
+   stop tokens and a `max_tokens`; the Engine gives none and ends rows itself,
+   after its one update for every runner, with `retire`);
 2. **admit** — queued requests join the prefill group (bounded by
    `prefill_batch_size` and `completion_batch_size`), their caches stacked
    right-aligned and appended to the group's caches (no re-merge of the rest);
@@ -45,7 +47,7 @@ class BatchRequest:
     any prefix held in `caches`, single-row caches from a prompt cache)."""
 
     prompt: Sequence[int]
-    max_tokens: int = 256
+    max_tokens: Optional[int] = 256             # None: the caller ends the row (`retire`)
     sampler: Optional[Callable] = None          # fn(logprobs [n, V], key=None) -> [n]
     seed: Optional[int] = None                  # per-row PRNG key (else the global PRNG)
     logits_processors: Sequence[Callable] = ()  # fn(tokens [T], logits [1, V]) -> logits
@@ -266,7 +268,7 @@ class BatchScheduler:
     def submit(self, req: BatchRequest) -> int:
         if not len(req.prompt):
             raise ValueError("empty prompt")
-        if req.max_tokens <= 0:
+        if req.max_tokens is not None and req.max_tokens <= 0:
             raise ValueError("max_tokens must be > 0")
         stops = self.eos if req.stop_tokens is None else set(int(t) for t in req.stop_tokens)
         row = _Row(self._uid, req, stops, self.tokenizer)
@@ -398,7 +400,7 @@ class BatchScheduler:
                 ev.token, ev.logprobs, ev.finish_reason, ev.error = None, None, "error", row.error
                 events.append(ev)
                 continue
-            if row.n >= row.req.max_tokens:
+            if row.req.max_tokens is not None and row.n >= row.req.max_tokens:
                 ev.finish_reason = "length"
             if tok in row.stops:
                 ev.finish_reason, ev.stop_token = "stop", True
@@ -473,6 +475,23 @@ class BatchScheduler:
             for c in g.caches:
                 c.finalize()
             _eval_caches(g.caches)
+
+    def retire(self, uids) -> dict:
+        """End decoding rows now (their caller's update decided they finished: the Engine's
+        EOS, length and stop-string checks); uid -> the row's single-row caches (rows that
+        asked for them, `return_cache`) or None. One filter of the decode group for all of
+        them, where a row ending in `_decode_step` would have been dropped."""
+        g = self._decode
+        want = set(uids)
+        out, keep = {}, []
+        for i, r in enumerate(g.rows):
+            if r.uid in want:
+                out[r.uid] = _extract(g.caches, i) if r.req.return_cache else None
+            else:
+                keep.append(i)
+        if len(keep) < len(g):
+            g.filter(keep)
+        return out
 
     # -- prompt-cache hand-off ------------------------------------------------------
     def row_caches(self, uid: int) -> Optional[list]:

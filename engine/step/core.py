@@ -8,24 +8,27 @@
 
 Each `step()` is one scheduler step (schedule -> execute -> update):
 
-1. **schedule** — waiting requests start in arrival order. A request runs either
-   as a row of the continuous batch (`engine.step.batch.BatchScheduler`) or solo
-   (`engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`). The
-   Engine decides: solo when `max_batch` is 1, when the KV cache is quantized,
-   or when the request selects adapters (the batch runs the base weights);
-   `stats()["solo_reasons"]` counts why. Rows join the batch while the
-   aggregate memory estimate fits (a lone row always runs: its own check
-   passed at submit) and at most `max_batch` rows are in the batch (the rest
-   wait in the engine, counted by `stats()["waiting"]`); a solo request waits until the batch has drained, and
-   batched requests wait behind a solo one, so arrival order holds.
-2. **execute** — one token for the solo request, or one batch step for all rows.
-3. **update** — each token is detokenized, checked against EOS / stop strings /
-   `max_tokens`, and turned into a `RequestOutput` once it makes text final
-   (or ends the request). A finished request's KV goes to the prompt cache.
+1. **schedule** — waiting requests start in arrival order within their lane. A request is
+   a row of the continuous batch (`engine.step.batch.BatchScheduler`: the *batch* runner,
+   or with a fast lever the *fast* runner, its decode on `engine.fast`) or runs alone (the
+   *exact* runner: `engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`):
+   alone when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects
+   adapters (the batch runs the base weights) or brings its own prefix caches;
+   `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
+   estimate fits (a lone row always runs: its own check passed at submit) and at most
+   `max_batch` rows are in the batch (the rest wait, `stats()["waiting"]`). A request
+   running alone runs beside the batch (one at a time); one that samples from a seed
+   waits for the batch to drain and holds later batch requests back, so its draws are
+   its own.
+2. **execute** — one unit of the request running alone (a prefill chunk or a token) and
+   one batch step, side by side.
+3. **update** — one function for every runner (`_token`): EOS, length, stop strings,
+   the text a token makes final, logprobs, the finish reason; a finished request's KV
+   goes to the prompt cache (a batch row's leaves the batch by `BatchScheduler.retire`).
 
-The same code builds every request's sampler, processors and outputs in both
-lanes. A failure in one request's own code (building its processors or sampler,
-running them, detokenizing) ends that request only, in both lanes.
+The same code builds every request's sampler, processors and outputs for every
+runner. A failure in one request's own code (building its processors or sampler,
+running them, detokenizing) ends that request only.
 `submit()` raises `ValueError` (bad prompt, `ContextLengthExceeded`: longer than
 the model's context, `ContextOverBudget`: over the memory budget) before
 anything runs, and caps `max_tokens` at the context the prompt leaves; an exception while running ends the affected requests with
@@ -39,22 +42,21 @@ import time
 from collections import deque
 from typing import Optional
 
-import mlx.core as mx
 
 from engine.step.batch import BatchRequest, BatchScheduler, RowEvent
 from engine.kv.quant import make_policy
 from engine.step.request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
                       check_token_ids, encode_prompt, model_context, model_vocab_size,
                       token_logprob)
+from engine.step.alone import AloneRunner
 from engine.step.reuse import PrefixReuse
-from engine.step.stepper import generate_step, prefill_chunk
 
 __all__ = ["Engine"]
 
 BASE_NAMESPACE = "base"
 
 
-class Engine(PrefixReuse):
+class Engine(AloneRunner, PrefixReuse):
     """Model, tokenizer, prompt cache, admission, adapters and the scheduler.
 
     max_batch: most requests decoding together (1: one at a time, each exactly
@@ -122,7 +124,8 @@ class Engine(PrefixReuse):
         self.solo_reasons: dict = {}
 
     def _new_scheduler(self) -> BatchScheduler:
-        return BatchScheduler(self.model, tokenizer=self.tokenizer,
+        # (no tokenizer, no stop tokens, no max_tokens: rows end by the Engine's update)
+        return BatchScheduler(self.model, tokenizer=None, eos_token_ids=(),
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
                               prefill_step_size=self.prefill_step_size,
@@ -398,90 +401,6 @@ class Engine(PrefixReuse):
             self._samplers[key] = params.make_sampler(special)
         return self._samplers[key]
 
-    # --- solo lane -------------------------------------------------------------------
-
-    def _start_solo(self, req: RequestState) -> None:
-        if self.adapters is not None:
-            self.adapters.activate(req.adapters)
-        p = req.params
-        sampler = self._sampler(p)
-        processors = p.make_processors()
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        caches = self._fetch(req)
-        if caches is not None:
-            self.policy.apply(caches)
-        else:
-            caches = self._new_caches()
-        reused, ids = req.reused, req.ids
-        # The prompt (all but its last token) is prefilled one chunk per step()
-        # (`_solo_prefill`, the chunks of `generate_step`'s own prefill); the token loop
-        # then starts from the last prompt token, its processors seeing the whole prompt.
-        history = mx.array(ids[:-1]) if processors and len(ids) > 1 else None
-        req.caches, req.prompt, req.done = caches, mx.array(ids[reused:]), 0
-        from engine.fast.apply import decoder_for   # L3: None unless a fast lever is on
-        decoder = decoder_for(self.model, self.levers, caches, self.policy)
-
-        def start_decode():
-            return generate_step(req.prompt[req.done:], self.model, max_tokens=p.max_tokens,
-                                 sampler=sampler, logits_processors=processors or None,
-                                 caches=caches, policy=self.policy,
-                                 prefill_step_size=self.prefill_step_size, history=history,
-                                 decoder=decoder)
-        req.start_decode = start_decode
-        req.tic = time.perf_counter()
-        self._solo = req
-
-    def _new_caches(self) -> list:
-        """The model's caches; with `max_kv_size`, mlx-lm's bounded ones (a ring of that
-        many tokens keeping the first 4) where the model has only full-attention layers."""
-        from engine.kv.cache import KVCache, RotatingKVCache   # (engine.kv.cache imports the models)
-
-        caches = self.model.make_cache()
-        if self.max_kv_size and all(type(c) is KVCache for c in caches):
-            caches = [RotatingKVCache(self.max_kv_size, keep=4) for _ in caches]
-        return caches
-
-    def _solo_prefill(self, req: RequestState) -> None:
-        from engine.kv.cache import RotatingKVCache   # (engine.kv.cache imports the models)
-
-        if req.prompt.size - req.done > 1:
-            req.done = prefill_chunk(self.model, req.prompt, req.done, req.caches,
-                                     self.policy, self.prefill_step_size)
-        if req.prompt.size - req.done > 1:
-            return
-        # A sliding-window ring that wraps while decoding can no longer be trimmed back to
-        # a shared prefix; keep a snapshot at the end of the prompt too (all tokens but
-        # the last), so a prompt that branches after it still hits.
-        if (req.prefix is None and req.prompt.size > 1
-                and any(isinstance(c, RotatingKVCache) for c in req.caches)):
-            self._keep(req, req.ids[:len(req.ids) - 1], req.caches)
-        req.steps, req.start_decode = req.start_decode(), None
-
-    def _solo_token(self, req: RequestState, tok: int, lp) -> list:
-        ev = RowEvent(-1, tok, lp)
-        if len(req.fed) + 1 >= req.params.max_tokens:
-            ev.finish_reason = "length"
-        if tok in self.eos:
-            ev.finish_reason, ev.stop_token = "stop", True
-        text, hit = req.text.feed(None if ev.stop_token else tok, ev.finish_reason is not None)
-        if hit:
-            ev.finish_reason, ev.stop_string = "stop", req.text.stop_string
-        ev.text = text
-        out = self._update(req, ev)
-        if ev.finish_reason is not None:
-            self._live.pop(req.rid, None)
-            self._end_solo(req)
-        return [out] if out is not None else []
-
-    def _end_solo(self, req: RequestState, store: bool = True) -> None:
-        if req.steps is not None:
-            req.steps.close()
-        if store:
-            self._store(req, req.caches)
-        req.steps = req.caches = req.prompt = req.start_decode = None
-        self._solo = None
-
     # --- batch lane ------------------------------------------------------------------
 
     def _start_row(self, req: RequestState) -> None:
@@ -491,14 +410,14 @@ class Engine(PrefixReuse):
         caches = self._fetch(req)
         req.tic = time.perf_counter()
         req.uid = self._sched.submit(BatchRequest(
-            req.ids[req.reused:], max_tokens=p.max_tokens, sampler=self._sampler(p),
-            seed=p.seed, logits_processors=p.make_processors(), stop=list(p.stop),
+            req.ids[req.reused:], max_tokens=None, sampler=self._sampler(p),
+            seed=p.seed, logits_processors=p.make_processors(),
             caches=caches, history=req.ids[:req.reused],
             return_cache=self.prompt_cache is not None or self.disk_cache is not None))
         self._rows[req.uid] = req
 
     def _batch_events(self, events) -> list:
-        outs = []
+        outs, ended = [], []
         for ev in events:
             req = self._rows.get(ev.uid)
             if req is None:           # aborted (its output was made then)
@@ -507,17 +426,40 @@ class Engine(PrefixReuse):
                 del self._rows[ev.uid]
                 outs.append(self._fail(req, ev.error))
                 continue
-            out = self._update(req, ev)
-            if ev.finish_reason is not None:
-                del self._rows[ev.uid]
+            try:
+                out, finished = self._token(req, ev.token, ev.logprobs)
+            except Exception as e:    # (its detokenizer): this row only
+                out, finished = self._fail(req, e), None
+                ended.append((req, False))
+            if finished:
+                ended.append((req, True))
                 self._live.pop(req.rid, None)
-                if ev.caches is not None:
-                    self._store(req, ev.caches)
             if out is not None:
                 outs.append(out)
+        if ended:                     # one filter of the batch for every row that ended
+            caches = self._sched.retire([r.uid for r, _ in ended])
+            for req, store in ended:
+                del self._rows[req.uid]
+                if store and caches.get(req.uid) is not None:
+                    self._store(req, caches[req.uid])
         return outs
 
-    # --- update (both lanes) ---------------------------------------------------------
+    # --- update (every runner) --------------------------------------------------------
+
+    def _token(self, req: RequestState, tok: int, lp) -> tuple:
+        """The one update of a token from any runner: EOS, length, stop strings, the text
+        it makes final, logprobs, the finish reason. Returns (the output to hand out or
+        None, whether the request finished)."""
+        ev = RowEvent(req.uid if req.uid is not None else -1, tok, lp)
+        if len(req.fed) + 1 >= req.params.max_tokens:
+            ev.finish_reason = "length"
+        if tok in self.eos:
+            ev.finish_reason, ev.stop_token = "stop", True
+        text, hit = req.text.feed(None if ev.stop_token else tok, ev.finish_reason is not None)
+        if hit:
+            ev.finish_reason, ev.stop_string = "stop", req.text.stop_string
+        ev.text = text
+        return self._update(req, ev), ev.finish_reason is not None
 
     def _update(self, req: RequestState, ev: RowEvent) -> Optional[RequestOutput]:
         if ev.token is not None:

@@ -302,9 +302,7 @@ class RequestState:
         self.prompt = None                # solo: the uncached prompt tokens, prefilling
         self.done = 0                     # solo: how many of them are in the caches
         self.start_decode = None          # solo: builds `steps` once prefilled
-        self.text: Optional[TextStream] = None
-        if lane == "solo":
-            self.text = TextStream(tokenizer, params.stop)
+        self.text = TextStream(tokenizer, params.stop)   # (the one update's, every runner)
 
     def output(self, text: str, reason=None, **kw) -> RequestOutput:
         now = time.perf_counter()

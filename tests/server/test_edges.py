@@ -13,8 +13,8 @@ from srv_helpers import NO_EOS, sse_events, uniq
 @pytest.fixture
 def faulty(srv, monkeypatch):
     """The engine's token loop raises after its third token (a server fault mid-generation)."""
-    import engine.step.core
-    real = engine.step.core.generate_step
+    import engine.step.alone
+    real = engine.step.alone.generate_step
 
     def failing(*a, **kw):
         for i, step in enumerate(real(*a, **kw)):
@@ -22,7 +22,7 @@ def faulty(srv, monkeypatch):
             if i == 2:
                 raise RuntimeError("injected fault")
     before = httpx.get(srv.url + "/stats").json()["queue"]["failed"]
-    monkeypatch.setattr(engine.step.core, "generate_step", failing)
+    monkeypatch.setattr(engine.step.alone, "generate_step", failing)
     yield srv
     monkeypatch.undo()
     after = httpx.get(srv.url + "/stats").json()["queue"]["failed"]
