@@ -36,7 +36,7 @@ def _frames(frame, root: str) -> list:
     return out[::-1]
 
 
-def measure(root: str, fixture_dir: str, batch: int) -> dict:
+def measure(root: str, fixture_dir: str, batch: int, tier: str = "l1") -> dict:
     """Run one streamed chat request against a server built from `root` (first on
     sys.path before anything of the project is imported); return the stacks."""
     import httpx
@@ -56,10 +56,13 @@ def measure(root: str, fixture_dir: str, batch: int) -> dict:
         if not f.startswith(root):
             return
         rel = os.path.relpath(f, root)
-        if name == "__call__" and rel.startswith("engine/models/"):
+        if name == "__call__" and rel.startswith("engine/models/") and tier == "l1":
             caller = frame.f_back.f_code.co_filename if frame.f_back else ""
             if "/engine/models/" not in caller:
                 seen["forward"] = _frames(frame, root)
+        elif name == "__call__" and rel == "engine/fast/decode.py" and "forward" not in seen:
+            seen["forward"] = _frames(frame, root)     # (the fast runner's step, in place of
+            #                                             the forward: --tier l3)
         elif rel == "server/gateway.py" and name == "submit" and "to_worker" not in seen:
             seen["to_worker"] = _frames(frame, root)
         elif rel == "server/gateway.py" and name == "put" and "forward" in seen \
@@ -73,7 +76,12 @@ def measure(root: str, fixture_dir: str, batch: int) -> dict:
 
     threading.setprofile(prof)
     sys.setprofile(prof)
-    state = build_state(ServerConfig(model=fixture_dir, prompt_cache_bytes=0, batch=batch))
+    levers = None
+    if tier != "l1":
+        from engine.levers import resolve
+        levers = resolve(tier, env={})
+    state = build_state(ServerConfig(model=fixture_dir, prompt_cache_bytes=0, batch=batch,
+                                     levers=levers))
     bg = BackgroundServer(create_app(state)).start()
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
@@ -92,7 +100,7 @@ def measure(root: str, fixture_dir: str, batch: int) -> dict:
     fwd = seen["to_worker"] + seen["forward"]
     back = seen["from_worker"] + seen["to_bytes"]
     files = {h.split(":")[0] for h in fwd + back}
-    return {"root": root, "batch": batch, "to_forward": len(fwd), "back_to_sse": len(back), "files": len(files),
+    return {"root": root, "batch": batch, "tier": tier, "to_forward": len(fwd), "back_to_sse": len(back), "files": len(files),
             "stacks": seen}
 
 
@@ -103,20 +111,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--batch", type=int, default=1, help="(internal) the server's --batch")
     ap.add_argument("--json", default=None, help="(internal) measure with this fixture dir")
+    ap.add_argument("--tier", default="l1", help="(internal) the server's tier")
     a = ap.parse_args(argv)
     if a.json:
         sys.path.insert(0, a.root)
-        print(json.dumps(measure(a.root, a.json, a.batch)))
+        print(json.dumps(measure(a.root, a.json, a.batch, a.tier)))
         return 0
     sys.path.insert(0, str(HERE))
     from starter.models import ensure_fixture
     fixture = str(ensure_fixture("qwen3", "bfloat16"))
     rows = []
     for root in [a.compare, a.root] if a.compare else [a.root]:
-        for batch in (1, 4):
+        for batch, tier in ((1, "l1"), (4, "l1"), (4, "l3")):
             env = dict(os.environ, PYTHONPATH=root)
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json",
-                                  fixture, "--root", root, "--batch", str(batch)],
+                                  fixture, "--root", root, "--batch", str(batch), "--tier", tier],
                                  env=env, capture_output=True, text=True)
             if out.returncode:
                 print(out.stderr, file=sys.stderr)
@@ -124,7 +133,8 @@ def main(argv=None) -> int:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     import pandas as pd
     from experiments._common import report_dir
-    table = pd.DataFrame([{k: r[k] for k in ("root", "batch", "to_forward", "back_to_sse", "files")}
+    table = pd.DataFrame([{k: r.get(k, "l1") for k in ("root", "batch", "tier", "to_forward",
+                                                        "back_to_sse", "files")}
                           for r in rows])
     d = report_dir("hop_count", a.tag)
     lines = ["# Hops of one streamed chat request", "",
@@ -132,7 +142,7 @@ def main(argv=None) -> int:
              (f" --compare {a.compare}" if a.compare else "") + "`", "",
              "```", table.to_string(index=False), "```", ""]
     for r in rows:
-        lines.append(f"## {r['root']} --batch {r['batch']}")
+        lines.append(f"## {r['root']} --batch {r['batch']} --tier {r.get('tier', 'l1')}")
         for k in ("to_worker", "forward", "from_worker", "to_bytes"):
             lines += ["", f"{k}:", ""] + [f"{i + 1}. `{h}`" for i, h in enumerate(r["stacks"][k])]
         lines.append("")
