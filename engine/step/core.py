@@ -380,14 +380,16 @@ class Engine(AloneRunner, PrefixReuse):
 
     def batch_fits(self, needs: list) -> bool:
         """Aggregate admission: whether rows of these context lengths (prompt +
-        max_tokens) fit together; every row's KV is padded to the longest row."""
+        max_tokens) fit together; every row's KV is padded to the longest row (on the fast
+        runner, for every row of the bucket the step runs, idle ones included)."""
         adm = self.admission
         if adm is None:
             return True
         longest = max(needs)
         per_row = (adm.transient_bytes(min(longest, adm.prefill_step))
                    - adm.FIXED_SLACK[adm.backend])
-        peak = (adm.weights + len(needs) * adm.kv_bytes(longest) + adm.transient_bytes(longest)
+        held = self._fast_step.rows_for(len(needs)) if self._fast_step is not None else len(needs)
+        peak = (adm.weights + held * adm.kv_bytes(longest) + adm.transient_bytes(longest)
                 + (min(len(needs), 8) - 1) * per_row)
         return peak <= adm.budget_bytes
 

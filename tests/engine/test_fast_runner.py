@@ -215,3 +215,22 @@ def test_models_it_does_not_cover_stay_on_l1_with_a_reason():
     assert fast_step_for(model, FAST) is fast_step_for(model, FAST)     # one per (model, levers)
     eng = Engine(model, tok, max_batch=4, levers=FAST, kv_bits=8)   # quantized KV: L1, alone
     assert eng.fast_step is None and not eng.batching
+
+
+def test_admission_counts_every_row_of_the_bucket():
+    """The fast runner holds KV for the whole bucket (3 rows run as 4): the aggregate
+    admission counts 4, so a budget that fits 3 rows exactly on L1 holds the third back."""
+    path = str(ensure_fixture("llama", "bfloat16"))
+    l1 = Engine.load(path, max_batch=8)
+    fast = Engine.load(path, max_batch=8, levers=FAST)
+    need = 300
+    adm = l1.admission
+    lo, hi = adm.weights, adm.budget_bytes          # the smallest budget that fits 3 rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        adm.budget_bytes = mid
+        lo, hi = (lo, mid) if l1.batch_fits([need] * 3) else (mid, hi)
+    adm.budget_bytes = fast.admission.budget_bytes = hi
+    assert l1.batch_fits([need] * 3) and not l1.batch_fits([need] * 4)
+    assert fast.fast_step.rows_for(3) == 4
+    assert not fast.batch_fits([need] * 3) and fast.batch_fits([need] * 2)
