@@ -52,7 +52,8 @@ class Args(ArgsBase):
 
 
 class Attention(nn.Module):
-    def __init__(self, a: Args):
+    def __init__(self, a: Args, o_bias: Optional[bool] = None):
+        """o_bias: whether the output projection has a bias (None: as q/k/v, `attention_bias`)."""
         super().__init__()
         self.n_heads = a.num_attention_heads
         self.n_kv_heads = a.num_key_value_heads
@@ -62,7 +63,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(a.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(a.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, a.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, a.hidden_size,
+                                bias=bias if o_bias is None else o_bias)
         theta, scaling = rope_settings(a)
         self.rope = make_rope(self.head_dim, theta, a.rope_traditional, scaling,
                               a.max_position_embeddings)
@@ -80,11 +82,13 @@ class Attention(nn.Module):
 class Block(nn.Module):
     branch_scale = None  # MiniCPM scales both residual branches
 
-    def __init__(self, a: Args, sliding: bool):
+    def __init__(self, a: Args, sliding: bool, attention=None):
         super().__init__()
         self.sliding = sliding
         self.window = a.sliding_window if sliding else None
-        self.self_attn = Attention(a)
+        # a family's own attention is built here, once (building a second one would draw
+        # the random initialisation twice: a seeded run would then differ from mlx-lm's)
+        self.self_attn = (attention or Attention)(a)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
@@ -126,10 +130,10 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, a: Args):
+    def __init__(self, a: Args, attention=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = [Block(a, t == "sliding_attention") for t in a.layer_types]
+        self.layers = [Block(a, t == "sliding_attention", attention) for t in a.layer_types]
         self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
 
 
@@ -137,11 +141,13 @@ class Model(nn.Module):
     """Decoder stack; `begin` / `layer_step` / `head` split the forward so the
     trainer can run it segment by segment."""
 
+    attention = None       # a family's attention class (None: llama's)
+
     def __init__(self, args: Args):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Backbone(args)
+        self.model = Backbone(args, self.attention)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         types = args.layer_types

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.nn as nn
 
 from . import llama
 
@@ -23,15 +22,16 @@ class Args(llama.Args):
     def __post_init__(self):
         super().__post_init__()
         self.head_dim = self.hidden_size // self.num_attention_heads
-        self.attention_bias = True   # q/k/v only; o_proj is rebuilt without bias below
+        self.attention_bias = True   # q/k/v only (Attention: o_proj without)
         self.mlp_bias = False
         # The reference ignores sliding-window settings: every layer attends fully.
         self.layer_types = ["full_attention"] * self.num_hidden_layers
 
 
+class Attention(llama.Attention):
+    def __init__(self, a: Args):
+        super().__init__(a, o_bias=False)
+
+
 class Model(llama.Model):
-    def __init__(self, args: Args):
-        super().__init__(args)
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            attn.o_proj = nn.Linear(attn.n_heads * attn.head_dim, args.hidden_size, bias=False)
+    attention = Attention

@@ -40,7 +40,4 @@ class Attention(llama.Attention):
 
 
 class Model(llama.Model):
-    def __init__(self, args: Args):
-        super().__init__(args)
-        for layer in self.model.layers:
-            layer.self_attn = Attention(args)
+    attention = Attention

@@ -41,7 +41,7 @@ def both(args: list, cwd=None) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def models():
-    return {f: str(ensure_fixture(f, "bfloat16")) for f in ("qwen3", "llama")}
+    return {f: str(ensure_fixture(f, "bfloat16")) for f in ("qwen3", "llama", "qwen2")}
 
 
 CASES = {
@@ -51,6 +51,11 @@ CASES = {
     "llama-raw": ("llama", ["-p", "def f(x):\\n", "-m", "16", "--ignore-chat-template"]),
     "llama-prefill": ("llama", ["-p", "hi", "-m", "12", "--prefill-response", "Sure,"]),
     "llama-seeded": ("llama", ["-p", "hi", "-m", "20", "--temp", "0.9", "--top-p", "0.9",
+                               "--seed", "5"]),
+    # the seed is set before the model is built: the same initialisation draws as mlx-lm's
+    "qwen3-seeded": ("qwen3", ["-p", "hi", "-m", "20", "--temp", "0.9", "--top-p", "0.9",
+                               "--seed", "5"]),
+    "qwen2-seeded": ("qwen2", ["-p", "hi", "-m", "20", "--temp", "0.9", "--top-p", "0.9",
                                "--seed", "5"]),
     "qwen3-max-kv": ("qwen3", ["-p", "count " * 12, "-m", "40", "--max-kv-size", "20"]),
 }
