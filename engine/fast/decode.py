@@ -20,7 +20,8 @@ are L1's). Each step
 
 and with `compiled_decode` is traced once per (rows, capacity) with `mx.compile` (at most
 MAX_TRACES kept, least recently used dropped): the caller picks fixed shapes (row buckets,
-capacity in CAPACITY_STEP columns) so a trace serves every later step of that shape.
+capacities of CAPACITY_STEP times a power of two) so a trace serves every later step of that
+shape, and a server's shapes all stay held.
 `stats.traces` counts the traces actually made (the step's Python body runs only while
 `mx.compile` traces it), so a test can prove serving does not retrace.
 
@@ -47,12 +48,18 @@ from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_sta
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
-MAX_TRACES = 16
+# traces kept: (row buckets: 7 up to 64 rows) x (capacities: 9 up to 131,072 columns) fit
+MAX_TRACES = 64
 
 
 def capacity_for(need: int) -> int:
-    """Buffers come in multiples of CAPACITY_STEP columns, so traces are reused."""
-    return (need + CAPACITY_STEP - 1) // CAPACITY_STEP * CAPACITY_STEP
+    """Buffers come in CAPACITY_STEP times a power of two columns (512, 1024, 2048, ...), so a
+    server sees few shapes and keeps a trace for each (at most 2x the columns needed: the
+    attention reads only each row's filled ones)."""
+    cap = CAPACITY_STEP
+    while cap < need:
+        cap *= 2
+    return cap
 
 
 def own_contiguous(arrays: list, own: list) -> list:
@@ -261,7 +268,7 @@ class FastStep:
 class FastDecoder:
     """`(tokens [1], caches) -> logits [1, V]`: the fast step for one request's own
     `KVCache` layers (the exact runner's decode with a fast lever on: requests that run
-    alone, e.g. with adapters). The caches get a buffer of CAPACITY_STEP multiples (the
+    alone, e.g. with adapters). The caches get a buffer of `capacity_for` columns (the
     filled part copied in once) and stay `KVCache` objects (buffer + offset), so the prompt
     cache and any later L1 step can continue from them."""
 
@@ -279,7 +286,7 @@ class FastDecoder:
         model = self.step.model
         for c in caches:
             have = c.keys.shape[2] if c.keys is not None else 0
-            if have >= off + extra and have % CAPACITY_STEP == 0:
+            if have >= off + extra and have == capacity_for(have):
                 continue
             a0 = model.layers[0].self_attn
             dtype = (c.keys.dtype if c.keys is not None

@@ -11,7 +11,7 @@ the others' KV and without a new shape:
   one-kernel step's rows a call while they fit one) just above the highest slot in use; free slots
   inside it run as idle rows (token 0 at column 0 of their own slot, their logits never
   read);
-- C, the columns, is a multiple of CAPACITY_STEP (512) above the longest row's next column;
+- C, the columns, is 512 times a power of two, above the longest row's next column;
 - S and C grow when a row needs it and shrink (with slack, so a boundary does not flip
   back and forth) when rows leave: the buffers are copied then, and the step for the new
   shape is traced once (`FastStep` keeps its traces: a shape seen before is not traced

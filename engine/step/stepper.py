@@ -102,8 +102,8 @@ def generate_step(
     last = prefill(model, prompt, caches, policy, prefill_step_size)
     if on_prefilled is not None and prompt.size > 1:
         on_prefilled(caches)
-    if decoder is not None:             # L3: room for every decode step, allocated once
-        decoder.reserve(caches, max_tokens + 1)
+    if decoder is not None:             # L3: the preallocated buffer (it grows as needed)
+        decoder.reserve(caches, 1)
     y, logprobs = step(last)
     mx.async_eval(y, logprobs)
     n = 0

@@ -234,3 +234,34 @@ def test_admission_counts_every_row_of_the_bucket():
     assert l1.batch_fits([need] * 3) and not l1.batch_fits([need] * 4)
     assert fast.fast_step.rows_for(3) == 4
     assert not fast.batch_fits([need] * 3) and fast.batch_fits([need] * 2)
+
+
+def test_long_and_short_rows_in_turn_make_no_new_trace():
+    """Rows of many lengths joining and leaving, over and over: capacities are 512 x 2^k, so
+    a server's shapes are few and all kept; the second and third rounds trace nothing (with
+    512-column steps and 16 traces kept, every round traced again: a hostile probe found it)."""
+    from engine.kv.batch_cache import batch_caches
+
+    model, _ = _model("llama", "bfloat16")
+    step = FastStep(model, FAST)
+    pool = SlotPool(step, model)
+    a0 = model.layers[0].self_attn
+
+    def row(n):
+        caches = model.make_cache()
+        kv = mx.zeros((1, a0.n_kv_heads, n, a0.head_dim), mx.bfloat16)
+        for c in caches:
+            c.update_and_fetch(kv, kv)
+        return batch_caches([caches])
+
+    def round_():
+        for k in range(1, 19):            # 502 .. 9206 tokens: capacities 512 .. 16384
+            pool.extend(row(512 * k - 10))
+            mx.eval(pool(mx.array([1])))
+            pool.filter([])
+    round_()
+    first = step.stats.traces
+    assert {k[1] for k in step.trace_keys} == {512, 1024, 2048, 4096, 8192, 16384}
+    round_()
+    round_()
+    assert step.stats.traces == first
