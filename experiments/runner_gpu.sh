@@ -3,7 +3,9 @@
 #   bash experiments/runner_gpu.sh    (repo root, MLX's CUDA build on PYTHONPATH)
 # STAGES: a comma list of gate (trained 1b, L3 gate solo + rows joining/leaving at GATE_BATCH,
 # 4-bit too), inproc (Engine API decode at 1/8/32 rows, l1 vs l3, vs mlx-lm), served (HTTP:
-# engine-serve vs mlx_lm.server at LEVELS clients, SERVED_ARGS), served8b (8B 4-bit).
+# engine-serve vs mlx_lm.server at LEVELS clients, SERVED_ARGS), served8b (8B 4-bit, l3),
+# servedl1 (the default engine-serve, --batch 8, L1, vs mlx_lm.server), served8bf (8B bf16, l3,
+# one client: the weight-read roofline target).
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/runner}; mkdir -p "$OUT"; T0=$(date +%s)
@@ -36,5 +38,18 @@ if has served8b; then
   timeout ${SERVED8_S:-300} python3 experiments/bench_batching.py --model /tmp/m/8b-q4 --levels ${LEVELS8:-1,16} \
     --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-args "${SERVED_ARGS:---tier l3}" --tag ${TAG8:-h100-8b-q4-l3} \
     --out "$OUT/served8b" 2>&1 | tail -20
+fi
+if has servedl1; then
+  stage servedl1
+  timeout ${SERVEDL1_S:-200} python3 experiments/bench_batching.py --model /tmp/m/1b --levels ${LEVELS:-1,8,32} \
+    --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-batch 8 --tag ${TAGL1:-h100-1b-l1-default} \
+    --out "$OUT/servedl1" 2>&1 | tail -20
+fi
+if has served8bf; then
+  stage served8bf
+  [ -d /tmp/m/8b ] || python3 -m experiments.presets 8b /tmp/m/8b
+  timeout ${SERVED8F_S:-240} python3 experiments/bench_batching.py --model /tmp/m/8b --levels 1 \
+    --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-args "--tier l3" --tag ${TAG8F:-h100-8b-l3} \
+    --out "$OUT/served8bf" 2>&1 | tail -20
 fi
 stage done
