@@ -28,8 +28,8 @@ from .argparsing import CliParser, DefaultsHelpFormatter, json_dict, parse_bool
 # mlx_lm.generate's sampling defaults (it does not read generation_config.json)
 MLX_LM_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
 UNSUPPORTED = {
-    "--draft-model": "speculative decoding is not implemented",
-    "--num-draft-tokens": "speculative decoding is not implemented",
+    "--draft-model": "speculation with a draft model is not implemented (prompt lookup, "
+                     "which needs no second model: --prompt-lookup N)",
     "--image": "image inputs are not implemented (text models only)",
     "--quantize-activations": "activation quantization is not implemented",
     "-qa": "activation quantization is not implemented",
@@ -84,6 +84,11 @@ def parser() -> CliParser:
     a("--verbose", type=parse_bool, default=True, metavar="true|false",
       help="print the separators and the prompt/generation tok/s and peak memory lines "
       "(default true); false prints only the completion")
+    a("--prompt-lookup", type=int, default=0, metavar="N",
+      help="prompt-lookup speculative decoding: draft the tokens that followed the latest "
+      "earlier match of the last N tokens (greedy only; 0: off; docs/generation.md)")
+    a("--num-draft-tokens", type=int, default=4, metavar="K",
+      help="draft tokens a step with --prompt-lookup (4)")
     a("--max-kv-size", type=int, default=None, metavar="N",
       help="keep at most N tokens in each layer's cache (a ring that keeps the first 4), "
       "for models with only full-attention layers")
@@ -224,6 +229,7 @@ def main(argv=None) -> int:
                 min_tokens_to_keep=args.min_tokens_to_keep,
                 xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                 repetition_penalty=args.repetition_penalty, seed=seed, stop=args.stop,
+                prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
                 admission=admission, prefill_step_size=args.prefill_step_size, levers=levers,

@@ -151,7 +151,8 @@ def sampling_params(state, call: Call, factories: tuple = ()):
             logit_bias=call.logit_bias, seed=call.seed, stop=list(call.stop),
             logprobs=bool(call.logprobs or call.top_logprobs),
             top_logprobs=call.top_logprobs or None,
-            processor_factories=factories, **kw)
+            processor_factories=factories, prompt_lookup=cfg.prompt_lookup,
+            num_draft_tokens=cfg.num_draft_tokens, **kw)
     except ValueError as e:          # the message starts with the field's name
         msg = str(e)
         param = msg.split(" ", 1)[0]

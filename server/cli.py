@@ -81,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
            "runner decodes any number of rows); 1 = one request at a time, each exactly "
            "mlx_lm.generate's token loop (docs/server.md; with --tier l3, one fast row); "
            "quantized KV and per-request adapters run one at a time beside the batch")
+    a("--prompt-lookup", type=int, default=0, metavar="N",
+      help="prompt-lookup speculative decoding for greedy requests: draft the tokens that "
+      "followed the latest earlier match of the last N tokens of the request (0: off)")
+    a("--num-draft-tokens", type=int, default=4, metavar="K",
+      help="draft tokens a step with --prompt-lookup (4)")
     a("--max-queue", type=int, default=None, metavar="N",
       help="requests waiting to start, both lanes, before 503 + Retry-After (default 8 x "
            "--batch, at least 16)")
@@ -141,7 +146,6 @@ def parser() -> argparse.ArgumentParser:
     a("--access-log", action="store_true", help="log every request")
     # mlx_lm.server flags we cannot honour: accepted so scripts start, said out loud
     a("--draft-model", help=argparse.SUPPRESS)
-    a("--num-draft-tokens", type=int, help=argparse.SUPPRESS)
     a("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
     a("--use-default-chat-template", action="store_true", help=argparse.SUPPRESS)
     a("--pipeline", action="store_true", help=argparse.SUPPRESS)
@@ -217,6 +221,9 @@ def config_from_args(args):
         args.batch = 32 if levers.fast_decode else 8
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
+    if not 0 <= args.prompt_lookup <= 64 or not 1 <= args.num_draft_tokens <= 64:
+        raise SystemExit("engine-serve: --prompt-lookup must be in [0, 64] and "
+                         "--num-draft-tokens in [1, 64]")
     if args.max_queue is not None and args.max_queue < 0:
         raise SystemExit("engine-serve: --max-queue must be >= 0")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -244,6 +251,7 @@ def config_from_args(args):
         prompt_cache_disk_gb=args.prompt_cache_disk_gb, kv_quant=kv, kv_group_size=args.kv_group_size,
         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
+        prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
         api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_grammar_ms=args.max_grammar_ms, max_schema_nodes=args.max_schema_nodes,
@@ -296,7 +304,8 @@ def main(argv=None) -> int:
     note_kernel_cache()     # before loading the model compiles anything
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     if args.draft_model:
-        print("engine-serve: --draft-model (speculative decoding) is not supported",
+        print("engine-serve: --draft-model (speculation with a draft model) is not supported; "
+              "--prompt-lookup N speculates without one",
               file=sys.stderr)
         return 2
     config = config_from_args(args)

@@ -43,6 +43,8 @@ class ServerConfig:
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     max_tokens: Optional[int] = None   # None: no cap (the context left, bounded by admission)
+    prompt_lookup: int = 0             # prompt-lookup speculation for greedy requests (0: off)
+    num_draft_tokens: int = 4
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)
@@ -248,6 +250,8 @@ class ServerState:
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},
             "levers": self._levers_stats(),
+            # prompt-lookup speculation (--prompt-lookup): drafted, accepted, acceptance
+            "speculation": self.engine.stats()["speculation"],
         }
 
     def _levers_stats(self) -> dict:

@@ -11,6 +11,7 @@ import time
 import mlx.core as mx
 
 from engine.step.request import RequestState
+from engine.step.lookup import lookup_generate_step
 from engine.step.stepper import generate_step, prefill_chunk
 
 
@@ -40,6 +41,12 @@ class AloneRunner:
         decoder = decoder_for(self.model, self.levers, caches, self.policy)
 
         def start_decode():
+            if p.looks_up():        # prompt-lookup speculation (greedy: no sampler needed)
+                return lookup_generate_step(
+                    req.prompt[req.done:], self.model, max_tokens=p.max_tokens, caches=caches,
+                    ngram=p.prompt_lookup, draft_tokens=p.num_draft_tokens, context=req.ids,
+                    policy=self.policy, prefill_step_size=self.prefill_step_size,
+                    stats=self.lookup)
             return generate_step(req.prompt[req.done:], self.model, max_tokens=p.max_tokens,
                                  sampler=sampler, logits_processors=processors or None,
                                  caches=caches, policy=self.policy,

@@ -122,6 +122,8 @@ class Engine(AloneRunner, PrefixReuse):
         self.rows_now = 0                # rows decoding now (they run the next decode step)
         self.lanes = {"batch": 0, "solo": 0}
         self.solo_reasons: dict = {}
+        from engine.step.lookup import LookupStats
+        self.lookup = LookupStats()      # prompt-lookup speculation, every request's
 
     def _new_scheduler(self) -> BatchScheduler:
         # (no tokenizer, no stop tokens, no max_tokens: rows end by the Engine's update)
@@ -214,7 +216,7 @@ class Engine(AloneRunner, PrefixReuse):
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use")
-        reason = "prefix_caches" if prefix_caches else self._solo_reason(adapter)
+        reason = "prefix_caches" if prefix_caches else self._solo_reason(adapter, params)
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
         req.prefix = prefix_caches or None
@@ -249,9 +251,11 @@ class Engine(AloneRunner, PrefixReuse):
         from dataclasses import replace
         return replace(params, max_tokens=max(left, 1))
 
-    def _solo_reason(self, adapter: tuple) -> Optional[str]:
+    def _solo_reason(self, adapter: tuple, params: SamplingParams) -> Optional[str]:
         if self._sched is None:
             return "max_batch=1"
+        if params.looks_up():
+            return "prompt_lookup"
         if self.max_kv_size:
             return "max_kv_size"
         if self.policy.active:
@@ -293,6 +297,8 @@ class Engine(AloneRunner, PrefixReuse):
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
                 "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
                 "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons),
+                "speculation": {**vars(self.lookup), "acceptance": (
+                    self.lookup.accepted / self.lookup.drafted if self.lookup.drafted else None)},
                 # the fast runner's counters: traces (made only for shapes not seen before)
                 "fast": (dict(vars(self._fast_step.stats)) if self._fast_step is not None
                          else None)}

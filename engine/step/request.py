@@ -77,6 +77,11 @@ class SamplingParams:
     # after the built-in ones, so one SamplingParams never shares a processor between
     # requests.
     processor_factories: tuple = ()
+    # prompt-lookup speculative decoding (engine.step.lookup): draft up to num_draft_tokens
+    # tokens from the request's own prompt and output after a match of its last
+    # prompt_lookup tokens (0: off); greedy requests without logits processors only
+    prompt_lookup: int = 0
+    num_draft_tokens: int = 4
 
     def __post_init__(self):
         from engine.step.sampling import make_logits_processors, make_sampler
@@ -92,6 +97,10 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [0, 2**64 - 1] (what mx.random.key takes), "
                              f"got {self.seed}")
+        for name, lo, hi in (("prompt_lookup", 0, 64), ("num_draft_tokens", 1, 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
         for name, (lo, hi) in RANGES.items():
             v = getattr(self, name)
             if v is not None and _is_real(v) and not lo <= v <= hi:
@@ -136,6 +145,13 @@ class SamplingParams:
                     repetition_context_size=self.repetition_context_size,
                     presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty)
+
+    def looks_up(self) -> bool:
+        """Whether prompt-lookup speculation runs for this (resolved) request: asked for,
+        greedy, no logits processors (penalties, bias, grammars)."""
+        return bool(self.prompt_lookup and not self.temperature and not self.processor_factories
+                    and not any(v for k, v in self._processor_kwargs().items()
+                                if k != "repetition_context_size"))
 
     def sampler_key(self) -> tuple:
         """What makes two requests' samplers the same (resolved params)."""
