@@ -88,7 +88,7 @@ def test_a_stop_mid_draft_leaves_a_prompt_cache_that_answers_right(model):
     eng = Engine.load(str(ensure_fixture(m.model_type, "bfloat16")), max_batch=1,
                       prompt_cache_bytes=10**8)
     eng.submit(REPEATS, SamplingParams(max_tokens=40, temperature=0.0, stop=[stop],
-                                         prompt_lookup=3, num_draft_tokens=8))
+                                       prompt_lookup=3, num_draft_tokens=8))
     first = []
     while eng.has_unfinished():
         first += [t for o in eng.step() for t in o.token_ids]
