@@ -42,6 +42,8 @@ from typing import Callable, Optional
 
 from engine import RequestOutput, client_error
 
+from .memory import Trimmer
+
 log = logging.getLogger("engine-serve")
 
 
@@ -178,6 +180,7 @@ class Gateway:
         self.engine = None                        # engine.Engine (set on the worker)
         self._jobs: dict = {}                     # request id -> running job
         self._deferred: deque = deque()           # items waiting for the engine to drain
+        self._trimmer = Trimmer()                 # (freed heap pages back to the OS)
         self._stopped = False
         # set by `shed` (SIGTERM): jobs that have produced nothing yet end with this error
         self.shedding: Optional[BaseException] = None
@@ -292,6 +295,7 @@ class Gateway:
                 except Exception as e:
                     outs = self._fail_all(e)
                 self._deliver(outs)
+            self._trimmer.maybe()     # freed heap pages back to the OS (server.memory)
         for rid in list(self._jobs):          # stopping: end whatever still runs
             self.engine.abort(rid)
         if self.engine is not None and self.engine.has_unfinished():
