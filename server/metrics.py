@@ -233,7 +233,12 @@ class ServerCollector:
             pc = st.prompt_cache.stats()
             for kind, name, help_, key in PROMPT_CACHE:
                 yield kind(name, help_, value=pc[key])
-        disk = getattr(getattr(st, "engine", None), "disk_cache", None)
+        eng = getattr(st, "engine", None)
+        spec = eng.stats()["speculation"] if eng is not None else None
+        if spec is not None:                  # prompt-lookup speculation (--prompt-lookup)
+            for name, help_, key in SPECULATION:
+                yield CounterMetricFamily(name, help_, value=spec[key])
+        disk = getattr(eng, "disk_cache", None)
         if disk is not None:
             dc = disk.stats()
             for kind, name, help_, key in DISK_CACHE:
@@ -244,6 +249,12 @@ class ServerCollector:
         yield GaugeMetricFamily("engine_memory_peak_bytes", "MLX peak memory since start",
                                 value=mx.get_peak_memory())
 
+
+SPECULATION = (
+    ("engine_spec_drafted_tokens", "prompt-lookup draft tokens verified", "drafted"),
+    ("engine_spec_accepted_tokens", "prompt-lookup draft tokens accepted", "accepted"),
+    ("engine_spec_verify_forwards", "prompt-lookup verify forwards", "forwards"),
+)
 
 GATEWAY_COUNTERS = (
     ("engine_generations_completed", "generations finished", "completed"),

@@ -130,6 +130,10 @@ def test_served_with_prompt_lookup_answers_the_same_and_counts_drafts():
             outs.append(r.json()["choices"][0]["text"])
             spec = httpx.get(s.url + "/stats").json()["speculation"]
             assert (spec["accepted"] > 0) == bool(lookup)
+            metrics = httpx.get(s.url + "/metrics").text
+            line = next(x for x in metrics.splitlines()
+                        if x.startswith("engine_spec_accepted_tokens_total "))
+            assert float(line.split()[1]) == spec["accepted"]
         finally:
             stop_server(s)
     assert outs[0] == outs[1]
