@@ -55,6 +55,7 @@ _LAZY = {
     "AdapterRequestError": "engine.adapters.registry",
     # engine.argparsing
     "CliParser": "engine.argparsing",
+    "add_speculation_flags": "engine.argparsing",
     "json_dict": "engine.argparsing",
     "parse_bool": "engine.argparsing",
     # engine.cli

@@ -102,3 +102,13 @@ class CliParser(argparse.ArgumentParser):
             else:
                 message = f"unexpected argument {tokens[0]!r} (see {self.prog} --help)"
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_speculation_flags(a) -> None:
+    """`--prompt-lookup N` and `--num-draft-tokens K` (engine-generate and engine-serve; `a`:
+    the parser's add_argument)."""
+    a("--prompt-lookup", type=int, default=0, metavar="N",
+      help="prompt-lookup speculative decoding for greedy requests: draft the tokens that "
+      "followed the latest earlier match of the last N tokens (0: off; docs/generation.md)")
+    a("--num-draft-tokens", type=int, default=4, metavar="K",
+      help="draft tokens a step with --prompt-lookup (4)")

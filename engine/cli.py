@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .argparsing import CliParser, DefaultsHelpFormatter, json_dict, parse_bool
+from .argparsing import (CliParser, DefaultsHelpFormatter, add_speculation_flags, json_dict,
+                          parse_bool)
 
 # mlx_lm.generate's sampling defaults (it does not read generation_config.json)
 MLX_LM_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
@@ -84,11 +85,7 @@ def parser() -> CliParser:
     a("--verbose", type=parse_bool, default=True, metavar="true|false",
       help="print the separators and the prompt/generation tok/s and peak memory lines "
       "(default true); false prints only the completion")
-    a("--prompt-lookup", type=int, default=0, metavar="N",
-      help="prompt-lookup speculative decoding: draft the tokens that followed the latest "
-      "earlier match of the last N tokens (greedy only; 0: off; docs/generation.md)")
-    a("--num-draft-tokens", type=int, default=4, metavar="K",
-      help="draft tokens a step with --prompt-lookup (4)")
+    add_speculation_flags(a)
     a("--max-kv-size", type=int, default=None, metavar="N",
       help="keep at most N tokens in each layer's cache (a ring that keeps the first 4), "
       "for models with only full-attention layers")

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine import CliParser, json_dict as _json_dict, parse_bool as _bool
+from engine import CliParser, add_speculation_flags, json_dict as _json_dict, parse_bool as _bool
 
 from .listen import BackgroundServer, bind, uvicorn_server, url_of  # noqa: F401  (re-exported)
 from .security import is_loopback
@@ -81,11 +81,7 @@ def parser() -> argparse.ArgumentParser:
            "runner decodes any number of rows); 1 = one request at a time, each exactly "
            "mlx_lm.generate's token loop (docs/server.md; with --tier l3, one fast row); "
            "quantized KV and per-request adapters run one at a time beside the batch")
-    a("--prompt-lookup", type=int, default=0, metavar="N",
-      help="prompt-lookup speculative decoding for greedy requests: draft the tokens that "
-      "followed the latest earlier match of the last N tokens of the request (0: off)")
-    a("--num-draft-tokens", type=int, default=4, metavar="K",
-      help="draft tokens a step with --prompt-lookup (4)")
+    add_speculation_flags(a)
     a("--max-queue", type=int, default=None, metavar="N",
       help="requests waiting to start, both lanes, before 503 + Retry-After (default 8 x "
            "--batch, at least 16)")

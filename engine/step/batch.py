@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from engine.kv.batch_cache import batch_caches, extend_caches
+from engine.step.row_processors import apply_processors, batched
 from engine.step.sampling import greedy
 from engine.text.stop import TextStream
 
@@ -127,7 +128,7 @@ class _Group:
         self.next_tokens = None            # decode group: [B] sampled, not yet emitted
         self.next_logprobs: list = []
         self.procs_key = None              # row uids `procs` was built for
-        self.procs = None                  # _row_processors(rows)
+        self.procs = None                  # row_processors.batched(rows' processors)
 
     def __len__(self):
         return len(self.rows)
@@ -167,40 +168,6 @@ class _Group:
             self.next_tokens = (other.next_tokens if self.next_tokens is None
                                 else mx.concatenate([self.next_tokens, other.next_tokens]))
             self.next_logprobs.extend(other.next_logprobs)
-
-
-def _split_bias(procs):
-    """(leading logit-bias processors, the rest) of one row's processor list."""
-    procs = list(procs)
-    k = 0
-    while k < len(procs) and getattr(procs[k], "bias", None) is not None:
-        k += 1
-    return procs[:k], procs[k:]
-
-
-def _row_processors(rows):
-    """Built when the group's rows change: the batched bias — (row index [N], token id
-    [N], bias [N], largest id) over every row's leading logit-bias processors, or None —
-    and each row's remaining processors."""
-    r_idx, c_idx, vals, top, rest = [], [], [], -1, []
-    for e, r in enumerate(rows):
-        lead, after = _split_bias(r.req.logits_processors)
-        rest.append(after)
-        for p in lead:
-            ids, _, add, t = p.bias
-            r_idx += [e] * len(ids)
-            c_idx += ids
-            vals.append(add)
-            top = max(top, t)
-    bias = None if not r_idx else (mx.array(r_idx, dtype=mx.int32),
-                                   mx.array(c_idx, dtype=mx.int32), mx.concatenate(vals), top)
-    return bias, rest
-
-
-def _apply(lg, procs, ctx):
-    for p in procs:
-        lg = p(ctx, lg)
-    return lg
 
 
 def _guarded(row: "_Row", fn, fallback, *args):
@@ -356,7 +323,7 @@ class BatchScheduler:
         values: L1-tested); the rest run row by row on that row's slice."""
         uids = tuple(r.uid for r in rows)
         if g.procs_key != uids:
-            g.procs_key, g.procs = uids, _row_processors(rows)
+            g.procs_key, g.procs = uids, batched([r.req.logits_processors for r in rows])
         bias, rest = g.procs
         if bias is not None:
             r_idx, c_idx, vals, top = bias
@@ -375,7 +342,7 @@ class BatchScheduler:
             if procs:
                 ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32),
                                       inputs[e:e + 1].astype(mx.int32)])
-                lg = _guarded(r, _apply, lambda lg, *_: lg, lg, procs, ctx)
+                lg = _guarded(r, apply_processors, lambda lg, *_: lg, lg, procs, ctx)
             out.append(lg)
         return mx.concatenate(out, axis=0)
 
