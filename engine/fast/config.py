@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega")
+KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega", "qmm")
 
 
 class FastConfigError(ValueError):
