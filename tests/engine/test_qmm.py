@@ -104,3 +104,33 @@ def test_gemv_linear_on_the_cpu_is_the_module():
     got = G.linear(lin, x, norm=(nw, 1e-5), residual=h, use_kernel=False)
     want = h + lin(mx.fast.rms_norm(x, nw, 1e-5))
     assert mx.array_equal(got, want)
+
+
+def test_fast_runner_takes_the_separate_kernels_for_4bit_rows():
+    """A 4-bit model's rows past the one kernel go through gemv_stack (engine.fast.qmm on a
+    GPU); on the CPU that step is the model's own operations: every row's tokens, logprobs
+    and KV equal our L1 rows'. With the qmm kernel switched off it keeps the model's stack."""
+    import random
+
+    from engine.fast.decode import FastStep
+    from engine.levers import parse_spec, resolve
+    from engine.models import build
+    from starter.models import FAMILIES
+    from test_fast_runner import _lockstep, _prompt
+
+    # the llama fixture's shape made wide enough for the kernel (K a multiple of 128)
+    cfg = {**FAMILIES["llama"], "rms_norm_eps": 1e-6, "hidden_size": 128, "intermediate_size": 256, "vocab_size": 1024}
+    mx.random.seed(3)
+    model = build(cfg)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    fast = parse_spec("l3")
+    step = FastStep(model, fast)
+    rng = random.Random(7)
+    plan = {0: [(_prompt(rng, 12), 8), (_prompt(rng, 30), 10)], 2: [(_prompt(rng, 5), 6)]}
+    seen, _ = _lockstep(model, step, plan, 30)
+    assert seen >= 20 and step.stats.gemv
+    off = FastStep(model, resolve("l3", env={"MLXP_DISABLE_KERNELS": "qmm"}))
+    _lockstep(model, off, plan, 30)
+    assert not off.stats.gemv
