@@ -46,6 +46,27 @@ def _time(fn, args_list, trials):
     return float(np.median(ts)) * 1e6
 
 
+def diagnose() -> dict:
+    """One tile (N 16, K 128, 8 rows): where ours differs from the dequantized product — the
+    batch rows and weight rows off, and the error — so that a wrong mapping shows its pattern."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine.fast import qmm as Q
+    mx.random.seed(0)
+    lin = nn.QuantizedLinear(128, 16, bias=False, group_size=64, bits=4)
+    lin.update({"scales": lin.scales.astype(mx.bfloat16), "biases": lin.biases.astype(mx.bfloat16)})
+    x = mx.random.normal((8, 128)).astype(mx.bfloat16)
+    wf = mx.dequantize(lin.weight, lin.scales.astype(mx.float32), lin.biases.astype(mx.float32), 64, 4)
+    ref = np.array(x.astype(mx.float32) @ wf.T)
+    got = np.array(Q.linear(lin, x).astype(mx.float32))
+    err = np.abs(got - ref) > 2e-2 * np.abs(ref).max()
+    return {"diagnose_max_rel": float(np.abs(got - ref).max() / np.abs(ref).max()),
+            "bad_batch_rows": np.nonzero(err.any(1))[0].tolist(),
+            "bad_weight_rows": np.nonzero(err.any(0))[0].tolist(),
+            "got_row0": np.round(got[0], 3).tolist(), "ref_row0": np.round(ref[0], 3).tolist()}
+
+
 def run(out: Path, rows_list, trials, configs, sweep_rows) -> int:
     import mlx.core as mx
     import mlx.nn as nn
@@ -53,6 +74,11 @@ def run(out: Path, rows_list, trials, configs, sweep_rows) -> int:
     from engine.fast import qmm as Q
 
     out.mkdir(parents=True, exist_ok=True)
+    d = diagnose()
+    print(json.dumps(d), flush=True)
+    (out / "diagnose.json").write_text(json.dumps(d))
+    if d["bad_batch_rows"]:
+        return 1
     results = []
     for name, (N, K, epi) in SHAPES.items():
         wbytes = N * K // 2 + 2 * N * (K // 64) * 2

@@ -7,7 +7,8 @@
 # servedl1 (the default engine-serve, --batch 8, L1, vs mlx_lm.server), served8bf (8B bf16, l3,
 # one client: the weight-read roofline target), qmm (experiments/qmm_probe.py: the 4-bit
 # tensor-core projections against MLX's quantized matmul, QMM_CONFIGS swept at 16 rows),
-# rows8b (8B 4-bit in-process at ROWS8 rows, l1 vs l3).
+# rows8b (8B 4-bit in-process at ROWS8 rows, l1 vs l3), check8b (8B 4-bit, one row: the one
+# kernel against the step of separate kernels, qmm, and L1; the kernel's phase times).
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/runner}; mkdir -p "$OUT"; T0=$(date +%s)
@@ -58,6 +59,12 @@ if has qmm; then
   stage qmm
   timeout ${QMM_S:-300} python3 experiments/qmm_probe.py --out "$OUT/qmm" --rows ${QMM_ROWS:-1,8,16,32} \
     --trials ${QMM_TRIALS:-3} --configs "${QMM_CONFIGS:-}" 2>&1 | tail -60
+fi
+if has check8b; then
+  stage check8b
+  [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
+  MLXP_MEGA_PROF=1 timeout ${CHECK8_S:-200} python3 experiments/mega_check.py --model /tmp/m/8b-q4 --steps 16 \
+    --out "$OUT/check8b.json" 2>&1 | tail -30
 fi
 if has rows8b; then
   stage rows8b
