@@ -45,6 +45,7 @@ class ServerConfig:
     max_tokens: Optional[int] = None   # None: no cap (the context left, bounded by admission)
     prompt_lookup: int = 0             # prompt-lookup speculation for greedy requests (0: off)
     num_draft_tokens: int = 4
+    draft_model: Optional[str] = None  # a draft model (directory or repo id) for speculation
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)
@@ -83,7 +84,8 @@ def activation_dtype(model) -> str:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str):
+    def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str,
+                 draft_model=None):
         from engine import Engine
         from engine import AdapterRegistry
         from engine import Admission
@@ -125,7 +127,7 @@ class ServerState:
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
-                             levers=config.levers, **self.kv_options)
+                             levers=config.levers, draft_model=draft_model, **self.kv_options)
         if config.prompt_cache_dir:
             from engine import disk_cache_for
             self.engine.disk_cache = disk_cache_for(config.prompt_cache_dir,
@@ -250,8 +252,10 @@ class ServerState:
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},
             "levers": self._levers_stats(),
-            # prompt-lookup speculation (--prompt-lookup): drafted, accepted, acceptance
-            "speculation": self.engine.stats()["speculation"],
+            # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
+            # forwards; summed, per source and per recent request
+            "speculation": {**self.engine.stats()["speculation"],
+                            "draft_model": self.config.draft_model},
         }
 
     def _levers_stats(self) -> dict:
@@ -301,7 +305,11 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             t.set_chat_template(config.chat_template)
         if wrap_model is not None:
             m = wrap_model(m, t)
-        state = ServerState(config, gateway, m, t, model_dir)
+        draft = None
+        if config.draft_model:          # (same vocabulary, else DraftModelError: a ValueError)
+            from engine import load_draft
+            draft = load_draft(config.draft_model, m, t)
+        state = ServerState(config, gateway, m, t, model_dir, draft_model=draft)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

@@ -43,11 +43,8 @@ def check_draft(model, tokenizer, draft_model, draft_tokenizer=None) -> None:
     (growing full-attention caches: no sliding-window rings, no recurrent state)."""
     from engine.step.request import model_vocab_size
 
-    if draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise DraftModelError(
-            f"the draft model's tokenizer vocabulary ({len(draft_tokenizer.get_vocab())} "
-            f"tokens) is not the target's ({len(tokenizer.get_vocab())} tokens): a draft "
-            "model must share the target's tokenizer")
+    if draft_tokenizer is not None:
+        _check_vocab(tokenizer.get_vocab(), draft_tokenizer.get_vocab())
     rows, target_rows = model_vocab_size(draft_model), model_vocab_size(model)
     if rows and target_rows and rows > target_rows:
         raise DraftModelError(f"the draft model has {rows} token embeddings, more than the "
@@ -61,12 +58,29 @@ def check_draft(model, tokenizer, draft_model, draft_tokenizer=None) -> None:
                 "layers only")
 
 
+def _check_vocab(target: dict, draft: dict) -> None:
+    if draft == target:
+        return
+    if len(draft) != len(target):
+        why = f"{len(draft)} tokens, the target's {len(target)}"
+    else:
+        ids = {i: t for t, i in target.items()}
+        tok, i = next((t, i) for t, i in sorted(draft.items(), key=lambda x: x[1])
+                      if ids.get(i) != t)
+        why = f"token {i} is {tok!r} there, {ids.get(i)!r} in the target's"
+    raise DraftModelError(f"the draft model's tokenizer vocabulary is not the target's ({why}):"
+                          " a draft model must share the target's tokenizer")
+
+
 def load_draft(path, model, tokenizer):
     """The draft model at `path` (a directory or a Hugging Face repo id), loaded by
     `engine.load` and checked against the target (`check_draft`)."""
-    from engine.loader import load
+    from engine.loader import ModelLoadError, load
 
-    draft, draft_tok = load(path)
+    try:
+        draft, draft_tok = load(path)
+    except (ModelLoadError, FileNotFoundError) as e:
+        raise DraftModelError(f"cannot load the draft model: {e}") from None
     check_draft(model, tokenizer, draft, draft_tok)
     return draft
 

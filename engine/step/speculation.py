@@ -10,7 +10,6 @@ served as /stats `speculation` and /metrics `engine_spec_*_total{source=...}`.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,14 +43,17 @@ class Speculation:
 
     def __init__(self):
         self.totals = {s: SpecStats() for s in SOURCES}
-        self.recent: deque = deque(maxlen=RECENT)
+        self.recent: tuple = ()      # (copied on write: stats() may be read from another thread)
 
     def for_request(self, source: str) -> SpecStats:
         """A request's own counters, adding up into `source`'s totals."""
         return SpecStats(parent=self.totals[source])
 
-    def finished(self, request_id: str, source: str, stats: SpecStats) -> None:
-        self.recent.append({"request_id": request_id, "source": source, **stats.as_dict()})
+    def finished(self, request_id: str, stats: SpecStats) -> None:
+        """A request's counts (from `for_request`), kept among the recent ones."""
+        source = next(s for s, t in self.totals.items() if t is stats.parent)
+        entry = {"request_id": request_id, "source": source, **stats.as_dict()}
+        self.recent = (self.recent + (entry,))[-RECENT:]
 
     def stats(self) -> dict:
         """Every source's counts summed (the top-level keys), each source's, and the last
