@@ -135,18 +135,20 @@ def draft_generate_step(prompt: mx.array, model, draft_model, *, max_tokens: int
         ok = 0                       # drafts equal to the target's choice before a mismatch
         while ok < k and chosen[ok] == proposed[ok]:
             ok += 1
+        stats.record(k, 0)
         kept = 0                     # of them, handed out (their keys stay in the caches)
         try:
             for i in range(ok + 1):
                 kept = min(i + 1, ok)
                 handed += 1
+                if i < ok:
+                    stats.record(0, 1, forwards=0)
                 yield chosen[i], logprobs[i], i < ok
                 if handed == max_tokens:
                     break
         finally:
             # the target's caches hold [last, drafts...]: the drafts not handed out leave;
             # the draft's hold [its inputs, drafts but the last...]: the same drafts leave
-            stats.record(k, kept)
             if k > kept:
                 for c in caches:
                     c.trim(k - kept)

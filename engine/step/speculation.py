@@ -24,13 +24,13 @@ class SpecStats:
     forwards: int = 0    # verify forwards of the target (each hands out 1 + the accepted)
     parent: Optional["SpecStats"] = field(default=None, repr=False, compare=False)
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """One verify forward: `drafted` drafts checked, `accepted` of them kept."""
+    def record(self, drafted: int, accepted: int, forwards: int = 1) -> None:
+        """A verify forward (`forwards`): `drafted` drafts checked, `accepted` of them kept."""
         s = self
         while s is not None:
             s.drafted += drafted
             s.accepted += accepted
-            s.forwards += 1
+            s.forwards += forwards
             s = s.parent
 
     def as_dict(self) -> dict:
