@@ -13,7 +13,8 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    or with a fast lever the *fast* runner, its decode on `engine.fast`) or runs alone (the
    *exact* runner: `engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`):
    alone when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects
-   adapters (the batch runs the base weights) or brings its own prefix caches;
+   adapters (the batch runs the base weights), brings its own prefix caches or speculates
+   (prompt lookup, `engine.step.lookup`; a draft model, `engine.step.draft`);
    `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
    estimate fits (a lone row always runs: its own check passed at submit) and at most
    `max_batch` rows are in the batch (the rest wait, `stats()["waiting"]`). A request

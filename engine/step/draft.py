@@ -16,9 +16,9 @@ kept when the target's own draw equals it: every token handed out is the target'
 
 `draft_generate_step` yields (token, logprobs [V], from_draft) for up to max_tokens tokens.
 Requests with logits processors (penalties, logit bias, grammars) do not speculate
-(`SamplingParams.drafts`): mlx-lm's processors there see only the tokens of the speculative
-loop (not the prompt), with the next token counted twice after a rejection (see
-docs/oracle-quirks.md), which is not what they see without speculation.
+(`SamplingParams.drafts`): mlx-lm's processors there see a history without the prompt, which
+after rejected drafts can hold a draft in place of the token handed out (see
+docs/oracle-quirks.md): not what they see without speculation.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def draft_generate_step(prompt: mx.array, model, draft_model, *, max_tokens: int
     `draft_prompt` (default `prompt`): the same for the draft's `draft_caches` (after a
     prompt-cache hit, the target's caches hold a prefix and the draft's nothing). When the
     caller stops (closes the generator) or max_tokens is reached, the target's caches hold
-    exactly the tokens before the last one handed out, plus the handed-out drafts' keys."""
+    every token handed out but the last, and the last too when it was a draft (the verify
+    forward computed its keys): never a token not handed out."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     if num_draft_tokens < 1:
