@@ -225,6 +225,8 @@ def main(argv=None) -> int:
     from engine.step.admission import Admission
     budget = int(args.memory_budget * 1e9) if args.memory_budget else None
     admission = Admission.for_model(model, budget, prefill_step=args.prefill_step_size)
+    if draft is not None:
+        admission = admission.with_draft(draft)
     text, last = "", None
     try:
         for t in args.extra_eos_token:

@@ -88,7 +88,6 @@ class ServerState:
                  draft_model=None):
         from engine import Engine
         from engine import AdapterRegistry
-        from engine import Admission
         from engine import make_policy
         from engine import PromptCache
 
@@ -115,8 +114,8 @@ class ServerState:
                                    or "last")
         self.kv_options, self.kv_mode = self._kv_options()
         self.kv_policy = make_policy(model, **self.kv_options)
-        self.admission = Admission.for_model(model, config.memory_budget_bytes, self.kv_policy,
-                                             prefill_step=config.prefill_step_size)
+        self.draft_model = draft_model
+        self.admission = self._admission()
         cache_bytes = (self.admission.prompt_cache_bytes() if config.prompt_cache_bytes is None
                        else config.prompt_cache_bytes)
         self.prompt_cache = PromptCache(cache_bytes) if cache_bytes > 0 else None
@@ -190,12 +189,16 @@ class ServerState:
 
     def refresh_admission(self) -> None:
         """Recompute the ceiling (adapters change the weight bytes). Worker thread."""
-        from engine import Admission
-        self.admission = Admission.for_model(self.model, self.config.memory_budget_bytes,
-                                             self.kv_policy,
-                                             prefill_step=self.config.prefill_step_size)
+        self.admission = self._admission()
         self.ceiling = self.admission.max_context()
         self.engine.admission = self.admission
+
+    def _admission(self):
+        """Memory admission of the model (and its draft model, if any) under the budget."""
+        from engine import Admission
+        adm = Admission.for_model(self.model, self.config.memory_budget_bytes, self.kv_policy,
+                                  prefill_step=self.config.prefill_step_size)
+        return adm.with_draft(self.draft_model) if self.draft_model is not None else adm
 
     def check_capacity(self) -> None:
         """Refuse a new request (503, Retry-After) when the wait queue is full. Any thread."""

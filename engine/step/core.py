@@ -72,7 +72,9 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
     every decode step on the fast runner (`engine.fast`): the batch's rows (any number,
     max_batch 1 too, their KV in `engine.fast.slots.SlotPool`) and a request running alone.
     `merged_proj` merges the model's q/k/v and gate/up projections here, once, for
-    both lanes (`engine.fast.apply.prepare`).
+    both lanes (`engine.fast.apply.prepare`). draft_model: a model of the same vocabulary
+    drafting for speculative decoding (`engine.step.draft`; its tokenizer, when given as
+    draft_tokenizer, is checked; `admission` should count it: `Admission.with_draft`).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
@@ -182,6 +184,8 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
         eng = cls(model, tokenizer, max_batch=max_batch, **kw)
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
+        if eng.draft_model is not None:       # (its weights and KV count too)
+            eng.admission = eng.admission.with_draft(eng.draft_model)
         if prompt_cache_bytes is None:
             prompt_cache_bytes = eng.admission.prompt_cache_bytes()
         eng.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None

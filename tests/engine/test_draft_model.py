@@ -118,6 +118,12 @@ def test_engine_load_takes_a_draft_model_path():
     eng = Engine.load(path, draft_model=draft)
     m, tok, _ = eng.model, eng.tokenizer, eng.draft_model
     assert eng.draft_model is not None
+    # memory admission counts the draft's weights and its KV (every token, as the model's)
+    from engine.step.admission import Admission, weight_bytes
+    alone = Admission.for_model(m, eng.admission.budget_bytes)
+    assert eng.admission.weights == alone.weights + weight_bytes(eng.draft_model)
+    assert eng.admission.kv_bytes(4096) > alone.kv_bytes(4096)
+    assert eng.admission.max_context() < alone.max_context()
     ref, _, _ = _run(m, tok, PROMPT, max_tokens=12)
     got = engine.generate(m, tok, PROMPT, max_tokens=12, temperature=0.0,
                           draft_model=eng.draft_model).token_ids
@@ -171,6 +177,7 @@ def test_served_with_a_draft_model_answers_the_same_and_counts_drafts():
     and /metrics count the drafts by source; bad settings stop the start with one line."""
     import httpx
 
+    from engine.step.admission import weight_bytes
     from server.cli import main
     from tests.server.srv_helpers import start_server, stop_server
     path, draft = (str(ensure_fixture("llama", d)) for d in ("bfloat16", "q4"))
@@ -184,6 +191,8 @@ def test_served_with_a_draft_model_answers_the_same_and_counts_drafts():
             outs.append(r.json()["choices"][0]["text"])
             spec = httpx.get(s.url + "/stats").json()["speculation"]
             assert (spec["draft"]["accepted"] > 0) == bool(dm) and spec["draft_model"] == dm
+            # admission counts the draft's weights
+            assert (s.state.admission.weights > weight_bytes(s.state.model)) == bool(dm)
             metrics = httpx.get(s.url + "/metrics").text
             line = next(x for x in metrics.splitlines()
                         if x.startswith('engine_spec_accepted_tokens_total{source="draft"} '))
