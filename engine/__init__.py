@@ -58,6 +58,7 @@ _LAZY = {
     "add_speculation_flags": "engine.argparsing",
     "json_dict": "engine.argparsing",
     "parse_bool": "engine.argparsing",
+    "speculation_settings": "engine.argparsing",
     # engine.cli
     "default_model_dir": "engine.cli",
     # engine.constrained
@@ -104,6 +105,9 @@ _LAZY = {
     "Admission": "engine.step.admission",
     "ContextOverBudget": "engine.step.admission",
     "default_budget": "engine.step.admission",
+    # engine.step.draft
+    "DraftModelError": "engine.step.draft",
+    "load_draft": "engine.step.draft",
     # engine.step.request
     "ContextLengthExceeded": "engine.step.request",
     "PromptError": "engine.step.request",

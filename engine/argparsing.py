@@ -105,10 +105,30 @@ class CliParser(argparse.ArgumentParser):
 
 
 def add_speculation_flags(a) -> None:
-    """`--prompt-lookup N` and `--num-draft-tokens K` (engine-generate and engine-serve; `a`:
-    the parser's add_argument)."""
+    """`--draft-model PATH`, `--prompt-lookup N` and `--num-draft-tokens K` (engine-generate
+    and engine-serve; `a`: the parser's add_argument). `speculation_settings` checks them."""
+    a("--draft-model", metavar="PATH",
+      help="speculative decoding with a draft model (a directory or Hugging Face repo id "
+      "with the same tokenizer): it drafts K tokens, the model verifies them in one forward "
+      "(greedy and sampled requests; docs/generation.md)")
     a("--prompt-lookup", type=int, default=0, metavar="N",
       help="prompt-lookup speculative decoding for greedy requests: draft the tokens that "
       "followed the latest earlier match of the last N tokens (0: off; docs/generation.md)")
-    a("--num-draft-tokens", type=int, default=4, metavar="K",
-      help="draft tokens a step with --prompt-lookup (4)")
+    a("--num-draft-tokens", type=int, default=None, metavar="K",
+      help="draft tokens a step: 3 with --draft-model (mlx-lm's), 4 with --prompt-lookup")
+
+
+def speculation_settings(args) -> tuple:
+    """(prompt_lookup, num_draft_tokens) from the flags of `add_speculation_flags`; raises
+    ValueError naming the flag for values out of range or --draft-model with --prompt-lookup."""
+    if args.draft_model is not None and args.prompt_lookup:
+        raise ValueError("--draft-model and --prompt-lookup are two sources of drafts; "
+                         "give one of them")
+    if not 0 <= args.prompt_lookup <= 64:
+        raise ValueError(f"--prompt-lookup must be in [0, 64], got {args.prompt_lookup}")
+    k = args.num_draft_tokens
+    if k is None:
+        k = 3 if args.draft_model is not None else 4
+    if not 1 <= k <= 64:
+        raise ValueError(f"--num-draft-tokens must be in [1, 64], got {k}")
+    return args.prompt_lookup, k

@@ -24,13 +24,11 @@ import os
 import sys
 
 from .argparsing import (CliParser, DefaultsHelpFormatter, add_speculation_flags, json_dict,
-                          parse_bool)
+                          parse_bool, speculation_settings)
 
 # mlx_lm.generate's sampling defaults (it does not read generation_config.json)
 MLX_LM_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
 UNSUPPORTED = {
-    "--draft-model": "speculation with a draft model is not implemented (prompt lookup, "
-                     "which needs no second model: --prompt-lookup N)",
     "--image": "image inputs are not implemented (text models only)",
     "--quantize-activations": "activation quantization is not implemented",
     "-qa": "activation quantization is not implemented",
@@ -181,9 +179,14 @@ def main(argv=None) -> int:
 
     try:
         levers = levers_from_args(args)
+        lookup, draft_tokens = speculation_settings(args)
+        if args.draft_model is not None and (args.tensor_parallel or args.kv_bits
+                                             or args.kv_config or args.max_kv_size):
+            raise CliError("--draft-model is not supported with --tensor-parallel, --kv-bits, "
+                           "--kv-config or --max-kv-size")
         caches, model_path = (_load_cache_file(args) if args.prompt_cache_file
                               else (None, args.model))
-    except (LeverError, CliError) as e:
+    except (LeverError, CliError, ValueError) as e:
         print(f"engine-generate: {e}", file=sys.stderr)
         return 2
     out = sys.stdout
@@ -208,12 +211,22 @@ def main(argv=None) -> int:
     except (ModelLoadError, FileNotFoundError, ValueError) as e:
         print(f"engine-generate: cannot load model: {e}", file=sys.stderr)
         return 2
+    draft = None
+    if args.draft_model is not None:    # (loaded after the model, as mlx_lm.generate does)
+        from engine.step.draft import load_draft
+        try:
+            draft = load_draft(args.draft_model, model, tok)
+        except ValueError as e:         # (ModelLoadError and DraftModelError)
+            print(f"engine-generate: --draft-model: {e}", file=sys.stderr)
+            return 2
     sampling = {k: getattr(args, k) for k in MLX_LM_SAMPLING}
     if not args.generation_config:
         sampling = {k: MLX_LM_SAMPLING[k] if v is None else v for k, v in sampling.items()}
     from engine.step.admission import Admission
     budget = int(args.memory_budget * 1e9) if args.memory_budget else None
     admission = Admission.for_model(model, budget, prefill_step=args.prefill_step_size)
+    if draft is not None:
+        admission = admission.with_draft(draft)
     text, last = "", None
     try:
         for t in args.extra_eos_token:
@@ -226,7 +239,7 @@ def main(argv=None) -> int:
                 min_tokens_to_keep=args.min_tokens_to_keep,
                 xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                 repetition_penalty=args.repetition_penalty, seed=seed, stop=args.stop,
-                prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
+                prompt_lookup=lookup, num_draft_tokens=draft_tokens, draft_model=draft,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
                 admission=admission, prefill_step_size=args.prefill_step_size, levers=levers,

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from engine import CliParser, add_speculation_flags, json_dict as _json_dict, parse_bool as _bool
+from engine import speculation_settings
 
 from .listen import BackgroundServer, bind, uvicorn_server, url_of  # noqa: F401  (re-exported)
 from .security import is_loopback
@@ -141,7 +142,6 @@ def parser() -> argparse.ArgumentParser:
                                                   "ERROR", "CRITICAL"])
     a("--access-log", action="store_true", help="log every request")
     # mlx_lm.server flags we cannot honour: accepted so scripts start, said out loud
-    a("--draft-model", help=argparse.SUPPRESS)
     a("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
     a("--use-default-chat-template", action="store_true", help=argparse.SUPPRESS)
     a("--pipeline", action="store_true", help=argparse.SUPPRESS)
@@ -217,9 +217,12 @@ def config_from_args(args):
         args.batch = 32 if levers.fast_decode else 8
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
-    if not 0 <= args.prompt_lookup <= 64 or not 1 <= args.num_draft_tokens <= 64:
-        raise SystemExit("engine-serve: --prompt-lookup must be in [0, 64] and "
-                         "--num-draft-tokens in [1, 64]")
+    try:
+        lookup, draft_tokens = speculation_settings(args)
+    except ValueError as e:
+        raise SystemExit(f"engine-serve: {e}") from None
+    if args.draft_model is not None and getattr(args, "tensor_parallel", False):
+        raise SystemExit("engine-serve: --draft-model is not supported with --tensor-parallel")
     if args.max_queue is not None and args.max_queue < 0:
         raise SystemExit("engine-serve: --max-queue must be >= 0")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -247,7 +250,7 @@ def config_from_args(args):
         prompt_cache_disk_gb=args.prompt_cache_disk_gb, kv_quant=kv, kv_group_size=args.kv_group_size,
         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
-        prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
+        prompt_lookup=lookup, num_draft_tokens=draft_tokens, draft_model=args.draft_model,
         api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_grammar_ms=args.max_grammar_ms, max_schema_nodes=args.max_schema_nodes,
@@ -299,11 +302,6 @@ def main(argv=None) -> int:
     from .first_run import note_kernel_cache
     note_kernel_cache()     # before loading the model compiles anything
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
-    if args.draft_model:
-        print("engine-serve: --draft-model (speculation with a draft model) is not supported; "
-              "--prompt-lookup N speculates without one",
-              file=sys.stderr)
-        return 2
     config = config_from_args(args)
     security = security_from_args(args, config)
     if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps

@@ -235,9 +235,12 @@ class ServerCollector:
                 yield kind(name, help_, value=pc[key])
         eng = getattr(st, "engine", None)
         spec = eng.stats()["speculation"] if eng is not None else None
-        if spec is not None:                  # prompt-lookup speculation (--prompt-lookup)
+        if spec is not None:     # speculation, by source: lookup (--prompt-lookup), draft
             for name, help_, key in SPECULATION:
-                yield CounterMetricFamily(name, help_, value=spec[key])
+                fam = CounterMetricFamily(name, help_, labels=["source"])
+                for source in SPEC_SOURCES:
+                    fam.add_metric([source], spec[source][key])
+                yield fam
         disk = getattr(eng, "disk_cache", None)
         if disk is not None:
             dc = disk.stats()
@@ -251,10 +254,12 @@ class ServerCollector:
 
 
 SPECULATION = (
-    ("engine_spec_drafted_tokens", "prompt-lookup draft tokens verified", "drafted"),
-    ("engine_spec_accepted_tokens", "prompt-lookup draft tokens accepted", "accepted"),
-    ("engine_spec_verify_forwards", "prompt-lookup verify forwards", "forwards"),
+    ("engine_spec_drafted_tokens", "draft tokens verified (source: lookup = prompt lookup, "
+     "draft = the draft model)", "drafted"),
+    ("engine_spec_accepted_tokens", "draft tokens accepted", "accepted"),
+    ("engine_spec_verify_forwards", "verify forwards of speculating requests", "forwards"),
 )
+SPEC_SOURCES = ("lookup", "draft")
 
 GATEWAY_COUNTERS = (
     ("engine_generations_completed", "generations finished", "completed"),

@@ -45,6 +45,7 @@ class ServerConfig:
     max_tokens: Optional[int] = None   # None: no cap (the context left, bounded by admission)
     prompt_lookup: int = 0             # prompt-lookup speculation for greedy requests (0: off)
     num_draft_tokens: int = 4
+    draft_model: Optional[str] = None  # a draft model (directory or repo id) for speculation
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)
@@ -83,10 +84,10 @@ def activation_dtype(model) -> str:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str):
+    def __init__(self, config: ServerConfig, gateway: Gateway, model, tokenizer, model_dir: str,
+                 draft_model=None):
         from engine import Engine
         from engine import AdapterRegistry
-        from engine import Admission
         from engine import make_policy
         from engine import PromptCache
 
@@ -113,8 +114,8 @@ class ServerState:
                                    or "last")
         self.kv_options, self.kv_mode = self._kv_options()
         self.kv_policy = make_policy(model, **self.kv_options)
-        self.admission = Admission.for_model(model, config.memory_budget_bytes, self.kv_policy,
-                                             prefill_step=config.prefill_step_size)
+        self.draft_model = draft_model
+        self.admission = self._admission()
         cache_bytes = (self.admission.prompt_cache_bytes() if config.prompt_cache_bytes is None
                        else config.prompt_cache_bytes)
         self.prompt_cache = PromptCache(cache_bytes) if cache_bytes > 0 else None
@@ -125,7 +126,7 @@ class ServerState:
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
-                             levers=config.levers, **self.kv_options)
+                             levers=config.levers, draft_model=draft_model, **self.kv_options)
         if config.prompt_cache_dir:
             from engine import disk_cache_for
             self.engine.disk_cache = disk_cache_for(config.prompt_cache_dir,
@@ -188,12 +189,16 @@ class ServerState:
 
     def refresh_admission(self) -> None:
         """Recompute the ceiling (adapters change the weight bytes). Worker thread."""
-        from engine import Admission
-        self.admission = Admission.for_model(self.model, self.config.memory_budget_bytes,
-                                             self.kv_policy,
-                                             prefill_step=self.config.prefill_step_size)
+        self.admission = self._admission()
         self.ceiling = self.admission.max_context()
         self.engine.admission = self.admission
+
+    def _admission(self):
+        """Memory admission of the model (and its draft model, if any) under the budget."""
+        from engine import Admission
+        adm = Admission.for_model(self.model, self.config.memory_budget_bytes, self.kv_policy,
+                                  prefill_step=self.config.prefill_step_size)
+        return adm.with_draft(self.draft_model) if self.draft_model is not None else adm
 
     def check_capacity(self) -> None:
         """Refuse a new request (503, Retry-After) when the wait queue is full. Any thread."""
@@ -250,8 +255,10 @@ class ServerState:
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},
             "levers": self._levers_stats(),
-            # prompt-lookup speculation (--prompt-lookup): drafted, accepted, acceptance
-            "speculation": self.engine.stats()["speculation"],
+            # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
+            # forwards; summed, per source and per recent request
+            "speculation": {**self.engine.stats()["speculation"],
+                            "draft_model": self.config.draft_model},
         }
 
     def _levers_stats(self) -> dict:
@@ -301,7 +308,11 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             t.set_chat_template(config.chat_template)
         if wrap_model is not None:
             m = wrap_model(m, t)
-        state = ServerState(config, gateway, m, t, model_dir)
+        draft = None
+        if config.draft_model:          # (same vocabulary, else DraftModelError: a ValueError)
+            from engine import load_draft
+            draft = load_draft(config.draft_model, m, t)
+        state = ServerState(config, gateway, m, t, model_dir, draft_model=draft)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

@@ -126,6 +126,13 @@ class Admission:
                    weight_bytes(model), layer_kv(model, policy), hidden, mlp, heads, vocab,
                    prefill_step, _elem_bytes(model), _backend())
 
+    def with_draft(self, draft_model) -> "Admission":
+        """This admission counting a draft model too (speculative decoding): its weights,
+        and its KV cache, which holds every token the model's does."""
+        from dataclasses import replace
+        return replace(self, weights=self.weights + weight_bytes(draft_model),
+                       layers=self.layers + layer_kv(draft_model, None))
+
     def kv_bytes(self, tokens: int) -> int:
         total = 0.0
         for l in self.layers:

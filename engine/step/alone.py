@@ -10,13 +10,26 @@ import time
 
 import mlx.core as mx
 
+from engine.step.draft import DraftModelError, check_draft, draft_generate_step
 from engine.step.request import RequestState
 from engine.step.lookup import lookup_generate_step
 from engine.step.stepper import generate_step, prefill_chunk
 
 
 class AloneRunner:
-    """Mixed into `engine.step.core.Engine` (its model, levers, policy, adapters, caches)."""
+    """Mixed into `engine.step.core.Engine` (its model, levers, policy, adapters, caches,
+    draft model and speculation counters)."""
+
+    def _set_draft(self, draft_model, draft_tokenizer=None) -> None:
+        """The engine's draft model (None: no draft-model speculation), checked against the
+        model (`engine.step.draft.check_draft`) and the engine's settings."""
+        self.draft_model = draft_model
+        if draft_model is None:
+            return
+        check_draft(self.model, self.tokenizer, draft_model, draft_tokenizer)
+        if self.policy.active or self.max_kv_size:
+            raise DraftModelError("a draft model needs unquantized, unbounded KV caches (no "
+                                  "kv_bits / kv_config, no max_kv_size)")
 
     def _start_solo(self, req: RequestState) -> None:
         if self.adapters is not None:
@@ -42,11 +55,21 @@ class AloneRunner:
 
         def start_decode():
             if p.looks_up():        # prompt-lookup speculation (greedy: no sampler needed)
+                req.spec = self.spec.for_request("lookup")
                 return lookup_generate_step(
                     req.prompt[req.done:], self.model, max_tokens=p.max_tokens, caches=caches,
                     ngram=p.prompt_lookup, draft_tokens=p.num_draft_tokens, context=req.ids,
                     policy=self.policy, prefill_step_size=self.prefill_step_size,
-                    stats=self.lookup)
+                    stats=req.spec)
+            if self.draft_model is not None and p.drafts():   # the draft sees the whole prompt
+                req.spec = self.spec.for_request("draft")
+                return draft_generate_step(
+                    req.prompt[req.done:], self.model, self.draft_model,
+                    max_tokens=p.max_tokens, caches=caches,
+                    draft_caches=self.draft_model.make_cache(),
+                    num_draft_tokens=p.num_draft_tokens, sampler=sampler,
+                    draft_prompt=mx.array(req.ids), policy=self.policy,
+                    prefill_step_size=self.prefill_step_size, stats=req.spec)
             return generate_step(req.prompt[req.done:], self.model, max_tokens=p.max_tokens,
                                  sampler=sampler, logits_processors=processors or None,
                                  caches=caches, policy=self.policy,
@@ -82,7 +105,7 @@ class AloneRunner:
             self._keep(req, req.ids[:len(req.ids) - 1], req.caches)
         req.steps, req.start_decode = req.start_decode(), None
 
-    def _solo_token(self, req: RequestState, tok: int, lp) -> list:
+    def _solo_token(self, req: RequestState, tok: int, lp, *_from_draft) -> list:
         out, finished = self._token(req, tok, lp)
         if finished:
             self._live.pop(req.rid, None)
@@ -92,6 +115,8 @@ class AloneRunner:
     def _end_solo(self, req: RequestState, store: bool = True) -> None:
         if req.steps is not None:
             req.steps.close()
+        if req.spec is not None:
+            self.spec.finished(req.rid, req.spec)
         if store:
             self._store(req, req.caches)
         req.steps = req.caches = req.prompt = req.start_decode = None

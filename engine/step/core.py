@@ -13,7 +13,8 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    or with a fast lever the *fast* runner, its decode on `engine.fast`) or runs alone (the
    *exact* runner: `engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`):
    alone when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects
-   adapters (the batch runs the base weights) or brings its own prefix caches;
+   adapters (the batch runs the base weights), brings its own prefix caches or speculates
+   (prompt lookup, `engine.step.lookup`; a draft model, `engine.step.draft`);
    `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
    estimate fits (a lone row always runs: its own check passed at submit) and at most
    `max_batch` rows are in the batch (the rest wait, `stats()["waiting"]`). A request
@@ -45,10 +46,11 @@ from typing import Optional
 
 from engine.step.batch import BatchRequest, BatchScheduler, RowEvent
 from engine.kv.quant import make_policy
-from engine.step.request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
+from engine.step.request import (PromptError, RequestOutput, RequestState, SamplingParams,
                       check_token_ids, encode_prompt, model_context, model_vocab_size,
                       token_logprob)
 from engine.step.alone import AloneRunner
+from engine.step.context import ContextLimits
 from engine.step.reuse import PrefixReuse
 
 __all__ = ["Engine"]
@@ -56,7 +58,7 @@ __all__ = ["Engine"]
 BASE_NAMESPACE = "base"
 
 
-class Engine(AloneRunner, PrefixReuse):
+class Engine(AloneRunner, PrefixReuse, ContextLimits):
     """Model, tokenizer, prompt cache, admission, adapters and the scheduler.
 
     max_batch: most requests decoding together (1: one at a time, each exactly
@@ -70,7 +72,9 @@ class Engine(AloneRunner, PrefixReuse):
     every decode step on the fast runner (`engine.fast`): the batch's rows (any number,
     max_batch 1 too, their KV in `engine.fast.slots.SlotPool`) and a request running alone.
     `merged_proj` merges the model's q/k/v and gate/up projections here, once, for
-    both lanes (`engine.fast.apply.prepare`).
+    both lanes (`engine.fast.apply.prepare`). draft_model: a model of the same vocabulary
+    drafting for speculative decoding (`engine.step.draft`; its tokenizer, when given as
+    draft_tokenizer, is checked; `admission` should count it: `Admission.with_draft`).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
@@ -78,7 +82,8 @@ class Engine(AloneRunner, PrefixReuse):
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
                  levers=None, max_context: Optional[int] = None,
-                 max_kv_size: Optional[int] = None, disk_cache=None):
+                 max_kv_size: Optional[int] = None, disk_cache=None, draft_model=None,
+                 draft_tokenizer=None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -122,8 +127,9 @@ class Engine(AloneRunner, PrefixReuse):
         self.rows_now = 0                # rows decoding now (they run the next decode step)
         self.lanes = {"batch": 0, "solo": 0}
         self.solo_reasons: dict = {}
-        from engine.step.lookup import LookupStats
-        self.lookup = LookupStats()      # prompt-lookup speculation, every request's
+        from engine.step.speculation import Speculation
+        self.spec = Speculation()        # speculation's counters (prompt lookup, draft model)
+        self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
 
     def _new_scheduler(self) -> BatchScheduler:
         # (no tokenizer, no stop tokens, no max_tokens: rows end by the Engine's update)
@@ -141,7 +147,8 @@ class Engine(AloneRunner, PrefixReuse):
     def load(cls, path, *, max_batch: int = 1, adapter_path=None,
              memory_budget_bytes: Optional[int] = None, prompt_cache_bytes: Optional[int] = 0,
              tensor_parallel: bool = False, tp_timeout: Optional[float] = 60.0,
-             prompt_cache_dir=None, prompt_cache_disk_gb: float = 20.0, **kw):
+             prompt_cache_dir=None, prompt_cache_disk_gb: float = 20.0, draft_model=None,
+             **kw):
         """Load a model directory; memory admission on (budget: 75% of RAM by default).
 
         prompt_cache_bytes: the prompt cache's cap (0: none; None: what the server takes by
@@ -155,7 +162,9 @@ class Engine(AloneRunner, PrefixReuse):
         (`engine.distributed.coordinate`). `tp_timeout`: seconds a step may take on
         rank 0 before the ranks are given up (None: no limit).
         prompt_cache_dir: keep prefixes' KV as files there too, read back after a restart
-        (`engine.kv.disk_cache`), at most `prompt_cache_disk_gb` GB (10^9 bytes)."""
+        (`engine.kv.disk_cache`), at most `prompt_cache_disk_gb` GB (10^9 bytes).
+        draft_model: a model directory or repo id drafting for speculative decoding
+        (`engine.step.draft`; the same tokenizer vocabulary, else `DraftModelError`)."""
         from engine.step.admission import Admission, default_budget
         from engine.loader import load
         from engine.kv.prompt_cache import PromptCache
@@ -163,6 +172,11 @@ class Engine(AloneRunner, PrefixReuse):
         from engine.adapters.registry import AdapterRegistry
 
         model, tokenizer = load(path, adapter_path=adapter_path, tensor_parallel=tensor_parallel)
+        if draft_model is not None:
+            from engine.step.draft import DraftModelError, load_draft
+            if tensor_parallel:
+                raise DraftModelError("a draft model is not supported with tensor_parallel")
+            kw["draft_model"] = load_draft(draft_model, model, tokenizer)
         if tensor_parallel:
             from engine.distributed import sharding
             if memory_budget_bytes is None:     # every rank admits what rank 0 admits
@@ -170,6 +184,8 @@ class Engine(AloneRunner, PrefixReuse):
         eng = cls(model, tokenizer, max_batch=max_batch, **kw)
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
+        if eng.draft_model is not None:       # (its weights and KV count too)
+            eng.admission = eng.admission.with_draft(eng.draft_model)
         if prompt_cache_bytes is None:
             prompt_cache_bytes = eng.admission.prompt_cache_bytes()
         eng.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
@@ -205,6 +221,8 @@ class Engine(AloneRunner, PrefixReuse):
         before = prefix_caches[0].offset if prefix_caches else 0
         self.check_context(before + len(ids))
         params = self.capped(params, before + len(ids))
+        if params.prompt_lookup and self.draft_model is not None:
+            raise ValueError("prompt_lookup: this engine speculates with its draft model")
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)
         adapter = tuple(adapter or ())
@@ -230,32 +248,13 @@ class Engine(AloneRunner, PrefixReuse):
         self._waiting.append(req)
         return rid
 
-    def check_context(self, prompt_tokens: int) -> None:
-        """Raise `ContextLengthExceeded` when a prompt this long leaves no room for one
-        generated token in the model's context. Any thread."""
-        limit = self.max_context
-        if limit is not None and prompt_tokens + 1 > limit:
-            raise ContextLengthExceeded(prompt_tokens, limit)
-
-    def context_left(self, prompt_tokens: int) -> Optional[int]:
-        """Tokens the model's context holds after a prompt this long (None: no limit)."""
-        return None if self.max_context is None else self.max_context - prompt_tokens
-
-    def capped(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
-        """`params` with `max_tokens` at most the context left after the prompt
-        (a generation cannot run past the model's context; with `max_kv_size` the
-        bounded ring may, as mlx-lm's does). Any thread."""
-        left = self.context_left(prompt_tokens)
-        if left is None or self.max_kv_size or params.max_tokens <= left:
-            return params
-        from dataclasses import replace
-        return replace(params, max_tokens=max(left, 1))
-
     def _solo_reason(self, adapter: tuple, params: SamplingParams) -> Optional[str]:
         if self._sched is None:
             return "max_batch=1"
         if params.looks_up():
             return "prompt_lookup"
+        if self.draft_model is not None and params.drafts():
+            return "draft_model"
         if self.max_kv_size:
             return "max_kv_size"
         if self.policy.active:
@@ -297,8 +296,7 @@ class Engine(AloneRunner, PrefixReuse):
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
                 "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
                 "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons),
-                "speculation": {**vars(self.lookup), "acceptance": (
-                    self.lookup.accepted / self.lookup.drafted if self.lookup.drafted else None)},
+                "speculation": self.spec.stats(),
                 # the fast runner's counters: traces (made only for shapes not seen before)
                 "fast": (dict(vars(self._fast_step.stats)) if self._fast_step is not None
                          else None)}

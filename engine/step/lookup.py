@@ -17,20 +17,13 @@ bit, with fewer forwards on text that repeats its context (code being edited, qu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import mlx.core as mx
 
 from engine.kv.quant import KVPolicy
+from engine.step.speculation import SpecStats
 from engine.step.stepper import prefill
-
-
-@dataclass
-class LookupStats:
-    drafted: int = 0     # draft tokens proposed and verified
-    accepted: int = 0    # of them, accepted
-    forwards: int = 0    # verify forwards run (each emits 1 + the accepted drafts)
 
 
 class NgramIndex:
@@ -60,13 +53,13 @@ class NgramIndex:
 def lookup_generate_step(prompt: mx.array, model, *, max_tokens: int, caches: list,
                          ngram: int, draft_tokens: int, context: list,
                          policy: Optional[KVPolicy] = None, prefill_step_size: int = 2048,
-                         stats: Optional[LookupStats] = None) -> Iterator[tuple]:
+                         stats: Optional[SpecStats] = None) -> Iterator[tuple]:
     """Yield (token, logprobs [V]) for up to max_tokens greedy tokens. `context`: every token
     before the new ones (a cached prefix and the prompt), where drafts are looked up."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     policy = policy or KVPolicy()
-    stats = stats if stats is not None else LookupStats()
+    stats = stats if stats is not None else SpecStats()
     index = NgramIndex(list(context), ngram)
     y = int(prefill(model, prompt, caches, policy, prefill_step_size).item())
     n = 0
@@ -79,9 +72,7 @@ def lookup_generate_step(prompt: mx.array, model, *, max_tokens: int, caches: li
         ok = 0
         while ok < len(draft) and toks[ok] == draft[ok]:
             ok += 1
-        stats.forwards += 1
-        stats.drafted += len(draft)
-        stats.accepted += ok
+        stats.record(len(draft), ok)
         if ok < len(draft):                   # the rejected drafts leave the caches
             for c in caches:
                 c.trim(len(draft) - ok)

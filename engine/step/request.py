@@ -82,6 +82,10 @@ class SamplingParams:
     # prompt_lookup tokens (0: off); greedy requests without logits processors only
     prompt_lookup: int = 0
     num_draft_tokens: int = 4
+    # draft-model speculation (engine.step.draft) when the engine has a draft model: up to
+    # num_draft_tokens drafts a step, greedy or sampled, requests without logits processors
+    # (False: this request decodes without it)
+    use_draft: bool = True
 
     def __post_init__(self):
         from engine.step.sampling import make_logits_processors, make_sampler
@@ -97,6 +101,8 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [0, 2**64 - 1] (what mx.random.key takes), "
                              f"got {self.seed}")
+        if not isinstance(self.use_draft, bool):
+            raise ValueError(f"use_draft must be true or false, got {self.use_draft!r}")
         for name, lo, hi in (("prompt_lookup", 0, 64), ("num_draft_tokens", 1, 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -146,12 +152,20 @@ class SamplingParams:
                     presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty)
 
+    def has_processors(self) -> bool:
+        """Whether this request runs logits processors (penalties, bias, grammars)."""
+        return bool(self.processor_factories or any(
+            v for k, v in self._processor_kwargs().items() if k != "repetition_context_size"))
+
     def looks_up(self) -> bool:
         """Whether prompt-lookup speculation runs for this (resolved) request: asked for,
         greedy, no logits processors (penalties, bias, grammars)."""
-        return bool(self.prompt_lookup and not self.temperature and not self.processor_factories
-                    and not any(v for k, v in self._processor_kwargs().items()
-                                if k != "repetition_context_size"))
+        return bool(self.prompt_lookup and not self.temperature and not self.has_processors())
+
+    def drafts(self) -> bool:
+        """Whether this request speculates with the engine's draft model (when it has one):
+        not turned off, no prompt lookup, no logits processors; greedy or sampled."""
+        return self.use_draft and not self.prompt_lookup and not self.has_processors()
 
     def sampler_key(self) -> tuple:
         """What makes two requests' samplers the same (resolved params)."""
@@ -200,6 +214,8 @@ class RequestOutput:
     error: Optional[BaseException] = None             # finish_reason "error": what was raised
     started: bool = True                              # False: it failed before any token
     logprob_arrays: list = field(default_factory=list)  # [V] per token (keep_logprob_arrays)
+    # speculation so far (drafted, accepted, forwards, acceptance); None: it does not speculate
+    speculation: Optional[dict] = None
 
     @property
     def finished(self) -> bool:
@@ -318,6 +334,7 @@ class RequestState:
         self.prompt = None                # solo: the uncached prompt tokens, prefilling
         self.done = 0                     # solo: how many of them are in the caches
         self.start_decode = None          # solo: builds `steps` once prefilled
+        self.spec = None                  # solo: its SpecStats while it speculates
         self.text = TextStream(tokenizer, params.stop)   # (the one update's, every runner)
 
     def output(self, text: str, reason=None, **kw) -> RequestOutput:
@@ -328,6 +345,8 @@ class RequestState:
                             prompt_tps=self.prompt_tps,
                             generation_tps=self.n / (now - self.tic) if now > self.tic else 0.0,
                             peak_memory_gb=mx.get_peak_memory() / 1e9, request_id=self.rid,
-                            started=bool(self.fed), logprob_arrays=self.pending_arrays, **kw)
+                            started=bool(self.fed), logprob_arrays=self.pending_arrays,
+                            speculation=self.spec.as_dict() if self.spec is not None else None,
+                            **kw)
         self.pending_ids, self.pending_lp, self.pending_arrays = [], [], []
         return out

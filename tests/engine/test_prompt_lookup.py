@@ -130,9 +130,11 @@ def test_served_with_prompt_lookup_answers_the_same_and_counts_drafts():
             outs.append(r.json()["choices"][0]["text"])
             spec = httpx.get(s.url + "/stats").json()["speculation"]
             assert (spec["accepted"] > 0) == bool(lookup)
+            assert spec["lookup"]["accepted"] == spec["accepted"] and spec["draft"]["drafted"] == 0
+            assert [r["source"] for r in spec["recent"]] == (["lookup"] if lookup else [])
             metrics = httpx.get(s.url + "/metrics").text
             line = next(x for x in metrics.splitlines()
-                        if x.startswith("engine_spec_accepted_tokens_total "))
+                        if x.startswith('engine_spec_accepted_tokens_total{source="lookup"} '))
             assert float(line.split()[1]) == spec["accepted"]
         finally:
             stop_server(s)
