@@ -139,9 +139,10 @@ class ModelPool:
     attributes stand in for a `ServerState`'s where the app reads them (`config`,
     `max_position`, `store`)."""
 
-    def __init__(self, config, models):
+    def __init__(self, config, models, wrap_model=None):
         self.config = config            # server.state.ServerConfig: the shared flags
         self.models = models            # server.models_catalog.ModelsConfig
+        self.wrap_model = wrap_model    # (tests) wraps each loaded model, as build_state's
         self.budget_bytes = models.memory_budget_bytes
         self.store = ResponseStore()     # one store: a response id is the server's
         self.started_at = int(time.time())
@@ -279,7 +280,8 @@ class ModelPool:
         self._close(evicted)          # the evicted models' memory first
         gateway = Gateway(name=f"engine-{slot.name[:40]}")
         try:
-            state = build_state(self.state_config(slot.entry), gateway)
+            state = build_state(self.state_config(slot.entry), gateway,
+                                wrap_model=self.wrap_model)
         except Exception as e:        # a broken folder, a model we cannot load
             gateway.close()
             log.error("model %s failed to load: %s: %s", slot.name, type(e).__name__, e)
@@ -302,13 +304,15 @@ class ModelPool:
         fut.set_result(state)
 
     def state_config(self, entry):
-        """A model's `ServerConfig`: the shared flags, its directory and name, the pool's
-        budget (its admission ceiling is what it could run alone) and its cache share."""
+        """A model's `ServerConfig`: the shared flags, its directory and name, its
+        admission budget (`--memory-budget`, else the pool's: its ceiling is what one
+        request could use alone) and its prompt-cache share of the pool's budget."""
         cache = self.config.prompt_cache_bytes
         if cache is None:
             cache = int(self.budget_bytes * self.models.prompt_cache_share)
         return dataclasses.replace(self.config, model=entry.path, model_id=entry.name,
-                                   memory_budget_bytes=self.budget_bytes,
+                                   memory_budget_bytes=(self.config.memory_budget_bytes
+                                                        or self.budget_bytes),
                                    prompt_cache_bytes=cache, adapter=None)
 
     async def reserve(self, lease: Lease, state, prompt_tokens: int, max_tokens: int,
