@@ -103,7 +103,7 @@ class Slot:
     entry: object                       # server.models_catalog.ModelEntry
     state: object = None                # ServerState while resident
     loading: Optional[Future] = None    # the load under way (requests wait on it)
-    weights_bytes: int = 0              # counted while loading (estimate) or resident
+    estimate: int = 0                   # the weights' bytes counted while it loads
     leases: list = dataclasses.field(default_factory=list)
     last_used: float = 0.0
     loaded_at: Optional[float] = None
@@ -121,6 +121,14 @@ class Slot:
     def prune(self) -> list:
         self.leases = [le for le in self.leases if le.active]
         return self.leases
+
+    @property
+    def weights_bytes(self) -> int:
+        """Its weights (with mounted adapters) while resident; the estimate while loading."""
+        state = self.state
+        if state is not None:
+            return state.admission.weights
+        return self.estimate if self.loading is not None else 0
 
     def cache_bytes(self) -> int:
         pc = getattr(self.state, "prompt_cache", None)
@@ -151,6 +159,8 @@ class ModelPool:
         self.max_position = max(ctxs) if ctxs else None
         self.lock = threading.RLock()
         self.shedding: Optional[BaseException] = None
+        self.closing = 0                # bytes of evicted models whose workers are closing
+        self.closing_bytes: dict = {}
         self.rejected = 0               # requests refused 503 for memory
         self.load_failures = 0
         self.loads = 0
@@ -186,9 +196,8 @@ class ModelPool:
 
     def used_bytes(self) -> int:
         with self.lock:
-            return sum(s.weights_bytes + s.cache_bytes() + s.kv_bytes()
-                       for s in self.slots.values()
-                       if s.state is not None or s.loading is not None)
+            return self.closing + sum(s.weights_bytes + s.cache_bytes() + s.kv_bytes()
+                                      for s in self.slots.values())
 
     def free_bytes(self) -> int:
         return self.budget_bytes - self.used_bytes()
@@ -203,7 +212,7 @@ class ModelPool:
         idle = sorted((s for s in self.slots.values() if s is not keep and s.idle()),
                       key=lambda s: s.last_used)
         for s in idle:
-            free += s.weights_bytes + s.cache_bytes()
+            free += s.weights_bytes + s.cache_bytes()     # (once its worker has closed)
             evicted.append(self._evict(s, "lru"))
             if free >= need:
                 return True, evicted
@@ -211,18 +220,21 @@ class ModelPool:
 
     def _evict(self, slot: Slot, reason: str):
         """Take a model out of the pool (under the lock); its worker is closed by the
-        caller, outside the lock (`_close`)."""
-        state, slot.state, slot.weights_bytes, slot.loaded_at = slot.state, None, 0, None
+        caller, outside the lock (`_close`); until then its bytes count as `closing`."""
+        held = slot.weights_bytes + slot.cache_bytes()
+        state, slot.state, slot.loaded_at = slot.state, None, None
+        self.closing += held
+        self.closing_bytes[id(state)] = held
         slot.evictions += 1
         self.evictions[reason] += 1
         log.info("model %s unloaded (%s)", slot.name, reason)
         return state
 
-    @staticmethod
-    def _close(states) -> None:
+    def _close(self, states) -> None:
         """Stop the evicted models' workers and free their memory (any thread)."""
         if not states:
             return
+        keys = [id(st) for st in states]
         for st in states:
             st.gateway.close()
             disk = getattr(st.engine, "disk_cache", None)
@@ -232,6 +244,9 @@ class ModelPool:
         gc.collect()
         import mlx.core as mx
         mx.clear_cache()
+        with self.lock:
+            for k in keys:
+                self.closing -= self.closing_bytes.pop(k, 0)
 
     # --- leases -------------------------------------------------------------------------
 
@@ -253,7 +268,7 @@ class ModelPool:
                     self.rejected += 1
                     raise no_room(self._short(slot.entry.weights_bytes,
                                               f"loading model {slot.name!r}"))
-                slot.weights_bytes = slot.entry.weights_bytes
+                slot.estimate = slot.entry.weights_bytes
                 slot.loading = Future()
                 threading.Thread(target=self._load, args=(slot, evicted), daemon=True,
                                  name=f"load-{slot.name[:40]}").start()
@@ -286,7 +301,7 @@ class ModelPool:
             gateway.close()
             log.error("model %s failed to load: %s: %s", slot.name, type(e).__name__, e)
             with self.lock:
-                slot.loading, slot.weights_bytes = None, 0
+                slot.loading = None
                 self.load_failures += 1
             err = APIError(503, f"model {slot.name!r} could not be loaded: "
                                 f"{getattr(e, 'message', None) or e}",
@@ -294,9 +309,10 @@ class ModelPool:
             fut.set_exception(err)
             return
         state.store = self.store
+        if self.shedding is not None:        # (shutting down meanwhile)
+            state.gateway.shed(self.shedding)
         with self.lock:
             slot.state, slot.loading = state, None
-            slot.weights_bytes = state.admission.weights
             slot.loaded_at = time.monotonic()
             slot.loads += 1
             self.loads += 1
@@ -323,7 +339,8 @@ class ModelPool:
             lease.kv_bytes = 0
             fits, evicted = self._make_room(need, lease.slot)
             if not fits and uncapped:             # as much as is free
-                free = self.free_bytes()
+                free = self.free_bytes() + sum(self.closing_bytes.get(id(st), 0)
+                                               for st in evicted)
                 lo, hi = 0, max_tokens
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
@@ -356,7 +373,7 @@ class ModelPool:
                     raise MemoryError(f"--pin {name}: its weights "
                                       f"({slot.entry.weights_bytes / 1e9:.3f} GB) do not fit "
                                       f"the models' memory budget with the other pins")
-                slot.weights_bytes = slot.entry.weights_bytes
+                slot.estimate = slot.entry.weights_bytes
                 slot.loading = fut = Future()
             self._load(slot, [])
             slot.last_used = time.monotonic()
