@@ -160,3 +160,31 @@ def test_one_model_still_ignores_the_model_field(srv):
     data = httpx.get(srv.url + "/v1/models").json()["data"]
     assert len(data) == 1 and "loaded" not in data[0]
     assert "models" not in httpx.get(srv.url + "/stats").json()
+
+
+def test_adapters_are_per_model(tmp_path, qwen_dir):
+    import tempfile
+
+    from server.app import security_for
+    from server.state import ServerConfig
+    from srv_helpers import make_adapter
+
+    ad = make_adapter(qwen_dir, tmp_path / "ad", seed=3)
+    sec = security_for(ServerConfig(), adapter_dirs=(tempfile.gettempdir(),))
+    s = start_pool([f"a={qwen_dir}", f"b={qwen_dir}"], 2_000_000_000, security=sec)
+    try:
+        r = httpx.post(s.url + "/v1/adapters", json={"model": "b", "path": str(ad), "id": "x"})
+        assert r.status_code == 200, r.text
+        listed = httpx.get(s.url + "/v1/adapters").json()["models"]
+        assert [m["id"] for m in listed["b"]["adapters"]] == ["x"]
+        assert "a" not in listed or listed["a"]["adapters"] == []
+        base = chat_ids(s.url, chat_body("b", "hello", 8))
+        tuned = chat_ids(s.url, chat_body("b", "hello", 8, adapter="x"))
+        assert tuned != base                                   # the adapter is on b
+        r = httpx.post(s.url + "/v1/chat/completions", json=chat_body("a", "hi", 2, adapter="x"))
+        assert r.status_code == 400                            # and not on a
+        r = httpx.delete(s.url + "/v1/adapters/x", params={"model": "b"})
+        assert r.status_code == 200
+        assert httpx.get(s.url + "/v1/adapters").json()["models"]["b"]["adapters"] == []
+    finally:
+        s.stop()
