@@ -7,7 +7,7 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, bad_request, from_exception
 from .models_admin import model_card, model_cards
-from .models_pool import pool_of, state_for
+from .models_lease import pool_of, state_for
 from .schemas.admin import AdapterMount
 from .security import confine_adapter_dir
 

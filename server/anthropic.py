@@ -42,7 +42,7 @@ from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, sampling
 from .messages import normalize_tools, parse_arguments, plain, shallow
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
-from .models_pool import state_for
+from .models_lease import state_for
 from .errors import APIError, anthropic_body, bad_request
 from .schemas.anthropic import CountTokensRequest, MessagesRequest
 

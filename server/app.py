@@ -31,7 +31,7 @@ from .first_run import FirstRequestNotice
 from .errors import APIError, body_for, from_validation, is_anthropic_path
 from .limits import BodyLimits, default_json_nodes, default_prompt_chars
 from .chat import cancel_generations
-from .models_pool import LeaseRelease, pool_of
+from .models_lease import LeaseRelease, pool_of
 from .security import SecurityConfig, add_security_middleware, default_allowed_hosts
 
 log = logging.getLogger("engine-serve")

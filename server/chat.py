@@ -31,7 +31,7 @@ from .constraints import (check_tool_schemas, compile_factories, constraint_para
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
 from .messages import check_logit_bias
-from .models_pool import model_lease
+from .models_lease import model_lease
 
 log = logging.getLogger("engine-serve")
 

@@ -1,5 +1,7 @@
-"""`engine-serve`: the OpenAI / Anthropic / Responses server on one model (or several:
-`--model A --model B`, `--models-dir DIR`; server/models_cli.py, docs/models-serving.md).
+"""`engine-serve`: the OpenAI / Anthropic / Responses server on one model or several.
+
+Several models: `--model A --model B` or `--models-dir DIR`, picked by the request's
+`model` (server/models_cli.py, docs/models-serving.md).
 
     engine-serve [--model DIR] [--host 127.0.0.1] [--port 8090] [--memory-budget GB]
                  [--prompt-cache GiB] [--kv-quant config|off|4|8] [--thinking true|false]

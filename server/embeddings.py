@@ -16,7 +16,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .models_pool import state_for
+from .models_lease import state_for
 from .errors import APIError, bad_request
 from .schemas.embeddings import EmbeddingRequest
 

@@ -21,9 +21,9 @@ The pool only decides which models are resident and refuses what cannot fit:
   end at "length" sooner than the model's context);
 - `--model-idle-ttl S` unloads a model idle for S seconds (never a pinned one).
 
-A request holds a `Lease` on its model (`state_for`) from the moment its `model`
-field is read until its generation has finished and its answer is written
-(`LeaseRelease`, an ASGI middleware, ends the HTTP part).
+A request holds a `server.models_lease.Lease` on its model (`state_for`) from the
+moment its `model` field is read until its generation has finished and its answer is
+written.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from concurrent.futures import Future
 from typing import Optional
 
 from .errors import APIError
+from .models_lease import Lease
 from .store import ResponseStore
 
 log = logging.getLogger("engine-serve")
 
 RETRY_AFTER_S = 2
-LEASES_KEY = "model_leases"     # request.state key: the leases a request holds
 
 
 def unknown_model(name, known: list) -> APIError:
@@ -59,41 +59,6 @@ def no_room(message: str) -> APIError:
                    code="models_memory_full")
     err.headers = {"Retry-After": str(RETRY_AFTER_S)}
     return err
-
-
-class Lease:
-    """One request's hold on one model: the model is not evicted while the lease is
-    active, and the KV the request reserved counts against the budget."""
-
-    def __init__(self, slot: "Slot"):
-        self.slot = slot
-        self.kv_bytes = 0
-        self.job = None                 # server.gateway.GenerationJob, once queued
-        self.http_open = True
-
-    @property
-    def active(self) -> bool:
-        return self.http_open or (self.job is not None and not self.job.finished)
-
-    @property
-    def state(self):
-        return self.slot.state
-
-    def attach(self, job) -> None:
-        self.job = job
-
-    def release(self) -> None:
-        """The HTTP request is over (its job, if any, keeps the lease until it ends)."""
-        if self.http_open:
-            self.http_open = False
-            self.slot.last_used = time.monotonic()
-
-    async def reserve(self, state, prompt_tokens: int, max_tokens: int,
-                      uncapped: bool) -> int:
-        """Reserve the KV of `prompt_tokens + max_tokens` (evicting idle models if
-        needed); returns the max_tokens to run with (an uncapped request's is cut to
-        what is free). Raises a 503 when it cannot fit."""
-        return await self.slot.pool.reserve(self, state, prompt_tokens, max_tokens, uncapped)
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,6 +111,8 @@ class ModelPool:
     """The models, their slots and the budget (see the module docstring). Its public
     attributes stand in for a `ServerState`'s where the app reads them (`config`,
     `max_position`, `store`)."""
+
+    several = True                  # (server.models_lease.pool_of tells it from a ServerState)
 
     def __init__(self, config, models, wrap_model=None):
         self.config = config            # server.state.ServerConfig: the shared flags
@@ -431,54 +398,3 @@ class ModelPool:
     def metrics_collector(self):
         from .models_admin import PoolCollector
         return PoolCollector(self)
-
-
-# --- the request side -------------------------------------------------------------------
-
-
-def pool_of(app) -> Optional[ModelPool]:
-    st = app.state.server
-    return st if isinstance(st, ModelPool) else None
-
-
-async def state_for(request, name):
-    """The `ServerState` that serves a request whose `model` field is `name`. One model
-    served: that one, whatever the name (as before several models were possible)."""
-    pool = pool_of(request.app)
-    if pool is None:
-        return request.app.state.server
-    lease = await pool.acquire(name)
-    leases = getattr(request.state, LEASES_KEY, None)
-    if leases is None:
-        leases = []
-        setattr(request.state, LEASES_KEY, leases)
-    leases.append(lease)
-    return lease.state
-
-
-def model_lease(request, state) -> Optional[Lease]:
-    """The lease this request holds on `state`'s model (None with one model served)."""
-    if request is None:
-        return None
-    for lease in getattr(request.state, LEASES_KEY, ()):
-        if lease.state is state:
-            return lease
-    return None
-
-
-class LeaseRelease:
-    """ASGI middleware (several models only): when a request's answer is written (or its
-    client has gone), its leases end their HTTP part."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        st = scope.setdefault("state", {})
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            for lease in st.get(LEASES_KEY, ()):
-                lease.release()

@@ -26,7 +26,7 @@ from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_
 from .messages import normalize_chat_messages, normalize_tools, shallow, stop_list
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
-from .models_pool import state_for
+from .models_lease import state_for
 from .errors import APIError, bad_request, openai_body
 from .schemas.openai import ChatCompletionRequest, CompletionRequest
 

@@ -40,7 +40,7 @@ from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, s
 from .messages import normalize_tools, parse_arguments, stop_list, text_content
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
-from .models_pool import state_for
+from .models_lease import state_for
 from .errors import APIError, bad_request, not_found, openai_body
 from .schemas.responses import ResponsesRequest
 
