@@ -3,7 +3,7 @@
 /stats (several models):
 
     {"server": {...}, "models": {"memory_budget_bytes", "used_bytes", "weights_bytes",
-     "kv_reserved_bytes", "prompt_cache_bytes", "configured", "resident", "loading",
+     "reserved_bytes", "runtime_bytes", "prompt_cache_bytes", "configured", "resident", "loading",
      "pinned", "idle_ttl_s", "loads", "evictions": {"lru", "idle_ttl"}, "load_failures",
      "rejected", "per_model": {name: {...}}}, "loaded": {name: <that model's /stats>},
      "response_store": {...}}
@@ -42,7 +42,7 @@ def model_cards(pool) -> list:
 def _slot_stats(slot, now: float) -> dict:
     return {"loaded": slot.state is not None, "loading": slot.loading is not None,
             "pinned": slot.pinned, "active_requests": len(slot.prune()),
-            "weights_bytes": slot.weights_bytes, "kv_reserved_bytes": slot.kv_bytes(),
+            "weights_bytes": slot.weights_bytes, "reserved_bytes": slot.reserved_bytes(),
             "prompt_cache_bytes": slot.cache_bytes(),
             "idle_s": round(now - slot.last_used, 3) if slot.last_used else None,
             "loads": slot.loads, "evictions": slot.evictions}
@@ -58,7 +58,8 @@ def pool_stats(pool) -> dict:
         models = {
             "memory_budget_bytes": pool.budget_bytes, "used_bytes": pool.used_bytes(),
             "weights_bytes": sum(p["weights_bytes"] for p in per.values()),
-            "kv_reserved_bytes": sum(p["kv_reserved_bytes"] for p in per.values()),
+            "reserved_bytes": sum(p["reserved_bytes"] for p in per.values()),
+            "runtime_bytes": pool.runtime_bytes(),
             "prompt_cache_bytes": sum(p["prompt_cache_bytes"] for p in per.values()),
             "configured": len(slots), "default": pool.models.default.name,
             "resident": [s.name for s in live],
@@ -100,8 +101,8 @@ class PoolCollector:
                      "KV of the resident models", m["used_bytes"])
         yield _gauge("engine_models_weights_bytes", "weights of the resident models",
                      m["weights_bytes"])
-        yield _gauge("engine_models_kv_reserved_bytes", "KV reserved by running requests",
-                     m["kv_reserved_bytes"])
+        yield _gauge("engine_models_reserved_bytes", "KV and working memory reserved by "
+                     "running requests", m["reserved_bytes"])
         yield CounterMetricFamily("engine_models_loads", "model loads", value=m["loads"])
         ev = CounterMetricFamily("engine_models_evictions", "models unloaded", labels=["reason"])
         for reason, n in m["evictions"].items():

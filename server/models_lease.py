@@ -23,7 +23,7 @@ class Lease:
 
     def __init__(self, slot):
         self.slot = slot                # server.models_pool.Slot
-        self.kv_bytes = 0
+        self.reserved = 0               # bytes: KV + working memory (models_pool.request_bytes)
         self.job = None                 # server.gateway.GenerationJob, once queued
         self.http_open = True
 
@@ -46,8 +46,8 @@ class Lease:
 
     async def reserve(self, state, prompt_tokens: int, max_tokens: int,
                       uncapped: bool) -> int:
-        """Reserve the KV of `prompt_tokens + max_tokens` (evicting idle models if
-        needed); returns the max_tokens to run with (an uncapped request's is cut to
+        """Reserve the memory of a request of `prompt_tokens + max_tokens` (its KV and
+        working memory; evicting idle models if needed); returns the max_tokens to run with (an uncapped request's is cut to
         what is free). Raises a 503 when it cannot fit."""
         return await self.slot.pool.reserve(self, state, prompt_tokens, max_tokens, uncapped)
 

@@ -10,14 +10,15 @@ Each model gets what a single-model server has: its own `ServerState` (its own
 The pool only decides which models are resident and refuses what cannot fit:
 
 - **one budget** (`--models-memory-gb`) counts the weights of the resident (and
-  loading) models, their prompt caches, and the KV every running request reserves
-  (its prompt + max_tokens, as memory admission computes it, from the moment it is
-  admitted until its generation ends and its HTTP answer is written);
+  loading) models, their prompt caches, what every running request reserves (the peak
+  of its prompt + max_tokens beyond the weights, KV and working memory, as memory
+  admission predicts it: `request_bytes`; from the moment it is admitted until its
+  generation ends and its HTTP answer is written), and once the runtime's fixed slack;
 - a request for a model that is not resident loads it (once: concurrent requests wait
   on the same load); to make room, idle models are unloaded least recently used first;
   a model with a running request, a model loading and a `--pin`ned one never are;
 - what still does not fit is refused with 503 + `Retry-After` in the protocol's shape
-  (a request without max_tokens instead gets the KV that is free: its generation may
+  (a request without max_tokens instead gets the memory that is free: its generation may
   end at "length" sooner than the model's context);
 - `--model-idle-ttl S` unloads a model idle for S seconds (never a pinned one).
 
@@ -44,6 +45,15 @@ from .store import ResponseStore
 log = logging.getLogger("engine-serve")
 
 RETRY_AFTER_S = 2
+
+
+def request_bytes(admission, tokens: int) -> int:
+    """What one running request of `tokens` (prompt + max_tokens) reserves: its peak
+    beyond the weights as memory admission predicts it (KV in 256-token steps, attention
+    scores and activations of a prefill chunk, the copy while the cache grows), less the
+    runtime's fixed slack (`ModelPool.runtime_bytes`, counted once)."""
+    return (admission.predicted_peak(tokens) - admission.weights
+            - admission.FIXED_SLACK[admission.backend])
 
 
 def unknown_model(name, known: list) -> APIError:
@@ -99,8 +109,8 @@ class Slot:
         pc = getattr(self.state, "prompt_cache", None)
         return pc.bytes if pc is not None else 0
 
-    def kv_bytes(self) -> int:
-        return sum(le.kv_bytes for le in self.prune())
+    def reserved_bytes(self) -> int:
+        return sum(le.reserved for le in self.prune())
 
     def idle(self) -> bool:
         return (self.state is not None and self.loading is None and not self.pinned
@@ -163,35 +173,50 @@ class ModelPool:
 
     def used_bytes(self) -> int:
         with self.lock:
-            return self.closing + sum(s.weights_bytes + s.cache_bytes() + s.kv_bytes()
-                                      for s in self.slots.values())
+            return self.closing + self.runtime_bytes() + sum(
+                s.weights_bytes + s.cache_bytes() + s.reserved_bytes()
+                for s in self.slots.values())
+
+    def runtime_bytes(self) -> int:
+        """The runtime's fixed working memory, counted once while any model is resident
+        (memory admission's calibrated slack: ~1 MB on CPU, ~1.1 GB on CUDA)."""
+        return max((s.state.admission.FIXED_SLACK[s.state.admission.backend]
+                    for s in self.slots.values() if s.state is not None), default=0)
 
     def free_bytes(self) -> int:
         return self.budget_bytes - self.used_bytes()
 
     def _make_room(self, need: int, keep: Slot) -> tuple:
         """Evict idle models (least recently used first) until `need` bytes are free;
-        (fits, evicted states). Under the lock."""
-        evicted = []
+        (fits, evicted states). Nothing is evicted when even all of them would not make
+        room. Under the lock."""
         free = self.free_bytes()
         if free >= need:
-            return True, evicted
+            return True, []
         idle = sorted((s for s in self.slots.values() if s is not keep and s.idle()),
                       key=lambda s: s.last_used)
+        chosen, freed = [], 0
         for s in idle:
-            free += s.weights_bytes + s.cache_bytes()     # (once its worker has closed)
-            evicted.append(self._evict(s, "lru"))
-            if free >= need:
-                return True, evicted
-        return False, evicted
+            freed += s.weights_bytes + s.cache_bytes()     # (once its worker has closed)
+            chosen.append(s)
+            if free + freed >= need:
+                # the caller claims `need - free` of the freed bytes (it waits for the
+                # workers to close before using them); the rest counts as closing
+                claim, out = need - free, []
+                for c in chosen:
+                    held = c.weights_bytes + c.cache_bytes()
+                    out.append(self._evict(c, "lru", max(0, held - claim)))
+                    claim = max(0, claim - held)
+                return True, out
+        return False, []
 
-    def _evict(self, slot: Slot, reason: str):
+    def _evict(self, slot: Slot, reason: str, closing: int):
         """Take a model out of the pool (under the lock); its worker is closed by the
-        caller, outside the lock (`_close`); until then its bytes count as `closing`."""
-        held = slot.weights_bytes + slot.cache_bytes()
+        caller, outside the lock (`_close`); until then `closing` of its bytes (those
+        no one has claimed) still count."""
         state, slot.state, slot.loaded_at = slot.state, None, None
-        self.closing += held
-        self.closing_bytes[id(state)] = held
+        self.closing += closing
+        self.closing_bytes[id(state)] = closing
         slot.evictions += 1
         self.evictions[reason] += 1
         log.info("model %s unloaded (%s)", slot.name, reason)
@@ -301,24 +326,25 @@ class ModelPool:
     async def reserve(self, lease: Lease, state, prompt_tokens: int, max_tokens: int,
                       uncapped: bool) -> int:
         adm = state.admission
-        need = adm.kv_bytes(prompt_tokens + max_tokens)
+
+        def cost(n: int) -> int:
+            return request_bytes(adm, prompt_tokens + n)
+        need = cost(max_tokens)
         with self.lock:
-            lease.kv_bytes = 0
+            lease.reserved = 0
             fits, evicted = self._make_room(need, lease.slot)
-            if not fits and uncapped:             # as much as is free
-                free = self.free_bytes() + sum(self.closing_bytes.get(id(st), 0)
-                                               for st in evicted)
-                lo, hi = 0, max_tokens
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if adm.kv_bytes(prompt_tokens + mid) <= free:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                if lo >= 1:
-                    max_tokens, need, fits = lo, adm.kv_bytes(prompt_tokens + lo), True
+            if not fits and uncapped:        # as much as is free (room for one token at least)
+                fits, evicted = self._make_room(cost(1), lease.slot)
+                if fits:
+                    free = self.free_bytes() + sum(self.closing_bytes.get(id(st), 0)
+                                                   for st in evicted)
+                    lo, hi = 1, max_tokens
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        lo, hi = (mid, hi) if cost(mid) <= free else (lo, mid - 1)
+                    max_tokens, need = lo, cost(lo)
             if fits:
-                lease.kv_bytes = need
+                lease.reserved = need
             else:
                 self.rejected += 1
         if evicted:
@@ -363,7 +389,8 @@ class ModelPool:
         now = time.monotonic()
         with self.lock:
             gone = [s for s in self.slots.values() if s.idle() and now - s.last_used >= ttl]
-            states = [self._evict(s, "idle_ttl") for s in gone]
+            states = [self._evict(s, "idle_ttl", s.weights_bytes + s.cache_bytes())
+                      for s in gone]
         self._close(states)
         return [s.name for s in gone]
 
