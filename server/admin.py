@@ -89,8 +89,12 @@ async def mount_adapter(request: Request, validated: AdapterMount):
 
 
 async def unmount_adapter(request: Request):
-    state = await state_for(request, request.query_params.get("model"))
     aid = request.path_params["adapter_id"]
+    pool = pool_of(request.app)
+    if pool is not None and pool.slot_for(request.query_params.get("model")).state is None:
+        raise APIError(404, f'no adapter "{aid}" is mounted (the model is not loaded)',
+                       type="not_found_error")
+    state = await state_for(request, request.query_params.get("model"))
     if aid not in state.adapters.mounted:
         raise APIError(404, f'no adapter "{aid}" is mounted', type="not_found_error")
 

@@ -188,3 +188,13 @@ def test_adapters_are_per_model(tmp_path, qwen_dir):
         assert httpx.get(s.url + "/v1/adapters").json()["models"]["b"]["adapters"] == []
     finally:
         s.stop()
+
+
+def test_pages_and_documents_still_serve(two):
+    assert httpx.get(two.url + "/health").status_code == 200
+    assert httpx.get(two.url + "/").status_code == 200
+    doc = httpx.get(two.url + "/openapi.json").json()
+    assert "several" in doc["info"]["description"]
+    assert httpx.get(two.url + "/v1").status_code == 200
+    r = httpx.delete(two.url + "/v1/adapters/x", params={"model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
