@@ -316,7 +316,7 @@ def test_churn_stays_within_the_budget(qwen_dir, llama_dir):
         st = httpx.get(s.url + "/stats").json()["models"]
         assert st["evictions"]["lru"] > 0 and st["reserved_bytes"] == 0
         assert s.pool.closing == 0 and not s.pool.closing_bytes
-        workers = [t for t in threading.enumerate() if t.name.startswith("engine-")]
+        workers = [t for t in threading.enumerate() if t.name in {f"engine-{m}" for m in "abcd"}]
         assert len(workers) == len(st["resident"])
     finally:
         s.stop()
