@@ -6,6 +6,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, bad_request, from_exception
+from .models_admin import model_card, model_cards
+from .models_lease import pool_of, state_for
 from .schemas.admin import AdapterMount
 from .security import confine_adapter_dir
 
@@ -28,6 +30,9 @@ def _model_card(state) -> dict:
 
 
 async def models(request: Request):
+    pool = pool_of(request.app)
+    if pool is not None:
+        return JSONResponse({"object": "list", "data": model_cards(pool)})
     state = request.app.state.server
     return JSONResponse({"object": "list", "data": [_model_card(state)]})
 
@@ -35,6 +40,9 @@ async def models(request: Request):
 async def model(request: Request):
     state = request.app.state.server
     mid = request.path_params["model_id"]
+    pool = pool_of(request.app)
+    if pool is not None:
+        return JSONResponse(model_card(pool, pool.slot_for(mid)))
     if mid != state.model_id:
         raise APIError(404, f"model {mid!r} not found (serving {state.model_id!r})",
                        type="not_found_error")
@@ -46,13 +54,19 @@ async def stats(request: Request):
 
 
 async def list_adapters(request: Request):
+    pool = pool_of(request.app)
+    if pool is not None:     # several models: each resident model's own adapters
+        return JSONResponse({"object": "list", "adapters": [], "default": [], "models": {
+            s.name: {"adapters": s.state.adapters.list(),
+                     "default": list(s.state.default_adapters)}
+            for s in pool.resident() if s.state is not None}})
     state = request.app.state.server
     return JSONResponse({"object": "list", "adapters": state.adapters.list(),
                          "default": list(state.default_adapters)})
 
 
 async def mount_adapter(request: Request, validated: AdapterMount):
-    state = request.app.state.server
+    state = await state_for(request, validated.model)
     aid, path, scale = validated.id, validated.path, validated.scale
     if not path:
         raise bad_request("path required: the adapter directory (adapters.safetensors + "
@@ -75,8 +89,12 @@ async def mount_adapter(request: Request, validated: AdapterMount):
 
 
 async def unmount_adapter(request: Request):
-    state = request.app.state.server
     aid = request.path_params["adapter_id"]
+    pool = pool_of(request.app)
+    if pool is not None and pool.slot_for(request.query_params.get("model")).state is None:
+        raise APIError(404, f'no adapter "{aid}" is mounted (the model is not loaded)',
+                       type="not_found_error")
+    state = await state_for(request, request.query_params.get("model"))
     if aid not in state.adapters.mounted:
         raise APIError(404, f'no adapter "{aid}" is mounted', type="not_found_error")
 

@@ -42,6 +42,7 @@ from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, sampling
 from .messages import normalize_tools, parse_arguments, plain, shallow
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
+from .models_lease import state_for
 from .errors import APIError, anthropic_body, bad_request
 from .schemas.anthropic import CountTokensRequest, MessagesRequest
 
@@ -322,7 +323,7 @@ def _error_frame(e: APIError) -> bytes:
 
 
 async def messages(request: Request, validated: MessagesRequest):
-    state = request.app.state.server
+    state = await state_for(request, validated.model)
     call = parse_messages(validated, state)
     stream = bool(validated.stream)
     gen = await start(state, call, request)
@@ -336,6 +337,6 @@ async def messages(request: Request, validated: MessagesRequest):
 
 
 async def count_tokens(request: Request, validated: CountTokensRequest):
-    state = request.app.state.server
+    state = await state_for(request, validated.model)
     call = parse_messages(validated, state)
     return JSONResponse({"input_tokens": len(encode(state, call))})

@@ -7,7 +7,9 @@ roots, body limits) defaults to what `state.config` says plus the secure
 defaults (kept in `app.state.security`).
 
 The HTTP layer only translates wire formats; every generation goes through
-`server.chat.start` onto the state's single gateway queue.
+`server.chat.start` onto the state's single gateway queue. With several models,
+`state` is a `server.models_pool.ModelPool` and each request's `model` field picks
+the model's state (and its gateway).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .first_run import FirstRequestNotice
 from .errors import APIError, body_for, from_validation, is_anthropic_path
 from .limits import BodyLimits, default_json_nodes, default_prompt_chars
 from .chat import cancel_generations
+from .models_lease import LeaseRelease, pool_of
 from .security import SecurityConfig, add_security_middleware, default_allowed_hosts
 
 log = logging.getLogger("engine-serve")
@@ -112,5 +115,7 @@ def create_app(state, security: Optional[SecurityConfig] = None) -> FastAPI:
     add_security_middleware(app, security, public_paths=PUBLIC_PATHS)
     chat_page.install(app)
     app.add_middleware(FirstRequestNotice)
+    if pool_of(app) is not None:    # several models: a request's lease ends with its answer
+        app.add_middleware(LeaseRelease)
     metrics.install(app, state)     # last: the outermost middleware, it also sees 401s
     return app

@@ -31,6 +31,7 @@ from .constraints import (check_tool_schemas, compile_factories, constraint_para
 from .errors import APIError, bad_request, from_exception
 from .gateway import GenerationJob, client_error
 from .messages import check_logit_bias
+from .models_lease import model_lease
 
 log = logging.getLogger("engine-serve")
 
@@ -396,6 +397,10 @@ async def start(state, call: Call, request=None) -> Generation:
     except ValueError as e:
         raise from_exception(e) from None
     state.check_capacity()                       # bounded queue: 503 + Retry-After beyond it
+    lease = model_lease(request, state)
+    if lease is not None:      # several models: this request's KV under the shared budget
+        params = replace(params, max_tokens=await lease.reserve(
+            state, len(ids), params.max_tokens, uncapped(state, call)))
     # the grammar last (it may take seconds): on the grammar threads, within its budget
     factories = await compile_factories(state, call, processor_factories)
     if factories:
@@ -404,6 +409,8 @@ async def start(state, call: Call, request=None) -> Generation:
     job = GenerationJob(asyncio.get_running_loop(), ids, params, adapters)
     job.interval = state.config.stream_interval_ms / 1000.0
     gen = Generation(state, call, job, ids, router)
+    if lease is not None:
+        lease.attach(job)      # the reservation lasts until the job ends
     if request is not None:
         gen.watch_disconnect(request)
         # an error answered after this point (the route's own rendering) cancels the job

@@ -1,4 +1,7 @@
-"""`engine-serve`: the OpenAI / Anthropic / Responses server on one model.
+"""`engine-serve`: the OpenAI / Anthropic / Responses server on one model or several.
+
+Several models: `--model A --model B` or `--models-dir DIR`, picked by the request's
+`model` (server/models_cli.py, docs/models-serving.md).
 
     engine-serve [--model DIR] [--host 127.0.0.1] [--port 8090] [--memory-budget GB]
                  [--prompt-cache GiB] [--kv-quant config|off|4|8] [--thinking true|false]
@@ -40,8 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p = CliParser(prog="engine-serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", help="model directory or Hugging Face repo id (default: the built-in tiny "
-      "model, random weights)")
+    a("--model", action="append", default=None,
+      help="model directory or Hugging Face repo id (default: the built-in tiny model, random "
+      "weights); repeat it (or add --models-dir) to serve several, picked by the request's "
+      "`model` (docs/models-serving.md)")
     a("--model-id", help="the id echoed back as `model` (default: the directory name)")
     a("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     a("--port", type=int, default=8090, help="port (default 8090; 0 = any free port)")
@@ -150,6 +155,8 @@ def parser() -> argparse.ArgumentParser:
     add_lever_args(p)
     from .tp import add_args as add_tp_args     # --tensor-parallel, --tp-timeout
     add_tp_args(p)
+    from .models_cli import add_args as add_models_args   # --models-dir, --pin, ...
+    add_models_args(p)
     return p
 
 
@@ -242,9 +249,11 @@ def config_from_args(args):
     if args.max_prompt_chars < 0 or args.shutdown_timeout < 0 or args.max_json_nodes < 0:
         raise SystemExit("engine-serve: --max-prompt-chars, --max-json-nodes and "
                          "--shutdown-timeout must be >= 0")
+    from .models_cli import model_values
+    models = model_values(args)
     return ServerConfig(
         levers=levers,
-        model=args.model, model_id=args.model_id, host=args.host, port=args.port,
+        model=models[0] if len(models) == 1 else None, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
         prompt_cache_bytes=cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_gb=args.prompt_cache_disk_gb, kv_quant=kv, kv_group_size=args.kv_group_size,
@@ -304,6 +313,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     config = config_from_args(args)
     security = security_from_args(args, config)
+    from . import models_cli
+    pool_mode = models_cli.several(args)     # several models (server/models_pool.py)
+    why = models_cli.refusal(args, config) if pool_mode else models_cli.pins_without(args)
+    if why:
+        print(f"engine-serve: {why}", file=sys.stderr)
+        return 2
     if config.tensor_parallel:     # ranks > 0 serve nothing: they follow rank 0's steps
         from . import tp
         why = tp.refusal(args, config)
@@ -332,18 +347,20 @@ def main(argv=None) -> int:
     from .first_run import ready_text
     from .state import build_state
 
-    if config.memory_budget_bytes is not None:
+    limit = (models_cli.budget_bytes(args, config) if pool_mode
+             else config.memory_budget_bytes)
+    if limit is not None:
         import mlx.core as mx
-        mx.set_memory_limit(int(config.memory_budget_bytes))   # defense in depth
+        mx.set_memory_limit(int(limit))   # defense in depth
     try:
         if config.tensor_parallel:
             config = tp.agree_config(config)
-        state = build_state(config)
+        state = models_cli.build(args, config) if pool_mode else build_state(config)
     except (ModelLoadError, FileNotFoundError, KVConfigError, ValueError) as e:
         msg = getattr(e, "message", None) or str(e)
         print(f"engine-serve: cannot start: {msg}", file=sys.stderr)
         return 2
-    if state.ceiling < 1:
+    if not pool_mode and state.ceiling < 1:
         print("engine-serve: cannot start: the model's weights do not fit the memory budget "
               f"({state.admission.budget_bytes / 1e9:.2f} GB)", file=sys.stderr)
         return 2
@@ -353,7 +370,8 @@ def main(argv=None) -> int:
                             max_header_bytes=args.max_header_kb * 1024,
                             shutdown_timeout_s=args.shutdown_timeout)
     from . import shutdown
-    shutdown.install(server, state.gateway, args.shutdown_timeout)   # SIGTERM answers everyone
+    # SIGTERM answers everyone (several models: every resident model's gateway)
+    shutdown.install(server, state if pool_mode else state.gateway, args.shutdown_timeout)
     leader = tp.lead(state, args.tp_timeout, app, server) if config.tensor_parallel else None
     url = url_of(sock)
 
@@ -362,7 +380,8 @@ def main(argv=None) -> int:
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
         if server.started:
-            print(ready_text(state, url, ready_line(state, url)), flush=True)
+            line = models_cli.ready_line(state, url) if pool_mode else ready_line(state, url)
+            print(ready_text(state, url, line), flush=True)
         await task
 
     try:
@@ -371,10 +390,13 @@ def main(argv=None) -> int:
         pass
     finally:
         status = leader.close() if leader is not None else 0   # followers stop too
-        state.gateway.close()
-        disk = getattr(state.engine, "disk_cache", None)
-        if disk is not None:
-            disk.flush()     # the last answers' files, for the next start to read
+        if pool_mode:
+            state.close()    # every resident model's worker (and its disk cache's flush)
+        else:
+            state.gateway.close()
+            disk = getattr(state.engine, "disk_cache", None)
+            if disk is not None:
+                disk.flush()     # the last answers' files, for the next start to read
         # MLX tears down the worker thread's stream after Python's join returns;
         # exiting inside that window aborts the process ("terminate called ...")
         time.sleep(0.2)

@@ -16,6 +16,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from .models_lease import state_for
 from .errors import APIError, bad_request
 from .schemas.embeddings import EmbeddingRequest
 
@@ -35,7 +36,7 @@ def encode_vector(v: np.ndarray, fmt: str):
 async def embeddings(request: Request, validated: EmbeddingRequest):
     from engine import EmbeddingInputError, embed
 
-    state = request.app.state.server
+    state = await state_for(request, validated.model)
     if state.config.tensor_parallel:
         raise bad_request("embeddings are not served with --tensor-parallel")
     hidden = getattr(getattr(state.model, "args", None), "hidden_size", None)

@@ -75,8 +75,9 @@ class Metrics:
         self.generation_tokens = Counter("engine_generation_tokens",
                                          "generated tokens (from usage)", ["protocol"],
                                          registry=r)
-        if state is not None:
-            r.register(ServerCollector(state))
+        if state is not None:      # (several models: the pool's collector, by model)
+            collector = getattr(state, "metrics_collector", None)
+            r.register(collector() if collector is not None else ServerCollector(state))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

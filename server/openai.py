@@ -26,6 +26,7 @@ from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_
 from .messages import normalize_chat_messages, normalize_tools, shallow, stop_list
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
+from .models_lease import state_for
 from .errors import APIError, bad_request, openai_body
 from .schemas.openai import ChatCompletionRequest, CompletionRequest
 
@@ -180,7 +181,7 @@ def _openai_error_frame(e: APIError) -> bytes:
 
 
 async def chat_completions(request: Request, validated: ChatCompletionRequest):
-    state = request.app.state.server
+    state = await state_for(request, validated.model)
     call = parse_chat(validated, state)
     stream = bool(validated.stream)
     usage_chunk = include_usage(validated, stream)
@@ -322,7 +323,7 @@ class CompletionRender:
 
 
 async def completions(request: Request, validated: CompletionRequest):
-    state = request.app.state.server
+    state = await state_for(request, validated.model)
     call = parse_completion(validated, state)
     stream = bool(validated.stream)
     usage_chunk = include_usage(validated, stream)

@@ -40,6 +40,7 @@ from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, s
 from .messages import normalize_tools, parse_arguments, stop_list, text_content
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
+from .models_lease import state_for
 from .errors import APIError, bad_request, not_found, openai_body
 from .schemas.responses import ResponsesRequest
 
@@ -333,7 +334,7 @@ def _error_frame(render: ResponseRender, e: APIError) -> bytes:
 
 
 async def create_response(request: Request, validated: ResponsesRequest):
-    state = request.app.state.server
+    state = await state_for(request, validated.model)
     call, conversation, instructions, meta = parse_responses(validated, state)
     stream = bool(validated.stream)
     gen = await start(state, call, request)

@@ -25,7 +25,7 @@ OPENAPI_PATH = "/openapi.json"
 
 
 DESCRIPTION = ("OpenAI chat/completions and embeddings, Anthropic Messages and OpenAI Responses on one "
-               "local model. Every route but /health takes the API key (when the server has "
+               "local model or several (picked by the request's `model`). Every route but /health takes the API key (when the server has "
                "one) as `Authorization: Bearer` or `x-api-key`.")
 
 

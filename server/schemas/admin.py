@@ -23,6 +23,9 @@ class AdapterMount(Body):
         "'/'; not \"none\" or \"base\"."))
     scale: Optional[float] = Field(None, description=(
         "LoRA scale (default: the adapter config's)."))
+    model: Optional[str] = Field(None, description=(
+        "Several models served: the model to mount it on (default: the first one; "
+        "unmounted when that model is unloaded). One model: ignored."))
 
 
 class Mounted(Out):
@@ -72,8 +75,15 @@ class Index(Out):
 
 
 class Stats(Out):
+    """One model: its counters. Several models (docs/models-serving.md): `server`,
+    `models` (the budget, the resident models, loads and evictions), `loaded` (each
+    resident model's own counters, in the one-model shape) and `response_store`."""
     server: dict[str, Any]
-    prompt_cache: dict[str, Any]
-    admission: dict[str, Any]
-    queue: dict[str, Any]
+    prompt_cache: Optional[dict[str, Any]] = None
+    admission: Optional[dict[str, Any]] = None
+    queue: Optional[dict[str, Any]] = None
     batch: Optional[dict[str, Any]] = None
+    models: Optional[dict[str, Any]] = Field(None, description=(
+        "Several models: the memory budget, resident/loading/pinned models, loads, "
+        "evictions, refusals, and per model its weights, reserved KV and requests."))
+    loaded: Optional[dict[str, Any]] = None

@@ -125,7 +125,9 @@ class SamplingFields(Body):
     reasoning_effort: Optional[str] = Field(None, description=(
         "\"none\" switches a thinking model's reasoning off; any other value on."))
     model: Optional[str] = Field(None, description=(
-        "Accepted and ignored: the server serves one model."))
+        "The model to answer with when the server serves several (`GET /v1/models`; an "
+        "unknown one is a 404, an absent one the first listed). One model served: "
+        "accepted and ignored."))
     stream: Optional[bool] = Field(False, description=(
         "Stream the answer as server-sent events (text/event-stream)."))
 

@@ -19,8 +19,9 @@ INPUT_SCHEMA = {"anyOf": [
 
 class EmbeddingRequest(Body):
     input: described(INPUT_SCHEMA) = Field(description="What to embed.")
-    model: Optional[str] = Field(None, description="Accepted and ignored: the server serves "
-                                                   "one model.")
+    model: Optional[str] = Field(None, description=(
+        "The model when the server serves several (unknown: 404; absent: the first listed). "
+        "One model served: accepted and ignored."))
     dimensions: Optional[Int] = Field(None, ge=1, description=(
         "Keep the first N components, then renormalise (Matryoshka); at most the model's "
         "hidden size."))
