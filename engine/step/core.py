@@ -42,7 +42,7 @@ import time
 from collections import deque
 from typing import Optional
 
-
+from engine.deterministic import check as deterministic_levers
 from engine.step.batch import BatchRequest, BatchScheduler, RowEvent
 from engine.kv.quant import make_policy
 from engine.step.request import (ContextLengthExceeded, PromptError, RequestOutput, RequestState, SamplingParams,
@@ -71,6 +71,8 @@ class Engine(AloneRunner, PrefixReuse):
     max_batch 1 too, their KV in `engine.fast.slots.SlotPool`) and a request running alone.
     `merged_proj` merges the model's q/k/v and gate/up projections here, once, for
     both lanes (`engine.fast.apply.prepare`).
+    deterministic: every row's logits bit-identical whatever else is in the batch, every
+    batchable request a batch row, max_batch 1 too (`engine.deterministic`).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
@@ -78,9 +80,13 @@ class Engine(AloneRunner, PrefixReuse):
                  quantized_kv_start: int = 0, kv_config=None, prefill_step_size: int = 2048,
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
                  levers=None, max_context: Optional[int] = None,
-                 max_kv_size: Optional[int] = None, disk_cache=None):
+                 max_kv_size: Optional[int] = None, disk_cache=None,
+                 deterministic: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.deterministic = bool(deterministic)
+        if self.deterministic:    # (DeterministicUnsupported where it is not built)
+            levers = deterministic_levers(levers)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.prompt_cache = prompt_cache
@@ -108,8 +114,8 @@ class Engine(AloneRunner, PrefixReuse):
         # any number of rows, max_batch 1 included)
         from engine.fast.apply import fast_step_for   # (engine.fast imports the models)
         self._fast_step = fast_step_for(model, levers, self.policy)
-        self._sched = (self._new_scheduler()
-                       if max_batch > 1 or self._fast_step is not None else None)
+        self._sched = (self._new_scheduler() if max_batch > 1 or self._fast_step is not None
+                       or self.deterministic else None)
         self._ids = itertools.count()
         self._waiting: deque = deque()
         self._live: dict = {}            # rid -> RequestState (waiting or running)
@@ -131,7 +137,7 @@ class Engine(AloneRunner, PrefixReuse):
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
                               prefill_step_size=self.prefill_step_size,
-                              decoder=self._fast_step)
+                              decoder=self._fast_step, deterministic=self.deterministic)
 
     @property
     def fast_step(self):   # the fast runner's step in force (None: the rows decode on L1)
@@ -293,7 +299,8 @@ class Engine(AloneRunner, PrefixReuse):
         requests handed to the batch (queued in it, prefilling or decoding); rows_now: rows
         decoding now (a solo request decoding is one); peak_rows: most rows that ran one
         decode forward together."""
-        return {"max_batch": self.max_batch, "active_rows": len(self._rows),
+        return {"max_batch": self.max_batch, "deterministic": self.deterministic,
+                "active_rows": len(self._rows),
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
                 "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
                 "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons),
