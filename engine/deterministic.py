@@ -41,14 +41,14 @@ from typing import Optional
 
 import mlx.core as mx
 
-__all__ = ["DeterministicUnsupported", "check", "refusal"]
+__all__ = ["DeterministicUnsupported", "check", "why_not_deterministic"]
 
 
 class DeterministicUnsupported(ValueError):
     """Deterministic mode asked for where it is not built (the message says why)."""
 
 
-def refusal(levers=None, device=None) -> Optional[str]:
+def why_not_deterministic(levers=None, device=None) -> Optional[str]:
     """Why deterministic mode cannot run with these levers on this device (None: it can)."""
     if levers is not None and levers.fast_decode:
         return ("--deterministic does not run with the fast runner (--tier l3 or a fast "
@@ -65,7 +65,7 @@ def refusal(levers=None, device=None) -> Optional[str]:
 def check(levers=None, device=None):
     """The levers to run deterministic mode with (their fast config marked deterministic),
     or `DeterministicUnsupported`."""
-    why = refusal(levers, device)
+    why = why_not_deterministic(levers, device)
     if why is not None:
         raise DeterministicUnsupported(why)
     if levers is None:

@@ -61,6 +61,7 @@ def stream_generate(
     should_stop=None,
     levers=None,
     logits_processors: Optional[list] = None,
+    deterministic: bool = False,
     **sampling,
 ) -> Iterator[RequestOutput]:
     """Yield `RequestOutput`s of new text; `sampling` are `SamplingParams` fields
@@ -71,7 +72,8 @@ def stream_generate(
     engine.constrained's), run after the built-in ones; to build them per request
     instead, pass `processor_factories`. `prefix_caches`: per-layer caches already holding
     the context before `prompt` (`engine.kv.cache_file.load_prompt_cache`). `max_kv_size`:
-    keep at most this many tokens in each full-attention layer's cache (mlx-lm's ring)."""
+    keep at most this many tokens in each full-attention layer's cache (mlx-lm's ring).
+    `deterministic`: the Engine's deterministic mode (engine.deterministic)."""
     if logits_processors:
         own = tuple((lambda p=p: p) for p in logits_processors)   # this request only
         sampling["processor_factories"] = tuple(sampling.get("processor_factories") or ()) + own
@@ -79,7 +81,8 @@ def stream_generate(
     eng = Engine(model, tokenizer, max_batch=1, prompt_cache=prompt_cache, admission=admission,
                  kv_bits=kv_bits, kv_group_size=kv_group_size,
                  quantized_kv_start=quantized_kv_start, kv_config=kv_config,
-                 prefill_step_size=prefill_step_size, levers=levers, max_kv_size=max_kv_size)
+                 prefill_step_size=prefill_step_size, levers=levers, max_kv_size=max_kv_size,
+                 deterministic=deterministic)
     rid = eng.submit(prompt, params, tools=tools, template_kwargs=template_kwargs,
                      cache_namespace=cache_namespace, prefix_caches=prefix_caches)
     try:
