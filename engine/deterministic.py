@@ -53,12 +53,12 @@ def why_not_deterministic(levers=None, device=None) -> Optional[str]:
     if levers is not None and levers.fast_decode:
         return ("--deterministic does not run with the fast runner (--tier l3 or a fast "
                 "lever: compiled_decode, perf_kernel, fused_sdpa) yet: its batch-invariant "
-                "kernels are not built (issue #41, GPU part); use --tier l1")
+                "kernels are not built; use --tier l1")
     device = device if device is not None else mx.default_device()
     if device.type != mx.cpu:
         return ("--deterministic is built for the CPU backend only: on a GPU the stock "
-                "matmul and attention kernels split their reductions by the number of rows "
-                "(issue #41, GPU part)")
+                "matmul and attention kernels split their reductions by the number of rows, "
+                "and batch-invariant ones are not built yet")
     return None
 
 

@@ -208,9 +208,9 @@ class BatchRotatingKVCache:
     row's padding has been pushed out of the window.
 
     `temporal` (deterministic mode: set when any row's cache is temporal,
-    `engine.kv.cache.temporal_caches`): every write, one token too, appends and cuts
-    (`_append`), so the buffer never wraps and each row's window is read oldest first,
-    as the same row alone reads it."""
+    `engine.kv.cache.temporal_caches`): the buffer never wraps, so each row's window is read
+    oldest first, as the same row alone reads it: a prompt chunk appends and cuts
+    (`_append`), a token is written in place after the window (`_write_after`)."""
 
     step = 256
     bits = None
@@ -298,6 +298,33 @@ class BatchRotatingKVCache:
         self._idx = self.keys.shape[2]
         return self.keys, self.values
 
+    def _write_after(self, keys, values):
+        """A temporal cache's one-token write: into the room after the last column (cut back
+        to the window's last max_size - 1 columns, one copy, when the room is used up);
+        attention gets the last max_size columns, oldest first: `_append`'s arrays, without
+        its copy of the window every step."""
+        if self._lengths is not None:
+            raise RuntimeError("finalize() the right-padded prefill before decoding")
+        B, H, _, dk = keys.shape
+        if self.keys is None or self._idx >= self.keys.shape[2]:
+            keep = min(self._idx, self.max_size - 1)
+            cut = self._idx - keep
+            nk = mx.zeros((B, H, keep + self.step, dk), keys.dtype)
+            nv = mx.zeros((B, H, keep + self.step, values.shape[3]), values.dtype)
+            if keep:
+                nk[..., :keep, :] = self.keys[..., cut:self._idx, :]
+                nv[..., :keep, :] = self.values[..., cut:self._idx, :]
+            self.keys, self.values = nk, nv
+            self.left_padding = self.left_padding - cut
+            self._idx = keep
+        self.keys[..., self._idx:self._idx + 1, :] = keys
+        self.values[..., self._idx:self._idx + 1, :] = values
+        self._idx += 1
+        self._written += 1
+        self.offset = self.offset + 1
+        lo = max(0, self._idx - self.max_size)
+        return self.keys[..., lo:self._idx, :], self.values[..., lo:self._idx, :]
+
     def _write_one(self, keys, values):
         if self._lengths is not None:
             raise RuntimeError("finalize() the right-padded prefill before decoding")
@@ -335,8 +362,8 @@ class BatchRotatingKVCache:
 
     # -- the model-facing protocol ----------------------------------------------
     def update_and_fetch(self, keys, values):
-        if keys.shape[2] == 1 and not self.temporal:
-            return self._write_one(keys, values)
+        if keys.shape[2] == 1:
+            return (self._write_after if self.temporal else self._write_one)(keys, values)
         return self._append(keys, values)
 
     def make_mask(self, n: int, window_size: Optional[int] = None, return_array: bool = False):
@@ -418,6 +445,8 @@ class BatchRotatingKVCache:
         k, v, end = self.keys[b:b + 1], self.values[b:b + 1], self._idx
         if self.rotated:
             k, v, end = mx.roll(k, -self._idx, axis=2), mx.roll(v, -self._idx, axis=2), self.max_size
+        if self.temporal:      # (the window: what `_append` would have kept)
+            pad = max(pad, end - self.max_size)
         c.keys = mx.contiguous(k[:, :, pad:end])
         c.values = mx.contiguous(v[:, :, pad:end])
         c.offset = int(self.offset[b].item())

@@ -107,6 +107,15 @@ def test_needle(family, dtype):
     assert _needle(model, tok, True) == [(1, True), (7, True), (31, True)]
 
 
+def test_needle_with_the_window_cut_back_every_few_tokens(monkeypatch):
+    """A batched window is written in place after its last column and cut back to the
+    window when its room (`step` columns) is used up: with a room of 3, every few steps."""
+    from engine.kv.batch_cache import BatchRotatingKVCache
+    monkeypatch.setattr(BatchRotatingKVCache, "step", 3)
+    model, tok = _load("gemma3_text")
+    assert _needle(model, tok, True, seed=4) == [(1, True), (7, True), (31, True)]
+
+
 def test_needle_negative_control_default_mode_differs():
     """The same inputs without deterministic mode: the row's logprobs change with the batch."""
     model, tok = _load("gemma3_text")
