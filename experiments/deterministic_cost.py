@@ -15,7 +15,8 @@ overhead (none expected: the same code runs) and gemma3 its real cost.
 Each cell: N requests submitted together (random prompts of `--prompt` tokens, greedy,
 `--tokens` new tokens each, max_batch = N), the Engine stepped to the end; prefill tok/s =
 prompt tokens / time to the last request's first token, decode tok/s = tokens after the
-first / the time after it. Median of `--repeats` runs (after one warm-up run). Writes
+first / the time after it. Median of `--repeats` runs (after one warm-up run), the two modes
+alternating. Writes
 deterministic_cost.{csv,md,json} to reports/deterministic/<version>/<tag>/ (default tag cpu).
 """
 
@@ -96,13 +97,16 @@ def main(argv=None):
     for name in a.models.split(","):
         model, tok = load(name)
         for n in [int(c) for c in a.clients.split(",")]:
+            runs = {False: [], True: []}
             for det in (False, True):
                 one_run(model, tok, n, a.prompt, 4, det, 99)          # warm-up
-                runs = [one_run(model, tok, n, a.prompt, a.tokens, det, r)
-                        for r in range(a.repeats)]
+            for r in range(a.repeats):          # the modes alternate: the load drifts
+                for det in (False, True):
+                    runs[det].append(one_run(model, tok, n, a.prompt, a.tokens, det, r))
+            for det in (False, True):
                 row = dict(model=name, clients=n, mode="deterministic" if det else "default",
-                           prefill_tps=round(statistics.median(r[0] for r in runs), 1),
-                           decode_tps=round(statistics.median(r[1] for r in runs), 1),
+                           prefill_tps=round(statistics.median(r[0] for r in runs[det]), 1),
+                           decode_tps=round(statistics.median(r[1] for r in runs[det]), 1),
                            runs=a.repeats)
                 rows.append(row)
                 print(row, flush=True)

@@ -153,6 +153,18 @@ def test_a_cached_prefix_gives_the_logits_of_a_cold_one(family):
     assert _cached_vs_cold(model, tok, True)
 
 
+def test_prefix_files_on_disk_are_kept_apart_from_the_default_modes(tmp_path):
+    """A prefix saved by the default mode rounds otherwise (sliding windows): a deterministic
+    engine's disk cache does not read it."""
+    from engine.kv.disk_cache import disk_cache_for
+    model, tok = _load("gemma3_text")
+    path = ensure_fixture("gemma3_text")
+    det, default = (disk_cache_for(tmp_path, 1.0, path, Engine(model, tok, max_batch=2,
+                                                               deterministic=d))
+                    for d in (True, False))
+    assert det.kv != default.kv and det.model == default.model
+
+
 def test_cached_prefix_negative_control():
     model, tok = _load("gemma3_text")
     assert not _cached_vs_cold(model, tok, False)
