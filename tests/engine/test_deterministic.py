@@ -101,7 +101,8 @@ def _needle(model, tok, deterministic, seed=0):
 
 @pytest.mark.parametrize("family,dtype", [
     ("llama", "float32"), ("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "q4"),
-    ("gemma3_text", "float32"), ("gemma3", "float32"), ("gemma4_text", "float32")])
+    ("gemma3_text", "float32"), ("gemma3_text", "bfloat16"), ("gemma3", "float32"),
+    ("gemma4_text", "float32")])
 def test_needle(family, dtype):
     model, tok = _load(family, dtype)
     assert _needle(model, tok, True) == [(1, True), (7, True), (31, True)]
@@ -201,6 +202,31 @@ def test_structured_output_and_tool_call_rows_are_batch_invariant():
         t = next(i for i, p in enumerate(plan) if p[1] is target)
         got = _drive(_engine(model, tok, max_batch=8, deterministic=True), plan)[t]
         assert len(alone[0]) > 3 and _same(got, alone)
+
+
+def _lookup_vs_plain(model, tok, deterministic, seed):
+    """A repetitive prompt decoded with prompt-lookup speculation (drafts verified several
+    tokens a forward) and without: (same tokens and logprobs, drafts accepted)."""
+    prompt = (_ids(random.Random(seed), 5, 5) * 9)[:44]
+    runs = []
+    for lookup in (0, 2):
+        eng = _engine(model, tok, max_batch=4, deterministic=deterministic)
+        runs.append(_drive(eng, [(0, prompt, SamplingParams(
+            max_tokens=40, temperature=0.0, prompt_lookup=lookup, num_draft_tokens=4))])[0])
+    return _same(*runs), eng.stats()["speculation"]["accepted"]
+
+
+@pytest.mark.parametrize("family,seed", [("gemma3_text", 0), ("gemma3_text", 4), ("llama", 0)])
+def test_prompt_lookup_gives_the_logits_of_plain_decoding(family, seed):
+    model, tok = _load(family)
+    same, accepted = _lookup_vs_plain(model, tok, True, seed)
+    assert same and accepted > 0
+
+
+def test_prompt_lookup_negative_control():
+    model, tok = _load("gemma3_text")
+    same, accepted = _lookup_vs_plain(model, tok, False, 0)
+    assert not same and accepted > 0
 
 
 def test_a_request_running_alone_gives_the_batch_rows_logits():
