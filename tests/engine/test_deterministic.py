@@ -303,8 +303,9 @@ def test_engine_generate_deterministic_runs(capsys):
 
 def test_op_level_invariances_the_cpu_mode_relies_on():
     """The stock-MLX CPU properties deterministic mode is built on (engine.deterministic):
-    row-invariant matmuls, attention unchanged by masked keys (padding, a chunk's causal
-    part) and by other rows; and what it must avoid: a rotated window rounds differently."""
+    row-invariant matmuls, RMSNorm and log-softmax, attention unchanged by masked keys
+    (padding, a chunk's causal part) and by other rows; and what it must avoid: a rotated
+    window rounds differently."""
     mx.random.seed(0)
     sdpa = mx.fast.scaled_dot_product_attention
     for dt in (mx.float32, mx.bfloat16):
@@ -331,6 +332,11 @@ def test_op_level_invariances_the_cpu_mode_relies_on():
         vb = mx.concatenate([v[:, :, :S + 6], mx.random.normal((2, 1, S + 6, D)).astype(dt)])
         qb = mx.concatenate([q[:, :, 5:6], mx.random.normal((2, 2, 1, D)).astype(dt)])
         assert mx.array_equal(one, sdpa(qb, kb, vb, scale=D ** -0.5)[:1]).item()
+        h = mx.random.normal((33, 64)).astype(dt)      # row-wise: RMSNorm, the logits' softmax
+        norm, lse = mx.fast.rms_norm(h, w[0], 1e-6), mx.logsumexp(h, axis=-1, keepdims=True)
+        assert all(mx.array_equal(mx.fast.rms_norm(h[:m], w[0], 1e-6), norm[:m]).item()
+                   and mx.array_equal(mx.logsumexp(h[:m], axis=-1, keepdims=True),
+                                      lse[:m]).item() for m in (1, 2, 7))
     q, k, v = (mx.random.normal(s) for s in ((1, 2, 1, 32), (1, 1, 40, 32), (1, 1, 40, 32)))
     a = sdpa(q, k, v, scale=32 ** -0.5)
     rolled = [sdpa(q, mx.roll(k, r, 2), mx.roll(v, r, 2), scale=32 ** -0.5) for r in range(1, 8)]
