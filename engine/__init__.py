@@ -55,6 +55,7 @@ _LAZY = {
     "AdapterRequestError": "engine.adapters.registry",
     # engine.argparsing
     "CliParser": "engine.argparsing",
+    "add_deterministic_flag": "engine.argparsing",
     "add_speculation_flags": "engine.argparsing",
     "json_dict": "engine.argparsing",
     "parse_bool": "engine.argparsing",
@@ -73,6 +74,9 @@ _LAZY = {
     "check_json_schema": "engine.constrained.checks",
     "check_tool_names": "engine.constrained.checks",
     "schema_nodes": "engine.constrained.checks",
+    # engine.deterministic
+    "DeterministicUnsupported": "engine.deterministic",
+    "why_not_deterministic": "engine.deterministic",
     # engine.distributed
     "DEFAULT_TIMEOUT_S": "engine.distributed",
     "EXIT_RANK_LOST": "engine.distributed",

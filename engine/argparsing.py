@@ -104,6 +104,14 @@ class CliParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def add_deterministic_flag(a) -> None:
+    """`--deterministic` (engine-generate and engine-serve; `a`: the parser's add_argument)."""
+    a("--deterministic", action="store_true",
+      help="batch-invariant logits: a request's logprobs and greedy or seeded tokens do not "
+      "depend on the other requests in the batch, the prefill chunking or a prompt-cache hit "
+      "(CPU, --tier l1; docs/deterministic.md)")
+
+
 def add_speculation_flags(a) -> None:
     """`--draft-model PATH`, `--prompt-lookup N` and `--num-draft-tokens K` (engine-generate
     and engine-serve; `a`: the parser's add_argument). `speculation_settings` checks them."""

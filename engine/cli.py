@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .argparsing import (CliParser, DefaultsHelpFormatter, add_speculation_flags, json_dict,
-                          parse_bool, speculation_settings)
+from .argparsing import (CliParser, DefaultsHelpFormatter, add_deterministic_flag, add_speculation_flags,
+                          json_dict, parse_bool, speculation_settings)
 
 # mlx_lm.generate's sampling defaults (it does not read generation_config.json)
 MLX_LM_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
@@ -84,6 +84,7 @@ def parser() -> CliParser:
       help="print the separators and the prompt/generation tok/s and peak memory lines "
       "(default true); false prints only the completion")
     add_speculation_flags(a)
+    add_deterministic_flag(a)
     a("--max-kv-size", type=int, default=None, metavar="N",
       help="keep at most N tokens in each layer's cache (a ring that keeps the first 4), "
       "for models with only full-attention layers")
@@ -184,6 +185,13 @@ def main(argv=None) -> int:
                                              or args.kv_config or args.max_kv_size):
             raise CliError("--draft-model is not supported with --tensor-parallel, --kv-bits, "
                            "--kv-config or --max-kv-size")
+        if args.deterministic:
+            from engine.deterministic import why_not_deterministic
+            if why_not_deterministic(levers):
+                raise CliError(why_not_deterministic(levers))
+            if args.draft_model is not None:
+                raise CliError("--deterministic with --draft-model is not supported (the draft's "
+                               "verify step is not checked batch-invariant)")
         caches, model_path = (_load_cache_file(args) if args.prompt_cache_file
                               else (None, args.model))
     except (LeverError, CliError, ValueError) as e:
@@ -243,7 +251,8 @@ def main(argv=None) -> int:
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
                 admission=admission, prefill_step_size=args.prefill_step_size, levers=levers,
-                prefix_caches=caches, max_kv_size=args.max_kv_size):
+                prefix_caches=caches, max_kv_size=args.max_kv_size,
+                deterministic=args.deterministic):
             if args.verbose:
                 print(seg.text, end="", flush=True, file=out)
             text += seg.text

@@ -1,6 +1,7 @@
 """Batch sensitivity: is a request's output the same alone (B=1) and inside a batch?
 
     python experiments/batch_invariance.py --quick            # CPU fixtures, ~2 min
+    python experiments/batch_invariance.py --deterministic --tag cpu-deterministic
     python experiments/batch_invariance.py --families llama,gemma4_text --dtypes float32 \
         --sizes 2,4,8,16 --trials 10 --tokens 24 --tag my-run [--out DIR]
 
@@ -52,13 +53,17 @@ def _forced(tokens):
     return sampler
 
 
+DETERMINISTIC = False    # --deterministic: the scheduler's deterministic mode (engine.deterministic)
+
+
 def run(model, target, n_tokens, *, fillers=(), target_step=0, target_pos=0, forced=None,
         prefill_step_size=32):
     """The target's per-step logprobs [(V,)...] (and tokens) with fillers around it.
     fillers: [(join_step, prompt, max_tokens)]; target joins at target_step, at
     position target_pos among the requests joining at that step."""
     from engine.step.batch import BatchRequest, BatchScheduler
-    sched = BatchScheduler(model, eos_token_ids=(), prefill_step_size=prefill_step_size)
+    sched = BatchScheduler(model, eos_token_ids=(), prefill_step_size=prefill_step_size,
+                           deterministic=DETERMINISTIC)
     by_step = {}
     for s, p, m in fillers:
         by_step.setdefault(s, []).append(BatchRequest(p, max_tokens=m))
@@ -202,7 +207,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every run in deterministic mode (sliding windows in temporal order)")
     a = ap.parse_args(argv)
+    global DETERMINISTIC
+    DETERMINISTIC = a.deterministic
     if a.quick:
         a.trials, a.tokens, a.max_prompt = 3, 12, 40
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -227,7 +236,8 @@ def main(argv=None):
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
     write(rows, out, f"Machine: {machine()}. Command: `python experiments/batch_invariance.py "
                      f"{cmd}` ({time.time() - t0:.0f} s). Sliding window of the Gemma fixtures: "
-                     f"16 tokens; prefill chunk 32.")
+                     f"16 tokens; prefill chunk 32. Deterministic mode: "
+                     f"{'on' if a.deterministic else 'off'}.")
     print(out / "batch_invariance.md")
 
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from engine import CliParser, add_speculation_flags, json_dict as _json_dict, parse_bool as _bool
-from engine import speculation_settings
+from engine import add_deterministic_flag, speculation_settings
 
 from .listen import BackgroundServer, bind, uvicorn_server, url_of  # noqa: F401  (re-exported)
 from .security import is_loopback
@@ -88,6 +88,7 @@ def parser() -> argparse.ArgumentParser:
            "mlx_lm.generate's token loop (docs/server.md; with --tier l3, one fast row); "
            "quantized KV and per-request adapters run one at a time beside the batch")
     add_speculation_flags(a)
+    add_deterministic_flag(a)
     a("--max-queue", type=int, default=None, metavar="N",
       help="requests waiting to start, both lanes, before 503 + Retry-After (default 8 x "
            "--batch, at least 16)")
@@ -220,6 +221,13 @@ def config_from_args(args):
         levers = levers_from_args(args)
     except LeverError as e:
         raise SystemExit(f"engine-serve: {e}") from None
+    if args.deterministic:
+        from engine import why_not_deterministic
+        if why_not_deterministic(levers):
+            raise SystemExit(f"engine-serve: {why_not_deterministic(levers)}")
+        if args.draft_model is not None:
+            raise SystemExit("engine-serve: --deterministic with --draft-model is not supported "
+                             "(the draft's verify step is not checked batch-invariant)")
     if args.batch is None:   # (the fast runner's row buckets cost nothing while unused)
         args.batch = 32 if levers.fast_decode else 8
     if args.batch < 1:
@@ -252,7 +260,7 @@ def config_from_args(args):
     from .models_cli import model_values
     models = model_values(args)
     return ServerConfig(
-        levers=levers,
+        levers=levers, deterministic=args.deterministic,
         model=models[0] if len(models) == 1 else None, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
         prompt_cache_bytes=cache_bytes, prompt_cache_dir=args.prompt_cache_dir,

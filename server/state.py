@@ -60,6 +60,7 @@ class ServerConfig:
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
+    deterministic: bool = False         # batch-invariant logits (engine.deterministic)
     embeddings_pooling: Optional[str] = None   # last | mean (None: the checkpoint's, else last)
     tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py, engine/distributed)
 
@@ -126,7 +127,8 @@ class ServerState:
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
-                             levers=config.levers, draft_model=draft_model, **self.kv_options)
+                             levers=config.levers, draft_model=draft_model,
+                             deterministic=config.deterministic, **self.kv_options)
         if config.prompt_cache_dir:
             from engine import disk_cache_for
             self.engine.disk_cache = disk_cache_for(config.prompt_cache_dir,
@@ -255,6 +257,8 @@ class ServerState:
             "adapters": {"mounted": list(self.adapters.mounted),
                          "default": list(self.default_adapters)},
             "levers": self._levers_stats(),
+            # --deterministic: batch-invariant logits (docs/deterministic.md)
+            "deterministic": self.engine.deterministic,
             # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
             # forwards; summed, per source and per recent request
             "speculation": {**self.engine.stats()["speculation"],

@@ -61,6 +61,9 @@ def fast_step_for(model, levers: Optional[Levers], policy=None) -> Optional[Fast
     prepare(model, levers)
     if not levers.fast_decode:
         return None
+    if levers.fast.deterministic:   # (issue #41, GPU part: batch-invariant kernels go here)
+        raise NotImplementedError("the fast runner has no batch-invariant (deterministic) "
+                                  "kernels yet")
     reason = why_not(model, None, policy)
     if reason:
         log.info("fast decode not used: %s", reason)

@@ -8,6 +8,7 @@ the `Levers` (engine.levers.resolve: preset < environment < flag) and carried by
 | `quant` | `MLXP_MEGA_QUANT` | unset, 0, 1 | quantized models on the one-kernel step: 4-bit (unset), none (0), 8-bit too (1) |
 | `qk_norm` | `MLXP_MEGA_QKNORM` | 0/1 | qwen3 (per-head q/k norms) on the one-kernel step (0: off it) |
 | `disabled` | `MLXP_DISABLE_KERNELS` | a comma list of `KERNELS` (add_rms, rope_qkv, attention, gemv, mega, qmm) | kernels switched off: their stock-MLX references run instead |
+| `deterministic` | (`--deterministic`) | bool | batch-invariant kernels (issue #41's GPU part): set by `engine.deterministic.check`; not built yet, so `engine.fast.apply.fast_step_for` refuses it |
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class FastConfig:
     quant: Optional[bool] = None       # None: 4-bit weights; False: none; True: 8-bit too
     qk_norm: bool = True
     disabled: frozenset = field(default_factory=frozenset)
+    deterministic: bool = False        # batch-invariant kernels (not built yet: refused)
 
     def __post_init__(self):
-        for name in ("prof", "qk_norm"):
+        for name in ("prof", "qk_norm", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise FastConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.quant is not None and not isinstance(self.quant, bool):

@@ -205,10 +205,16 @@ class BatchRotatingKVCache:
     columns ever written (padding included), `rotated` whether writes have
     wrapped. Per row, `left_padding` counts the columns (from the buffer's
     logical start) that are not that row's tokens; it goes negative once the
-    row's padding has been pushed out of the window."""
+    row's padding has been pushed out of the window.
+
+    `temporal` (deterministic mode: set when any row's cache is temporal,
+    `engine.kv.cache.temporal_caches`): the buffer never wraps, so each row's window is read
+    oldest first, as the same row alone reads it: a prompt chunk appends and cuts
+    (`_append`), a token is written in place after the window (`_write_after`)."""
 
     step = 256
     bits = None
+    temporal = False
 
     def __init__(self, max_size: int, left_padding: Sequence[int]):
         self.keys = None
@@ -226,6 +232,12 @@ class BatchRotatingKVCache:
         W = caches[0].max_size
         if any(c.max_size != W for c in caches):
             raise ValueError("rotating caches of different window sizes cannot be batched")
+        out = cls._stacked(W, caches)
+        out.temporal = any(c.temporal for c in caches)
+        return out
+
+    @classmethod
+    def _stacked(cls, W: int, caches: Sequence[RotatingKVCache]) -> "BatchRotatingKVCache":
         sizes = [c.size() if c.keys is not None else 0 for c in caches]
         T = max(sizes)
         if T == 0:
@@ -286,6 +298,33 @@ class BatchRotatingKVCache:
         self._idx = self.keys.shape[2]
         return self.keys, self.values
 
+    def _write_after(self, keys, values):
+        """A temporal cache's one-token write: into the room after the last column (cut back
+        to the window's last max_size - 1 columns, one copy, when the room is used up);
+        attention gets the last max_size columns, oldest first: `_append`'s arrays, without
+        its copy of the window every step."""
+        if self._lengths is not None:
+            raise RuntimeError("finalize() the right-padded prefill before decoding")
+        B, H, _, dk = keys.shape
+        if self.keys is None or self._idx >= self.keys.shape[2]:
+            keep = min(self._idx, self.max_size - 1)
+            cut = self._idx - keep
+            nk = mx.zeros((B, H, keep + self.step, dk), keys.dtype)
+            nv = mx.zeros((B, H, keep + self.step, values.shape[3]), values.dtype)
+            if keep:
+                nk[..., :keep, :] = self.keys[..., cut:self._idx, :]
+                nv[..., :keep, :] = self.values[..., cut:self._idx, :]
+            self.keys, self.values = nk, nv
+            self.left_padding = self.left_padding - cut
+            self._idx = keep
+        self.keys[..., self._idx:self._idx + 1, :] = keys
+        self.values[..., self._idx:self._idx + 1, :] = values
+        self._idx += 1
+        self._written += 1
+        self.offset = self.offset + 1
+        lo = max(0, self._idx - self.max_size)
+        return self.keys[..., lo:self._idx, :], self.values[..., lo:self._idx, :]
+
     def _write_one(self, keys, values):
         if self._lengths is not None:
             raise RuntimeError("finalize() the right-padded prefill before decoding")
@@ -324,7 +363,7 @@ class BatchRotatingKVCache:
     # -- the model-facing protocol ----------------------------------------------
     def update_and_fetch(self, keys, values):
         if keys.shape[2] == 1:
-            return self._write_one(keys, values)
+            return (self._write_after if self.temporal else self._write_one)(keys, values)
         return self._append(keys, values)
 
     def make_mask(self, n: int, window_size: Optional[int] = None, return_array: bool = False):
@@ -332,10 +371,11 @@ class BatchRotatingKVCache:
         start = min(self.max_size - 1, self._written)
         mask = causal_mask(n, start, window=W)
         lp = self.left_padding
-        cut = self._idx - self.max_size + (1 if n > 1 else 0)
+        appends = n > 1 or self.temporal       # (the write cuts the buffer to max_size - 1)
+        cut = self._idx - self.max_size + (1 if appends else 0)
         if cut > 0:
             lp = lp - cut
-        wrapped = n == 1 and (self.rotated or self._idx >= self.max_size)
+        wrapped = not appends and (self.rotated or self._idx >= self.max_size)
         if wrapped:
             lp = lp - 1
         cols = mx.arange(start + n)[None]
@@ -395,14 +435,18 @@ class BatchRotatingKVCache:
             mx.concatenate(list(p)) for p in zip(*parts))
         self._idx = idx
         self._written = max(self._written, other._written)
+        self.temporal = self.temporal or other.temporal
 
     def extract(self, b: int) -> RotatingKVCache:
         """Row b as a single-row RotatingKVCache in temporal order."""
         pad = max(0, int(self.left_padding[b].item()))
         c = RotatingKVCache(self.max_size)
+        c.temporal = self.temporal
         k, v, end = self.keys[b:b + 1], self.values[b:b + 1], self._idx
         if self.rotated:
             k, v, end = mx.roll(k, -self._idx, axis=2), mx.roll(v, -self._idx, axis=2), self.max_size
+        if self.temporal:      # (the window: what `_append` would have kept)
+            pad = max(pad, end - self.max_size)
         c.keys = mx.contiguous(k[:, :, pad:end])
         c.values = mx.contiguous(v[:, :, pad:end])
         c.offset = int(self.offset[b].item())

@@ -187,7 +187,11 @@ class RotatingKVCache(KVCache):
 
     A multi-token write first restores temporal order and keeps `max_size - 1`
     old tokens so every new query still sees a full window; single-token writes
-    go in place and wrap."""
+    go in place and wrap. A `temporal` cache (deterministic mode, `temporal_caches`)
+    writes every token the multi-token way, so attention always reads the window oldest
+    first, whatever the write history (the CPU's attention rounds by key order)."""
+
+    temporal = False
 
     def __init__(self, max_size: int, keep: int = 0):
         super().__init__()
@@ -272,7 +276,7 @@ class RotatingKVCache(KVCache):
         return self.fetch()
 
     def update_and_fetch(self, keys, values):
-        if keys.shape[2] == 1:
+        if keys.shape[2] == 1 and not self.temporal:
             return self._update_in_place(keys, values)
         return self._update_concat(keys, values)
 
@@ -301,6 +305,11 @@ class RotatingKVCache(KVCache):
         return n
 
     def make_mask(self, n: int, window_size: Optional[int] = None, return_array: bool = False):
+        if self.temporal and n == 1:   # (the window oldest first: no wrap)
+            offset = min(self.max_size - 1, self.offset)
+            if window_size is not None and offset + 1 > window_size:
+                return causal_mask(1, offset, window=window_size)
+            return None
         if n > 1:
             window_size = window_size or self.max_size
             offset = min(self.max_size - 1, self.offset)
@@ -323,6 +332,7 @@ class RotatingKVCache(KVCache):
             q.values = mx.quantize(self.values, group_size=group_size, bits=bits)
         q.offset = self.offset
         q._idx = self._idx
+        q.temporal = self.temporal
         return q
 
 
@@ -387,6 +397,15 @@ def make_cache(model, kv_bits: Optional[int] = None, kv_group_size: int = 64):
         else:
             out.append(QuantizedKVCache(kv_group_size, kv_bits))
     return out
+
+
+def temporal_caches(caches: list) -> list:
+    """Deterministic mode: the sliding-window caches among `caches` keep their window in
+    temporal order (`RotatingKVCache.temporal`); returns `caches`."""
+    for c in caches:
+        if isinstance(c, RotatingKVCache):
+            c.temporal = True
+    return caches
 
 
 def cache_nbytes(caches) -> int:

@@ -66,11 +66,12 @@ def fingerprint(*paths, extra: str = "") -> str:
 
 def disk_cache_for(directory, disk_gb: float, model_dir, engine, adapter_path=None) -> "DiskCache":
     """The disk cache of an `engine.Engine` loaded from `model_dir` (plus a fused adapter):
-    files of another model or KV setting are not used."""
+    files of another model, KV setting or mode (deterministic: its KV rounds otherwise) are
+    not used."""
     if not disk_gb > 0:
         raise ValueError(f"prompt cache disk size must be > 0 GB (got {disk_gb!r})")
     kv = json.dumps([sorted(engine.policy.layers.items()), engine.policy.start,
-                     engine.max_kv_size])
+                     engine.max_kv_size] + (["deterministic"] if engine.deterministic else []))
     model = fingerprint(model_dir, *([adapter_path] if adapter_path else []))
     return DiskCache(directory, int(disk_gb * 1e9), model, kv)
 

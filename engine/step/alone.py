@@ -44,6 +44,9 @@ class AloneRunner:
             self.policy.apply(caches)
         else:
             caches = self._new_caches()
+        if self.deterministic:    # (engine.deterministic: sliding windows oldest first)
+            from engine.kv.cache import temporal_caches
+            temporal_caches(caches)
         reused, ids = req.reused, req.ids
         # The prompt (all but its last token) is prefilled one chunk per step()
         # (`_solo_prefill`, the chunks of `generate_step`'s own prefill); the token loop

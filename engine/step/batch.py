@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from engine.kv.batch_cache import batch_caches, extend_caches
+from engine.kv.cache import temporal_caches
 from engine.step.row_processors import apply_processors, batched
 from engine.step.sampling import greedy
 from engine.text.stop import TextStream
@@ -201,13 +202,16 @@ class BatchScheduler:
     runner's step (`engine.fast.decode.FastStep`, L3) or None: with it the decoding rows
     keep their KV in a slot pool (`engine.fast.slots.SlotPool`) and every decode step is
     the fast step; prefill and a row's first step always run the model (L1).
+    deterministic: every row's sliding-window caches keep temporal order
+    (`engine.kv.cache.temporal_caches`; engine.deterministic says why).
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
-                 prefill_step_size: int = 2048, decoder=None):
+                 prefill_step_size: int = 2048, decoder=None, deterministic: bool = False):
         self.model = model
         self.decoder = decoder
+        self.deterministic = deterministic
         self.tokenizer = tokenizer
         if eos_token_ids is None and tokenizer is not None:
             eos_token_ids = tokenizer.eos_token_ids
@@ -402,6 +406,8 @@ class BatchScheduler:
         new.rows = [self._queue.popleft() for _ in range(n)]
         per_row = [r.req.caches if r.req.caches is not None else self.model.make_cache()
                    for r in new.rows]
+        if self.deterministic:
+            per_row = [temporal_caches(c) for c in per_row]
         new.caches = batch_caches(per_row)
         self._prefill.extend(new)
 

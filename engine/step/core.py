@@ -43,7 +43,7 @@ import time
 from collections import deque
 from typing import Optional
 
-
+from engine.deterministic import check as deterministic_levers
 from engine.step.batch import BatchRequest, BatchScheduler, RowEvent
 from engine.kv.quant import make_policy
 from engine.step.request import (PromptError, RequestOutput, RequestState, SamplingParams,
@@ -75,6 +75,8 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
     both lanes (`engine.fast.apply.prepare`). draft_model: a model of the same vocabulary
     drafting for speculative decoding (`engine.step.draft`; its tokenizer, when given as
     draft_tokenizer, is checked; `admission` should count it: `Admission.with_draft`).
+    deterministic: every row's logits bit-identical whatever else is in the batch, every
+    batchable request a batch row, max_batch 1 too (`engine.deterministic`).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
@@ -83,9 +85,14 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
                  levers=None, max_context: Optional[int] = None,
                  max_kv_size: Optional[int] = None, disk_cache=None, draft_model=None,
-                 draft_tokenizer=None):
+                 draft_tokenizer=None, deterministic: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.deterministic = bool(deterministic)
+        if self.deterministic and draft_model is not None:
+            raise ValueError("deterministic mode with a draft model is not supported")
+        if self.deterministic:    # (DeterministicUnsupported where it is not built)
+            levers = deterministic_levers(levers)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.prompt_cache = prompt_cache
@@ -113,8 +120,8 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
         # any number of rows, max_batch 1 included)
         from engine.fast.apply import fast_step_for   # (engine.fast imports the models)
         self._fast_step = fast_step_for(model, levers, self.policy)
-        self._sched = (self._new_scheduler()
-                       if max_batch > 1 or self._fast_step is not None else None)
+        self._sched = (self._new_scheduler() if max_batch > 1 or self._fast_step is not None
+                       or self.deterministic else None)
         self._ids = itertools.count()
         self._waiting: deque = deque()
         self._live: dict = {}            # rid -> RequestState (waiting or running)
@@ -137,7 +144,7 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
                               prefill_step_size=self.prefill_step_size,
-                              decoder=self._fast_step)
+                              decoder=self._fast_step, deterministic=self.deterministic)
 
     @property
     def fast_step(self):   # the fast runner's step in force (None: the rows decode on L1)
@@ -292,7 +299,8 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
         requests handed to the batch (queued in it, prefilling or decoding); rows_now: rows
         decoding now (a solo request decoding is one); peak_rows: most rows that ran one
         decode forward together."""
-        return {"max_batch": self.max_batch, "active_rows": len(self._rows),
+        return {"max_batch": self.max_batch, "deterministic": self.deterministic,
+                "active_rows": len(self._rows),
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
                 "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
                 "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons),
