@@ -71,8 +71,8 @@ if has rows8b; then
   [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
   timeout ${ROWS8_S:-300} python3 experiments/bench_rows.py --model /tmp/m/8b-q4 --rows ${ROWS8:-1,4,8,16,32} \
     --gen ${GEN8:-64} --trials ${TRIALS:-1} --out "$OUT/rows8b" 2>&1 | tail -20
-  # the same rows without the one kernel (every row count on the separate kernels: qmm)
-  MLXP_DISABLE_KERNELS=mega timeout ${ROWS8_S:-300} python3 experiments/bench_rows.py --model /tmp/m/8b-q4 \
-    --rows ${ROWS8NM:-1,4} --tiers l3 --gen ${GEN8:-64} --trials ${TRIALS:-1} --out "$OUT/rows8b-nomega" 2>&1 | tail -8
+  # the same rows with the 4-bit tensor-core kernel off (MLX's quantized matmul)
+  MLXP_DISABLE_KERNELS=qmm timeout ${ROWS8_S:-300} python3 experiments/bench_rows.py --model /tmp/m/8b-q4 \
+    --rows ${ROWS8NQ:-8,16,32} --tiers l3 --gen ${GEN8:-64} --trials ${TRIALS:-1} --out "$OUT/rows8b-noqmm" 2>&1 | tail -8
 fi
 stage done
