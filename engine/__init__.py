@@ -84,6 +84,12 @@ _LAZY = {
     "embed": "engine.embeddings",
     # engine.fast.apply
     "describe": "engine.fast.apply",
+    # engine.vision
+    "ImageError": "engine.vision",
+    "VisionInput": "engine.vision",
+    "has_vision": "engine.vision",
+    "preprocessor_for": "engine.vision",
+    "image_formats": "engine.vision",
     # engine.kv.disk_cache
     "DiskCache": "engine.kv.disk_cache",
     "disk_cache_for": "engine.kv.disk_cache",

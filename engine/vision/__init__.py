@@ -20,7 +20,9 @@ from .gemma3 import Gemma3Preprocess, expand
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_image, formats
 
 __all__ = ["DEFAULT_MAX_PIXELS", "ImageError", "VisionInput", "decode_image", "formats",
-           "preprocessor_for", "vision_prompt", "has_vision"]
+           "image_formats", "preprocessor_for", "vision_prompt", "has_vision"]
+
+image_formats = formats
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,10 @@ def formats() -> tuple:
     """The image formats this process decodes (Pillow format names)."""
     global _FORMATS
     if _FORMATS is None:
-        _FORMATS = BASE_FORMATS + _plugins()
+        from PIL import Image
+        extra = _plugins()
+        Image.init()
+        _FORMATS = tuple(f for f in BASE_FORMATS + extra if f in Image.OPEN)
     return _FORMATS
 
 
@@ -64,7 +67,7 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, where: str =
     allowed = formats()
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # (ours below)
             img = Image.open(io.BytesIO(bytes(data)), formats=list(allowed))
             w, h = img.size
             if w < 1 or h < 1:
@@ -80,8 +83,8 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, where: str =
     except UnidentifiedImageError:
         raise ImageError(f"{where}: not an image of a supported format "
                          f"({', '.join(f.lower() for f in allowed)})") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageError(f"{where}: the image has too many pixels") from None
-    except (OSError, ValueError, SyntaxError, EOFError, MemoryError) as e:
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{where}: the image has too many pixels, over the limit ({e})") from None
+    except Exception as e:     # any decoder failure is the image's fault, never a 5xx
         raise ImageError(f"{where}: the image could not be decoded "
-                         f"(truncated or corrupt: {e})") from None
+                         f"(truncated or corrupt: {type(e).__name__}: {e})") from None
