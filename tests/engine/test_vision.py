@@ -3,6 +3,7 @@ images, the vision checks of `submit`, the prompt cache keyed by the images (and
 not run again on a full hit), the PyTorch conv layout, and `engine-convert` keeping the
 tower (float, with the processor files) while it quantizes the decoder."""
 
+import base64
 import io
 import json
 
@@ -147,3 +148,32 @@ def test_convert_keeps_the_tower_float(vis, tmp_path):
     px = mx.random.uniform(-1, 1, (1, 3, 32, 32), key=mx.random.key(0))
     assert mx.array_equal(q.vision_tower(px.transpose(0, 2, 3, 1)),
                           model.vision_tower(px.transpose(0, 2, 3, 1))).item()
+
+
+# a 16x16 HEIC (top half red, bottom half blue), made with pillow-heif 1.9
+HEIC = base64.b64decode("AAAAHGZ0eXBoZWljAAAAAG1pZjFoZWljbWlhZgAAAXxtZXRhAAAAAAAAACFoZGxyAAAAAAAAAABwaWN0AAAAAAAAAAAAAAAAAAAAACJpbG9jAAAAAERAAAEAAQAAAAABoAABAAAAAAAAAFcAAAAjaWluZgAAAAAAAQAAABVpbmZlAgAAAAABAABodmMxAAAAAA5waXRtAAAAAAABAAAA/GlwcnAAAADcaXBjbwAAAHVodmNDAQNwAAAAkAAAAAAAHvAA/P34+AAADwNgAAEAGEABDAH//wNwAAADAJAAAAMAAAMAHroCQGEAAQApQgEBA3AAAAMAkAAAAwAAAwAeoCCBBZbqrprm4CGgwIAAAAyAAAADAIRiAAEABkQBwXPBiQAAABNjb2xybmNseAABAA0ABoAAAAAUaXNwZQAAAAAAAABAAAAAQAAAAChjbGFwAAAAEAAAAAEAAAAQAAAAAf///9AAAAAC////0AAAAAIAAAAQcGl4aQAAAAADCAgIAAAAGGlwbWEAAAAAAAAAAQABBYECAwWEAAAAX21kYXQAAABTKAGvBjIbMcaAjO3LxfUmf//cX+y9QVtqXrR3I+fv//6BI47/pi5sSFRyelZP71jzUq4e7O3YhCbf40uegGXY8QCA/vfdYYlxNBMISSM0tQi9UmA=")
+
+
+def test_heic_with_pillow_heif_else_a_clear_error():
+    """HEIC decodes where pillow-heif is installed; elsewhere it is an ImageError naming the
+    formats this process takes (never a crash)."""
+    import importlib.util
+    if importlib.util.find_spec("pillow_heif") is None:
+        with pytest.raises(ImageError, match="not an image of a supported format"):
+            decode_image(HEIC)
+        assert "HEIF" not in formats()
+        return
+    assert "HEIF" in formats()
+    img = np.array(decode_image(HEIC))
+    assert img.shape == (16, 16, 3) and img[2, 2, 0] > 150 > img[2, 2, 2]
+    assert img[13, 2, 2] > 150 > img[13, 2, 0]
+
+
+def test_avif_where_pillow_reads_it():
+    from PIL import features
+    data = _enc("AVIF", quality=100) if features.check("avif") else None
+    if data is None:          # a Pillow without libavif and no plugin: a clear error
+        assert "AVIF" not in formats()
+        return
+    img = decode_image(data)
+    assert img.size == (30, 20) and img.mode == "RGB" and "AVIF" in formats()
