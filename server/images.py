@@ -197,6 +197,8 @@ def vision_encode(state, call) -> tuple:
     """(prompt ids, engine.VisionInput) of a call with images; a 400 for any bad image."""
     from engine import PromptError
 
+    if getattr(state.config, "tensor_parallel", False):
+        raise bad_request("images are not supported on a tensor-parallel server")
     data = fetch_all(call.images, state.config)
     messages = as_parts(call.messages, len(data))
     try:

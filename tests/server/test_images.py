@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from starter.vision import ensure_vision_fixture
-from srv_helpers import start_server, stop_server
+from srv_helpers import sse_events, start_server, stop_server
 
 
 def _encode(arr, fmt="PNG") -> bytes:
@@ -164,3 +164,42 @@ def test_image_urls_opt_in_and_loopback_guard():
     finally:
         stop_server(guarded)
         http.shutdown()
+
+
+def test_stream_two_images_beside_text_requests(vsrv):
+    """A streamed request with two images runs alone beside text requests (batched):
+    every answer comes, and the image answer equals the engine's own run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "x", "max_tokens": 5, "temperature": 0, "stream": True, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(PNG)}},
+                                     {"type": "text", "text": "versus"},
+                                     {"type": "image_url", "image_url": {"url": _url(OTHER)}}]}]}
+
+    def text(i):
+        return httpx.post(vsrv.v1 + "/chat/completions", json={
+            "max_tokens": 5, "messages": [{"role": "user", "content": f"text {i}"}]}, timeout=60)
+
+    before = vsrv.state.engine.stats()["solo_reasons"].get("images", 0)
+    with ThreadPoolExecutor(4) as ex:
+        texts = [ex.submit(text, i) for i in range(3)]
+        r = httpx.post(vsrv.v1 + "/chat/completions", json=body, timeout=60)
+        assert all(t.result().status_code == 200 for t in texts)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    got = "".join((d.get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+                  for _, d in sse_events(r.text) if isinstance(d, dict))
+
+    def run():
+        from engine import Engine, SamplingParams
+        eng = Engine(vsrv.model, vsrv.tokenizer)
+        eng.image_preprocess = vsrv.state.engine.image_preprocess
+        ids, vision = eng.vision_prompt([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "versus"}, {"type": "image"}]}],
+            [PNG, OTHER])
+        eng.submit(ids, SamplingParams(max_tokens=5, temperature=0.0), vision=vision)
+        toks = []
+        while eng.has_unfinished():
+            toks += [t for o in eng.step() for t in o.token_ids]
+        return vsrv.tokenizer.decode(toks)
+    assert got and got == vsrv.on_worker(run)
+    assert vsrv.state.engine.stats()["solo_reasons"]["images"] == before + 1
