@@ -62,3 +62,31 @@ def generate(model, ids: mx.array, pixels: mx.array, max_tokens: int) -> list:
         if len(out) == max_tokens:
             break
     return out
+
+
+def quantized(src, bits: int):
+    """`src` quantized by mlx-vlm's own converter (group 64; the vision tower stays float,
+    the decoder's head is stored quantized): the layout of the mlx-community VLM
+    checkpoints. Cached beside `src` (built once, atomically)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mlx_vlm import convert
+
+    src = Path(src)
+    final = src.parent / f"{src.name}-mlxvlm-q{bits}"
+    if (final / "config.json").exists():
+        return final
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=src.parent))
+    try:
+        convert(hf_path=str(src), mlx_path=str(tmp / "out"), quantize=True, q_bits=bits,
+                q_group_size=64)
+        try:
+            (tmp / "out").rename(final)
+        except OSError:
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,7 +1,8 @@
 """L1 of the image path against mlx-vlm 0.7.x (the live oracle): Gemma 3's preprocessing
 (pixel values), the SigLIP tower + projector's features, the merged input embeddings, the
 logits at every step and the greedy tokens, all with `mx.array_equal`, on the
-`gemma3_vision` fixture (float32 and bfloat16; random weights in mlx-vlm's layout)."""
+`gemma3_vision` fixture (float32 and bfloat16; random weights in mlx-vlm's layout) and its
+4- and 8-bit versions made by mlx-vlm's converter (decoder quantized, tower float)."""
 
 import io
 
@@ -49,9 +50,12 @@ TWO = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": 
                                     {"type": "image"}, {"type": "text", "text": "compare"}]}]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "q4", "q8"])
 def setup(request):
-    path = ensure_vision_fixture(request.param)
+    if request.param in ("q4", "q8"):      # quantized by mlx-vlm's converter
+        path = vlm.quantized(ensure_vision_fixture("bfloat16"), int(request.param[1]))
+    else:
+        path = ensure_vision_fixture(request.param)
     ref, processor = vlm.load(path)
     ours, _ = load_model(path)
     return path, ref, processor, ours, load_tokenizer(path)
@@ -86,7 +90,7 @@ def test_pixel_values_equal_the_processors(setup, name):
 def test_features_and_embeddings_equal(setup):
     _, ref, _, ours, _ = setup
     ids, vision = _ours(setup, TWO, [IMAGES["rgb_png"], IMAGES["exif_jpeg"]])
-    dtype = ours.language_model.model.embed_tokens.weight.dtype
+    dtype = ours.language_model.model.embed_tokens(mx.array([0])).dtype
     got = ours.image_features(vision.pixels, dtype)
     want = vlm.features(ref, vision.pixels, dtype)
     assert got.shape == (2, 16, 64) and mx.array_equal(got, want).item()
