@@ -177,3 +177,30 @@ def test_avif_where_pillow_reads_it():
         return
     img = decode_image(data)
     assert img.size == (30, 20) and img.mode == "RGB" and "AVIF" in formats()
+
+
+def test_engine_generate_image_flag(vis, tmp_path, capsys):
+    """`engine-generate --image`: the completion equals the engine's request; a text-only
+    model, a missing file and a file that is not an image are one-line errors (exit 2)."""
+    from engine.cli import main
+
+    path = vis[0]
+    png = tmp_path / "a.png"
+    png.write_bytes(_enc("PNG"))
+    assert main(["--model", str(path), "--image", str(png), "--prompt", "What?",
+                 "--max-tokens", "4", "--verbose", "false"]) == 0
+    got = capsys.readouterr().out.rstrip("\n")
+    eng = _engine(vis)
+    ids, vision = eng.vision_prompt([{"role": "user", "content": [
+        {"type": "text", "text": "What?"}, {"type": "image"}]}], [png.read_bytes()])
+    toks, _ = _run(eng, ids, vision)
+    assert got == vis[2].decode(toks)
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"nope")
+    for argv, needle in [(["--model", str(path), "--image", str(bad)], "not an image"),
+                         (["--model", str(path), "--image", str(tmp_path / "no.png")],
+                          "No such file"),
+                         (["--model", str(ensure_fixture("gemma3", "float32")), "--image",
+                           str(png)], "no vision tower")]:
+        assert main(argv + ["--max-tokens", "2"]) == 2
+        assert needle in capsys.readouterr().err
