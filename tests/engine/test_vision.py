@@ -204,3 +204,4 @@ def test_engine_generate_image_flag(vis, tmp_path, capsys):
                            str(png)], "no vision tower")]:
         assert main(argv + ["--max-tokens", "2"]) == 2
         assert needle in capsys.readouterr().err
+
