@@ -55,7 +55,7 @@ def collect(state):
     """Collect the image parts of the messages normalized inside (into the yielded list)."""
     from engine import has_vision
     refs: list = []
-    token = _active.set(Collector(has_vision(state.model), refs))
+    token = _active.set(Collector(has_vision(getattr(state, "model", None)), refs))
     try:
         yield refs
     finally:
