@@ -13,6 +13,7 @@ The package is grouped by concern:
 - ``engine.fast``: the L3 fast path (CUDA kernels under ``engine/fast/cuda``) and its config;
 - ``engine.distributed``: tensor parallelism (sharding, the step broadcast, followers);
 - ``engine.embeddings``: text embeddings (pooled final hidden states);
+- ``engine.vision``: images in prompts (decoding, each vision family's preprocessing);
 - ``engine.loader``, ``engine.convert``, ``engine.levers``, ``engine.cli``: loading, converting,
   the speed levers, the command line.
 """
@@ -88,6 +89,12 @@ _LAZY = {
     "embed": "engine.embeddings",
     # engine.fast.apply
     "describe": "engine.fast.apply",
+    # engine.vision
+    "ImageError": "engine.vision",
+    "VisionInput": "engine.vision",
+    "has_vision": "engine.vision",
+    "preprocessor_for": "engine.vision",
+    "image_formats": "engine.vision",
     # engine.kv.disk_cache
     "DiskCache": "engine.kv.disk_cache",
     "disk_cache_for": "engine.kv.disk_cache",

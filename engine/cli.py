@@ -29,7 +29,6 @@ from .argparsing import (CliParser, DefaultsHelpFormatter, add_deterministic_fla
 # mlx_lm.generate's sampling defaults (it does not read generation_config.json)
 MLX_LM_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
 UNSUPPORTED = {
-    "--image": "image inputs are not implemented (text models only)",
     "--quantize-activations": "activation quantization is not implemented",
     "-qa": "activation quantization is not implemented",
     "--use-default-chat-template": "use --chat-template-config, or the model's own template",
@@ -53,6 +52,8 @@ def parser() -> CliParser:
     a("--prompt", "-p", default="hello", help="prompt text ('-' reads stdin)")
     a("--system-prompt", "--system", dest="system_prompt", help="system message of the chat "
       "template")
+    a("--image", nargs="+", action="extend", default=None, metavar="FILE",
+      help="image file(s) for a model with a vision tower (docs/vision.md)")
     a("--prefill-response", help="start of the assistant's answer (continued by the model)")
     a("--ignore-chat-template", action="store_true",
       help="encode the prompt as-is instead of in the model's chat template")
@@ -142,12 +143,17 @@ def _load_cache_file(args):
     return caches, args.model or made_with
 
 
+def prompt_text(args) -> str:
+    """--prompt with its \\n and \\t escapes read ('-': stdin)."""
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
 def prompt_ids(args, tok, using_cache: bool) -> list:
     """The prompt's token ids, built as mlx_lm.generate builds them."""
     from engine.step.request import PromptError
 
-    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    prompt = sys.stdin.read() if prompt == "-" else prompt
+    prompt = prompt_text(args)
     use_template = args.chat or (not args.ignore_chat_template and tok.has_chat_template)
     if not use_template:
         return tok.encode(prompt, add_special_tokens=True)
@@ -168,6 +174,32 @@ def prompt_ids(args, tok, using_cache: bool) -> list:
     except Exception as e:      # a template error is the user's input problem
         raise PromptError(f"chat template failed: {e}") from None
     return tok.encode(text, add_special_tokens=False)
+
+
+def image_prompt(args, model, tok, model_dir) -> tuple:
+    """(ids, engine.vision.VisionInput) of the prompt with --image files after its text."""
+    from engine.vision import has_vision, preprocessor_for, vision_prompt
+
+    if args.prompt_cache_file or args.ignore_chat_template or args.prefill_response is not None:
+        raise CliError("--image does not go with --prompt-cache-file, --ignore-chat-template "
+                       "or --prefill-response")
+    data = []
+    for f in args.image:
+        try:
+            with open(f, "rb") as fh:
+                data.append(fh.read())
+        except OSError as e:
+            raise CliError(f"--image {f}: {e.strerror or e}") from None
+    prompt = prompt_text(args)
+    msgs = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    msgs.append({"role": "user", "content": [{"type": "text", "text": prompt}]
+                 + [{"type": "image"}] * len(data)})
+    kwargs = dict(args.chat_template_args or {})
+    if args.thinking is not None:
+        kwargs["enable_thinking"] = args.thinking
+    return vision_prompt(model, tok, msgs, data, template_kwargs=kwargs,
+                         preprocess=preprocessor_for(model, model_dir) if has_vision(model)
+                         else None)
 
 
 def main(argv=None) -> int:
@@ -235,11 +267,16 @@ def main(argv=None) -> int:
     admission = Admission.for_model(model, budget, prefill_step=args.prefill_step_size)
     if draft is not None:
         admission = admission.with_draft(draft)
-    text, last = "", None
+    text, last, vision = "", None, None
     try:
         for t in args.extra_eos_token:
             tok.add_eos_token(t)
-        ids = prompt_ids(args, tok, caches is not None)
+        if args.image:
+            from engine.loader import resolve_model_path
+            ids, vision = image_prompt(args, model, tok,
+                                       resolve_model_path(model_path or default_model_dir()))
+        else:
+            ids = prompt_ids(args, tok, caches is not None)
         if args.verbose:
             print("=" * 10, file=out)
         for seg in engine.stream_generate(
@@ -252,12 +289,12 @@ def main(argv=None) -> int:
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
                 admission=admission, prefill_step_size=args.prefill_step_size, levers=levers,
                 prefix_caches=caches, max_kv_size=args.max_kv_size,
-                deterministic=args.deterministic):
+                deterministic=args.deterministic, vision=vision):
             if args.verbose:
                 print(seg.text, end="", flush=True, file=out)
             text += seg.text
             last = seg
-    except (PromptError, KVConfigError, ValueError) as e:      # (incl. over the memory budget)
+    except (PromptError, KVConfigError, ValueError, CliError) as e:   # (incl. over the budget)
         print(f"\nengine-generate: {e}", file=sys.stderr)
         return 2
     if not args.verbose:

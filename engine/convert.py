@@ -57,6 +57,8 @@ class ConvertOptions:
 
 
 Predicate = Callable[[str, nn.Module], Union[bool, dict]]
+VISION_MODULES = ("vision_tower.", "multi_modal_projector.")
+VISION_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def mixed_recipe(name: str, model: nn.Module, group_size: int) -> Predicate:
@@ -134,6 +136,8 @@ def quantize(model: nn.Module, config: dict, opts: ConvertOptions) -> dict:
 
     def predicate(path, module):
         if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group:
+            return False
+        if path.startswith(VISION_MODULES):    # the vision tower stays float (as mlx-vlm's)
             return False
         choice = chosen(path, module) if chosen is not None else True
         if isinstance(choice, dict):
@@ -237,10 +241,13 @@ def _tag_non_finite(obj):
     return obj
 
 
-def save_config(dst: Path, config: dict) -> None:
+def save_config(dst: Path, config: dict, keep_vision: bool = False) -> None:
+    """config.json; `vision_config` only where the model kept its vision tower (Gemma 3
+    with a whole tower: `engine.models.gemma3`)."""
     config = dict(config)
     config.pop("_name_or_path", None)
-    config.pop("vision_config", None)      # text-only engine: no vision tower is kept
+    if not keep_vision:
+        config.pop("vision_config", None)
     if "quantization" in config:
         config["quantization_config"] = config["quantization"]
     with open(dst / "config.json", "w") as f:
@@ -328,8 +335,12 @@ def convert(hf_path, mlx_path, opts: Optional[ConvertOptions] = None,
         config = dequantize(model, config)
     dst.mkdir(parents=True)
     save_weights(dst, model, opts.max_shard_bytes)
-    save_config(dst, config)
+    vision = getattr(model, "vision", None) is not None
+    save_config(dst, config, keep_vision=vision)
     save_tokenizer(src, dst)
+    for name in VISION_FILES if vision else ():
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
     if (src / "generation_config.json").is_file():
         shutil.copy(src / "generation_config.json", dst / "generation_config.json")
     for py in src.glob("*.py"):

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q -e ".[test]"
 # mlx-optiq is only the L2 oracle (its KV modules); its other requirements are irrelevant here.
 python3 -m pip install -q --no-deps "mlx-optiq==0.7.7"
-# mlx-embeddings is the embeddings oracle; it imports parts of mlx-vlm whose other
+# mlx-embeddings is the embeddings oracle and mlx-vlm the vision oracle (tests/parity/
+# test_vision_parity.py); they import parts of mlx-vlm whose other
 # requirements (torch, vision stacks) the checks never touch.
 python3 -m pip install -q --no-deps "mlx-embeddings==0.1.0" "mlx-vlm==0.7.10"
 # The chat-page test drives a headless Chromium (Debian's chromium + chromium-driver).

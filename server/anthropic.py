@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, sampling_from, start,
                    template_kwargs_from)
+from .images import collect, image_part
 from .messages import normalize_tools, parse_arguments, plain, shallow
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
@@ -70,9 +71,10 @@ def _blocks_text(content, where: str) -> str:
             if not isinstance(b.get("text"), str):
                 raise bad_request(f"{where}: a text block needs a string 'text'")
             parts.append(b["text"])
-        elif t in ("image", "document"):
-            raise bad_request(f"{where}: {t} blocks are not supported: this model has no "
-                              "vision sidecar")
+        elif t == "image":
+            parts.append(image_part(b, where))
+        elif t == "document":
+            raise bad_request(f"{where}: document blocks are not supported")
         else:
             raise bad_request(f"{where}: unsupported block type {t!r} here")
     return "".join(parts)
@@ -146,9 +148,10 @@ def convert_messages(system, messages) -> list:
                     res = f"Error: {res}"
                 out.append({"role": "tool", "tool_call_id": _opt(b, "tool_use_id", str, w) or "",
                             "content": res})
-            elif t in ("image", "document"):
-                raise bad_request(f"{w}: {t} blocks are not supported: this model has no "
-                                  "vision sidecar")
+            elif t == "image":
+                text.append(image_part(b, w))
+            elif t == "document":
+                raise bad_request(f"{w}: document blocks are not supported")
             else:
                 raise bad_request(f"{w}: unknown content block type {t!r}")
         if role == "assistant":
@@ -186,7 +189,9 @@ def convert_tools(tools):
 def parse_messages(req: CountTokensRequest, state) -> Call:
     """The `Call` of a validated Messages (or count_tokens) request: the model checked
     the types, ranges and enumerations (`max_tokens` is required by MessagesRequest)."""
-    call = Call(messages=convert_messages(req.system, shallow(req.messages)))
+    with collect(state) as images:
+        call = Call(messages=convert_messages(req.system, shallow(req.messages)))
+    call.images = images
     call.max_tokens = req.max_tokens
     sampling_from(req, call, state)
     call.stop = [s for s in req.stop_sequences or () if s]

@@ -94,6 +94,8 @@ class Call:
     tool_choice: Any = None                # engine.constrained.ToolChoice
     format_param: str = "response_format"  # the request field the format came from
     parallel_tool_calls: bool = True
+    images: list = field(default_factory=list)   # server.images.ImageRef, in message order
+    vision: Any = None                     # engine.VisionInput (set by `encode`)
 
 
 def sampling_from(req, call: Call, state) -> None:
@@ -185,6 +187,10 @@ def context_left(state, prompt_tokens: int) -> int:
 def encode(state, call: Call) -> list:
     from engine import PromptError, check_token_ids, encode_prompt
 
+    if call.images:        # (the images fetched, decoded and preprocessed: engine.vision)
+        from .images import vision_encode
+        ids, call.vision = vision_encode(state, call)
+        return ids
     try:
         if call.messages is not None:
             ids = encode_prompt(state.tokenizer, call.messages, call.tools, call.template_kwargs)
@@ -381,7 +387,7 @@ async def start(state, call: Call, request=None) -> Generation:
     await check_tool_schemas(call.tools)
     # tokenizing a long prompt must not stall the stream being served; a short one is
     # encoded inline (the thread hand-off and back costs more than the encode: TTFT)
-    if _input_chars(call) <= INLINE_ENCODE_CHARS:
+    if _input_chars(call) <= INLINE_ENCODE_CHARS and not call.images:
         ids = encode(state, call)
     else:
         ids = await asyncio.to_thread(encode, state, call)
@@ -407,6 +413,7 @@ async def start(state, call: Call, request=None) -> Generation:
         params = replace(sampling_params(state, call, factories), max_tokens=params.max_tokens)
     router = make_parser(state, call, ids)
     job = GenerationJob(asyncio.get_running_loop(), ids, params, adapters)
+    job.vision = call.vision
     job.interval = state.config.stream_interval_ms / 1000.0
     gen = Generation(state, call, job, ids, router)
     if lease is not None:

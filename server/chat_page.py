@@ -4,7 +4,8 @@ The page (`server/static/chat.html`, shipped inside the package) streams from
 `/v1/chat/completions` on the same server: conversation history, a system
 prompt, sampling controls, a stop button (it aborts the request; the server
 cancels the generation when the client goes away), reasoning shown apart from
-the answer, tool calls, and tokens/s. With `--api-key` the page itself loads
+the answer, tool calls, tokens/s, and an attached image (sent as an `image_url` data: URL
+to a model with a vision tower). With `--api-key` the page itself loads
 without a key (it holds no data); its requests send the key typed into it.
 """
 

@@ -102,6 +102,13 @@ def parser() -> argparse.ArgumentParser:
       metavar="ORIGIN", help="browser origins granted the API routes (CORS), e.g. "
       "http://localhost:3000, or * for any; default none: requests carrying an Origin "
       "header are refused")
+    a("--allow-image-urls", action="store_true",
+      help="fetch http(s) image URLs in requests (default: off; data: URLs always work)")
+    a("--allow-private-image-urls", action="store_true",
+      help="with --allow-image-urls: also from loopback, link-local and private addresses")
+    a("--max-image-mb", type=float, default=20.0, help="an image's encoded size cap (20 MiB)")
+    a("--image-url-timeout", type=float, default=10.0,
+      help="seconds to fetch an image URL (10)")
     a("--cors-admin", action="store_true",
       help="grant the --cors-origins the admin routes too (/v1/adapters, /stats)")
     a("--allowed-hosts", nargs="*", default=None, metavar="HOST",
@@ -277,6 +284,9 @@ def config_from_args(args):
         allowed_origins=list(args.cors_origins or []),
         stream_interval_ms=max(0.0, args.stream_interval_ms),
         embeddings_pooling=args.embeddings_pooling,
+        allow_image_urls=args.allow_image_urls,
+        allow_private_image_urls=args.allow_private_image_urls,
+        max_image_bytes=int(args.max_image_mb * (1 << 20)), image_url_timeout=args.image_url_timeout,
         tensor_parallel=bool(getattr(args, "tensor_parallel", False)))
 
 

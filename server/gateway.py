@@ -65,6 +65,7 @@ class GenerationJob:
         self.prompt = prompt
         self.params = params               # engine.SamplingParams
         self.adapters = tuple(adapters)
+        self.vision = None                 # engine.VisionInput: the prompt's images
         self.cancelled = threading.Event()
         self.queued_at = time.perf_counter()
         self.started_at: Optional[float] = None
@@ -368,7 +369,8 @@ class Gateway:
             return
         job.started_at = time.perf_counter()
         try:
-            self.engine.submit(job.prompt, job.params, request_id=rid, adapter=job.adapters)
+            self.engine.submit(job.prompt, job.params, request_id=rid, adapter=job.adapters,
+                               **({"vision": job.vision} if job.vision is not None else {}))
         except Exception as e:
             self._end(job, RequestOutput("", [], finish_reason="error", request_id=rid, error=e,
                                          started=False))

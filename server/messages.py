@@ -11,6 +11,7 @@ import json
 from typing import Any, Optional
 
 from .errors import bad_request
+from .images import IMAGE_TYPES, image_part
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -35,9 +36,11 @@ def text_content(content: Any, where: str, text_types=("text", "input_text", "ou
                 if not isinstance(text, str):
                     raise bad_request(f"{where}: a {t} part needs a string 'text'")
                 parts.append(text)
-            elif t in ("image_url", "image", "input_image", "input_audio", "file", "input_file"):
-                raise bad_request(f"{where}: {t} content is not supported: this model has no "
-                                  "vision/audio sidecar")
+            elif t in IMAGE_TYPES:       # (its marker; the image goes to `images.collect`)
+                parts.append(image_part(p, where))
+            elif t in ("input_audio", "file", "input_file"):
+                raise bad_request(f"{where}: {t} content is not supported: this server has no "
+                                  "audio/file sidecar")
             else:
                 raise bad_request(f"{where}: unknown content part type {t!r}")
         return "".join(parts)

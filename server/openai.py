@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
                    sampling_from, start, template_kwargs_from)
+from .images import collect
 from .messages import normalize_chat_messages, normalize_tools, shallow, stop_list
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
@@ -65,7 +66,9 @@ def _single_choice(req):
 def parse_chat(req: ChatCompletionRequest, state) -> Call:
     """The `Call` of a validated chat request."""
     _single_choice(req)
-    call = Call(messages=normalize_chat_messages(shallow(req.messages)))
+    with collect(state) as images:
+        call = Call(messages=normalize_chat_messages(shallow(req.messages)))
+    call.images = images
     call.max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                        else req.max_tokens)
     sampling_from(req, call, state)

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse
 from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, start,
                    template_kwargs_from)
+from .images import MARK, collect
 from .messages import normalize_tools, parse_arguments, stop_list, text_content
 from .chat import stream as chat_stream
 from .constraints import apply_constraints
@@ -282,7 +283,8 @@ def parse_responses(req: ResponsesRequest, state):
     """(Call, conversation items, instructions, echoed fields) of a validated request."""
     prev_id = req.previous_response_id
     instructions = req.instructions
-    items = normalize_input(req.input)
+    with collect(state) as images:     # (the input's image parts: MARKs in its text)
+        items = normalize_input(req.input)
     history: list = []
     if prev_id:
         prior = state.store.get(prev_id)
@@ -292,7 +294,11 @@ def parse_responses(req: ResponsesRequest, state):
         if instructions is None:
             instructions = prior["instructions"]
     conversation = history + items
+    if any(MARK in str(h) for h in history):
+        raise bad_request("previous_response_id: that conversation had images, which are not "
+                          "stored; send its input again with the images")
     call = Call(messages=items_to_messages(conversation, instructions))
+    call.images = images
     call.max_tokens = req.max_output_tokens
     sampling_from(req, call, state)
     call.stop = stop_list(req.stop)

@@ -62,6 +62,10 @@ class ServerConfig:
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
     deterministic: bool = False         # batch-invariant logits (engine.deterministic)
     embeddings_pooling: Optional[str] = None   # last | mean (None: the checkpoint's, else last)
+    allow_image_urls: bool = False      # fetch http(s) image URLs (data: URLs are always taken)
+    allow_private_image_urls: bool = False   # ... from loopback/link-local/private addresses too
+    max_image_bytes: int = 20 * 1024 * 1024  # an image's encoded size cap
+    image_url_timeout: float = 10.0     # seconds to fetch an image URL
     tensor_parallel: bool = False       # shard over the mlx.launch ranks (server/tp.py, engine/distributed)
 
 
@@ -134,6 +138,9 @@ class ServerState:
             self.engine.disk_cache = disk_cache_for(config.prompt_cache_dir,
                                                     config.prompt_cache_disk_gb, model_dir,
                                                     self.engine)
+        from engine import has_vision, preprocessor_for
+        if has_vision(model):
+            self.engine.image_preprocess = preprocessor_for(model, model_dir)
         gateway.engine = self.engine
         # requests waiting to start (inbox, behind a call, or in the engine; the rows
         # running, at most --batch of them, are not counted) before a new one is refused

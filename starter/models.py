@@ -456,3 +456,10 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# The pieces a derived fixture builder reuses (`starter.vision`: Gemma 3 with its tower).
+random_weights = _random_weights
+hf_names = _hf_names
+save_weights = _save_weights
+tokenizer_key = _tokenizer_key

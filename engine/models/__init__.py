@@ -14,6 +14,7 @@ REGISTRY = {
 }
 
 # Multimodal wrappers: the text decoder of a config nested under `text_config`.
+# gemma3 builds its vision tower when the config describes one (engine.models.gemma3).
 # gemma4_unified is the encoder-free Gemma 4 checkpoint (its vision weights are dropped).
 WRAPPERS = {
     "gemma3": (gemma3.Model, gemma3.text_args),
@@ -31,7 +32,8 @@ def build(config: dict):
     kind = config.get("model_type")
     if kind in WRAPPERS:
         model_cls, text_args = WRAPPERS[kind]
-        model = model_cls(text_args(config))
+        build_from = getattr(model_cls, "from_config", None)   # (a wrapper with a tower)
+        model = build_from(config) if build_from else model_cls(text_args(config))
         model.model_type = kind
         return model
     if kind not in REGISTRY:

@@ -53,10 +53,17 @@ class AloneRunner:
         # then starts from the last prompt token, its processors seeing the whole prompt.
         history = mx.array(ids[:-1]) if processors and len(ids) > 1 else None
         req.caches, req.prompt, req.done = caches, mx.array(ids[reused:]), 0
+        req.embeds = self.prompt_embeddings(req)     # images merged in (None: no images)
         from engine.fast.apply import decoder_for   # L3: None unless a fast lever is on
         decoder = decoder_for(self.model, self.levers, caches, self.policy)
 
         def start_decode():
+            if req.embeds is not None:   # (images: mlx-vlm's token loop, on the embeddings)
+                return generate_step(req.prompt[req.done:], self.model, max_tokens=p.max_tokens,
+                                     sampler=sampler, logits_processors=processors or None,
+                                     caches=caches, policy=self.policy,
+                                     prefill_step_size=self.prefill_step_size, history=history,
+                                     embeddings=req.embeds[:, req.done:])
             if p.looks_up():        # prompt-lookup speculation (greedy: no sampler needed)
                 req.spec = self.spec.for_request("lookup")
                 return lookup_generate_step(
@@ -97,7 +104,8 @@ class AloneRunner:
 
         if req.prompt.size - req.done > 1:
             req.done = prefill_chunk(self.model, req.prompt, req.done, req.caches,
-                                     self.policy, self.prefill_step_size)
+                                     self.policy, self.prefill_step_size,
+                                     embeddings=req.embeds)
         if req.prompt.size - req.done > 1:
             return
         # A sliding-window ring that wraps while decoding can no longer be trimmed back to
@@ -122,5 +130,5 @@ class AloneRunner:
             self.spec.finished(req.rid, req.spec)
         if store:
             self._store(req, req.caches)
-        req.steps = req.caches = req.prompt = req.start_decode = None
+        req.steps = req.caches = req.prompt = req.start_decode = req.embeds = None
         self._solo = None

@@ -52,13 +52,14 @@ from engine.step.request import (PromptError, RequestOutput, RequestState, Sampl
 from engine.step.alone import AloneRunner
 from engine.step.context import ContextLimits
 from engine.step.reuse import PrefixReuse
+from engine.step.vision import VisionPrompts
 
 __all__ = ["Engine"]
 
 BASE_NAMESPACE = "base"
 
 
-class Engine(AloneRunner, PrefixReuse, ContextLimits):
+class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
     """Model, tokenizer, prompt cache, admission, adapters and the scheduler.
 
     max_batch: most requests decoding together (1: one at a time, each exactly
@@ -173,7 +174,7 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
         draft_model: a model directory or repo id drafting for speculative decoding
         (`engine.step.draft`; the same tokenizer vocabulary, else `DraftModelError`)."""
         from engine.step.admission import Admission, default_budget
-        from engine.loader import load
+        from engine.loader import load, resolve_model_path
         from engine.kv.prompt_cache import PromptCache
 
         from engine.adapters.registry import AdapterRegistry
@@ -189,6 +190,9 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
             if memory_budget_bytes is None:     # every rank admits what rank 0 admits
                 memory_budget_bytes = sharding.broadcast_json(default_budget())
         eng = cls(model, tokenizer, max_batch=max_batch, **kw)
+        if getattr(model, "vision", None) is not None:
+            from engine.vision import preprocessor_for
+            eng.image_preprocess = preprocessor_for(model, resolve_model_path(path))
         eng.admission = Admission.for_model(model, memory_budget_bytes, eng.policy,
                                             prefill_step=eng.prefill_step_size)
         if eng.draft_model is not None:       # (its weights and KV count too)
@@ -201,7 +205,6 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
             if tensor_parallel:
                 raise ValueError("prompt_cache_dir is not supported with tensor_parallel=True")
             from engine.kv.disk_cache import disk_cache_for
-            from engine.loader import resolve_model_path
             eng.disk_cache = disk_cache_for(prompt_cache_dir, prompt_cache_disk_gb,
                                             resolve_model_path(path), eng, adapter_path)
         if tensor_parallel:
@@ -213,13 +216,14 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
 
     def submit(self, prompt, params: Optional[SamplingParams] = None, *, request_id=None,
                adapter=(), tools=None, template_kwargs=None,
-               cache_namespace: Optional[str] = None, prefix_caches=None) -> str:
+               cache_namespace: Optional[str] = None, prefix_caches=None, vision=None) -> str:
         """Queue a request (text, token ids or chat messages); returns its id.
 
         adapter: adapter ids to run with (a tuple; needs `adapters`).
         prefix_caches: per-layer caches that already hold the context before `prompt`
         (e.g. `engine.kv.cache_file.load_prompt_cache`); the request runs on them (one at a
-        time) and they are not stored in the prompt cache."""
+        time) and they are not stored in the prompt cache.
+        vision: the prompt's images (`vision_prompt` makes the ids and it); runs alone."""
         params = (params or SamplingParams()).resolved(self.tokenizer)
         ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
         if not ids:
@@ -242,9 +246,12 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits):
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use")
         reason = "prefix_caches" if prefix_caches else self._solo_reason(adapter, params)
+        if vision is not None:
+            self.check_vision(vision, ids)
+            reason, cache_namespace = "images", f"{cache_namespace}:images:{vision.digest}"
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
-        req.prefix = prefix_caches or None
+        req.prefix, req.vision = prefix_caches or None, vision
         # sampling from the global seeded stream alone: the batch's draws must not interleave
         req.exclusive = req.lane == "solo" and params.seed is not None and bool(params.temperature)
         # (copied on write: stats() may be read from another thread)

@@ -63,6 +63,7 @@ def stream_generate(
     logits_processors: Optional[list] = None,
     draft_model=None,
     deterministic: bool = False,
+    vision=None,
     **sampling,
 ) -> Iterator[RequestOutput]:
     """Yield `RequestOutput`s of new text; `sampling` are `SamplingParams` fields
@@ -77,7 +78,8 @@ def stream_generate(
     `draft_model`: a model with the same vocabulary that drafts `num_draft_tokens` tokens a
     step for speculative decoding (`engine.step.draft`; `engine.step.draft.load_draft`
     loads one and checks its tokenizer).
-    `deterministic`: the Engine's deterministic mode (engine.deterministic)."""
+    `deterministic`: the Engine's deterministic mode (engine.deterministic). `vision`: the
+    prompt's images (`engine.vision.vision_prompt` makes the prompt ids and it)."""
     if logits_processors:
         own = tuple((lambda p=p: p) for p in logits_processors)   # this request only
         sampling["processor_factories"] = tuple(sampling.get("processor_factories") or ()) + own
@@ -88,7 +90,8 @@ def stream_generate(
                  prefill_step_size=prefill_step_size, levers=levers, max_kv_size=max_kv_size,
                  draft_model=draft_model, deterministic=deterministic)
     rid = eng.submit(prompt, params, tools=tools, template_kwargs=template_kwargs,
-                     cache_namespace=cache_namespace, prefix_caches=prefix_caches)
+                     cache_namespace=cache_namespace, prefix_caches=prefix_caches,
+                     vision=vision)
     try:
         while eng.has_unfinished():
             for out in eng.step():

@@ -333,6 +333,8 @@ class RequestState:
         self.caches = None                # solo: its caches
         self.prompt = None                # solo: the uncached prompt tokens, prefilling
         self.done = 0                     # solo: how many of them are in the caches
+        self.vision = None                # its images (engine.vision.VisionInput), if any
+        self.embeds = None                # solo: the uncached prompt's embeddings (images)
         self.start_decode = None          # solo: builds `steps` once prefilled
         self.spec = None                  # solo: its SpecStats while it speculates
         self.text = TextStream(tokenizer, params.stop)   # (the one update's, every runner)

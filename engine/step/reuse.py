@@ -25,8 +25,12 @@ class PrefixReuse:
         return hit.caches
 
     def _disk_ns(self, req: RequestState) -> str:
-        """The adapter set's name on disk: the adapters' files, not this process's mounts."""
-        return self.adapters.disk_key(req.adapters) if req.adapters else req.ns
+        """The adapter set's name on disk: the adapters' files, not this process's mounts
+        (and the images' digest, as in `req.ns`, for a request with images)."""
+        if not req.adapters:
+            return req.ns
+        key = self.adapters.disk_key(req.adapters)
+        return key if req.vision is None else f"{key}:images:{req.vision.digest}"
 
     def _keep(self, req: RequestState, tokens: list, caches, copy_caches: bool = True) -> None:
         """Store `caches` (holding exactly `tokens`) on disk, then in RAM."""

@@ -24,23 +24,32 @@ def greedy(logprobs: mx.array) -> mx.array:
 
 
 def prefill(model, prompt: mx.array, caches: list, policy: Optional[KVPolicy] = None,
-            step_size: int = 2048, on_chunk: Optional[Callable[[int], None]] = None) -> mx.array:
-    """Run all of `prompt` but its last token through the model; returns that last token."""
+            step_size: int = 2048, on_chunk: Optional[Callable[[int], None]] = None,
+            embeddings: Optional[mx.array] = None) -> mx.array:
+    """Run all of `prompt` but its last token through the model; returns that last token.
+    `embeddings` [1, len(prompt), D]: the prompt's input embeddings (images merged in),
+    fed instead of the tokens' own."""
     policy = policy or KVPolicy()
     done = 0
     while prompt.size - done > 1:
-        done = prefill_chunk(model, prompt, done, caches, policy, step_size, on_chunk)
+        done = prefill_chunk(model, prompt, done, caches, policy, step_size, on_chunk,
+                             embeddings)
     return prompt[done:]
 
 
 def prefill_chunk(model, prompt: mx.array, done: int, caches: list, policy: KVPolicy,
-                  step_size: int, on_chunk: Optional[Callable[[int], None]] = None) -> int:
+                  step_size: int, on_chunk: Optional[Callable[[int], None]] = None,
+                  embeddings: Optional[mx.array] = None) -> int:
     """One chunk of `prefill`: up to `step_size` of the prompt's tokens from `done` on
     (never its last token) into the caches; returns the new `done`."""
     n = min(step_size, prompt.size - done - 1)
     if n <= 0:
         return done
-    model(prompt[done:done + n][None], cache=caches)
+    if embeddings is not None:
+        model(prompt[done:done + n][None], cache=caches,
+              input_embeddings=embeddings[:, done:done + n])
+    else:
+        model(prompt[done:done + n][None], cache=caches)
     policy.apply(caches)
     mx.eval([c.state for c in caches])
     done += n
@@ -63,6 +72,7 @@ def generate_step(
     history: Optional[mx.array] = None,
     on_prefilled: Optional[Callable[[list], None]] = None,
     decoder: Optional[Callable] = None,
+    embeddings: Optional[mx.array] = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [V]) for up to max_tokens tokens.
 
@@ -71,7 +81,9 @@ def generate_step(
     is called once the caches hold every prompt token but the last (evaluated,
     before the first decode step) — the prompt cache snapshots there; it must
     not modify the caches. `decoder(tokens, caches) -> logits [1, V]` (L3, see
-    engine.fast.decode) replaces the model's forward for decode steps only."""
+    engine.fast.decode) replaces the model's forward for decode steps only. `embeddings`
+    [1, len(prompt), D]: the prompt's input embeddings (images merged in: the prefill and
+    the last prompt token's step take them, as mlx-vlm's generate_step does)."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     caches = caches if caches is not None else model.make_cache()
@@ -79,9 +91,11 @@ def generate_step(
     sampler = sampler or greedy
     seen = history if logits_processors else None
 
-    def step(tokens):
+    def step(tokens, embedded=None):
         nonlocal seen
-        if decoder is not None:          # L3 fast decode (engine.fast); prefill stays L1
+        if embedded is not None:
+            logits = model(tokens[None], cache=caches, input_embeddings=embedded)[:, -1, :]
+        elif decoder is not None:        # L3 fast decode (engine.fast); prefill stays L1
             logits = decoder(tokens, caches)
         else:
             logits = model(tokens[None], cache=caches)[:, -1, :]
@@ -99,12 +113,12 @@ def generate_step(
         seen = mx.concatenate([seen, head]) if seen is not None else head
         if seen.size == 0:
             seen = None
-    last = prefill(model, prompt, caches, policy, prefill_step_size)
+    last = prefill(model, prompt, caches, policy, prefill_step_size, embeddings=embeddings)
     if on_prefilled is not None and prompt.size > 1:
         on_prefilled(caches)
     if decoder is not None:             # L3: the preallocated buffer (it grows as needed)
         decoder.reserve(caches, 1)
-    y, logprobs = step(last)
+    y, logprobs = step(last, None if embeddings is None else embeddings[:, -1:])
     mx.async_eval(y, logprobs)
     n = 0
     while True:

@@ -52,8 +52,7 @@ def test_unknown_flag_without_a_near_one(capsys):
     assert "--zzzzzz is not a flag of engine-generate (see engine-generate --help)" in err
 
 
-@pytest.mark.parametrize("flag,why", [("--image", "image inputs"),
-                                      ("--quantize-activations", "activation quantization")])
+@pytest.mark.parametrize("flag,why", [("--quantize-activations", "activation quantization")])
 def test_mlx_lm_flags_we_do_not_implement_are_named(capsys, flag, why):
     err = _error(capsys, generate_parser, [flag, "x"])
     assert f"{flag} is not supported by engine-generate: {why}" in err

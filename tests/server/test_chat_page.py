@@ -205,3 +205,34 @@ def test_browser_sends_only_the_sampling_fields_the_user_set(browser, slow_srv):
     find(By.ID, "max_tokens").send_keys("7")
     body = send("once more")
     assert body["max_tokens"] == 7 and not {"temperature", "top_p"} & set(body)
+
+
+def test_browser_attaches_an_image(browser, tmp_path):
+    """On a model with a vision tower the page sends an attached image as an image_url
+    part (a data: URL): the answer streams, the image shows in the user's bubble, and the
+    server ran one request with images."""
+    import numpy as np
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from starter.vision import ensure_vision_fixture
+    png = tmp_path / "cat.png"
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(png)
+    s = start_server(ensure_vision_fixture("bfloat16"), prompt_cache_bytes=0)
+    try:
+        d = browser
+        d.get(s.url + "/chat")
+        wait_for(lambda: d.find_element(By.ID, "model").text == s.state.model_id)
+        d.find_element(By.ID, "max_tokens").clear()
+        d.find_element(By.ID, "max_tokens").send_keys("4")
+        d.find_element(By.ID, "attach").send_keys(str(png))
+        d.find_element(By.ID, "input").send_keys("What is this?", Keys.ENTER)
+        wait_for(lambda: d.find_element(By.ID, "status").text in ("done", "error"))
+        assert d.find_element(By.ID, "status").text == "done"
+        img = d.find_elements(By.CSS_SELECTOR, ".msg.user img")
+        assert len(img) == 1 and img[0].get_attribute("src").startswith("data:image/png;base64,")
+        assert s.state.engine.stats()["solo_reasons"].get("images") == 1
+        assert d.find_element(By.ID, "attach").get_attribute("value") == ""   # cleared
+    finally:
+        stop_server(s)

@@ -1,0 +1,56 @@
+"""The Engine's side of images in prompts (`engine.vision`): building a prompt from chat
+messages with image parts, and a request's input embeddings with the images' features
+merged in (computed when its prefill starts, on the request running alone).
+
+A request with images runs alone (`solo_reasons["images"]`), on mlx-vlm's token loop
+(the prompt's embeddings through the prefill and the last prompt token's step). Its
+prompt-cache namespace carries the digest of the images' bytes, so a prefix is reused only
+by a request with the same images (a text-only prefix is not shared with it)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from engine.step.request import RequestState
+
+
+class VisionPrompts:
+    """Mixed into `engine.step.core.Engine` (its model, tokenizer, image_preprocess)."""
+
+    image_preprocess = None       # engine.vision's preprocessing (None: the family default)
+
+    def vision_prompt(self, messages: list, images: list, tools=None,
+                      template_kwargs: Optional[dict] = None, max_pixels: Optional[int] = None):
+        """(token ids, `engine.vision.VisionInput`) of chat messages whose `{"type": "image"}`
+        parts stand for `images` (encoded bytes); pass both to `submit(ids, vision=...)`.
+        PromptError / ImageError for a model without a vision tower or a bad image."""
+        from engine.vision import DEFAULT_MAX_PIXELS, vision_prompt
+
+        return vision_prompt(self.model, self.tokenizer, messages, images, tools=tools,
+                             template_kwargs=template_kwargs, preprocess=self.image_preprocess,
+                             max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
+
+    def check_vision(self, vision, prompt_ids: list) -> None:
+        from engine.step.request import PromptError
+        from engine.vision import has_vision
+
+        if not has_vision(self.model):
+            raise PromptError("this model has no vision tower: image inputs are not supported")
+        n = sum(1 for t in prompt_ids if t == self.model.vision.image_token_id)
+        if n != vision.count * self.model.vision.tokens_per_image:
+            raise PromptError(f"the prompt has {n} image tokens for {vision.count} image(s) of "
+                              f"{self.model.vision.tokens_per_image} tokens each")
+
+    def prompt_embeddings(self, req: RequestState) -> Optional[mx.array]:
+        """The uncached prompt's input embeddings [1, L - reused, D] with the images merged
+        in; None without images or when every image token is in the reused prefix."""
+        if req.vision is None:
+            return None
+        image = self.model.vision.image_token_id
+        if all(t != image for t in req.ids[req.reused:]):
+            return None
+        embeds = self.model.embed_prompt(req.ids, req.vision.pixels)
+        mx.eval(embeds)
+        return embeds[:, req.reused:]

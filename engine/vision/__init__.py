@@ -1,0 +1,99 @@
+"""Images in prompts: decoding (`images`), each vision family's preprocessing and prompt
+expansion (`gemma3`), and `vision_prompt`, which turns chat messages with image parts plus
+the images' bytes into the prompt's token ids and a `VisionInput` for `Engine.submit`.
+
+An image part in a message's content is `{"type": "image"}` (the chat templates' own
+shape); the images come separately, in the order of those parts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .gemma3 import Gemma3Preprocess, expand
+from .images import DEFAULT_MAX_PIXELS, ImageError, decode_image, formats
+
+__all__ = ["DEFAULT_MAX_PIXELS", "ImageError", "VisionInput", "decode_image", "formats",
+           "image_formats", "preprocessor_for", "vision_prompt", "has_vision"]
+
+image_formats = formats
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """A request's images, ready for the model: pixel values [N, C, H, W] float32 and the
+    digest of the images' bytes (in order), which keys the prompt cache."""
+    pixels: mx.array
+    digest: str
+    count: int
+
+
+def has_vision(model) -> bool:
+    return getattr(model, "vision", None) is not None
+
+
+def preprocessor_for(model, model_dir=None):
+    """The model's image preprocessing (its `preprocessor_config.json` when `model_dir` has
+    one, else the family's defaults at the tower's image size)."""
+    info = model.vision
+    pre = {}
+    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").exists():
+        try:
+            pre = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        except ValueError:
+            pre = {}
+    if info.kind == "gemma3":
+        return Gemma3Preprocess.from_config(info.image_size, pre)
+    raise ValueError(f"no image preprocessing for {info.kind!r}")   # pragma: no cover
+
+
+def _token(tokenizer, tid: int) -> str:
+    tok = tokenizer.convert_ids_to_tokens(tid)
+    return tok[0] if isinstance(tok, list) else tok
+
+
+def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
+                  template_kwargs: Optional[dict] = None, preprocess=None,
+                  max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple:
+    """(prompt token ids, VisionInput) for chat `messages` whose image parts stand for
+    `images` (encoded bytes, or RGB PIL images). PromptError/ImageError (client mistakes)
+    when the model has no vision tower, an image does not decode, or the parts and images
+    do not pair up."""
+    from engine.step.request import PromptError
+
+    if not has_vision(model):
+        raise PromptError("this model has no vision tower: image inputs are not supported")
+    if not images:
+        raise PromptError("vision_prompt needs at least one image")
+    info = model.vision
+    preprocess = preprocess or preprocessor_for(model)
+    decoded, h = [], hashlib.sha256()
+    for i, img in enumerate(images):
+        if isinstance(img, (bytes, bytearray)):
+            h.update(hashlib.sha256(bytes(img)).digest())
+            img = decode_image(img, max_pixels, where=f"image {i + 1}")
+        else:                     # an already decoded image: its pixels are the key
+            h.update(hashlib.sha256(img.tobytes() + repr(img.size).encode()).digest())
+        decoded.append(img)
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                             add_generation_prompt=True,
+                                             **(template_kwargs or {}))
+    except Exception as e:
+        raise PromptError(f"chat template failed: {e}") from None
+    boi = _token(tokenizer, info.boi_token_id)
+    marks = text.count(boi)
+    if marks != len(decoded):
+        raise PromptError(f"the prompt has {marks} image marker(s) ({boi}) for "
+                          f"{len(decoded)} image(s); the text may not contain {boi} itself")
+    text = expand(text, boi, _token(tokenizer, info.image_token_id),
+                  _token(tokenizer, info.eoi_token_id), info.tokens_per_image)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pixels = mx.array(np.stack([preprocess.pixels(img) for img in decoded]))
+    return ids, VisionInput(pixels, h.hexdigest(), len(decoded))
