@@ -5,10 +5,9 @@
 # 4-bit too), inproc (Engine API decode at 1/8/32 rows, l1 vs l3, vs mlx-lm), served (HTTP:
 # engine-serve vs mlx_lm.server at LEVELS clients, SERVED_ARGS), served8b (8B 4-bit, l3),
 # servedl1 (the default engine-serve, --batch 8, L1, vs mlx_lm.server), served8bf (8B bf16, l3,
-# one client: the weight-read roofline target), qmm (experiments/qmm_probe.py: the 4-bit
-# tensor-core projections against MLX's quantized matmul, QMM_CONFIGS swept at 16 rows),
-# rows8b (8B 4-bit in-process at ROWS8 rows, l1 vs l3), check8b (8B 4-bit, one row: the one
-# kernel against the step of separate kernels, qmm, and L1; the kernel's phase times).
+# one client: the weight-read roofline target), rows8b (8B 4-bit in-process at ROWS8 rows, l1
+# vs l3), check8b (8B 4-bit, one row: the one kernel against the step of separate kernels and
+# L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join).
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/runner}; mkdir -p "$OUT"; T0=$(date +%s)
@@ -55,11 +54,6 @@ if has served8bf; then
     --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-args "--tier l3" --tag ${TAG8F:-h100-8b-l3} \
     --out "$OUT/served8bf" 2>&1 | tail -20
 fi
-if has qmm; then
-  stage qmm
-  timeout ${QMM_S:-300} python3 experiments/qmm_probe.py --out "$OUT/qmm" --rows ${QMM_ROWS:-1,8,16,32} \
-    --trials ${QMM_TRIALS:-3} --configs "${QMM_CONFIGS:-}" 2>&1 | tail -60
-fi
 if has check8b; then
   stage check8b
   [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
@@ -71,8 +65,13 @@ if has rows8b; then
   [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
   timeout ${ROWS8_S:-300} python3 experiments/bench_rows.py --model /tmp/m/8b-q4 --rows ${ROWS8:-1,4,8,16,32} \
     --gen ${GEN8:-64} --trials ${TRIALS:-1} --out "$OUT/rows8b" 2>&1 | tail -20
-  # the same rows with the 4-bit tensor-core kernel off (MLX's quantized matmul)
-  MLXP_DISABLE_KERNELS=qmm timeout ${ROWS8_S:-300} python3 experiments/bench_rows.py --model /tmp/m/8b-q4 \
-    --rows ${ROWS8NQ:-8,16,32} --tiers l3 --gen ${GEN8:-64} --trials ${TRIALS:-1} --out "$OUT/rows8b-noqmm" 2>&1 | tail -8
+fi
+if has join8b; then
+  stage join8b
+  [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
+  for tier in l3 l1; do
+    timeout ${JOIN_S:-150} python3 experiments/join_timeline.py --model /tmp/m/8b-q4 --tier $tier --rows 16 \
+      --gen ${JOIN_GEN:-24} 2>&1 | tail -${JOIN_TAIL:-60}
+  done
 fi
 stage done
