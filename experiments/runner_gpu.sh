@@ -69,7 +69,8 @@ fi
 if has join8b; then
   stage join8b
   [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
-  for tier in l3 l1; do
+  timeout ${STALL_S:-200} python3 experiments/stall_probe.py --model /tmp/m/8b-q4 --clients 16 --gen 128 2>&1 | tail -c 6000
+  for tier in ${JOIN_TIERS:-l3 l1}; do
     timeout ${JOIN_S:-150} python3 experiments/join_timeline.py --model /tmp/m/8b-q4 --tier $tier --rows 16 \
       --gen ${JOIN_GEN:-24} 2>&1 | tail -${JOIN_TAIL:-60}
   done
