@@ -251,6 +251,11 @@ def main(argv=None) -> int:
     except (ModelLoadError, FileNotFoundError, ValueError) as e:
         print(f"engine-generate: cannot load model: {e}", file=sys.stderr)
         return 2
+    if lookup and not args.deterministic:
+        from engine.step.lookup import lookup_unsupported
+        if lookup_unsupported(model):
+            print(f"engine-generate: --prompt-lookup: {lookup_unsupported(model)}", file=sys.stderr)
+            return 2
     draft = None
     if args.draft_model is not None:    # (loaded after the model, as mlx_lm.generate does)
         from engine.step.draft import load_draft

@@ -319,6 +319,10 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             t.set_chat_template(config.chat_template)
         if wrap_model is not None:
             m = wrap_model(m, t)
+        if config.prompt_lookup and not config.deterministic:
+            from engine.step.lookup import lookup_unsupported
+            if lookup_unsupported(m):
+                raise ValueError(f"--prompt-lookup: {lookup_unsupported(m)}")
         draft = None
         if config.draft_model:          # (same vocabulary, else DraftModelError: a ValueError)
             from engine import load_draft

@@ -50,6 +50,7 @@ from engine.step.request import (PromptError, RequestOutput, RequestState, Sampl
                       check_token_ids, encode_prompt, model_context, model_vocab_size,
                       token_logprob)
 from engine.step.alone import AloneRunner
+from engine.step.lookup import lookup_unsupported
 from engine.step.context import ContextLimits
 from engine.step.reuse import PrefixReuse
 from engine.step.vision import VisionPrompts
@@ -234,6 +235,8 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
         params = self.capped(params, before + len(ids))
         if params.prompt_lookup and self.draft_model is not None:
             raise ValueError("prompt_lookup: this engine speculates with its draft model")
+        if params.looks_up() and not self.deterministic and lookup_unsupported(self.model):
+            raise ValueError(f"prompt_lookup: {lookup_unsupported(self.model)}")
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)
         adapter = tuple(adapter or ())

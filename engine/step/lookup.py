@@ -50,6 +50,18 @@ class NgramIndex:
         return self.tokens[i + self.n:i + self.n + k]
 
 
+def lookup_unsupported(model):
+    """Why prompt lookup cannot run on this model (None where it can): a rejected draft is
+    trimmed back from the caches, which only growing full-attention caches (`KVCache`) allow.
+    A sliding-window ring verifying several tokens in one forward does not give the logits of
+    single steps (its window is read in another order), so greedy output would change."""
+    kinds = {type(c).__name__ for c in model.make_cache()}
+    if kinds == {"KVCache"}:
+        return None
+    return (f"this model's caches ({', '.join(sorted(kinds))}) cannot take prompt lookup; it "
+            "needs full-attention layers only (or deterministic mode, whose windows are kept in order)")
+
+
 def lookup_generate_step(prompt: mx.array, model, *, max_tokens: int, caches: list,
                          ngram: int, draft_tokens: int, context: list,
                          policy: Optional[KVPolicy] = None, prefill_step_size: int = 2048,

@@ -142,3 +142,30 @@ def test_served_with_prompt_lookup_answers_the_same_and_counts_drafts():
     from server.cli import main
     with pytest.raises(SystemExit, match="prompt-lookup"):
         main(["--model", path, "--prompt-lookup", "99"])
+
+
+def test_sliding_window_models_refuse_prompt_lookup_unless_deterministic(tmp_path):
+    """A sliding-window ring verifying several tokens in one forward does not give the
+    logits of single steps (gemma3_text's greedy output changed): the Engine refuses a
+    lookup request there (deterministic mode, whose windows stay in order, takes it), and
+    engine-generate / engine-serve refuse --prompt-lookup with a one-line error."""
+    import subprocess
+    import sys
+
+    from engine.step.lookup import lookup_unsupported
+    path = ensure_fixture("gemma3_text", "float32")
+    gm, gt = engine.load(str(path))
+    assert "RotatingKVCache" in lookup_unsupported(gm)
+    assert lookup_unsupported(engine.load(str(ensure_fixture("llama", "bfloat16")))[0]) is None
+    with pytest.raises(ValueError, match="prompt_lookup: this model's caches"):
+        Engine(gm, gt).submit(REPEATS, SamplingParams(max_tokens=4, prompt_lookup=2))
+    det = Engine(gm, gt, deterministic=True)
+    det.submit(REPEATS, SamplingParams(max_tokens=4, prompt_lookup=2))
+    while det.has_unfinished():
+        det.step()
+    for cli in (["-m", "engine.cli", "--prompt", "hi", "--max-tokens", "2"],
+                ["-m", "server.cli", "--port", "0"]):
+        r = subprocess.run([sys.executable, *cli, "--model", str(path), "--prompt-lookup", "2"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "--prompt-lookup: this model's caches" in r.stderr and "Traceback" not in r.stderr
