@@ -119,6 +119,8 @@ _LAZY = {
     # engine.step.draft
     "DraftModelError": "engine.step.draft",
     "load_draft": "engine.step.draft",
+    "lookup_unsupported": "engine.step.lookup",
+    "warm_up": "engine.step.warmup",
     # engine.step.request
     "ContextLengthExceeded": "engine.step.request",
     "PromptError": "engine.step.request",

@@ -89,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
            "quantized KV and per-request adapters run one at a time beside the batch")
     add_speculation_flags(a)
     add_deterministic_flag(a)
+    a("--warm-up", type=_bool, default=True, metavar="BOOL",
+      help="with the fast runner (--tier l3): decode throw-away rows at every rows bucket up to "
+           "--batch before saying ready, so its kernel builds and traces (on a GPU up to a minute "
+           "or more for an 8B model) do not stall the first requests")
     a("--max-queue", type=int, default=None, metavar="N",
       help="requests waiting to start, both lanes, before 503 + Retry-After (default 8 x "
            "--batch, at least 16)")
@@ -267,7 +271,7 @@ def config_from_args(args):
     from .models_cli import model_values
     models = model_values(args)
     return ServerConfig(
-        levers=levers, deterministic=args.deterministic,
+        levers=levers, deterministic=args.deterministic, warm_up=args.warm_up,
         model=models[0] if len(models) == 1 else None, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
         prompt_cache_bytes=cache_bytes, prompt_cache_dir=args.prompt_cache_dir,

@@ -61,6 +61,7 @@ class ServerConfig:
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
     deterministic: bool = False         # batch-invariant logits (engine.deterministic)
+    warm_up: bool = True                # build the fast runner's shapes before serving (engine.step.warmup)
     embeddings_pooling: Optional[str] = None   # last | mean (None: the checkpoint's, else last)
     allow_image_urls: bool = False      # fetch http(s) image URLs (data: URLs are always taken)
     allow_private_image_urls: bool = False   # ... from loopback/link-local/private addresses too
@@ -128,6 +129,7 @@ class ServerState:
         self.adapters = AdapterRegistry(model, self.prompt_cache)
         self.default_adapters: tuple = ()
         self.store = ResponseStore()
+        self.warmed = None              # engine.step.warmup.WarmUp, once run
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
@@ -266,6 +268,10 @@ class ServerState:
             "levers": self._levers_stats(),
             # --deterministic: batch-invariant logits (docs/deterministic.md)
             "deterministic": self.engine.deterministic,
+            # the fast runner's shapes built before serving (--warm-up)
+            "warm_up": (None if self.warmed is None else
+                        {"buckets": list(self.warmed.buckets), "seconds": round(self.warmed.seconds, 3),
+                         "traces": self.warmed.traces}),
             # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
             # forwards; summed, per source and per recent request
             "speculation": {**self.engine.stats()["speculation"],
@@ -320,7 +326,7 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
         if wrap_model is not None:
             m = wrap_model(m, t)
         if config.prompt_lookup and not config.deterministic:
-            from engine.step.lookup import lookup_unsupported
+            from engine import lookup_unsupported
             if lookup_unsupported(m):
                 raise ValueError(f"--prompt-lookup: {lookup_unsupported(m)}")
         draft = None
@@ -328,6 +334,9 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             from engine import load_draft
             draft = load_draft(config.draft_model, m, t)
         state = ServerState(config, gateway, m, t, model_dir, draft_model=draft)
+        if config.warm_up:              # (on this thread: the one that steps the engine)
+            from engine import warm_up
+            state.warmed = warm_up(state.engine)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

@@ -1,0 +1,74 @@
+"""engine.step.warmup: the fast runner's shapes built before requests arrive, and
+engine-serve running it before it says ready (--warm-up)."""
+
+import random
+
+from engine import Engine, SamplingParams
+from engine.levers import parse_spec
+from engine.step.warmup import buckets_for, warm_up
+from parity.fixtures.models import ensure_fixture
+
+import engine
+
+FIXTURE = ensure_fixture("llama", "bfloat16")
+
+
+def _burst(eng, n, rng):
+    for _ in range(n):
+        eng.submit([rng.randrange(4, 900) for _ in range(rng.randrange(3, 40))],
+                   SamplingParams(max_tokens=rng.randrange(2, 9), temperature=0.0))
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_after_the_warm_up_no_traffic_makes_a_trace():
+    model, tok = engine.load(str(FIXTURE))
+    eng = Engine(model, tok, max_batch=8, levers=parse_spec("l3"), prompt_cache=None)
+    assert buckets_for(eng) == (1, 2, 4, 8)
+    w = warm_up(eng)
+    assert w.buckets == (1, 2, 4, 8) and w.traces >= 4 and w.seconds > 0
+    assert eng.lanes == {"batch": 0, "solo": 0} and not eng.has_unfinished()
+    before = eng.fast_step.stats.traces
+    rng = random.Random(0)
+    for n in (1, 3, 8, 5, 2, 7):
+        _burst(eng, n, rng)
+    assert eng.fast_step.stats.traces == before
+
+
+def test_without_the_warm_up_the_first_bursts_trace():
+    """The control: the same traffic on a cold engine makes the traces the warm-up made."""
+    model, tok = engine.load(str(FIXTURE))
+    eng = Engine(model, tok, max_batch=8, levers=parse_spec("l3"))
+    rng = random.Random(0)
+    for n in (1, 3, 8, 5, 2, 7):
+        _burst(eng, n, rng)
+    assert eng.fast_step.stats.traces >= 3
+
+
+def test_nothing_to_do_without_a_fast_runner():
+    model, tok = engine.load(str(FIXTURE))
+    eng = Engine(model, tok, max_batch=4)
+    assert buckets_for(eng) == () and warm_up(eng).buckets == ()
+
+
+def test_the_warm_up_keeps_the_prompt_cache_empty():
+    from engine.kv.prompt_cache import PromptCache
+    model, tok = engine.load(str(FIXTURE))
+    pc = PromptCache(10**8)
+    eng = Engine(model, tok, max_batch=4, levers=parse_spec("l3"), prompt_cache=pc)
+    warm_up(eng)
+    assert eng.prompt_cache is pc and len(pc) == 0
+
+
+def test_engine_serve_warms_up_before_ready():
+    from server.cli import config_from_args, parser
+    from server.state import build_state
+    for flag, warmed in (("true", True), ("false", False)):
+        args = parser().parse_args(["--model", str(FIXTURE), "--tier", "l3", "--batch", "4",
+                                    "--warm-up", flag])
+        st = build_state(config_from_args(args))
+        w = st.stats()["warm_up"]
+        assert (w is not None) == warmed
+        if warmed:
+            assert w["buckets"] == [1, 2, 4] and w["traces"] >= 3
+            assert st.stats()["batch"]["lanes"] == {"batch": 0, "serial": 0}
