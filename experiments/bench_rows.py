@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,13 @@ import numpy as np  # noqa: E402
 
 import engine  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
+from engine.fast.config import FastConfig  # noqa: E402
 from engine.levers import resolve  # noqa: E402
+
+# the fast path's settings (MLXP_DISABLE_KERNELS, MLXP_MEGA_*) from the environment; the tier's
+# levers themselves are not read from it (env={} above). Until 0.5.0 these were ignored too, so a
+# run with MLXP_DISABLE_KERNELS=qmm measured the kernel it meant to switch off.
+FAST_ENV = FastConfig.from_env(os.environ)
 from experiments._common import machine, write_csv  # noqa: E402
 
 
@@ -64,7 +71,7 @@ def main(argv=None):
     engines = {}
     for t in tiers:
         model, tok = engine.load(a.model)
-        engines[t] = Engine(model, tok, max_batch=max(rows_list), levers=resolve(t, env={}))
+        engines[t] = Engine(model, tok, max_batch=max(rows_list), levers=resolve(t, env={}, fast=FAST_ENV))
     out = []
     for rows in rows_list:
         for t in tiers:                      # warm-up: this row count's shapes

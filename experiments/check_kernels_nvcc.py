@@ -62,6 +62,14 @@ SPECS["gemv_rope_warp"] = (inc("gemv_main.cu", "gemv_rope_epilogue.cu"), *_ROPE_
 SPECS["mma_probe_b32"] = (mma_probe.SOURCE, [("W", "T"), ("x", "T")], [("y", "T")],
                           dict(N=2048, K=2048, B=32, WARPS=8))
 
+# bf16 only: the 4-bit tensor-core projections of the fast step's rows past the one kernel
+_QMM_IO = ([("w", "uint32_t"), ("scales", "T"), ("biases", "T"), ("x", "T"), ("residual", "T")], [("y", "T")])
+BF16_SPECS = {f"qmm_{n}": (inc("qmm_rows.cu"), *_QMM_IO, t) for n, t in {
+    "plain_m32": dict(K=4096, NOUT=6144, M=32, MT=4, GS=64, WARPS=8, KS=8, UN=2, EPI=0),
+    "res_m16": dict(K=14336, NOUT=4096, M=16, MT=2, GS=64, WARPS=8, KS=8, UN=2, EPI=1),
+    "silu_m9": dict(K=4096, NOUT=14336, M=9, MT=2, GS=128, WARPS=8, KS=4, UN=4, EPI=2),
+    "plain_m1": dict(K=2048, NOUT=128256, M=1, MT=1, GS=32, WARPS=4, KS=1, UN=2, EPI=0)}.items()}
+
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/limits>
@@ -113,6 +121,11 @@ def source() -> str:
             args = [f"const {ty(t)}* {n}" for n, t in ins] + [f"{ty(t)}* {n}" for n, t in outs]
             src += f"__global__ void k_{name}_{T.strip('_')}({', '.join(args)}) {{\n  using T = {T};\n"
             src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tmpl.items()) + body + "\n}\n"
+    for name, (body, ins, outs, tmpl) in ({} if mega_only else BF16_SPECS).items():
+        ty = lambda t: "__nv_bfloat16" if t == "T" else t  # noqa: E731
+        args = [f"const {ty(t)}* {n}" for n, t in ins] + [f"{ty(t)}* {n}" for n, t in outs]
+        src += f"__global__ void k_{name}({', '.join(args)}) {{\n  using T = __nv_bfloat16;\n"
+        src += "".join(f"  constexpr int {k} = {v};\n" for k, v in tmpl.items()) + body + "\n}\n"
     # the one-kernel step (1B shapes, 16 layers): float, 4-bit and 8-bit weights, float with
     # q/k norms, and float with 8B's head size (128) and an odd multiple of 32 (96), each of one
     # row (FLOW 1), and float of 4 rows (FLOW 0); its header redefines __global__ (launch bounds)

@@ -5,7 +5,8 @@
 # 4-bit too), inproc (Engine API decode at 1/8/32 rows, l1 vs l3, vs mlx-lm), served (HTTP:
 # engine-serve vs mlx_lm.server at LEVELS clients, SERVED_ARGS), served8b (8B 4-bit, l3),
 # servedl1 (the default engine-serve, --batch 8, L1, vs mlx_lm.server), served8bf (8B bf16, l3,
-# one client: the weight-read roofline target), rows8b (8B 4-bit in-process at ROWS8 rows, l1
+# one client: the weight-read roofline target), qmm (experiments/qmm_probe.py: the 4-bit
+# tensor-core projections against MLX's quantized matmul), rows8b (8B 4-bit in-process at ROWS8 rows, l1
 # vs l3), check8b (8B 4-bit, one row: the one kernel against the step of separate kernels and
 # L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join).
 set -u
@@ -53,6 +54,11 @@ if has served8bf; then
   timeout ${SERVED8F_S:-240} python3 experiments/bench_batching.py --model /tmp/m/8b --levels 1 \
     --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-args "--tier l3" --tag ${TAG8F:-h100-8b-l3} \
     --out "$OUT/served8bf" 2>&1 | tail -20
+fi
+if has qmm; then
+  stage qmm
+  timeout ${QMM_S:-300} python3 experiments/qmm_probe.py --out "$OUT/qmm" --rows ${QMM_ROWS:-1,8,16,32} \
+    --trials ${QMM_TRIALS:-3} --configs "${QMM_CONFIGS:-}" 2>&1 | tail -60
 fi
 if has check8b; then
   stage check8b

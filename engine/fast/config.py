@@ -7,7 +7,7 @@ the `Levers` (engine.levers.resolve: preset < environment < flag) and carried by
 | `prof` | `MLXP_MEGA_PROF` | 0/1 | the one-kernel step's phase timer (`FastDecoder.mega_profile`) |
 | `quant` | `MLXP_MEGA_QUANT` | unset, 0, 1 | quantized models on the one-kernel step: 4-bit (unset), none (0), 8-bit too (1) |
 | `qk_norm` | `MLXP_MEGA_QKNORM` | 0/1 | qwen3 (per-head q/k norms) on the one-kernel step (0: off it) |
-| `disabled` | `MLXP_DISABLE_KERNELS` | a comma list of `KERNELS` (add_rms, rope_qkv, attention, gemv, mega) | kernels switched off: their stock-MLX references run instead |
+| `disabled` | `MLXP_DISABLE_KERNELS` | a comma list of `KERNELS` (add_rms, rope_qkv, attention, gemv, mega, qmm) | kernels switched off: their stock-MLX references run instead |
 | `deterministic` | (`--deterministic`) | bool | batch-invariant kernels (issue #41's GPU part): set by `engine.deterministic.check`; not built yet, so `engine.fast.apply.fast_step_for` refuses it |
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega")
+KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega", "qmm")
 
 
 class FastConfigError(ValueError):

@@ -21,8 +21,9 @@ dtype; this changes rounding, which is what the L3 gate measures).
 Otherwise the same computation runs with stock MLX operations, in the order the
 model's own modules use (so on the CPU the result is the L1 result bit for bit).
 
-Float weights only (bf16, fp16, fp32), no bias; `supports(module)` says whether a
-module can take the kernel.
+Float weights (bf16, fp16, fp32), no bias; affine 4-bit weights go to
+`engine.fast.qmm` (the tensor-core kernel; the norm before it as MLX's `rms_norm`) for up to
+`qmm.MAX_ROWS` rows. `supports(module)` says whether a module can take either kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import qmm as Q
 from .sources import source
 
 MAX_ROWS = 8          # batch rows per kernel call (more: stock matmul)
@@ -82,8 +84,8 @@ def is_float(module) -> bool:
 
 
 def supports(module) -> bool:
-    """A module the kernel takes: a float one (`is_float`)."""
-    return is_float(module)
+    """A module a kernel takes: a float one (`is_float`) or a 4-bit one (`qmm.supports`)."""
+    return is_float(module) or Q.supports(module)
 
 
 def _silu_gate(gate, up):
@@ -111,7 +113,11 @@ def linear(module, x: mx.array, *, norm: Optional[Tuple[mx.array, float]] = None
     computes exactly what the model computes (the kernel always applies SiLU)."""
     K = x.shape[-1]
     rows = x.size // K
-    if not use_kernel or rows > MAX_ROWS or not supports(module):
+    if use_kernel and rows <= Q.MAX_ROWS and Q.supports(module):
+        if norm is not None:
+            x = mx.fast.rms_norm(x, norm[0], norm[1])
+        return Q.linear(module, x, residual=residual, silu_split=silu_split)
+    if not use_kernel or rows > MAX_ROWS or not is_float(module):
         return _standin(module, x, norm, residual, silu_split, gate_fn)
     W = module.weight
     N = W.shape[0]

@@ -94,18 +94,20 @@ def layer_stack(model, tokens: mx.array, attend: Callable, use_kernels: bool) ->
 
 def gemv_ok(model, levers: Levers) -> bool:
     """Whether every projection can go through the fused GEMV (perf_kernel on, q/k/v and
-    gate/up merged, plain float weights without bias, SiLU gating)."""
+    gate/up merged, plain float or 4-bit weights without bias — 4-bit unless the `qmm`
+    kernel is switched off —, SiLU gating)."""
     if not levers.perf_kernel or "gemv" in levers.fast.disabled:
         return False
+    ok = G.is_float if "qmm" in levers.fast.disabled else G.supports
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = merged_of(attn, ("q_proj", "k_proj", "v_proj"))
         gu = merged_of(mlp, ("gate_proj", "up_proj"))
         if qkv is None or gu is None or getattr(mlp, "act", None) is not silu_gate:
             return False
-        if not all(G.supports(m) for m in (qkv.linear, gu.linear, attn.o_proj, mlp.down_proj)):
+        if not all(ok(m) for m in (qkv.linear, gu.linear, attn.o_proj, mlp.down_proj)):
             return False
-    return G.supports(model.head_parts()[1])
+    return ok(model.head_parts()[1])
 
 
 def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], use_kernels: bool,
