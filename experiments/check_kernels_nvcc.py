@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.fast import mega as MG  # noqa: E402
 from engine.fast import mega_cuda as MC  # noqa: E402
 from engine.fast.sources import DIR  # noqa: E402
-from experiments import mma_probe  # noqa: E402
 
 
 def inc(*files: str) -> str:
@@ -58,9 +57,6 @@ _ROPE_T = dict(K=2048, NOUT=3072, B=4, R=2, NORM=1, EPI=0, ROPE_D=64, NQ=32, NKV
                EPS_NUM=10**7)
 SPECS["gemv_rope_warp"] = (inc("gemv_main.cu", "gemv_rope_epilogue.cu"), *_ROPE_IO,
                            {**_ROPE_T, "R": 1, "WARPS_PB": 8, "UNROLL": 4, "KSPLIT": 2})
-# the tensor-core GEMV probe (experiments/mma_probe.py; bf16 only, compiled for every T here)
-SPECS["mma_probe_b32"] = (mma_probe.SOURCE, [("W", "T"), ("x", "T")], [("y", "T")],
-                          dict(N=2048, K=2048, B=32, WARPS=8))
 
 # bf16 only: the 4-bit tensor-core projections of the fast step's rows past the one kernel
 _QMM_IO = ([("w", "uint32_t"), ("scales", "T"), ("biases", "T"), ("x", "T"), ("residual", "T")], [("y", "T")])

@@ -11,7 +11,7 @@
 #   6. with Q8=1: 1b with 8-bit weights through the kernel (MLXP_MEGA_QUANT=1), and with
 #      QWEN3=1 the qwen3-2b preset (per-head q/k norms in the kernel):
 #      each mega_check, then bench_decode l1,l3;
-#   7. with MMA=1: experiments/mma_probe.py, a tensor-core GEMV at 1-32 rows against MLX's matmul;
+#   7. (MMA=1 ran experiments/mma_probe.py, the bf16 tensor-core GEMV probe; deleted at 0.5.0, see git history)
 #   8. (BATCH=0 leaves out) experiments/merged_exactness.py: the batch lane at 8 and 32 rows,
 #      then at 32 rows the step of separate kernels with MLX's matmuls instead of the GEMV (MLXP_DISABLE_KERNELS=gemv)
 #      next to the bit-exact merged-projection step.
@@ -77,10 +77,6 @@ if [ "${QWEN3:-0}" = 1 ]; then
     --model /tmp/m/qwen3-2b --steps 16 --out "$OUT/mega_check_qwen3.json"
   run $(lim 5 120) python3 experiments/bench_decode.py --model /tmp/m/qwen3-2b \
     --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-qwen3-mega --out "$OUT/bench-qwen3"
-fi
-if [ "${MMA:-0}" = 1 ]; then
-  stage mma
-  run $(lim 5 150) python3 experiments/mma_probe.py --out "$OUT/mma"
 fi
 if [ "${BATCH:-1}" = 1 ]; then
   stage batch

@@ -3,7 +3,7 @@
 # (default 1b) at the prompts CHECK_PROMPTS (default 2048), with the settings CHECK_ENV
 # (the attention combine over 33+ chunks against L1), then with BENCH1=N N runs of
 # bench_decode l1,l3 on the 1b preset, with BENCH8=N N runs of bench_decode l1,l3 on the 8b
-# preset, with MMA=1 the tensor-core probe (experiments/mma_probe.py) and with NCU=1 Nsight
+# preset, with MMA=1 the 4-bit tensor-core probe (experiments/qmm_probe.py) and with NCU=1 Nsight
 # Compute on the 8b step (experiments/l3_ncu.sh); DEV (default h200) begins the benches' tags;
 # BATCHCHK=1 then checks the batch lane; OVERHEAD=1 (before the benches)
 # times what a step costs around the kernel (experiments/step_overhead.py). Results under $OUT.
@@ -49,7 +49,7 @@ if [ "${BATCHCHK:-0}" = 1 ]; then      # the batch lane (8 and 32 rows) against 
 fi
 if [ "${MMA:-0}" = 1 ]; then
   stage mma
-  run $(lim 5 150) python3 experiments/mma_probe.py --out "$OUT/mma"
+  run $(lim 5 150) python3 experiments/qmm_probe.py --out "$OUT/qmm"
 fi
 if [ "${NCU:-0}" = 1 ]; then
   stage ncu
