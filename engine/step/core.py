@@ -27,13 +27,10 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    the text a token makes final, logprobs, the finish reason; a finished request's KV
    goes to the prompt cache (a batch row's leaves the batch by `BatchScheduler.retire`).
 
-The same code builds every request's sampler, processors and outputs for every
-runner. A failure in one request's own code (building its processors or sampler,
-running them, detokenizing) ends that request only.
-`submit()` raises `ValueError` (bad prompt, `ContextLengthExceeded`: longer than
-the model's context, `ContextOverBudget`: over the memory budget) before
-anything runs, and caps `max_tokens` at the context the prompt leaves; an exception while running ends the affected requests with
-`finish_reason "error"` and the exception in `RequestOutput.error`.
+A failure in one request's own code (its processors, sampler, detokenizing) ends that
+request only (`finish_reason "error"`, `RequestOutput.error`). `submit()` raises `ValueError`
+(bad prompt, `ContextLengthExceeded`, `ContextOverBudget`) before anything runs and caps
+`max_tokens` at the context the prompt leaves.
 """
 
 from __future__ import annotations
@@ -66,15 +63,12 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
     max_batch: most requests decoding together (1: one at a time, each exactly
     `mlx_lm.generate`'s token loop). prompt_cache: an `engine.PromptCache` (or
     None). admission: an `engine.step.admission.Admission` (None: no memory check).
-    adapters: the adapter registry (`engine.adapters.registry.AdapterRegistry`; its
-    `activate(ids)` and `namespace(ids)`), needed only for requests that select
-    adapters; `Engine.load` makes one. keep_logprob_arrays:
-    outputs carry each token's whole log-softmax vector [V] (`logprob_arrays`).
-    levers: an `engine.levers.Levers` (None: L1). A fast-decode lever (tier l3) puts
-    every decode step on the fast runner (`engine.fast`): the batch's rows (any number,
-    max_batch 1 too, their KV in `engine.fast.slots.SlotPool`) and a request running alone.
-    `merged_proj` merges the model's q/k/v and gate/up projections here, once, for
-    both lanes (`engine.fast.apply.prepare`). draft_model: a model of the same vocabulary
+    adapters: the adapter registry (`engine.adapters.registry.AdapterRegistry`), needed only
+    for requests that select adapters. keep_logprob_arrays: outputs carry each token's
+    log-softmax vector [V]. levers: an `engine.levers.Levers` (None: L1); a fast-decode lever
+    (tier l3) puts every decode step on the fast runner (`engine.fast`, rows in a
+    `SlotPool`, max_batch 1 too); `merged_proj` merges q/k/v and gate/up once for both lanes
+    (`engine.fast.apply.prepare`). draft_model: a model of the same vocabulary
     drafting for speculative decoding (`engine.step.draft`; its tokenizer, when given as
     draft_tokenizer, is checked; `admission` should count it: `Admission.with_draft`).
     deterministic: every row's logits bit-identical whatever else is in the batch, every
