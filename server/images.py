@@ -64,8 +64,10 @@ def collect(state):
 
 
 def _media_type(media, where: str) -> None:
-    """A declared media type must be an image's (the bytes then decide the format)."""
-    if media is None or media == "":
+    """A declared media type must be an image's or none/generic bytes (a browser's
+    FileReader names a file of unknown type application/octet-stream); the bytes then
+    decide the format."""
+    if media is None or str(media).strip().lower() in ("", "application/octet-stream"):
         return
     if not isinstance(media, str) or not media.strip().lower().startswith("image/"):
         raise bad_request(f"{where}: the image's media type must be image/* (such as "

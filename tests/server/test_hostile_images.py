@@ -64,7 +64,8 @@ def test_a_non_image_media_type_is_refused(vsrv):
         {"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "application/pdf", "data": b64}}]}]}, timeout=30)
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
-    # no type, or any image type (the bytes decide the format), is served
-    for head in ("data:;base64,", "data:image/jpeg;base64,"):
+    # no type, generic bytes or any image type (the bytes decide the format) is served
+    for head in ("data:;base64,", "data:image/jpeg;base64,",
+                 "data:application/octet-stream;base64,"):
         r = httpx.post(vsrv.v1 + "/chat/completions", json=_chat(head + b64), timeout=30)
         assert r.status_code == 200, (head, r.text)
