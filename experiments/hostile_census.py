@@ -149,6 +149,26 @@ class Census:
             "POST", "/v1/chat/completions", content=junk,
             headers={"content-type": "application/json"}), want=(413,))
 
+    def images_and_names(self):
+        """Row 50 (the 0.5.0 surfaces, text-only built-in model): image parts of each
+        protocol are 400s (no vision tower), a non-string model is a 400."""
+        png = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4"
+               "nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC")
+        user = {"role": "user"}
+        cases = {
+            "/v1/chat/completions": {**CHAT, "messages": [{**user, "content": [
+                {"type": "image_url", "image_url": {"url": png}}] * 120}]},
+            "/v1/messages": {**CHAT, "messages": [{**user, "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": png.split(",")[1]}}]}]},
+            "/v1/responses": {"input": [{**user, "content": [
+                {"type": "input_image", "image_url": png}]}], "max_output_tokens": 2}}
+        for path, body in cases.items():
+            self.check(50, f"image to a text-only model {path}", self.request("POST", path,
+                                                                             json=body))
+        for bad in (5, ["x"], {"a": 1}):
+            self.check(50, f"model {json.dumps(bad)}", self.request(
+                "POST", "/v1/chat/completions", json={**CHAT, "model": bad}))
+
     def ranges(self):
         self.check(11, "temperature 1e9", self.request(
             "POST", "/v1/chat/completions", json={**CHAT, "temperature": 1e9}))
@@ -284,6 +304,7 @@ def run_root(name: str, root: Path, a) -> tuple:
         c.deep_json()
         c.poison_row()
         c.ranges()
+        c.images_and_names()
         c.guard()
         c.cors()
         c.adapter_paths()

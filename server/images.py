@@ -29,6 +29,7 @@ from .errors import bad_request
 
 MARK = "\ufffc"          # an image part's place in a message's text
 IMAGE_TYPES = ("image_url", "image", "input_image")
+IMAGE_PAYLOAD_KEYS = ("image_url", "source")    # an image part's keys that hold the image
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_URL_TIMEOUT_S = 10.0
 MAX_IMAGES = 16
@@ -62,10 +63,22 @@ def collect(state):
         _active.reset(token)
 
 
+def _media_type(media, where: str) -> None:
+    """A declared media type must be an image's or none/generic bytes (a browser's
+    FileReader names a file of unknown type application/octet-stream); the bytes then
+    decide the format."""
+    if media is None or str(media).strip().lower() in ("", "application/octet-stream"):
+        return
+    if not isinstance(media, str) or not media.strip().lower().startswith("image/"):
+        raise bad_request(f"{where}: the image's media type must be image/* (such as "
+                          f"image/png), got {str(media)[:64]!r}")
+
+
 def _data_url(url: str, where: str) -> bytes:
     head, sep, payload = url.partition(",")
     if not sep or not head.startswith("data:") or not head.endswith(";base64"):
         raise bad_request(f"{where}: a data: URL must be data:<type>;base64,<data>")
+    _media_type(head[5:-7].split(";")[0], where)
     return _b64(payload, where)
 
 
@@ -106,6 +119,7 @@ def image_part(part: dict, where: str) -> str:
         if not isinstance(src, dict):
             raise bad_request(f"{where}: an image block needs a source object")
         if src.get("type") == "base64":
+            _media_type(src.get("media_type"), where)
             ref = ImageRef(data=_b64(src.get("data"), where), where=where)
         elif src.get("type") == "url":
             ref = _from_url(src.get("url"), where)

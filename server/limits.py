@@ -44,6 +44,7 @@ from typing import Optional
 import numpy as np
 
 from .errors import APIError, body_for, is_anthropic_path
+from .images import IMAGE_PAYLOAD_KEYS, IMAGE_TYPES
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64
@@ -145,16 +146,20 @@ def json_shape(raw: bytes, max_nodes: int, bound: Optional[int] = None) -> tuple
 
 
 def string_chars(value) -> int:
-    """Total characters of every string (values and keys) inside a parsed JSON value."""
+    """Total characters of every string (values and keys) inside a parsed JSON value, an
+    image part's payload left out (its base64 is not prompt text: --max-image-mb and
+    --max-body-mb cap it)."""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
         if isinstance(v, str):
             total += len(v)
         elif isinstance(v, dict):
+            image = v.get("type") in IMAGE_TYPES
             for k, x in v.items():
                 total += len(k)
-                stack.append(x)
+                if not (image and k in IMAGE_PAYLOAD_KEYS):
+                    stack.append(x)
         elif isinstance(v, list):
             stack.extend(v)
     return total

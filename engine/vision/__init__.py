@@ -73,14 +73,15 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
         raise PromptError("vision_prompt needs at least one image")
     info = model.vision
     preprocess = preprocess or preprocessor_for(model)
-    decoded, h = [], hashlib.sha256()
-    for i, img in enumerate(images):
-        if isinstance(img, (bytes, bytearray)):
+    arrays, h = [], hashlib.sha256()
+    for i, img in enumerate(images):   # one at a time: a decoded image is dropped once
+        if isinstance(img, (bytes, bytearray)):     # preprocessed (40 MP is 120 MB of RGB)
             h.update(hashlib.sha256(bytes(img)).digest())
             img = decode_image(img, max_pixels, where=f"image {i + 1}")
         else:                     # an already decoded image: its pixels are the key
             h.update(hashlib.sha256(img.tobytes() + repr(img.size).encode()).digest())
-        decoded.append(img)
+        arrays.append(preprocess.pixels(img))
+    img = None
     try:
         text = tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
                                              add_generation_prompt=True,
@@ -89,11 +90,11 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
         raise PromptError(f"chat template failed: {e}") from None
     boi = _token(tokenizer, info.boi_token_id)
     marks = text.count(boi)
-    if marks != len(decoded):
+    if marks != len(arrays):
         raise PromptError(f"the prompt has {marks} image marker(s) ({boi}) for "
-                          f"{len(decoded)} image(s); the text may not contain {boi} itself")
+                          f"{len(arrays)} image(s); the text may not contain {boi} itself")
     text = expand(text, boi, _token(tokenizer, info.image_token_id),
                   _token(tokenizer, info.eoi_token_id), info.tokens_per_image)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    pixels = mx.array(np.stack([preprocess.pixels(img) for img in decoded]))
-    return ids, VisionInput(pixels, h.hexdigest(), len(decoded))
+    pixels = mx.array(np.stack(arrays))
+    return ids, VisionInput(pixels, h.hexdigest(), len(arrays))
