@@ -124,6 +124,10 @@ def add_speculation_flags(a) -> None:
       "followed the latest earlier match of the last N tokens (0: off; docs/generation.md)")
     a("--num-draft-tokens", type=int, default=None, metavar="K",
       help="draft tokens a step: 3 with --draft-model (mlx-lm's), 4 with --prompt-lookup")
+    a("--spec-sampling", choices=("exact", "rejection"), default="exact",
+      help="with --draft-model, how sampled requests keep drafts: exact (mlx-lm's scheme, "
+      "its tokens bit for bit) or rejection (speculative sampling: the model's distribution, "
+      "more drafts kept; no XTC); greedy is the same under both (docs/generation.md)")
 
 
 def speculation_settings(args) -> tuple:
@@ -132,6 +136,8 @@ def speculation_settings(args) -> tuple:
     if args.draft_model is not None and args.prompt_lookup:
         raise ValueError("--draft-model and --prompt-lookup are two sources of drafts; "
                          "give one of them")
+    if args.spec_sampling != "exact" and args.draft_model is None:
+        raise ValueError("--spec-sampling rejection needs --draft-model")
     if not 0 <= args.prompt_lookup <= 64:
         raise ValueError(f"--prompt-lookup must be in [0, 64], got {args.prompt_lookup}")
     k = args.num_draft_tokens

@@ -290,6 +290,7 @@ def main(argv=None) -> int:
                 xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                 repetition_penalty=args.repetition_penalty, seed=seed, stop=args.stop,
                 prompt_lookup=lookup, num_draft_tokens=draft_tokens, draft_model=draft,
+                spec_sampling=args.spec_sampling,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start, kv_config=args.kv_config,
                 admission=admission, prefill_step_size=args.prefill_step_size, levers=levers,

@@ -84,6 +84,7 @@ class Call:
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
     seed: Optional[int] = None
+    spec_sampling: Optional[str] = None    # "exact" | "rejection" (None: the server's)
     stop: list = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
@@ -102,7 +103,8 @@ def sampling_from(req, call: Call, state) -> None:
     """The sampling fields every protocol shares, from the validated request model
     (`server.schemas.common.SamplingFields`: types and ranges checked; None = absent)."""
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "repetition_context_size", "presence_penalty", "frequency_penalty", "seed"):
+                 "repetition_context_size", "presence_penalty", "frequency_penalty", "seed",
+                 "spec_sampling"):
         setattr(call, name, getattr(req, name))   # seed's range: engine.SamplingParams
     call.logit_bias = check_logit_bias(req.logit_bias, state.vocab_size)
     if "adapter" in req.model_fields_set:
@@ -155,7 +157,8 @@ def sampling_params(state, call: Call, factories: tuple = ()):
             logprobs=bool(call.logprobs or call.top_logprobs),
             top_logprobs=call.top_logprobs or None,
             processor_factories=factories, prompt_lookup=cfg.prompt_lookup,
-            num_draft_tokens=cfg.num_draft_tokens, **kw)
+            num_draft_tokens=cfg.num_draft_tokens,
+            spec_sampling=pick(call.spec_sampling, cfg.spec_sampling), **kw)
     except ValueError as e:          # the message starts with the field's name
         msg = str(e)
         param = msg.split(" ", 1)[0]
@@ -164,7 +167,8 @@ def sampling_params(state, call: Call, factories: tuple = ()):
 
 _PARAM_FIELDS = frozenset(("max_tokens", "top_logprobs", "temperature", "top_p", "top_k", "min_p",
                            "repetition_penalty", "repetition_context_size", "presence_penalty",
-                           "frequency_penalty", "logit_bias", "seed", "stop"))
+                           "frequency_penalty", "logit_bias", "seed", "stop",
+                           "spec_sampling"))
 
 
 def uncapped(state, call: Call) -> bool:

@@ -279,6 +279,7 @@ def config_from_args(args):
         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
         prompt_lookup=lookup, num_draft_tokens=draft_tokens, draft_model=args.draft_model,
+        spec_sampling=args.spec_sampling,
         api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_grammar_ms=args.max_grammar_ms, max_schema_nodes=args.max_schema_nodes,

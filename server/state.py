@@ -46,6 +46,7 @@ class ServerConfig:
     prompt_lookup: int = 0             # prompt-lookup speculation for greedy requests (0: off)
     num_draft_tokens: int = 4
     draft_model: Optional[str] = None  # a draft model (directory or repo id) for speculation
+    spec_sampling: str = "exact"       # sampled drafts: exact (mlx-lm's) | rejection (engine.step.rejection)
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)

@@ -79,7 +79,8 @@ class AloneRunner:
                     draft_caches=self.draft_model.make_cache(),
                     num_draft_tokens=p.num_draft_tokens, sampler=sampler,
                     draft_prompt=mx.array(req.ids), policy=self.policy,
-                    prefill_step_size=self.prefill_step_size, stats=req.spec)
+                    prefill_step_size=self.prefill_step_size, stats=req.spec,
+                    spec_sampling=p.spec_sampling)
             return generate_step(req.prompt[req.done:], self.model, max_tokens=p.max_tokens,
                                  sampler=sampler, logits_processors=processors or None,
                                  caches=caches, policy=self.policy,

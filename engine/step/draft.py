@@ -13,6 +13,8 @@ in the same order (K draws of the draft, then one of the target over its K + 1 r
 greedy and seeded requests give its tokens and logprobs bit for bit. Sampled, a draft is
 kept when the target's own draw equals it: every token handed out is the target's sample
 (its distribution is the target's), but fewer drafts are kept than rejection sampling keeps.
+`spec_sampling="rejection"` keeps them by the speculative-sampling rule instead
+(`engine.step.rejection`): the target's distribution still, not mlx-lm's bits.
 
 `draft_generate_step` yields (token, logprobs [V], from_draft) for up to max_tokens tokens.
 Requests with logits processors (penalties, logit bias, grammars) do not speculate
@@ -28,6 +30,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from engine.kv.quant import KVPolicy
+from engine.step.rejection import rejection_rule
 from engine.step.speculation import SpecStats
 from engine.step.stepper import greedy, prefill
 
@@ -85,25 +88,28 @@ def load_draft(path, model, tokenizer):
     return draft
 
 
-def _propose(draft_model, caches: list, inputs: mx.array, k: int, sampler,
-             policy: KVPolicy) -> mx.array:
-    """k draft tokens: a forward over `inputs` (the draft's tokens not yet in its caches),
-    then one over each sampled token but the last."""
-    tokens = []
+def _propose(draft_model, caches: list, inputs: mx.array, k: int, draw,
+             policy: KVPolicy) -> tuple:
+    """(k draft tokens, their distributions): a forward over `inputs` (the draft's tokens
+    not yet in its caches), then one over each drawn token but the last; `draw(logprobs)`
+    gives (token [1], its distribution [1, V] or None)."""
+    tokens, dists = [], []
     for _ in range(k):
         logits = draft_model(inputs[None], cache=caches)[:, -1:, :].squeeze(0)    # [1, V]
         policy.apply(caches)
-        inputs = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        inputs, q = draw(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         mx.async_eval(inputs)
         tokens.append(inputs)
-    return mx.concatenate(tokens)
+        dists.append(q)
+    return mx.concatenate(tokens), dists
 
 
 def draft_generate_step(prompt: mx.array, model, draft_model, *, max_tokens: int,
                         caches: list, draft_caches: list, num_draft_tokens: int,
                         sampler=None, draft_prompt: Optional[mx.array] = None,
                         policy: Optional[KVPolicy] = None, prefill_step_size: int = 2048,
-                        stats: Optional[SpecStats] = None) -> Iterator[tuple]:
+                        stats: Optional[SpecStats] = None,
+                        spec_sampling: str = "exact") -> Iterator[tuple]:
     """Yield (token, logprobs [V], from_draft) for up to max_tokens tokens.
 
     `prompt`: the tokens the target's `caches` do not hold yet (all but the last are
@@ -112,13 +118,18 @@ def draft_generate_step(prompt: mx.array, model, draft_model, *, max_tokens: int
     prompt-cache hit, the target's caches hold a prefix and the draft's nothing). When the
     caller stops (closes the generator) or max_tokens is reached, the target's caches hold
     every token handed out but the last, and the last too when it was a draft (the verify
-    forward computed its keys): never a token not handed out."""
+    forward computed its keys): never a token not handed out.
+
+    `spec_sampling`: "exact" (mlx-lm's scheme, above) or "rejection" (sampled requests keep
+    drafts by the speculative-sampling rule, `engine.step.rejection`; greedy is the same)."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
     policy = policy or KVPolicy()
     sampler = sampler or greedy
+    rule = rejection_rule(sampler, spec_sampling)
+    draw = rule.draw if rule is not None else (lambda lp: (sampler(lp), None))
     stats = stats if stats is not None else SpecStats()
     draft_inputs = prefill(draft_model, prompt if draft_prompt is None else draft_prompt,
                            draft_caches, KVPolicy(), prefill_step_size)
@@ -126,16 +137,20 @@ def draft_generate_step(prompt: mx.array, model, draft_model, *, max_tokens: int
     handed = 0
     while handed < max_tokens:
         k = min(num_draft_tokens, max_tokens - handed)
-        draft = _propose(draft_model, draft_caches, draft_inputs, k, sampler, KVPolicy())
+        draft, dists = _propose(draft_model, draft_caches, draft_inputs, k, draw, KVPolicy())
         logits = model(mx.concatenate([last, draft])[None], cache=caches)[0]   # [k + 1, V]
         policy.apply(caches)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        chosen = sampler(logprobs)
-        mx.eval(chosen, draft)
-        chosen, proposed = chosen.tolist(), draft.tolist()
-        ok = 0                       # drafts equal to the target's choice before a mismatch
-        while ok < k and chosen[ok] == proposed[ok]:
-            ok += 1
+        if rule is not None:         # chosen[:ok]: the accepted drafts; then the residual draw
+            chosen, ok = rule.verify(logprobs, draft, dists)
+            proposed = draft.tolist()
+        else:
+            chosen = sampler(logprobs)
+            mx.eval(chosen, draft)
+            chosen, proposed = chosen.tolist(), draft.tolist()
+            ok = 0                   # drafts equal to the target's choice before a mismatch
+            while ok < k and chosen[ok] == proposed[ok]:
+                ok += 1
         stats.record(k, 0)
         kept = 0                     # of them, handed out (their keys stay in the caches)
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import mlx.core as mx
 
@@ -86,6 +86,10 @@ class SamplingParams:
     # num_draft_tokens drafts a step, greedy or sampled, requests without logits processors
     # (False: this request decodes without it)
     use_draft: bool = True
+    # how a sampled request keeps drafts (engine.step.rejection): "exact", mlx-lm's scheme
+    # (a draft kept when the target's own draw equals it: its bits), or "rejection",
+    # speculative sampling (kept with probability min(1, p/q): the target's distribution)
+    spec_sampling: Literal["exact", "rejection"] = "exact"
 
     def __post_init__(self):
         from engine.step.sampling import make_logits_processors, make_sampler
@@ -103,6 +107,11 @@ class SamplingParams:
                              f"got {self.seed}")
         if not isinstance(self.use_draft, bool):
             raise ValueError(f"use_draft must be true or false, got {self.use_draft!r}")
+        if self.spec_sampling not in ("exact", "rejection"):
+            raise ValueError(f"spec_sampling must be exact or rejection, got {self.spec_sampling!r}")
+        if self.spec_sampling == "rejection" and self.xtc_probability:
+            raise ValueError("spec_sampling 'rejection' does not take xtc_probability (XTC is "
+                             "a random filter)")
         for name, lo, hi in (("prompt_lookup", 0, 64), ("num_draft_tokens", 1, 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:

@@ -19,7 +19,7 @@ check is a plain function that keeps the handler's wording.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator,
                       WithJsonSchema)
@@ -114,6 +114,10 @@ class SamplingFields(Body):
         "Subtracted from a token's logit per occurrence so far."))
     seed: Optional[Int] = Field(None, ge=0, le=SEED_MAX, description=(
         "Seed of this request's sampling (same seed, same prompt: same tokens)."))
+    spec_sampling: Optional[Literal["exact", "rejection"]] = Field(None, description=(
+        "With a draft model, how sampled tokens keep drafts: \"exact\" (mlx-lm's scheme, "
+        "its bits) or \"rejection\" (speculative sampling: the model's distribution, more "
+        "drafts kept). Absent: the server's --spec-sampling."))
     logit_bias: Optional[dict[str, float]] = Field(None, description=(
         "Token id (as a string) to a bias added to its logit; ids must be in the vocabulary."))
     adapter: StringOrStrings = Field(None, description=(
