@@ -137,6 +137,9 @@ def as_parts(messages: list, count: int) -> list:
     for m in messages:
         c = m.get("content")
         if isinstance(c, str) and MARK in c:
+            if m.get("role") != "user":
+                raise bad_request(f"images are accepted in user messages only (a {m.get('role')!r} "
+                                  "message holds one)")
             parts = []
             for i, piece in enumerate(c.split(MARK)):
                 if i:

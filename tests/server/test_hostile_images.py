@@ -69,3 +69,15 @@ def test_a_non_image_media_type_is_refused(vsrv):
                  "data:application/octet-stream;base64,"):
         r = httpx.post(vsrv.v1 + "/chat/completions", json=_chat(head + b64), timeout=30)
         assert r.status_code == 200, (head, r.text)
+
+
+def test_an_image_outside_a_user_message_is_a_clear_400(vsrv):
+    """(It was a 400 "chat template failed: 'dict object' has no attribute 'text'".)"""
+    url = f"data:image/png;base64,{base64.b64encode(_png(8, 8)).decode()}"
+    for role in ("system", "assistant"):
+        body = {"model": "x", "max_tokens": 2, "messages": [
+            {"role": role, "content": [{"type": "image_url", "image_url": {"url": url}}]},
+            {"role": "user", "content": "hi"}]}
+        r = httpx.post(vsrv.v1 + "/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "user messages only" in r.json()["error"]["message"], r.text
