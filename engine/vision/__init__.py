@@ -19,7 +19,11 @@ import numpy as np
 from .gemma3 import Gemma3Preprocess, expand
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_image, formats
 
-__all__ = ["DEFAULT_MAX_PIXELS", "ImageError", "VisionInput", "decode_image", "formats",
+# a request's images together (16 images of 5 MP; a header declaring 36 MP in 100 bytes costs
+# the decoder its pixels: the budget bounds a request's decoding work)
+MAX_REQUEST_PIXELS = 80_000_000
+
+__all__ = ["DEFAULT_MAX_PIXELS", "MAX_REQUEST_PIXELS", "ImageError", "VisionInput", "decode_image", "formats",
            "image_formats", "preprocessor_for", "vision_prompt", "has_vision"]
 
 image_formats = formats
@@ -60,11 +64,13 @@ def _token(tokenizer, tid: int) -> str:
 
 def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
                   template_kwargs: Optional[dict] = None, preprocess=None,
-                  max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple:
+                  max_pixels: int = DEFAULT_MAX_PIXELS,
+                  max_request_pixels: int = MAX_REQUEST_PIXELS) -> tuple:
     """(prompt token ids, VisionInput) for chat `messages` whose image parts stand for
     `images` (encoded bytes, or RGB PIL images). PromptError/ImageError (client mistakes)
-    when the model has no vision tower, an image does not decode, or the parts and images
-    do not pair up."""
+    when the model has no vision tower, an image does not decode, the images together have
+    more than `max_request_pixels` pixels (checked from each header before it decodes), or
+    the parts and images do not pair up."""
     from engine.step.request import PromptError
 
     if not has_vision(model):
@@ -74,12 +80,24 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
     info = model.vision
     preprocess = preprocess or preprocessor_for(model)
     arrays, h = [], hashlib.sha256()
+    used = 0
     for i, img in enumerate(images):   # one at a time: a decoded image is dropped once
+        left = max_request_pixels - used
         if isinstance(img, (bytes, bytearray)):     # preprocessed (40 MP is 120 MB of RGB)
             h.update(hashlib.sha256(bytes(img)).digest())
-            img = decode_image(img, max_pixels, where=f"image {i + 1}")
+            try:
+                img = decode_image(img, min(max_pixels, left), where=f"image {i + 1}")
+            except ImageError as e:
+                if left >= max_pixels or "pixels, over the limit" not in str(e):
+                    raise
+                raise ImageError(f"image {i + 1}: the request's images together have more than "
+                                 f"{max_request_pixels:,} pixels") from None
         else:                     # an already decoded image: its pixels are the key
             h.update(hashlib.sha256(img.tobytes() + repr(img.size).encode()).digest())
+        used += img.size[0] * img.size[1]
+        if used > max_request_pixels:
+            raise ImageError(f"image {i + 1}: the request's images together have more than "
+                             f"{max_request_pixels:,} pixels")
         arrays.append(preprocess.pixels(img))
     img = None
     try:

@@ -44,3 +44,20 @@ def test_each_decoded_image_is_dropped_before_the_next_is_decoded():
     ids2, vision2 = eng.vision_prompt(msgs, images)
     assert ids2 == ids and vision2.digest == vision.digest
     assert np.array_equal(np.array(vision2.pixels), np.array(vision.pixels))
+
+
+def test_a_request_s_images_together_have_a_pixel_budget():
+    """Each image under its own limit, but the request's images together over the budget:
+    an ImageError naming the budget, raised from the header before the image decodes (a
+    100-byte PNG can declare 36 MP)."""
+    import pytest
+
+    from engine.vision import ImageError, vision_prompt
+    model, tok = engine.load(ensure_vision_fixture("bfloat16"))
+    images = [_png(i) for i in range(3)]              # 20 x 24 = 480 pixels each
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "x"}] + [{"type": "image"}] * 3}]
+    vision_prompt(model, tok, msgs, images, max_request_pixels=1440)      # exactly the budget
+    with pytest.raises(ImageError, match="image 3: the request's images together have more than 1,439"):
+        vision_prompt(model, tok, msgs, images, max_request_pixels=1439)
+    with pytest.raises(ImageError, match="image 2: the request's images together"):
+        vision_prompt(model, tok, msgs, images, max_pixels=500, max_request_pixels=700)
