@@ -157,10 +157,11 @@ def scan_dir(models_dir: str) -> list:
         if len(out) >= MAX_MODELS:
             raise ModelsConfigError(f"--models-dir {models_dir}: more than {MAX_MODELS} "
                                     "models")
-        if child.is_dir() and has_weights(child):
+        if child.is_dir() and has_weights(child) and read_config(child).get("model_type"):
             out.append((child.name, child))
         elif child.is_dir():
-            log.info("--models-dir: %s skipped (no config.json or *.safetensors)", child.name)
+            log.info("--models-dir: %s skipped (no config.json naming a model_type, or no "
+                     "*.safetensors)", child.name)
     return out
 
 

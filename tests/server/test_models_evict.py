@@ -224,6 +224,9 @@ def test_huge_models_dir(tmp_path, qwen_dir):
         _fake_dir(root, f"m{i:04d}", qwen_dir)
     _fake_dir(root, "no-weights", qwen_dir, weights=False)     # skipped
     (root / "a-file.txt").write_text("not a model")            # skipped
+    junk = _fake_dir(root, "junk-config", qwen_dir)              # skipped: config.json not a model's
+    (junk / "config.json").unlink()
+    (junk / "config.json").write_text("not json {")
     t0 = time.monotonic()
     s = start_pool([], BIG, models_dir=str(root))
     try:
@@ -234,8 +237,9 @@ def test_huge_models_dir(tmp_path, qwen_dir):
         assert not any(c["loaded"] for c in data)
         r = httpx.post(s.url + "/v1/chat/completions", json=chat_body("m0321", "hi", 2))
         assert r.status_code == 200 and r.json()["model"] == "m0321"
-        r = httpx.post(s.url + "/v1/chat/completions", json=chat_body("no-weights", "hi", 2))
-        assert r.status_code == 404
+        for skipped in ("no-weights", "junk-config"):
+            r = httpx.post(s.url + "/v1/chat/completions", json=chat_body(skipped, "hi", 2))
+            assert r.status_code == 404
         st = httpx.get(s.url + "/stats").json()
         assert st["models"]["configured"] == n and list(st["models"]["per_model"]) == ["m0321"]
     finally:
