@@ -99,6 +99,14 @@ def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
     return None
 
 
+def quantized_rows_elsewhere(model, levers) -> bool:
+    """Whether a 4-bit model's rows past the first go to the step of separate kernels: its
+    weights are the one kernel's 4-bit kind and every projection takes `engine.fast.qmm`
+    (`step.gemv_ok`)."""
+    q = MG.quantization(model, levers.fast.quant)
+    return q is not None and q[0] == 4 and gemv_ok(model, levers)
+
+
 @dataclass
 class FastStats:
     traces: int = 0        # traces made (the step's body run by mx.compile): new shapes only
@@ -139,6 +147,12 @@ class FastStep:
         # rows one call of the one-kernel step takes (0: that step is not used)
         mega_ok = self._mega_freq is not None and MG.why_not(model, levers) is None
         self.mega_rows = MG.rows_per_call(model) if mega_ok else 0
+        if self.mega_rows > 1 and quantized_rows_elsewhere(model, levers):
+            # 4-bit rows: one row on the one kernel, two and more on the step of separate
+            # kernels with the 4-bit tensor-core kernel (engine.fast.qmm). On an H100, 8B
+            # 4-bit: a 7-row call of the one kernel took ~18 ms (0.4.0), the separate step
+            # with qmm ~5.6 ms at 16 rows (0.5.0): reports/l3/JOURNAL.md
+            self.mega_rows = 1
 
     def rows_for(self, n: int) -> int:
         """The rows a step runs for n rows in use (a bucket, so shapes repeat): a power of
@@ -211,11 +225,12 @@ class FastStep:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None
                       else "no RoPE kernel")
-            if reason is None and rows > MG.rows_per_call(self.model):
+            limit = self.mega_rows or MG.rows_per_call(self.model)
+            if reason is None and rows > limit:
                 # (several calls a step, each reading every weight: measured slower on the
                 # H200 at 32 rows than the step of separate kernels, and for 4-bit 8B rows on
                 # an H100 no faster than MLX's quantized matmul: reports/l3/JOURNAL.md)
-                reason = f"more rows than one kernel call takes ({MG.rows_per_call(self.model)})"
+                reason = f"more rows than one kernel call takes ({limit})"
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega
                    else self._forward_gemv if self.stats.gemv else self._forward)

@@ -134,3 +134,27 @@ def test_fast_runner_takes_the_separate_kernels_for_4bit_rows():
     off = FastStep(model, resolve("l3", env={"MLXP_DISABLE_KERNELS": "qmm"}))
     _lockstep(model, off, plan, 30)
     assert not off.stats.gemv
+
+
+def test_4bit_rows_past_the_first_leave_the_one_kernel():
+    """On a GPU a 4-bit model runs one row on the one kernel and two or more on the separate
+    kernels with qmm (the one kernel's multi-row 4-bit calls were ~3x slower): the model test
+    here (no CUDA: the one kernel is off, so only the predicate and the buckets are checked)."""
+    from engine.fast.decode import FastStep, quantized_rows_elsewhere
+    from engine.levers import parse_spec, resolve
+    from engine.models import build
+    from starter.models import FAMILIES
+
+    cfg = {**FAMILIES["llama"], "rms_norm_eps": 1e-6, "hidden_size": 128, "intermediate_size": 256,
+           "vocab_size": 1024}
+    model = build(cfg)
+    model.set_dtype(mx.bfloat16)
+    float_step = FastStep(model, parse_spec("l3"))
+    assert not quantized_rows_elsewhere(model, parse_spec("l3"))
+    nn.quantize(model, group_size=64, bits=4)
+    step = FastStep(model, parse_spec("l3"))
+    assert quantized_rows_elsewhere(model, parse_spec("l3"))
+    assert not quantized_rows_elsewhere(model, resolve("l3", env={"MLXP_DISABLE_KERNELS": "qmm"}))
+    step.mega_rows = 1                    # (what a GPU sets for this model)
+    assert [step.rows_for(n) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+    assert float_step is not None
