@@ -225,7 +225,8 @@ class FastStep:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None
                       else "no RoPE kernel")
-            limit = self.mega_rows or MG.rows_per_call(self.model)
+            # (rows a call: only where the one kernel takes the model, whose parts it reads)
+            limit = (self.mega_rows or MG.rows_per_call(self.model)) if reason is None else 0
             if reason is None and rows > limit:
                 # (several calls a step, each reading every weight: measured slower on the
                 # H200 at 32 rows than the step of separate kernels, and for 4-bit 8B rows on
