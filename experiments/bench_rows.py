@@ -35,13 +35,18 @@ FAST_ENV = FastConfig.from_env(os.environ)
 from experiments._common import machine, write_csv  # noqa: E402
 
 
-def run(eng, rows, prompt, gen, seed):
+def submit_rows(eng, rows, prompt, gen, seed):
+    """`rows` requests of random `prompt`-token prompts, greedy, EOS banned, `gen` tokens each."""
     rng = np.random.default_rng(seed)
     vocab = min(eng.vocab_size, 1000)
     bias = {int(t): -1e9 for t in eng.eos}
     for _ in range(rows):
         eng.submit(rng.integers(32, vocab, size=prompt).tolist(),
                    SamplingParams(max_tokens=gen, temperature=0.0, logit_bias=bias))
+
+
+def run(eng, rows, prompt, gen, seed):
+    submit_rows(eng, rows, prompt, gen, seed)
     started, t_all, n = set(), None, 0
     t0 = time.perf_counter()
     while eng.has_unfinished():

@@ -20,19 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-
-from engine import Engine, SamplingParams  # noqa: E402
+from engine import Engine  # noqa: E402
 from engine.levers import resolve  # noqa: E402
+from experiments.bench_rows import submit_rows  # noqa: E402
 
 
 def one_pass(eng, rows, prompt, gen, seed, show):
-    rng = np.random.default_rng(seed)
-    vocab = min(eng.vocab_size, 1000)
-    bias = {int(t): -1e9 for t in eng.eos}
-    for _ in range(rows):
-        eng.submit(rng.integers(32, vocab, size=prompt).tolist(),
-                   SamplingParams(max_tokens=gen, temperature=0.0, logit_bias=bias))
+    submit_rows(eng, rows, prompt, gen, seed)
     started, i, t0 = set(), 0, time.perf_counter()
     while eng.has_unfinished():
         t = time.perf_counter()

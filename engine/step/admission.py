@@ -199,6 +199,16 @@ class Admission:
         if need > ceiling:
             raise ContextOverBudget(need, ceiling, self.budget_bytes)
 
+    def batch_fits(self, needs: list, held: int) -> bool:
+        """Whether rows of these context lengths (prompt + max_tokens) fit together, `held`
+        rows' KV held (the fast runner's bucket, idle rows included); every row's KV padded
+        to the longest row."""
+        longest = max(needs)
+        per_row = self.transient_bytes(min(longest, self.prefill_step)) - self.FIXED_SLACK[self.backend]
+        peak = (self.weights + held * self.kv_bytes(longest) + self.transient_bytes(longest)
+                + (min(len(needs), 8) - 1) * per_row)
+        return peak <= self.budget_bytes
+
     def describe(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "weight_bytes": self.weights,
                 "kv_bytes_per_token": sum(l.bytes_per_token for l in self.layers if l.window is None),

@@ -229,8 +229,9 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
         params = self.capped(params, before + len(ids))
         if params.prompt_lookup and self.draft_model is not None:
             raise ValueError("prompt_lookup: this engine speculates with its draft model")
-        if params.looks_up() and not self.deterministic and lookup_unsupported(self.model):
-            raise ValueError(f"prompt_lookup: {lookup_unsupported(self.model)}")
+        why = lookup_unsupported(self.model) if params.looks_up() and not self.deterministic else None
+        if why:
+            raise ValueError(f"prompt_lookup: {why}")
         if self.admission is not None:
             self.admission.check(len(ids), params.max_tokens)
         adapter = tuple(adapter or ())
@@ -395,19 +396,12 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
         return failed
 
     def batch_fits(self, needs: list) -> bool:
-        """Aggregate admission: whether rows of these context lengths (prompt +
-        max_tokens) fit together; every row's KV is padded to the longest row (on the fast
-        runner, for every row of the bucket the step runs, idle ones included)."""
-        adm = self.admission
-        if adm is None:
+        """Aggregate admission (`Admission.batch_fits`): whether rows of these context lengths
+        fit together (on the fast runner every row of the bucket the step runs counts)."""
+        if self.admission is None:
             return True
-        longest = max(needs)
-        per_row = (adm.transient_bytes(min(longest, adm.prefill_step))
-                   - adm.FIXED_SLACK[adm.backend])
         held = self._fast_step.rows_for(len(needs)) if self._fast_step is not None else len(needs)
-        peak = (adm.weights + held * adm.kv_bytes(longest) + adm.transient_bytes(longest)
-                + (min(len(needs), 8) - 1) * per_row)
-        return peak <= adm.budget_bytes
+        return self.admission.batch_fits(needs, held)
 
     def _sampler(self, params: SamplingParams):
         key = params.sampler_key()

@@ -185,3 +185,21 @@ def stream_chat_text(url: str, prompt: str, max_tokens: int, *, headers=None,
                 for c in json.loads(line[6:])["choices"]:
                     text.append(c["delta"].get("content") or "")
     return "".join(text)
+
+
+def wait_ready_line(p, pattern, timeout: float = 90):
+    """(match, line) of the first line of a started `engine-serve` process's stdout that
+    `pattern` (a compiled regex: its ready line) matches; AssertionError if it exits first or
+    none comes within `timeout` seconds."""
+    import time
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        line = p.stdout.readline()
+        if not line:
+            if p.poll() is not None:
+                raise AssertionError(f"exited {p.returncode}: {p.stderr.read()}")
+            continue
+        m = pattern.search(line)
+        if m:
+            return m, line
+    raise AssertionError("no ready line")

@@ -5,13 +5,13 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.cli import config_from_args, parser
+from srv_helpers import wait_ready_line
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"engine-serve ready: (http://[\d.]+:\d+) model=(\S+) "
@@ -25,17 +25,7 @@ def spawn(*args, **env_extra):
 
 
 def wait_ready(p, timeout=90):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        line = p.stdout.readline()
-        if not line:
-            if p.poll() is not None:
-                raise AssertionError(f"exited {p.returncode}: {p.stderr.read()}")
-            continue
-        m = READY.search(line)
-        if m:
-            return m, line
-    raise AssertionError("no ready line")
+    return wait_ready_line(p, READY, timeout)
 
 
 def test_default_model_ready_line_batch_warning_and_auth():

@@ -11,6 +11,7 @@ import pytest
 
 from server.cli import main, parser
 from server.models_catalog import ModelsConfigError, models_config
+from srv_helpers import wait_ready_line
 from test_cli import spawn
 
 @pytest.fixture(autouse=True)
@@ -27,18 +28,7 @@ READY = re.compile(r"engine-serve ready: (http://[\d.]+:\d+) models=(.+?) \(defa
 
 
 def wait_ready(p, timeout=90):
-    import time
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        line = p.stdout.readline()
-        if not line:
-            if p.poll() is not None:
-                raise AssertionError(f"exited {p.returncode}: {p.stderr.read()}")
-            continue
-        m = READY.search(line)
-        if m:
-            return m, line
-    raise AssertionError("no ready line")
+    return wait_ready_line(p, READY, timeout)
 
 
 def test_two_models_from_the_command_line(qwen_dir, llama_dir):
