@@ -177,8 +177,12 @@ def main(argv=None):
     ap.add_argument("--disk-gb", type=float, default=20.0)
     ap.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server")
     ap.add_argument("--server-args", default="", help="extra engine-serve flags")
+    ap.add_argument("--phases", default="warm,cold,replay,restart",
+                    help="comma list of warm, cold, replay, restart, default (engine-serve with "
+                         "its default flags: the RAM prompt cache only)")
     ap.add_argument("--tag", default="cpu")
     a = ap.parse_args(argv)
+    phases = [p.strip() for p in a.phases.split(",") if p.strip()]
     from engine.loader import resolve_model_path
     model_dir = str(resolve_model_path(a.model))
     system, tools, users = session(a.model, a.prefix_tokens, a.turns, a.turn_tokens)
@@ -188,8 +192,12 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="agent-session-") as tmp:
         disk = ["--prompt-cache-disk-gb", str(a.disk_gb), "--prompt-cache-dir"]
         warm, per_turn = disk + [str(Path(tmp) / "warm")], disk + [str(Path(tmp) / "restart")]
-        for phase, flags in (("warm", warm), ("cold", ["--prompt-cache", "0"]), ("replay", warm)):
-            with Served(REPO, base + flags) as s:
+        plain = ["--model", model_dir, *extra]
+        for phase, args in (("default", plain), ("warm", base + warm),
+                            ("cold", base + ["--prompt-cache", "0"]), ("replay", base + warm)):
+            if phase not in phases:
+                continue
+            with Served(REPO, args) as s:
                 rows += run_phase(phase, s.url, "m", system, tools, users, answers, a.max_tokens)
         held: list = []
 
@@ -199,8 +207,9 @@ def main(argv=None):
             held.append(Served(REPO, base + per_turn).start())
             return held[-1].url
         try:
-            rows += run_phase("restart", restarted, "m", system, tools, users, answers,
-                              a.max_tokens)
+            if "restart" in phases:
+                rows += run_phase("restart", restarted, "m", system, tools, users, answers,
+                                  a.max_tokens)
         finally:
             while held:
                 held.pop().terminate(20)
@@ -218,21 +227,35 @@ def main(argv=None):
         later = [turns[t]["ttft_ms"] for t in turns if t > 1]
         summary[phase] = {"turn1_ms": turns[1]["ttft_ms"],
                           "turns2_n_median_ms": statistics.median(later) if later else None}
-    cold = by["cold"]
-    ratio = [round(by["restart"][t]["ttft_ms"] / cold[t]["ttft_ms"], 3) for t in cold]
-    summary["restart_vs_cold"] = {"per_turn": ratio, "max_turns_2_n": max(ratio[1:] or ratio)}
+    ratio = {}
+    if "cold" in by and "restart" in by:
+        cold = by["cold"]
+        ratio = {t: round(by["restart"][t]["ttft_ms"] / cold[t]["ttft_ms"], 3) for t in cold}
+        later = [r for t, r in ratio.items() if t > 1] or list(ratio.values())
+        summary["restart_vs_cold"] = {"per_turn": list(ratio.values()), "max_turns_2_n": max(later)}
     if "mlx_lm" in by:
-        summary["warm_vs_mlx_lm_max"] = max(
-            by["warm"][t]["ttft_ms"] / by["mlx_lm"][t]["ttft_ms"] for t in by["mlx_lm"])
+        for p in by:
+            if p != "mlx_lm":
+                summary[f"{p}_vs_mlx_lm_max_turns_2_n"] = max(
+                    (by[p][t]["ttft_ms"] / by["mlx_lm"][t]["ttft_ms"] for t in by["mlx_lm"] if t > 1),
+                    default=None)
     out = report_dir("prompt_cache_disk", a.tag)
     write_csv(out / "agent_session.csv", rows, FIELDS)
     dump_json(out / "run.json", {"args": vars(a), "machine": machine(), "summary": summary,
                                  "disk_files": disk_files})
-    head = ["turn", *[f"{p} TTFT ms" for p in by], "prompt tokens", "restart cached",
-            "restart/cold", "warm: bytes written"]
-    table = [[t, *[by[p][t]["ttft_ms"] for p in by], by["warm"][t]["prompt_tokens"],
-              by["restart"][t]["cached_tokens"], ratio[t - 1],
-              by["warm"][t]["disk_bytes_written"]] for t in sorted(cold)]
+    first = next(iter(by.values()))
+    head = ["turn", *[f"{p} TTFT ms" for p in by], *[f"{p} cached" for p in by], "prompt tokens"]
+    if ratio:
+        head += ["restart/cold"]
+    if "warm" in by:
+        head += ["warm: bytes written"]
+    table = []
+    for t in sorted(first):
+        row = [t, *[by[p][t]["ttft_ms"] for p in by], *[by[p][t]["cached_tokens"] for p in by],
+               first[t]["prompt_tokens"]]
+        row += [ratio[t]] if ratio else []
+        row += [by["warm"][t]["disk_bytes_written"]] if "warm" in by else []
+        table.append(row)
     (out / "agent_session.md").write_text(
         f"# Agent session: {a.turns} turns, ~{a.prefix_tokens}-token prefix ({a.model})\n\n"
         + md_table(head, table) + "\n\n```json\n" + json.dumps(summary, indent=2) + "\n```\n")

@@ -8,7 +8,9 @@
 # one client: the weight-read roofline target), qmm (experiments/qmm_probe.py: the 4-bit
 # tensor-core projections against MLX's quantized matmul), rows8b (8B 4-bit in-process at ROWS8 rows, l1
 # vs l3), check8b (8B 4-bit, one row: the one kernel against the step of separate kernels and
-# L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join).
+# L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join),
+# agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server).
+# GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/runner}; mkdir -p "$OUT"; T0=$(date +%s)
@@ -22,7 +24,7 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 if has gate; then
   stage gate
   timeout ${GATE_S:-300} python3 experiments/trained_gate.py --preset 1b --steps ${GATE_STEPS:-500} \
-    --gate-batch ${GATE_BATCH:-8,32} --bits ${GATE_BITS:-4} --out "$OUT/gate" 2>&1 | grep -v '"step"' | tail -40
+    --gate-batch ${GATE_BATCH:-8,32} --bits ${GATE_BITS:-4} ${GATE_QUANT_ONLY:+--quant-only} --out "$OUT/gate" 2>&1 | grep -v '"step"' | tail -40
 fi
 if has inproc; then
   stage inproc
@@ -79,6 +81,16 @@ if has join8b; then
   for tier in ${JOIN_TIERS:-l3 l1}; do
     timeout ${JOIN_S:-150} python3 experiments/join_timeline.py --model /tmp/m/8b-q4 --tier $tier --rows 16 \
       --gen ${JOIN_GEN:-24} 2>&1 | tail -${JOIN_TAIL:-60}
+  done
+fi
+if has agent; then
+  for m in ${AGENT_MODELS:-8b-q4 1b}; do
+    stage "agent $m"
+    case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
+    timeout ${AGENT_S:-240} python3 experiments/agent_session.py --model /tmp/m/$m --mlx-lm \
+      --prefix-tokens ${AGENT_PREFIX:-16000} --turns ${AGENT_TURNS:-10} --phases ${AGENT_PHASES:-default} \
+      --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
+    mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
   done
 fi
 stage done

@@ -16,8 +16,8 @@ is mostly determined, and that needs attention:
 
 The trained model is saved in bf16 (`--out/model`), then `parity.l3_gate` runs on it:
 L3 against L1, both faults (which must fail), the float32 floor, and with `--batch N`
-the batch fast step; with `--bits 4` the same model quantized after training is gated too
-(`--out/gate-q4/`). Results: `--out/gate/` (l3_gate.md / .json) and `train.json`.
+the batch fast step; with `--bits 4` the same model quantized after training is gated too,
+alone and at the same rows (`--out/gate-q4/`; `--quant-only` skips the float gate). Results: `--out/gate/` (l3_gate.md / .json) and `train.json`.
 
     python experiments/trained_gate.py --preset 1b --steps 500 --out DIR      # GPU
     python experiments/trained_gate.py --quick --out DIR                      # CPU dry run
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
                     "and leaving mid-flight, at these row counts (e.g. 1,8,32)")
     ap.add_argument("--bits", default="", help="also gate the trained model quantized to these "
                     "bits (comma list, e.g. 4): saved in --out/model-qN, results in --out/gate-qN")
+    ap.add_argument("--quant-only", action="store_true",
+                    help="with --bits: gate only the quantized model (the float gate is skipped)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -140,25 +142,32 @@ def main(argv=None) -> int:
     for _ in range(a.prompts):
         w = lang.walk(half)
         prompts.append(w + w[:8])
-    results = l3_gate.run_gate(mdir, parse_spec("l3"), prompt_list=prompts, steps=a.gate_steps)
-    for rows in [int(x) for x in str(a.gate_batch).split(",") if x.strip()]:
-        results += l3_gate.run_batch_gate(mdir, rows, parse_spec("l3"),
+    batches = [int(x) for x in str(a.gate_batch).split(",") if x.strip()]
+
+    def gate(model_dir: Path) -> list:
+        res = l3_gate.run_gate(model_dir, parse_spec("l3"), prompt_list=prompts, steps=a.gate_steps)
+        for rows in batches:
+            res += l3_gate.run_batch_gate(model_dir, rows, parse_spec("l3"),
                                           prompt_list=prompts, steps=a.gate_steps)
+        return res
+
+    results = [] if (a.quant_only and a.bits) else gate(mdir)
     info = {"preset": a.preset, "steps": a.steps, "batch": a.batch, "length": a.length, "lr": a.lr,
             "first_loss": losses[0], "last_loss": losses[-1], "train_s": round(train_s, 1),
             "device": str(mx.default_device())}
     (out / "train.json").write_text(json.dumps({**info, "losses": losses}, indent=2))
     cmd = "python experiments/trained_gate.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    l3_gate.write(results, out / "gate",
-                  f"Preset `{a.preset}` trained {a.steps} steps on the synthetic language of "
-                  f"experiments/trained_gate.py (loss {losses[0]:.2f} -> {losses[-1]:.2f}), saved in "
-                  f"bf16; device {mx.default_device()}. Reproduce: `{cmd.strip()}`")
+    if results:
+        l3_gate.write(results, out / "gate",
+                      f"Preset `{a.preset}` trained {a.steps} steps on the synthetic language of "
+                      f"experiments/trained_gate.py (loss {losses[0]:.2f} -> {losses[-1]:.2f}), "
+                      f"saved in bf16; device {mx.default_device()}. Reproduce: `{cmd.strip()}`")
     for r in results:
         print(json.dumps(r.__dict__), flush=True)
     print(json.dumps(info))
     for bits in [int(b) for b in a.bits.split(",") if b.strip()]:
         qdir = save_quantized(mdir, out / f"model-q{bits}", bits)
-        qres = l3_gate.run_gate(qdir, parse_spec("l3"), prompt_list=prompts, steps=a.gate_steps)
+        qres = gate(qdir)
         l3_gate.write(qres, out / f"gate-q{bits}",
                       f"The trained model of `{out / 'gate'}` quantized to {bits} bits (groups of 64) "
                       f"after training; device {mx.default_device()}. Reproduce: `{cmd.strip()}`")
