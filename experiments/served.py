@@ -62,7 +62,8 @@ class Served:
         self.stderr_lines: list = []
 
     def start(self) -> "Served":
-        env = {**os.environ, "PYTHONPATH": str(self.root), "HF_HUB_OFFLINE": "1",
+        path = os.pathsep.join(p for p in (str(self.root), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", "0",
                                       *self.args], cwd=self.root, env=env, text=True,

@@ -1,20 +1,12 @@
 """Batched KV caches: B rows in one [B, heads, T, head_dim] buffer, left-padded.
 
-Every row is right-aligned: row b's real tokens occupy the columns from
-``left_padding[b]`` up to the write position, and ``offset[b]`` is its true
-length (the RoPE position of its next token). Masks hide the padding columns.
-
-A prefill chunk whose rows have different lengths is written right-padded
-(``prepare(lengths=, right_padding=)``); ``finalize()`` then rotates each
-row's trailing pads to its front, so the cache is left-padded again before
-the next decode step. Rows leave with ``filter`` and join with ``extend``
-(both caches are padded to the same write position).
-
-The layout and every state transition follow mlx-lm 0.32.2's batch caches
-(BatchKVCache / BatchRotatingKVCache) on purpose: attention sees the same
-arrays in the same order under the same boolean masks, which is what makes
-batched logits bit-identical to mlx-lm's BatchGenerator.
-"""
+Row b's real tokens occupy the columns from ``left_padding[b]`` up to the write position;
+``offset[b]`` is its true length (its next RoPE position); masks hide the padding. A prefill
+chunk of rows of different lengths is written right-padded (``prepare``), and ``finalize()``
+rolls each row's trailing pads to its front. Rows leave with ``filter``, join with ``extend``.
+Layout and transitions follow mlx-lm 0.32.2's BatchKVCache / BatchRotatingKVCache on purpose:
+attention sees the same arrays under the same masks, hence logits bit-identical to its
+BatchGenerator."""
 
 from __future__ import annotations
 
@@ -52,6 +44,9 @@ class BatchKVCache:
 
     step = 256
     bits = None
+
+    _lp_seen = None
+    _lp_max = 0
 
     def __init__(self, left_padding: Sequence[int]):
         self.keys = None
@@ -107,7 +102,18 @@ class BatchKVCache:
         return self.keys[..., :self._idx, :], self.values[..., :self._idx, :]
 
     def make_mask(self, n: int, window_size: Optional[int] = None, return_array: bool = False):
+        if n == 1 and not return_array and self._unmasked(window_size):
+            return None
         return causal_mask(n, self._idx, window=window_size, left_padding=self.left_padding)
+
+    def _unmasked(self, window_size: Optional[int]) -> bool:
+        """A decode step whose mask would be all true (no padding, no window cut): no mask, so
+        CUDA runs MLX's fused vector attention (see docs/batching.md, "Masks")."""
+        if window_size is not None and self._idx + 1 > window_size:
+            return False
+        if self._lp_seen is not self.left_padding:      # host copy of max(left_padding), once
+            self._lp_seen, self._lp_max = self.left_padding, max(self.left_padding.tolist(), default=0)
+        return self._lp_max <= 0
 
     # -- right-padded prefill ---------------------------------------------------
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):

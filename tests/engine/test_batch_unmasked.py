@@ -1,0 +1,57 @@
+"""A batch decode step whose mask would be all true passes no mask (so CUDA can run MLX's fused
+vector attention), with the same values as mlx-lm's BatchGenerator, which passes the mask."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from engine.kv.batch_cache import BatchKVCache
+from engine.loader import load_model
+from parity.batch import Insert, compare, run_mlx_lm, run_ours
+from parity.fixtures.models import ensure_fixture
+from parity.oracles import mlx_lm_oracle as oracle
+
+
+def _filled(pads, T=5):
+    c = BatchKVCache(pads)
+    kv = mx.zeros((len(pads), 2, T, 8))
+    c.update_and_fetch(kv, kv)
+    return c
+
+
+def test_mask_only_where_needed():
+    assert _filled([0]).make_mask(1) is None                 # a lone unpadded row
+    assert _filled([0, 0, 0]).make_mask(1) is None           # rows of one length
+    assert isinstance(_filled([0, 2]).make_mask(1), mx.array)           # padding: a mask
+    assert isinstance(_filled([0]).make_mask(1, window_size=3), mx.array)  # a window cuts
+    assert _filled([0]).make_mask(1, window_size=64) is None
+    assert isinstance(_filled([0]).make_mask(2), mx.array)   # a chunk: always the mask
+    c = _filled([0, 2])
+    c.filter([0])                                            # the padded row leaves
+    assert c.make_mask(1) is None
+    c.extend(_filled([0], T=2))                              # a shorter row joins: padded
+    assert isinstance(c.make_mask(1), mx.array)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_unmasked_steps_equal_batchgenerator(family, monkeypatch):
+    path = str(ensure_fixture(family, "float32"))
+    ours_m, ref_m = load_model(path)[0], oracle.load_model(path)
+    rng = random.Random(1)
+    lone = [Insert(0, [rng.randrange(4, 1000) for _ in range(9)], 12)]
+    same = [Insert(0, [rng.randrange(4, 1000) for _ in range(7)], 10) for _ in range(3)]
+    seen = []
+    real = mx.fast.scaled_dot_product_attention
+
+    def spy(q, k, v, *, scale, mask=None, **kw):
+        seen.append(mask is None and q.shape[2] == 1)
+        return real(q, k, v, scale=scale, mask=mask, **kw)
+    for sched in (lone, same):
+        ref = run_mlx_lm(ref_m, sched)
+        seen.clear()
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+        ours = run_ours(ours_m, sched)
+        monkeypatch.undo()
+        assert any(seen)                    # decode steps ran without a mask
+        assert not compare(ours, ref)
