@@ -51,6 +51,7 @@ class BatchKVCache:
     def __init__(self, left_padding: Sequence[int]):
         self.keys = None
         self.values = None
+        self._solo = len(left_padding) == 1     # one row since the start (see _unmasked)
         self.left_padding = _ints(left_padding)
         self.offset = -self.left_padding
         self._idx = 0                       # next column to write (shared by all rows)
@@ -107,9 +108,9 @@ class BatchKVCache:
         return causal_mask(n, self._idx, window=window_size, left_padding=self.left_padding)
 
     def _unmasked(self, window_size: Optional[int]) -> bool:
-        """A decode step whose mask would be all true (no padding, no window cut): no mask, so
-        CUDA runs MLX's fused vector attention (see docs/batching.md, "Masks")."""
-        if window_size is not None and self._idx + 1 > window_size:
+        """A batch that has held one row from its start, unpadded and uncut by a window, decodes
+        as mlx_lm.generate does: no mask (CUDA's fused vector attention; docs/batching.md)."""
+        if not self._solo or (window_size is not None and self._idx + 1 > window_size):
             return False
         if self._lp_seen is not self.left_padding:      # host copy of max(left_padding), once
             self._lp_seen, self._lp_max = self.left_padding, max(self.left_padding.tolist(), default=0)
@@ -138,6 +139,7 @@ class BatchKVCache:
 
     # -- rows leave / join --------------------------------------------------------
     def filter(self, keep: List[int]):
+        self._solo = self._solo and len(keep) == self.batch_size
         if self.keys is not None:
             self.keys, self.values = self.keys[keep], self.values[keep]
         self.offset = self.offset[keep]
@@ -151,6 +153,7 @@ class BatchKVCache:
             self.left_padding = self.left_padding - drop
 
     def extend(self, other: "BatchKVCache"):
+        self._solo = (self._solo and not other.batch_size) or (other._solo and not self.batch_size)
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -205,18 +208,12 @@ class BatchKVCache:
 
 
 class BatchRotatingKVCache:
-    """Batched ring buffer for sliding-window layers (no sink tokens).
-
-    `_idx` is the shared write position in the buffer, `_written` the number of
-    columns ever written (padding included), `rotated` whether writes have
-    wrapped. Per row, `left_padding` counts the columns (from the buffer's
-    logical start) that are not that row's tokens; it goes negative once the
-    row's padding has been pushed out of the window.
-
-    `temporal` (deterministic mode: set when any row's cache is temporal,
-    `engine.kv.cache.temporal_caches`): the buffer never wraps, so each row's window is read
-    oldest first, as the same row alone reads it: a prompt chunk appends and cuts
-    (`_append`), a token is written in place after the window (`_write_after`)."""
+    """Batched ring buffer for sliding-window layers (no sink tokens). `_idx`: the shared write
+    position; `_written`: columns ever written (padding included); `rotated`: writes wrapped.
+    Per row, `left_padding` counts the columns (from the buffer's logical start) that are not
+    its tokens; it goes negative once the padding is pushed out of the window. `temporal`
+    (deterministic mode, `engine.kv.cache.temporal_caches`): the buffer never wraps, so each
+    row's window is read oldest first, as the row alone reads it (`_append`, `_write_after`)."""
 
     step = 256
     bits = None
@@ -408,6 +405,7 @@ class BatchRotatingKVCache:
 
     # -- rows leave / join --------------------------------------------------------
     def filter(self, keep: List[int]):
+        self._solo = self._solo and len(keep) == self.batch_size
         if self.keys is not None:
             self.keys, self.values = self.keys[keep], self.values[keep]
         self.offset = self.offset[keep]

@@ -1,5 +1,7 @@
-"""A batch decode step whose mask would be all true passes no mask (so CUDA can run MLX's fused
-vector attention), with the same values as mlx-lm's BatchGenerator, which passes the mask."""
+"""A batch that has held one row from its start decodes as mlx_lm.generate does, with no mask
+(so CUDA runs MLX's fused vector attention, as the exact runner does); the values equal
+mlx-lm's BatchGenerator, which passes an all-true mask, on the CPU. Two rows or more, or a row
+left alone after others leave, keep BatchGenerator's mask."""
 
 import random
 
@@ -22,16 +24,22 @@ def _filled(pads, T=5):
 
 def test_mask_only_where_needed():
     assert _filled([0]).make_mask(1) is None                 # a lone unpadded row
-    assert _filled([0, 0, 0]).make_mask(1) is None           # rows of one length
-    assert isinstance(_filled([0, 2]).make_mask(1), mx.array)           # padding: a mask
+    assert isinstance(_filled([0, 0, 0]).make_mask(1), mx.array)        # rows: the mask
+    assert isinstance(_filled([0, 2]).make_mask(1), mx.array)
     assert isinstance(_filled([0]).make_mask(1, window_size=3), mx.array)  # a window cuts
     assert _filled([0]).make_mask(1, window_size=64) is None
     assert isinstance(_filled([0]).make_mask(2), mx.array)   # a chunk: always the mask
-    c = _filled([0, 2])
-    c.filter([0])                                            # the padded row leaves
-    assert c.make_mask(1) is None
-    c.extend(_filled([0], T=2))                              # a shorter row joins: padded
+    c = _filled([0, 0])
+    c.filter([0])                                            # left alone: still the mask
     assert isinstance(c.make_mask(1), mx.array)
+    c = _filled([0])
+    c.filter([0])                                            # (keeping every row changes nothing)
+    assert c.make_mask(1) is None
+    c.extend(_filled([0], T=2))                              # a second row joins
+    assert isinstance(c.make_mask(1), mx.array)
+    empty = BatchKVCache([])
+    empty.extend(_filled([0]))                               # a lone row into an empty batch
+    assert empty.make_mask(1) is None
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -41,7 +49,7 @@ def test_unmasked_steps_equal_batchgenerator(family, monkeypatch):
     rng = random.Random(1)
     lone = [Insert(0, [rng.randrange(4, 1000) for _ in range(9)], 12)]
     same = [Insert(0, [rng.randrange(4, 1000) for _ in range(7)], 10) for _ in range(3)]
-    seen = []
+    seen = []                     # per attention call: a decode step without a mask
     real = mx.fast.scaled_dot_product_attention
 
     def spy(q, k, v, *, scale, mask=None, **kw):
@@ -53,5 +61,5 @@ def test_unmasked_steps_equal_batchgenerator(family, monkeypatch):
         monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
         ours = run_ours(ours_m, sched)
         monkeypatch.undo()
-        assert any(seen)                    # decode steps ran without a mask
+        assert any(seen) == (sched is lone)  # only the lone row decodes without a mask
         assert not compare(ours, ref)
