@@ -83,8 +83,8 @@ def parser() -> argparse.ArgumentParser:
     a("--api-key", help="require Authorization: Bearer KEY or x-api-key on every route but "
       "/health")
     a("--batch", "--decode-concurrency", dest="batch", type=int, default=None, metavar="N",
-      help="continuous batching of up to N rows (default 8; 32 with --tier l3, whose fast "
-           "runner decodes any number of rows); 1 = one request at a time, each exactly "
+      help="continuous batching of up to N rows (default 32, as mlx_lm.server; memory "
+           "admission may hold rows back); 1 = one request at a time, each exactly "
            "mlx_lm.generate's token loop (docs/server.md; with --tier l3, one fast row); "
            "quantized KV and per-request adapters run one at a time beside the batch")
     add_speculation_flags(a)
@@ -239,8 +239,8 @@ def config_from_args(args):
         if args.draft_model is not None:
             raise SystemExit("engine-serve: --deterministic with --draft-model is not supported "
                              "(the draft's verify step is not checked batch-invariant)")
-    if args.batch is None:   # (the fast runner's row buckets cost nothing while unused)
-        args.batch = 32 if levers.fast_decode else 8
+    if args.batch is None:   # (admission bounds the rows by memory; unused buckets cost nothing)
+        args.batch = 32
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
     try:

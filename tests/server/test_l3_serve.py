@@ -85,8 +85,8 @@ def test_cli_tier_flags(monkeypatch):
     assert config_from_args(parser().parse_args(["--l3", "--batch", "4"])).batch == 4
     assert config_from_args(parser().parse_args(["--l3", "--batch", "1"])).batch == 1
     assert config_from_args(parser().parse_args(["--compiled-decode"])).batch == 32
-    assert config_from_args(parser().parse_args([])).batch == 8
-    assert config_from_args(parser().parse_args(["--l1"])).batch == 8
+    assert config_from_args(parser().parse_args([])).batch == 32
+    assert config_from_args(parser().parse_args(["--l1"])).batch == 32
     monkeypatch.setenv("MLXP_COMPILED_DECODE", "perhaps")
     with pytest.raises(SystemExit, match="MLXP_COMPILED_DECODE"):
         config_from_args(parser().parse_args([]))
