@@ -39,11 +39,31 @@ def _pad_time(k: mx.array, left: int, right: int) -> mx.array:
     return k
 
 
-class BatchKVCache:
-    """Growing batched cache for full-attention layers."""
+class _Rows:
+    """What both batched caches share: per-row `offset` and `left_padding`, keys/values
+    [B, heads, T, head_dim]."""
 
     step = 256
     bits = None
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding
+
+    @property
+    def batch_size(self) -> int:
+        return self.offset.shape[0]
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class BatchKVCache(_Rows):
+    """Growing batched cache for full-attention layers."""
 
     _lp_seen = None
     _lp_max = 0
@@ -137,6 +157,16 @@ class BatchKVCache:
         self.left_padding = self.left_padding + rp
         self._right_padding = None
 
+    def rewind(self, drop: Sequence[int]):
+        """Take the last drop[b] columns back from each row b (the rejected drafts of a verify
+        forward, `engine.step.batch_lookup`): the columns every row drops leave the shared end
+        (no copy); each row's others are rolled to its front, where they are padding."""
+        m = min(drop)
+        self._idx -= m
+        self.offset = self.offset - m
+        self.prepare(right_padding=[d - m for d in drop])
+        self.finalize()
+
     # -- rows leave / join --------------------------------------------------------
     def filter(self, keep: List[int]):
         self._solo = self._solo and len(keep) == self.batch_size
@@ -187,27 +217,11 @@ class BatchKVCache:
         c.offset = c.keys.shape[2]
         return c
 
-    # -- bookkeeping --------------------------------------------------------------
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset, self.left_padding
-
-    @property
-    def batch_size(self) -> int:
-        return self.offset.shape[0]
-
     def size(self) -> int:
         return self._idx
 
-    def empty(self) -> bool:
-        return self.keys is None
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
-
-class BatchRotatingKVCache:
+class BatchRotatingKVCache(_Rows):
     """Batched ring buffer for sliding-window layers (no sink tokens). `_idx`: the shared write
     position; `_written`: columns ever written (padding included); `rotated`: writes wrapped.
     Per row, `left_padding` counts the columns (from the buffer's logical start) that are not
@@ -215,8 +229,6 @@ class BatchRotatingKVCache:
     (deterministic mode, `engine.kv.cache.temporal_caches`): the buffer never wraps, so each
     row's window is read oldest first, as the row alone reads it (`_append`, `_write_after`)."""
 
-    step = 256
-    bits = None
     temporal = False
 
     def __init__(self, max_size: int, left_padding: Sequence[int]):
@@ -457,23 +469,8 @@ class BatchRotatingKVCache:
         c._idx = c.keys.shape[2]
         return c
 
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset, self.left_padding
-
-    @property
-    def batch_size(self) -> int:
-        return self.offset.shape[0]
-
     def size(self) -> int:
         return min(self._written, self.max_size)
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 def batch_caches(per_row: Sequence[Sequence]) -> list:

@@ -3,7 +3,8 @@
 Each call to `BatchScheduler.step()` does, in this order (mlx-lm 0.32.2
 BatchGenerator's schedule, so the same inserts give the same forwards):
 
-1. **decode** — one forward over every generating row (its last sampled token),
+1. **decode** — one forward over every generating row (its last sampled token; over
+   [B, K + 1] when rows speculate with prompt lookup: `engine.step.batch_lookup`),
    sample each row's next token with its own sampler / PRNG key / processors,
    emit each row's *current* token with its logprobs (the step is pipelined:
    the token emitted now was sampled by the previous forward), and drop rows
@@ -27,13 +28,15 @@ The scheduler never touches HTTP; a server lane drives `step()` from one thread.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
 from engine.kv.batch_cache import batch_caches, extend_caches
 from engine.kv.cache import temporal_caches
+from engine.step.batch_types import BatchRequest, RowEvent
+from engine.step.batch_lookup import LookupRow, LookupSteps
+from engine.step.lookup import lookup_unsupported
 from engine.step.row_processors import apply_processors, batched
 from engine.step.sampling import greedy
 from engine.text.stop import TextStream
@@ -43,40 +46,9 @@ __all__ = ["BatchRequest", "RowEvent", "BatchScheduler", "batch_generate"]
 PREFILL_BUCKET = 64
 
 
-@dataclass
-class BatchRequest:
-    """One row. `prompt` is the token ids still to run through the model (after
-    any prefix held in `caches`, single-row caches from a prompt cache)."""
-
-    prompt: Sequence[int]
-    max_tokens: Optional[int] = 256             # None: the caller ends the row (`retire`)
-    sampler: Optional[Callable] = None          # fn(logprobs [n, V], key=None) -> [n]
-    seed: Optional[int] = None                  # per-row PRNG key (else the global PRNG)
-    logits_processors: Sequence[Callable] = ()  # fn(tokens [T], logits [1, V]) -> logits
-    stop_tokens: Optional[Iterable[int]] = None  # default: the scheduler's EOS ids
-    stop: Sequence[str] = ()                    # stop strings (needs a tokenizer)
-    caches: Optional[list] = None
-    history: Sequence[int] = ()                 # tokens already in `caches` (processor context)
-    return_cache: bool = False                  # the finishing event carries the row's KV
-
-
-@dataclass
-class RowEvent:
-    uid: int
-    token: Optional[int]                 # None for a cancelled row's last event
-    logprobs: Optional[mx.array]         # [V] log-softmax of the step that produced `token`
-    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
-    text: str = ""                       # text made final by this token (tokenizer given)
-    stop_token: bool = False             # `token` is an EOS/stop token (not part of the text)
-    stop_string: Optional[str] = None    # the stop string that ended the row
-    caches: Optional[list] = None        # finishing row's single-row caches (return_cache=True);
-                                         # they hold the prompt and every emitted token
-    error: Optional[BaseException] = None  # finish_reason "error": what this row raised
-
-
 class _Row:
     __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
-                 "text", "cancelled", "error")
+                 "text", "cancelled", "error", "spec")
 
     def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
         self.uid, self.req = uid, req
@@ -90,6 +62,7 @@ class _Row:
         self.text = None
         self.cancelled = False
         self.error: Optional[BaseException] = None   # raised by this row's own code
+        self.spec = LookupRow(req.lookup, req.max_tokens) if req.lookup is not None else None
         if tokenizer is not None:
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
             self.text = TextStream(tokenizer, stop)
@@ -193,7 +166,7 @@ def _eval_caches(caches):
     mx.eval([a for c in caches for a in c.state if a is not None])
 
 
-class BatchScheduler:
+class BatchScheduler(LookupSteps):
     """Continuous batching over `model(inputs [B, T], cache=list) -> logits`.
 
     completion_batch_size: most rows decoding at once; prefill_batch_size: most
@@ -204,6 +177,7 @@ class BatchScheduler:
     the fast step; prefill and a row's first step always run the model (L1).
     deterministic: every row's sliding-window caches keep temporal order
     (`engine.kv.cache.temporal_caches`; engine.deterministic says why).
+    A row with `lookup` speculates (`engine.step.batch_lookup`): L1, full-attention caches.
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
@@ -241,6 +215,12 @@ class BatchScheduler:
             raise ValueError("empty prompt")
         if req.max_tokens is not None and req.max_tokens <= 0:
             raise ValueError("max_tokens must be > 0")
+        if req.lookup is not None:
+            why = ("it needs the L1 batch runner" if self.decoder is not None or self.deterministic
+                   else "it is greedy, without logits processors" if req.logits_processors
+                   or req.sampler not in (None, greedy) else lookup_unsupported(self.model))
+            if why:
+                raise ValueError(f"prompt lookup in the batch: {why}")
         stops = self.eos if req.stop_tokens is None else set(int(t) for t in req.stop_tokens)
         row = _Row(self._uid, req, stops, self.tokenizer)
         self._uid += 1
@@ -352,6 +332,10 @@ class BatchScheduler:
 
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
+        if any(r.spec is not None for r in g.rows):    # rows speculate (batch_lookup)
+            events = self._lookup_step(g)
+            if events is not None:
+                return events
         inputs, cur_lp = g.next_tokens, g.next_logprobs
         if _pooled(g.caches):                  # the fast runner (L3)
             logits = g.caches(inputs)
@@ -364,31 +348,40 @@ class BatchScheduler:
         toks = inputs.tolist()
         events, keep = [], []
         for i, (row, tok) in enumerate(zip(g.rows, toks)):
-            row.tokens.append(tok)
-            row.n += 1
-            ev = RowEvent(row.uid, tok, cur_lp[i])
-            if row.error is not None:          # this row's own code raised: it ends alone
-                ev.token, ev.logprobs, ev.finish_reason, ev.error = None, None, "error", row.error
-                events.append(ev)
-                continue
-            if row.req.max_tokens is not None and row.n >= row.req.max_tokens:
-                ev.finish_reason = "length"
-            if tok in row.stops:
-                ev.finish_reason, ev.stop_token = "stop", True
-            if row.text is not None:
-                _guarded(row, self._text, lambda *_: None, row, ev)
-                if row.error is not None:
-                    ev.finish_reason, ev.error = "error", row.error
-                    events.append(ev)
-                    continue
-            if ev.finish_reason is None:
+            if self._emit(g, i, row, tok, cur_lp[i], events):
                 keep.append(i)
-            elif row.req.return_cache:
-                ev.caches = _extract(g.caches, i)
-            events.append(ev)
         if len(keep) < len(g):
             g.filter(keep)
         return events
+
+    def _emit(self, g: _Group, i: int, row: _Row, tok: int, lp, events: list,
+              extra: int = 0) -> bool:
+        """Hand out token `tok` of row i of g (an event into `events`); False when the row ends
+        with it. Its KV, when the row asked for it, then leaves without the `extra` tokens
+        after `tok` that are in its cache (an accepted draft run past the end)."""
+        row.tokens.append(tok)
+        row.n += 1
+        ev = RowEvent(row.uid, tok, lp)
+        events.append(ev)
+        if row.error is not None:          # this row's own code raised: it ends alone
+            ev.token, ev.logprobs, ev.finish_reason, ev.error = None, None, "error", row.error
+            return False
+        if row.req.max_tokens is not None and row.n >= row.req.max_tokens:
+            ev.finish_reason = "length"
+        if tok in row.stops:
+            ev.finish_reason, ev.stop_token = "stop", True
+        if row.text is not None:
+            _guarded(row, self._text, lambda *_: None, row, ev)
+            if row.error is not None:
+                ev.finish_reason, ev.error = "error", row.error
+                return False
+        if ev.finish_reason is None:
+            return True
+        if row.req.return_cache:
+            ev.caches = _extract(g.caches, i)
+            for c in ev.caches if extra else ():
+                c.trim(extra)
+        return False
 
     def _text(self, row: _Row, ev: RowEvent):
         text, hit = row.text.feed(None if ev.stop_token else ev.token,
@@ -449,17 +442,21 @@ class BatchScheduler:
                 c.finalize()
             _eval_caches(g.caches)
 
-    def retire(self, uids) -> dict:
+    def retire(self, uids, unused: Optional[dict] = None) -> dict:
         """End decoding rows now (their caller's update decided they finished: the Engine's
         EOS, length and stop-string checks); uid -> the row's single-row caches (rows that
         asked for them, `return_cache`) or None. One filter of the decode group for all of
-        them, where a row ending in `_decode_step` would have been dropped."""
+        them, where a row ending in `_decode_step` would have been dropped. unused: uid ->
+        tokens of the last step the caller did not take (after a stop inside an accepted
+        draft run): trimmed from that row's caches."""
         g = self._decode
-        want = set(uids)
+        want, unused = set(uids), unused or {}
         out, keep = {}, []
         for i, r in enumerate(g.rows):
             if r.uid in want:
                 out[r.uid] = _extract(g.caches, i) if r.req.return_cache else None
+                for c in out[r.uid] if out[r.uid] and unused.get(r.uid) else ():
+                    c.trim(unused[r.uid])
             else:
                 keep.append(i)
         if len(keep) < len(g):

@@ -14,8 +14,9 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    *exact* runner: `engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`):
    alone when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects
    adapters (the batch runs the base weights), brings its own prefix caches or speculates
-   (prompt lookup, `engine.step.lookup`; a draft model, `engine.step.draft`);
-   `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
+   with a draft model (`engine.step.draft`) or with prompt lookup where the batch cannot take
+   it (`engine.step.lookup`; on the L1 batch runner it is a speculating row,
+   `engine.step.batch_lookup`); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
    estimate fits (a lone row always runs: its own check passed at submit) and at most
    `max_batch` rows are in the batch (the rest wait, `stats()["waiting"]`). A request
    running alone runs beside the batch (one at a time); one that samples from a seed
@@ -41,12 +42,13 @@ from collections import deque
 from typing import Optional
 
 from engine.deterministic import check as deterministic_levers
-from engine.step.batch import BatchRequest, BatchScheduler, RowEvent
+from engine.step.batch import BatchScheduler, RowEvent
 from engine.kv.quant import make_policy
 from engine.step.request import (PromptError, RequestOutput, RequestState, SamplingParams,
                       check_token_ids, encode_prompt, model_context, model_vocab_size,
                       token_logprob)
 from engine.step.alone import AloneRunner
+from engine.step.lane import BatchLane
 from engine.step.lookup import lookup_unsupported
 from engine.step.context import ContextLimits
 from engine.step.reuse import PrefixReuse
@@ -57,7 +59,7 @@ __all__ = ["Engine"]
 BASE_NAMESPACE = "base"
 
 
-class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
+class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
     """Model, tokenizer, prompt cache, admission, adapters and the scheduler.
 
     max_batch: most requests decoding together (1: one at a time, each exactly
@@ -118,6 +120,10 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
         self._fast_step = fast_step_for(model, levers, self.policy)
         self._sched = (self._new_scheduler() if max_batch > 1 or self._fast_step is not None
                        or self.deterministic else None)
+        # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner
+        # over full-attention caches; elsewhere a lookup request runs alone
+        self.lookup_rows = (self._sched is not None and self._fast_step is None
+                            and not self.deterministic and lookup_unsupported(model) is None)
         self._ids = itertools.count()
         self._waiting: deque = deque()
         self._live: dict = {}            # rid -> RequestState (waiting or running)
@@ -263,7 +269,7 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
     def _solo_reason(self, adapter: tuple, params: SamplingParams) -> Optional[str]:
         if self._sched is None:
             return "max_batch=1"
-        if params.looks_up():
+        if params.looks_up() and not self.lookup_rows:    # (else a batch row drafts)
             return "prompt_lookup"
         if self.draft_model is not None and params.drafts():
             return "draft_model"
@@ -287,7 +293,7 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
             self._end_solo(req, store=req.steps is not None)
         elif req.uid is not None:
             self._sched.cancel(req.uid)
-            self._rows.pop(req.uid, None)
+            self._row_ended(self._rows.pop(req.uid, req))
         self._done_now.append(req.output("", "cancelled"))
         return True
 
@@ -348,7 +354,9 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
             except Exception as e:         # a fault: every row of the batch ends
                 rows = list(self._rows.values())
                 self._sched, self._rows = self._new_scheduler(), {}
-                outs += [self._fail(r, e) for r in rows]
+                for r in rows:
+                    self._row_ended(r)
+                    outs.append(self._fail(r, e))
         self.steps += 1
         self.peak_rows = max(self.peak_rows, decoded)
         self.rows_now = ((1 if self._solo is not None and self._solo.steps is not None else 0)
@@ -412,49 +420,6 @@ class Engine(AloneRunner, PrefixReuse, ContextLimits, VisionPrompts):
                                                                         add_special_tokens=False))
             self._samplers[key] = params.make_sampler(special)
         return self._samplers[key]
-
-    # --- batch lane ------------------------------------------------------------------
-
-    def _start_row(self, req: RequestState) -> None:
-        if self.adapters is not None:
-            self.adapters.activate(())
-        p = req.params
-        caches = self._fetch(req)
-        req.tic = time.perf_counter()
-        req.uid = self._sched.submit(BatchRequest(
-            req.ids[req.reused:], max_tokens=None, sampler=self._sampler(p),
-            seed=p.seed, logits_processors=p.make_processors(),
-            caches=caches, history=req.ids[:req.reused],
-            return_cache=self.prompt_cache is not None or self.disk_cache is not None))
-        self._rows[req.uid] = req
-
-    def _batch_events(self, events) -> list:
-        outs, ended = [], []
-        for ev in events:
-            req = self._rows.get(ev.uid)
-            if req is None:           # aborted (its output was made then)
-                continue
-            if ev.finish_reason == "error":   # this row's own code raised: it ends alone
-                del self._rows[ev.uid]
-                outs.append(self._fail(req, ev.error))
-                continue
-            try:
-                out, finished = self._token(req, ev.token, ev.logprobs)
-            except Exception as e:    # (its detokenizer): this row only
-                out, finished = self._fail(req, e), None
-                ended.append((req, False))
-            if finished:
-                ended.append((req, True))
-                self._live.pop(req.rid, None)
-            if out is not None:
-                outs.append(out)
-        if ended:                     # one filter of the batch for every row that ended
-            caches = self._sched.retire([r.uid for r, _ in ended])
-            for req, store in ended:
-                del self._rows[req.uid]
-                if store and caches.get(req.uid) is not None:
-                    self._store(req, caches[req.uid])
-        return outs
 
     # --- update (every runner) --------------------------------------------------------
 

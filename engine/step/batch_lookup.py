@@ -1,0 +1,139 @@
+"""Prompt-lookup speculation for rows of the continuous batch (`engine.step.batch`, L1).
+
+A row that asks for it (`BatchRequest(lookup=RowLookup(ngram, draft_tokens))`, greedy,
+without logits processors) drafts from its own prompt and output at each decode step, as
+`engine.step.lookup` does for a request running alone: up to K tokens that followed the latest
+earlier occurrence of its last `ngram` tokens. When any row of the decode group has a draft,
+the step is one verify forward over [B, K + 1] (K the longest draft this step): each row's
+current token, then its draft, padded to K; a row without a draft (or without speculation)
+carries padding after its token, whose logits are not read. Every row samples its position 0
+as a plain decode step would (its own sampler, key and processors); a speculating row keeps
+the drafts equal to the argmax before them and takes the argmax after the last kept one as its
+next token. The rejected (and padded) columns are then taken back from each row's KV
+(`BatchKVCache.rewind`), so every row's cache holds exactly its tokens, as after plain steps.
+Rows thus advance by different numbers of tokens in one step; a row that finishes inside its
+accepted run (EOS, stop token or string, max_tokens) hands out nothing after that token, and
+the KV it hands over is trimmed to the tokens it handed out.
+
+Exactness: where a forward over several positions gives each position the logits a single
+step gives (the CPU, full attention: tests/engine/test_batch_lookup.py), every row's tokens and
+logprobs equal those of the batch without speculation. Costs: the step waits for the previous
+forward (a draft is looked up after the current token is known), each row's KV is rolled
+once per verify step in which rows keep different numbers of tokens (a gather of the whole
+cache), and rows without drafts compute K padded positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+
+from engine.step.lookup import NgramIndex
+from engine.step.speculation import SpecStats
+
+__all__ = ["RowLookup", "LookupRow", "LookupSteps"]
+
+
+@dataclass
+class RowLookup:
+    """A batch row's prompt-lookup settings. limit: tokens the row may hand out in all (its
+    drafts never reach past it; None: the row's `max_tokens`); stats: its counters
+    (`engine.step.speculation.SpecStats`, e.g. `Speculation.for_request("lookup")`)."""
+
+    ngram: int
+    draft_tokens: int = 4
+    limit: Optional[int] = None
+    stats: Optional[SpecStats] = None
+
+    def __post_init__(self):
+        if self.ngram < 1 or self.draft_tokens < 1:
+            raise ValueError("prompt lookup needs ngram >= 1 and draft_tokens >= 1")
+
+
+class LookupRow:
+    """One row's drafting state: the n-gram index of its tokens (built at its first draft)."""
+
+    def __init__(self, lookup: RowLookup, max_tokens: Optional[int]):
+        self.lookup = lookup
+        self.limit = lookup.limit if lookup.limit is not None else max_tokens
+        self.stats = lookup.stats if lookup.stats is not None else SpecStats()
+        self.index: Optional[NgramIndex] = None
+
+    def propose(self, tokens: list, y: int, n: int) -> list:
+        """The draft after the row's current token y (not yet handed out): `tokens` are the
+        ones in its cache, n the tokens it handed out so far."""
+        if self.index is None:
+            self.index = NgramIndex(tokens, self.lookup.ngram)
+        self.index.append(y)
+        k = self.lookup.draft_tokens
+        if self.limit is not None:
+            k = min(k, self.limit - n - 1)
+        return self.index.propose(k)
+
+    def accept(self, drafts: list) -> None:
+        for t in drafts:
+            self.index.append(t)
+
+
+class LookupSteps:
+    """Mixed into `engine.step.batch.BatchScheduler`: `_lookup_step`, the decode step of a
+    group in which rows speculate (its rows' `spec`: a `LookupRow` or None)."""
+
+    def _lookup_step(self, g) -> Optional[List]:
+        """One verify step of group g when a row has a draft (its events), else None (every
+        speculating row counts a forward with no draft, and the plain step runs)."""
+        rows = g.rows
+        inputs, cur_lp = g.next_tokens, g.next_logprobs
+        ys = inputs.tolist()      # (waits for the previous forward: drafts follow y)
+        drafts = [r.spec.propose(r.tokens, y, r.n) if r.spec is not None else []
+                  for r, y in zip(rows, ys)]
+        K = max(len(d) for d in drafts)
+        if K == 0:
+            for r in rows:
+                if r.spec is not None:
+                    r.spec.stats.record(0, 0)
+            return None
+        tokens = mx.array([[y] + d + [0] * (K - len(d)) for y, d in zip(ys, drafts)])
+        logits = self.model(tokens, cache=g.caches)                # [B, K + 1, V]
+        sampled, logprobs = self._sample(g, inputs, logits[:, 0, :])
+        spec = [e for e, r in enumerate(rows) if r.spec is not None]
+        lp = logits[mx.array(spec)]
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        best = mx.argmax(lp, axis=-1)
+        mx.eval(sampled, best, cur_lp)
+        sampled, best = sampled.tolist(), dict(zip(spec, best.tolist()))
+        runs, nxt, nlp, drop = [], [], [], []
+        for e, (r, y, d) in enumerate(zip(rows, ys, drafts)):
+            run = [(y, cur_lp[e])]
+            if r.spec is None:
+                nxt.append(sampled[e])
+                nlp.append(logprobs[e])
+                drop.append(K)
+            else:
+                j, t = spec.index(e), best[e]
+                ok = 0
+                while ok < len(d) and t[ok] == d[ok]:
+                    ok += 1
+                r.spec.stats.record(len(d), ok)
+                r.spec.accept(d[:ok])
+                run += [(d[a], lp[j, a]) for a in range(ok)]
+                nxt.append(t[ok])
+                nlp.append(lp[j, ok])
+                drop.append(K - ok)
+            runs.append(run)
+        for c in g.caches:
+            c.rewind(drop)
+        g.next_tokens, g.next_logprobs = mx.array(nxt, dtype=inputs.dtype), nlp
+        mx.async_eval(g.next_tokens, g.next_logprobs)
+        events, keep = [], []
+        for e, (r, run) in enumerate(zip(rows, runs)):
+            for a, (tok, tlp) in enumerate(run):
+                if not self._emit(g, e, r, tok, tlp, events, extra=len(run) - 1 - a):
+                    break
+            else:
+                keep.append(e)
+        if len(keep) < len(g):
+            g.filter(keep)
+        return events

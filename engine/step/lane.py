@@ -1,0 +1,81 @@
+"""The batch runner's side of `engine.step.core.Engine`: a request that is a row of the
+continuous batch (`engine.step.batch.BatchScheduler`) joins it (`_start_row`), and each step's
+row events go through the Engine's one update (`_token`); rows that finished leave the batch
+together (`BatchScheduler.retire`), their KV to the prompt cache.
+
+A greedy request with prompt lookup is a speculating row (`engine.step.batch_lookup`) where the
+batch can take it (`lookup_rows`: the L1 batch runner, full-attention caches, not deterministic
+mode): it may hand out several tokens in one step, one event each; once the update ends it (EOS,
+a stop string, max_tokens), the rest of that step's tokens are dropped and trimmed from the KV
+it leaves to the prompt cache."""
+
+from __future__ import annotations
+
+import time
+
+from engine.step.batch import BatchRequest
+from engine.step.batch_lookup import RowLookup
+from engine.step.request import RequestState
+
+
+class BatchLane:
+    """Mixed into `engine.step.core.Engine` (its scheduler, rows, prompt cache and speculation
+    counters)."""
+
+    def _start_row(self, req: RequestState) -> None:
+        if self.adapters is not None:
+            self.adapters.activate(())
+        p = req.params
+        caches = self._fetch(req)
+        lookup = None
+        if p.looks_up():         # (only where `lookup_rows`: else it runs alone)
+            req.spec = self.spec.for_request("lookup")
+            lookup = RowLookup(p.prompt_lookup, p.num_draft_tokens, limit=p.max_tokens,
+                               stats=req.spec)
+        req.tic = time.perf_counter()
+        req.uid = self._sched.submit(BatchRequest(
+            req.ids[req.reused:], max_tokens=None, sampler=self._sampler(p),
+            seed=p.seed, logits_processors=p.make_processors(),
+            caches=caches, history=req.ids[:req.reused], lookup=lookup,
+            return_cache=self.prompt_cache is not None or self.disk_cache is not None))
+        self._rows[req.uid] = req
+
+    def _row_ended(self, req: RequestState) -> None:
+        if req.spec is not None:     # (a speculating row's counts among the recent ones)
+            self.spec.finished(req.rid, req.spec)
+
+    def _batch_events(self, events) -> list:
+        outs, ended = [], []
+        unused: dict = {}             # uid -> its tokens this step after it ended (dropped)
+        for ev in events:
+            req = self._rows.get(ev.uid)
+            if req is None:           # aborted (its output was made then)
+                continue
+            if ev.uid in unused:      # ended by an earlier token of this step
+                unused[ev.uid] += 1
+                continue
+            if ev.finish_reason == "error":   # this row's own code raised: it ends alone
+                del self._rows[ev.uid]
+                self._row_ended(req)
+                outs.append(self._fail(req, ev.error))
+                continue
+            try:
+                out, finished = self._token(req, ev.token, ev.logprobs)
+            except Exception as e:    # (its detokenizer): this row only
+                out, finished = self._fail(req, e), None
+                ended.append((req, False))
+                unused[ev.uid] = 0
+            if finished:
+                ended.append((req, True))
+                unused[ev.uid] = 0
+                self._live.pop(req.rid, None)
+            if out is not None:
+                outs.append(out)
+        if ended:                     # one filter of the batch for every row that ended
+            caches = self._sched.retire([r.uid for r, _ in ended], unused)
+            for req, store in ended:
+                del self._rows[req.uid]
+                self._row_ended(req)
+                if store and caches.get(req.uid) is not None:
+                    self._store(req, caches[req.uid])
+        return outs
