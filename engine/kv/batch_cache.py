@@ -417,7 +417,6 @@ class BatchRotatingKVCache(_Rows):
 
     # -- rows leave / join --------------------------------------------------------
     def filter(self, keep: List[int]):
-        self._solo = self._solo and len(keep) == self.batch_size
         if self.keys is not None:
             self.keys, self.values = self.keys[keep], self.values[keep]
         self.offset = self.offset[keep]
