@@ -71,11 +71,16 @@ class Model(TextWrapper):
         feats = self.vision_tower(pixels.transpose(0, 2, 3, 1).astype(dtype))
         return self.multi_modal_projector(feats)
 
+    def token_embeddings(self, tokens: mx.array) -> mx.array:
+        """The tokens' own input embeddings [B, T] -> [B, T, D], unscaled (what
+        `begin(..., input_embeddings=)` takes: it scales them as it scales the tokens')."""
+        return self.language_model.model.embed_tokens(tokens)
+
     def embed_prompt(self, ids: list, pixels: mx.array) -> mx.array:
         """The prompt's input embeddings [1, L, D] with the images' features at their
         tokens (what `begin(..., input_embeddings=)` takes)."""
         tokens = mx.array(ids)
-        embeds = self.language_model.model.embed_tokens(tokens[None])
+        embeds = self.token_embeddings(tokens[None])
         feats = self.image_features(pixels, embeds.dtype)
         return gemma3_vision.merge(embeds, tokens, feats, self.vision.image_token_id,
                                    self.vision.pad_token_id, self.args.hidden_size)

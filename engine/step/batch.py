@@ -36,6 +36,7 @@ from engine.kv.batch_cache import batch_caches, extend_caches
 from engine.kv.cache import temporal_caches
 from engine.step.batch_types import BatchRequest, RowEvent
 from engine.step.batch_lookup import LookupRow, LookupSteps
+from engine.step.batch_vision import embedding_kwargs
 from engine.step.lookup import lookup_unsupported
 from engine.step.row_processors import apply_processors, batched
 from engine.step.sampling import greedy
@@ -48,13 +49,15 @@ PREFILL_BUCKET = 64
 
 class _Row:
     __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
-                 "text", "cancelled", "error", "spec")
+                 "text", "cancelled", "error", "spec", "embeds", "at")
 
     def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
         self.uid, self.req = uid, req
         prompt = list(req.prompt)
         self.pending = prompt[:-1]        # prefilled in chunks
         self.last = prompt[-1]            # fed as the first decode step
+        self.embeds = req.embeddings      # the prompt's input embeddings (images), until used
+        self.at = 0                       # prompt tokens prefilled
         self.tokens = list(req.history)   # tokens in the row's cache (processor context)
         self.n = 0
         self.key = mx.random.key(req.seed) if req.seed is not None else None
@@ -221,6 +224,9 @@ class BatchScheduler(LookupSteps):
                    or req.sampler not in (None, greedy) else lookup_unsupported(self.model))
             if why:
                 raise ValueError(f"prompt lookup in the batch: {why}")
+        if req.embeddings is not None and req.embeddings.shape[1] != len(req.prompt):
+            raise ValueError(f"embeddings for {req.embeddings.shape[1]} tokens, the prompt "
+                             f"has {len(req.prompt)}")
         stops = self.eos if req.stop_tokens is None else set(int(t) for t in req.stop_tokens)
         row = _Row(self._uid, req, stops, self.tokenizer)
         self._uid += 1
@@ -406,8 +412,15 @@ class BatchScheduler(LookupSteps):
 
     def _graduate(self, idx: List[int]):
         g = self._prefill.take(idx)
+        for i, r in enumerate(g.rows):     # (a snapshot of the prompt but its last token)
+            if r.req.on_prefilled is not None and r.at:
+                r.req.on_prefilled(_extract(g.caches, i))
         inputs = mx.array([r.last for r in g.rows])
-        logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+        kw = embedding_kwargs(self.model, g.rows, [r.at for r in g.rows],
+                              [[r.last] for r in g.rows], 1)     # ({}: no row has images)
+        logits = self.model(inputs[:, None], cache=g.caches, **kw)[:, -1, :]
+        for r in g.rows:
+            r.embeds = None
         g.next_tokens, lp = self._sample(g, inputs, logits)
         g.next_logprobs = list(lp)
         mx.async_eval(g.next_tokens, g.next_logprobs)
@@ -417,11 +430,13 @@ class BatchScheduler(LookupSteps):
 
     def _prefill_chunk(self):
         g = self._prefill
-        chunks = []
+        chunks, starts = [], []
         for r in g.rows:
             chunks.append(r.pending[:self.prefill_step_size])
             r.pending = r.pending[self.prefill_step_size:]
             r.tokens.extend(chunks[-1])
+            starts.append(r.at)
+            r.at += len(chunks[-1])
         lengths = [len(c) for c in chunks]
         T = max(lengths)
         if self.prefill_bucket:
@@ -435,7 +450,8 @@ class BatchScheduler(LookupSteps):
             tokens = mx.array([c + [0] * p for c, p in zip(chunks, pads)])
         else:
             tokens = mx.array(chunks)
-        self.model(tokens, cache=g.caches)
+        self.model(tokens, cache=g.caches,     # ({}: no row has images, batch_vision)
+                   **embedding_kwargs(self.model, g.rows, starts, chunks, T))
         _eval_caches(g.caches)
         if padded:
             for c in g.caches:

@@ -27,6 +27,11 @@ class BatchRequest:
     return_cache: bool = False                  # the finishing event carries the row's KV
     lookup: Optional[object] = None             # engine.step.batch_lookup.RowLookup: greedy
                                                 # prompt-lookup speculation (L1)
+    embeddings: Optional[mx.array] = None       # [1, len(prompt), D]: the prompt's input
+                                                # embeddings (images merged in), fed instead
+                                                # of its tokens' own (engine.step.batch_vision)
+    on_prefilled: Optional[Callable] = None     # fn(single-row caches): once the row's caches
+                                                # hold its prompt but the last token
 
 
 @dataclass

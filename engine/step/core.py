@@ -16,7 +16,9 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    adapters (the batch runs the base weights), brings its own prefix caches or speculates
    with a draft model (`engine.step.draft`) or with prompt lookup where the batch cannot take
    it (`engine.step.lookup`; on the L1 batch runner it is a speculating row,
-   `engine.step.batch_lookup`); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
+   `engine.step.batch_lookup`; a request with images is a row of the L1 batch runner,
+   `engine.step.batch_vision`, and runs alone on the fast runner or in deterministic
+   mode); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
    estimate fits (a lone row always runs: its own check passed at submit) and at most
    `max_batch` rows are in the batch (the rest wait, `stats()["waiting"]`). A request
    running alone runs beside the batch (one at a time); one that samples from a seed
@@ -124,6 +126,10 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         # over full-attention caches; elsewhere a lookup request runs alone
         self.lookup_rows = (self._sched is not None and self._fast_step is None
                             and not self.deterministic and lookup_unsupported(model) is None)
+        # a request with images as a row of the batch (its prompt prefilled from its merged
+        # embeddings, engine.step.batch_vision): the L1 batch runner; elsewhere it runs alone
+        self.image_rows = (self._sched is not None and self._fast_step is None
+                           and not self.deterministic)
         self._ids = itertools.count()
         self._waiting: deque = deque()
         self._live: dict = {}            # rid -> RequestState (waiting or running)
@@ -224,7 +230,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         prefix_caches: per-layer caches that already hold the context before `prompt`
         (e.g. `engine.kv.cache_file.load_prompt_cache`); the request runs on them (one at a
         time) and they are not stored in the prompt cache.
-        vision: the prompt's images (`vision_prompt` makes the ids and it); runs alone."""
+        vision: the prompt's images (`vision_prompt` makes the ids and it); a row of the batch
+        where `image_rows` (else it runs alone, `solo_reasons["images"]`)."""
         params = (params or SamplingParams()).resolved(self.tokenizer)
         ids = encode_prompt(self.tokenizer, prompt, tools, template_kwargs)
         if not ids:
@@ -252,7 +259,9 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         reason = "prefix_caches" if prefix_caches else self._solo_reason(adapter, params)
         if vision is not None:
             self.check_vision(vision, ids)
-            reason, cache_namespace = "images", f"{cache_namespace}:images:{vision.digest}"
+            cache_namespace = f"{cache_namespace}:images:{vision.digest}"
+            if reason is None and not self.image_rows:
+                reason = "images"
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
         req.prefix, req.vision = prefix_caches or None, vision

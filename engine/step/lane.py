@@ -32,13 +32,29 @@ class BatchLane:
             req.spec = self.spec.for_request("lookup")
             lookup = RowLookup(p.prompt_lookup, p.num_draft_tokens, limit=p.max_tokens,
                                stats=req.spec)
+        embeds = self.prompt_embeddings(req)   # images merged in (None: no images to embed)
+        snapshot = None
+        if req.vision is not None and self._sliding_windows():
+            # (as the alone path does: a sliding-window ring that wraps while decoding can no
+            # longer be trimmed back to the prompt, so the prompt is kept when prefilled)
+            def snapshot(caches, req=req):
+                self._keep(req, req.ids[:len(req.ids) - 1], caches)
         req.tic = time.perf_counter()
         req.uid = self._sched.submit(BatchRequest(
             req.ids[req.reused:], max_tokens=None, sampler=self._sampler(p),
             seed=p.seed, logits_processors=p.make_processors(),
-            caches=caches, history=req.ids[:req.reused], lookup=lookup,
+            caches=caches, history=req.ids[:req.reused], lookup=lookup, embeddings=embeds,
+            on_prefilled=snapshot,
             return_cache=self.prompt_cache is not None or self.disk_cache is not None))
         self._rows[req.uid] = req
+
+    def _sliding_windows(self) -> bool:
+        """Whether the model's caches have sliding-window rings."""
+        from engine.kv.cache import RotatingKVCache   # (engine.kv.cache imports the models)
+
+        if getattr(self, "_rings", None) is None:
+            self._rings = any(isinstance(c, RotatingKVCache) for c in self.model.make_cache())
+        return self._rings
 
     def _row_ended(self, req: RequestState) -> None:
         if req.spec is not None:     # (a speculating row's counts among the recent ones)

@@ -1,11 +1,15 @@
 """The Engine's side of images in prompts (`engine.vision`): building a prompt from chat
 messages with image parts, and a request's input embeddings with the images' features
-merged in (computed when its prefill starts, on the request running alone).
+merged in (computed when it starts: it joins the batch, or starts running alone).
 
-A request with images runs alone (`solo_reasons["images"]`), on mlx-vlm's token loop
-(the prompt's embeddings through the prefill and the last prompt token's step). Its
-prompt-cache namespace carries the digest of the images' bytes, so a prefix is reused only
-by a request with the same images (a text-only prefix is not shared with it)."""
+A request with images is a row of the L1 batch runner (`engine.step.batch_vision`: its
+prompt's chunks and its last prompt token's step take its merged embeddings, the other rows
+of those forwards their tokens' own). On the fast runner, in deterministic mode and where
+every request runs alone (max_batch 1, quantized KV, adapters, ...) it runs alone
+(`solo_reasons["images"]` for the first two), on mlx-vlm's token loop (the prompt's
+embeddings through the prefill and the last prompt token's step). Its prompt-cache namespace
+carries the digest of the images' bytes, so a prefix is reused only by a request with the
+same images (a text-only prefix is not shared with it)."""
 
 from __future__ import annotations
 

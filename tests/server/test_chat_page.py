@@ -232,7 +232,8 @@ def test_browser_attaches_an_image(browser, tmp_path):
         assert d.find_element(By.ID, "status").text == "done"
         img = d.find_elements(By.CSS_SELECTOR, ".msg.user img")
         assert len(img) == 1 and img[0].get_attribute("src").startswith("data:image/png;base64,")
-        assert s.state.engine.stats()["solo_reasons"].get("images") == 1
+        st = s.state.engine.stats()      # (a row of the batch, issue #40)
+        assert st["lanes"]["batch"] >= 1 and not st["solo_reasons"].get("images")
         assert d.find_element(By.ID, "attach").get_attribute("value") == ""   # cleared
     finally:
         stop_server(s)
