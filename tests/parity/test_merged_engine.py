@@ -136,4 +136,4 @@ def test_engine_serve_merged_proj_flag_keeps_batching(monkeypatch):
     monkeypatch.delenv("MLXP_MERGED_PROJ", raising=False)
     monkeypatch.delenv("MLXP_TIER", raising=False)
     cfg = config_from_args(parser().parse_args(["--merged-proj"]))
-    assert cfg.levers.merged_proj and not cfg.levers.fast_decode and cfg.batch == 8
+    assert cfg.levers.merged_proj and not cfg.levers.fast_decode and cfg.batch == 32

@@ -87,7 +87,7 @@ def test_flag_units_and_aliases():
     assert c.kv_quant == "8" and c.thinking is False and c.template_kwargs == {"a": 1}
     d = config_from_args(parser().parse_args([]))
     assert (d.host, d.port, d.kv_quant, d.prompt_cache_bytes, d.batch) == (
-        "127.0.0.1", 8090, "config", None, 8)            # None: a share of the budget
+        "127.0.0.1", 8090, "config", None, 32)           # None: a share of the budget
     assert config_from_args(parser().parse_args(["--prompt-cache-bytes", "123"])) \
         .prompt_cache_bytes == 123
     with pytest.raises(SystemExit):
