@@ -11,18 +11,15 @@ BatchGenerator's schedule, so the same inserts give the same forwards):
    that finished (EOS or stop token, stop string, `max_tokens`: with a tokenizer,
    stop tokens and a `max_tokens`; the Engine gives none and ends rows itself,
    after its one update for every runner, with `retire`);
-2. **admit** — queued requests join the prefill group (bounded by
-   `prefill_batch_size` and `completion_batch_size`), their caches stacked
-   right-aligned and appended to the group's caches (no re-merge of the rest);
-3. **graduate** — rows whose prompt is consumed except its last token leave
-   the prefill group: one forward of that last token (the first decode step)
-   gives their first sampled token, and they are appended to the decode group;
+2. **admit** — queued requests join the prefill group (bounded by `prefill_batch_size` and
+   `completion_batch_size`), their caches stacked right-aligned and appended;
+3. **graduate** — rows whose prompt is consumed but its last token: one forward of that
+   token gives their first sampled token, and they join the decode group;
 4. **prefill** — one chunk (<= `prefill_step_size` tokens per row) of every
    remaining prompt, right-padded to the longest, then rolled to left padding,
    so long prompts never stall the decoding rows for more than one chunk.
 
-`cancel(uid)` removes a row between steps (queued, prefilling or decoding).
-The scheduler never touches HTTP; a server lane drives `step()` from one thread.
+`cancel(uid)` removes a row between steps; a server lane drives `step()` from one thread.
 """
 
 from __future__ import annotations
