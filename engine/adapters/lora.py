@@ -40,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine.adapters.rows import row_mask
 from engine.adapters.switch import SWITCH_TYPES, LoRASwitchLinear
 from engine.models.switch import SwitchGLU
 
@@ -87,6 +88,11 @@ def input_dims(linear) -> int:
     return in_dims
 
 
+def _add(y, update, rows):
+    """y + update, or only in the rows selected (`rows`: a boolean mask; None: every row)."""
+    return y + update if rows is None else mx.where(rows, y + update, y)
+
+
 class LoRALinear(nn.Module):
     """A base projection plus LoRA updates (see the module docstring)."""
 
@@ -132,13 +138,16 @@ class LoRALinear(nn.Module):
 
     def __call__(self, x):
         y = self.linear(x)
-        if self.enabled and self.scale != 0 and self.has_primary:
-            z = (self.dropout(x) @ self.lora_a) @ self.lora_b
-            y = y + (self.scale * z).astype(x.dtype)
+        if self.has_primary and self.scale != 0:
+            m = row_mask(self.primary_name, y.ndim)   # (rows of a batch: engine.adapters.rows)
+            if m is not None or self.enabled:
+                z = (self.dropout(x) @ self.lora_a) @ self.lora_b
+                y = _add(y, (self.scale * z).astype(x.dtype), m)
         for it in self._stack.items:
-            if it["active"] and it["scale"] != 0:
+            m = row_mask(it["name"], y.ndim)
+            if (m is not None or it["active"]) and it["scale"] != 0:
                 z = (x @ it["a"]) @ it["b"]
-                y = y + (it["scale"] * z).astype(x.dtype)
+                y = _add(y, (it["scale"] * z).astype(x.dtype), m)
         return y
 
     def fused_weight(self) -> mx.array:

@@ -29,141 +29,20 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from engine.kv.batch_cache import batch_caches, extend_caches
+from engine.adapters.rows import selected
+from engine.kv.batch_cache import batch_caches
 from engine.kv.cache import temporal_caches
 from engine.step.batch_types import BatchRequest, RowEvent
-from engine.step.batch_lookup import LookupRow, LookupSteps
+from engine.step.batch_lookup import LookupSteps
+from engine.step.batch_rows import Group, Row, eval_caches, extract_row, guarded, pooled
 from engine.step.batch_vision import embedding_kwargs
 from engine.step.lookup import lookup_unsupported
 from engine.step.row_processors import apply_processors, batched
 from engine.step.sampling import greedy
-from engine.text.stop import TextStream
 
 __all__ = ["BatchRequest", "RowEvent", "BatchScheduler", "batch_generate"]
 
 PREFILL_BUCKET = 64
-
-
-class _Row:
-    __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
-                 "text", "cancelled", "error", "spec", "embeds", "at")
-
-    def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
-        self.uid, self.req = uid, req
-        prompt = list(req.prompt)
-        self.pending = prompt[:-1]        # prefilled in chunks
-        self.last = prompt[-1]            # fed as the first decode step
-        self.embeds = req.embeddings      # the prompt's input embeddings (images), until used
-        self.at = 0                       # prompt tokens prefilled
-        self.tokens = list(req.history)   # tokens in the row's cache (processor context)
-        self.n = 0
-        self.key = mx.random.key(req.seed) if req.seed is not None else None
-        self.stops = stops
-        self.text = None
-        self.cancelled = False
-        self.error: Optional[BaseException] = None   # raised by this row's own code
-        self.spec = LookupRow(req.lookup, req.max_tokens) if req.lookup is not None else None
-        if tokenizer is not None:
-            stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-            self.text = TextStream(tokenizer, stop)
-        elif req.stop:
-            raise ValueError("stop strings need a tokenizer")
-
-    @property
-    def sampler(self):
-        return self.req.sampler or greedy
-
-    def sample(self, logprobs):
-        if self.key is None:
-            return self.sampler(logprobs)
-        self.key, sub = mx.random.split(self.key)
-        return self.sampler(logprobs, key=sub)
-
-
-def _pooled(caches) -> bool:
-    """Whether a group's caches are the fast runner's slot pool (engine.fast.slots.SlotPool)
-    rather than a list of per-layer batch caches."""
-    return not isinstance(caches, list)
-
-
-def _extract(caches, i: int) -> list:
-    """Row i of a group's caches as single-row caches (one per layer)."""
-    return caches.extract(i) if _pooled(caches) else [c.extract(i) for c in caches]
-
-
-class _Group:
-    """Rows that share batched caches (one prefill group, one decode group). The decode
-    group of the fast runner keeps its rows' KV in a slot pool (`caches` is then an
-    `engine.fast.slots.SlotPool`, for the group's lifetime)."""
-
-    def __init__(self, caches=None):
-        self.rows: List[_Row] = []
-        self.caches = [] if caches is None else caches
-        self.next_tokens = None            # decode group: [B] sampled, not yet emitted
-        self.next_logprobs: list = []
-        self.procs_key = None              # row uids `procs` was built for
-        self.procs = None                  # row_processors.batched(rows' processors)
-
-    def __len__(self):
-        return len(self.rows)
-
-    def filter(self, keep: List[int]):
-        self.rows = [self.rows[i] for i in keep]
-        if _pooled(self.caches):
-            self.caches.filter(keep)
-        elif not keep:
-            self.caches = []
-        else:
-            for c in self.caches:
-                c.filter(keep)
-        if not keep:
-            self.next_tokens, self.next_logprobs = None, []
-            return
-        if self.next_tokens is not None:
-            self.next_tokens = self.next_tokens[mx.array(keep)]
-            self.next_logprobs = [self.next_logprobs[i] for i in keep]
-
-    def take(self, idx: List[int]) -> "_Group":
-        """Split rows idx (sorted) off into a new group."""
-        out = _Group()
-        out.rows = [self.rows[i] for i in idx]
-        out.caches = [_clone(c) for c in self.caches]
-        for c in out.caches:
-            c.filter(idx)
-        rest = [i for i in range(len(self.rows)) if i not in set(idx)]
-        self.filter(rest)
-        return out
-
-    def extend(self, other: "_Group"):
-        self.rows.extend(other.rows)
-        self.caches = (self.caches.extend(other.caches) if _pooled(self.caches)
-                       else extend_caches(self.caches, other.caches))
-        if other.next_tokens is not None:
-            self.next_tokens = (other.next_tokens if self.next_tokens is None
-                                else mx.concatenate([self.next_tokens, other.next_tokens]))
-            self.next_logprobs.extend(other.next_logprobs)
-
-
-def _guarded(row: "_Row", fn, fallback, *args):
-    """fn(*args) for one row's own code (its processors, sampler, detokenizer): an
-    exception marks the row failed (it ends with finish_reason "error" at its next
-    event) and `fallback(*args)` stands in, so the other rows' step goes on."""
-    if row.error is None:
-        try:
-            return fn(*args)
-        except Exception as e:
-            row.error = e
-    return fallback(*args)
-
-
-def _clone(c):
-    n = type(c).__new__(type(c))
-    n.__dict__.update(c.__dict__)
-    return n
-
-
-def _eval_caches(caches):
-    mx.eval([a for c in caches for a in c.state if a is not None])
 
 
 class BatchScheduler(LookupSteps):
@@ -197,13 +76,13 @@ class BatchScheduler(LookupSteps):
         # CUDA a new chunk length costs a new attention plan (cuDNN: 45-90 ms on an H100),
         # so repeating lengths keep the first token fast; L1 pads as BatchGenerator does
         self.prefill_bucket = PREFILL_BUCKET if decoder is not None else 0
-        self._queue: deque[_Row] = deque()
-        self._prefill = _Group()
+        self._queue: deque[Row] = deque()
+        self._prefill = Group()
         pool = None
         if decoder is not None:
             from engine.fast.slots import SlotPool   # (engine.fast imports the models)
             pool = SlotPool(decoder, model)
-        self._decode = _Group(pool)
+        self._decode = Group(pool)
         self._uid = 0
         self._cancelled: List[RowEvent] = []
         self.steps = 0
@@ -225,7 +104,7 @@ class BatchScheduler(LookupSteps):
             raise ValueError(f"embeddings for {req.embeddings.shape[1]} tokens, the prompt "
                              f"has {len(req.prompt)}")
         stops = self.eos if req.stop_tokens is None else set(int(t) for t in req.stop_tokens)
-        row = _Row(self._uid, req, stops, self.tokenizer)
+        row = Row(self._uid, req, stops, self.tokenizer)
         self._uid += 1
         self._queue.append(row)
         return row.uid
@@ -262,7 +141,7 @@ class BatchScheduler(LookupSteps):
         return bool(self._queue or self._prefill.rows or self._decode.rows or self._cancelled)
 
     def kv_nbytes(self) -> int:
-        return sum(g.caches.nbytes if _pooled(g.caches) else sum(c.nbytes for c in g.caches)
+        return sum(g.caches.nbytes if pooled(g.caches) else sum(c.nbytes for c in g.caches)
                    for g in (self._prefill, self._decode))
 
     # -- the loop -----------------------------------------------------------------
@@ -287,7 +166,7 @@ class BatchScheduler(LookupSteps):
             yield from self.step()
 
     # -- phases ---------------------------------------------------------------------
-    def _sample(self, g: _Group, inputs: mx.array, logits: mx.array):
+    def _sample(self, g: Group, inputs: mx.array, logits: mx.array):
         """g's rows' next tokens from one decode forward's logits [B, V] on inputs [B]
         (the callers run the forward themselves: one frame less between the engine's step
         and the model); returns (sampled [B], logprobs [B, V])."""
@@ -299,11 +178,11 @@ class BatchScheduler(LookupSteps):
         if all(r.key is None and r.sampler is s0 for r in rows):
             sampled = s0(logprobs)                     # one batched call (global PRNG)
         else:
-            sampled = mx.concatenate([_guarded(r, r.sample, greedy, logprobs[e:e + 1])
+            sampled = mx.concatenate([guarded(r, r.sample, greedy, logprobs[e:e + 1])
                                       for e, r in enumerate(rows)])
         return sampled, logprobs
 
-    def _process(self, g: _Group, rows, inputs, logits):
+    def _process(self, g: Group, rows, inputs, logits):
         """Each row's logits processors, in its list order. A leading run of logit-bias
         processors is applied to all rows at once (one scatter-add of every row's
         (row, token, bias); per element the same `at[].add` as row by row, so the same
@@ -329,9 +208,14 @@ class BatchScheduler(LookupSteps):
             if procs:
                 ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32),
                                       inputs[e:e + 1].astype(mx.int32)])
-                lg = _guarded(r, apply_processors, lambda lg, *_: lg, lg, procs, ctx)
+                lg = guarded(r, apply_processors, lambda lg, *_: lg, lg, procs, ctx)
             out.append(lg)
         return mx.concatenate(out, axis=0)
+
+    def _forward(self, g: Group, tokens, **kw):
+        """The model over g's rows, each with its own adapters (`engine.adapters.rows`)."""
+        with selected([r.req.adapters for r in g.rows]):
+            return self.model(tokens, cache=g.caches, **kw)
 
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
@@ -340,10 +224,10 @@ class BatchScheduler(LookupSteps):
             if events is not None:
                 return events
         inputs, cur_lp = g.next_tokens, g.next_logprobs
-        if _pooled(g.caches):                  # the fast runner (L3)
+        if pooled(g.caches):                  # the fast runner (L3)
             logits = g.caches(inputs)
         else:
-            logits = self.model(inputs[:, None], cache=g.caches)[:, -1, :]
+            logits = self._forward(g, inputs[:, None])[:, -1, :]
         sampled, logprobs = self._sample(g, inputs, logits)
         g.next_tokens, g.next_logprobs = sampled, list(logprobs)
         mx.async_eval(g.next_tokens, g.next_logprobs)
@@ -357,7 +241,7 @@ class BatchScheduler(LookupSteps):
             g.filter(keep)
         return events
 
-    def _emit(self, g: _Group, i: int, row: _Row, tok: int, lp, events: list,
+    def _emit(self, g: Group, i: int, row: Row, tok: int, lp, events: list,
               extra: int = 0) -> bool:
         """Hand out token `tok` of row i of g (an event into `events`); False when the row ends
         with it. Its KV, when the row asked for it, then leaves without the `extra` tokens
@@ -374,19 +258,19 @@ class BatchScheduler(LookupSteps):
         if tok in row.stops:
             ev.finish_reason, ev.stop_token = "stop", True
         if row.text is not None:
-            _guarded(row, self._text, lambda *_: None, row, ev)
+            guarded(row, self._text, lambda *_: None, row, ev)
             if row.error is not None:
                 ev.finish_reason, ev.error = "error", row.error
                 return False
         if ev.finish_reason is None:
             return True
         if row.req.return_cache:
-            ev.caches = _extract(g.caches, i)
+            ev.caches = extract_row(g.caches, i)
             for c in ev.caches if extra else ():
                 c.trim(extra)
         return False
 
-    def _text(self, row: _Row, ev: RowEvent):
+    def _text(self, row: Row, ev: RowEvent):
         text, hit = row.text.feed(None if ev.stop_token else ev.token,
                                   ev.finish_reason is not None)
         if hit:
@@ -398,7 +282,7 @@ class BatchScheduler(LookupSteps):
                 self.completion_batch_size - len(self._decode), len(self._queue))
         if n <= 0:
             return
-        new = _Group()
+        new = Group()
         new.rows = [self._queue.popleft() for _ in range(n)]
         per_row = [r.req.caches if r.req.caches is not None else self.model.make_cache()
                    for r in new.rows]
@@ -411,11 +295,11 @@ class BatchScheduler(LookupSteps):
         g = self._prefill.take(idx)
         for i, r in enumerate(g.rows):     # (a snapshot of the prompt but its last token)
             if r.req.on_prefilled is not None and r.at:
-                r.req.on_prefilled(_extract(g.caches, i))
+                r.req.on_prefilled(extract_row(g.caches, i))
         inputs = mx.array([r.last for r in g.rows])
         kw = embedding_kwargs(self.model, g.rows, [r.at for r in g.rows],
                               [[r.last] for r in g.rows], 1)     # ({}: no row has images)
-        logits = self.model(inputs[:, None], cache=g.caches, **kw)[:, -1, :]
+        logits = self._forward(g, inputs[:, None], **kw)[:, -1, :]
         for r in g.rows:
             r.embeds = None
         g.next_tokens, lp = self._sample(g, inputs, logits)
@@ -447,13 +331,13 @@ class BatchScheduler(LookupSteps):
             tokens = mx.array([c + [0] * p for c, p in zip(chunks, pads)])
         else:
             tokens = mx.array(chunks)
-        self.model(tokens, cache=g.caches,     # ({}: no row has images, batch_vision)
-                   **embedding_kwargs(self.model, g.rows, starts, chunks, T))
-        _eval_caches(g.caches)
+        self._forward(g, tokens,       # ({}: no row has images, batch_vision)
+                      **embedding_kwargs(self.model, g.rows, starts, chunks, T))
+        eval_caches(g.caches)
         if padded:
             for c in g.caches:
                 c.finalize()
-            _eval_caches(g.caches)
+            eval_caches(g.caches)
 
     def retire(self, uids, unused: Optional[dict] = None) -> dict:
         """End decoding rows now (their caller's update decided they finished: the Engine's
@@ -467,7 +351,7 @@ class BatchScheduler(LookupSteps):
         out, keep = {}, []
         for i, r in enumerate(g.rows):
             if r.uid in want:
-                out[r.uid] = _extract(g.caches, i) if r.req.return_cache else None
+                out[r.uid] = extract_row(g.caches, i) if r.req.return_cache else None
                 for c in out[r.uid] if out[r.uid] and unused.get(r.uid) else ():
                     c.trim(unused[r.uid])
             else:
@@ -482,7 +366,7 @@ class BatchScheduler(LookupSteps):
         for g in (self._decode, self._prefill):
             for i, r in enumerate(g.rows):
                 if r.uid == uid:
-                    return _extract(g.caches, i)
+                    return extract_row(g.caches, i)
         return None
 
 

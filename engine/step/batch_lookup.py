@@ -96,7 +96,7 @@ class LookupSteps:
                     r.spec.stats.record(0, 0)
             return None
         tokens = mx.array([[y] + d + [0] * (K - len(d)) for y, d in zip(ys, drafts)])
-        logits = self.model(tokens, cache=g.caches)                # [B, K + 1, V]
+        logits = self._forward(g, tokens)                          # [B, K + 1, V]
         sampled, logprobs = self._sample(g, inputs, logits[:, 0, :])
         spec = [e for e, r in enumerate(rows) if r.spec is not None]
         lp = logits[mx.array(spec)]

@@ -32,6 +32,8 @@ class BatchRequest:
                                                 # of its tokens' own (engine.step.batch_vision)
     on_prefilled: Optional[Callable] = None     # fn(single-row caches): once the row's caches
                                                 # hold its prompt but the last token
+    adapters: tuple = ()                        # runtime adapter ids of this row
+                                                # (engine.adapters.rows; the rest: base)
 
 
 @dataclass

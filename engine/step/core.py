@@ -130,6 +130,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         # embeddings, engine.step.batch_vision): the L1 batch runner; elsewhere it runs alone
         self.image_rows = (self._sched is not None and self._fast_step is None
                            and not self.deterministic)
+        # a request with runtime adapters as a row (engine.adapters.rows): the L1 batch runner
+        self.adapter_rows = self._sched is not None and self._fast_step is None
         self._ids = itertools.count()
         self._waiting: deque = deque()
         self._live: dict = {}            # rid -> RequestState (waiting or running)
@@ -286,7 +288,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             return "max_kv_size"
         if self.policy.active:
             return "kv_quant"
-        if adapter:
+        if adapter and not self.adapter_rows:
             return "adapters"
         return None
 

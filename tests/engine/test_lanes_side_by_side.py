@@ -1,4 +1,4 @@
-"""A request that runs alone (adapters, prefix caches) runs beside the batch, not after it.
+"""A request that runs alone (prefix caches; adapters on the fast runner) runs beside the batch.
 
 Each Engine.step runs one unit of the request running alone (a prefill chunk or a token) and
 one step of the batch: the batch keeps decoding, later batch requests keep joining, and
@@ -44,10 +44,10 @@ def _alone(model, tok, prompt, params, **kw):
     return _run(eng, [(0, prompt, params, kw)])[0][0]
 
 
-@pytest.mark.parametrize("tier", ["l1", "l3"])
-def test_an_adapter_request_runs_beside_the_batch(qwen_path, tmp_path, tier):
-    model, tok = engine.load(qwen_path)
-    eng = Engine.load(qwen_path, max_batch=4, levers=parse_spec(tier))
+def test_an_adapter_request_runs_beside_the_fast_batch(qwen_path, tmp_path):
+    """On the fast runner a request with adapters runs alone, beside the rows (on the L1 batch
+    runner it is a row itself: tests/engine/test_adapter_rows.py)."""
+    eng = Engine.load(qwen_path, max_batch=4, levers=parse_spec("l3"))
     eng.adapters.mount("a", str(make_adapter(qwen_path, tmp_path / "a", seed=1)))
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     short = SamplingParams(max_tokens=8, temperature=0.0)
@@ -61,18 +61,9 @@ def test_an_adapter_request_runs_beside_the_batch(qwen_path, tmp_path, tier):
     assert seen[2][-1] < seen[0][-1] and seen[2][-1] < seen[1][-1]
     assert seen[3][0] < seen[2][-1]
     assert eng.stats()["peak_rows"] >= 3
-    if tier == "l3":
-        traces = eng.stats()["fast"]["traces"]
-        _run(eng, plan)                      # the same traffic again: adapters switched on and
-        assert eng.stats()["fast"]["traces"] == traces    # off every step, no new trace
-        return
-    # (L1) each request's tokens are those of the request run by itself
-    for k in (0, 1, 3):
-        assert out[k] == _alone(model, tok, plan[k][1], plan[k][2])
-    ref = Engine.load(qwen_path, max_batch=4)
-    ref.adapters.mount("a", str(make_adapter(qwen_path, tmp_path / "b", seed=1)))
-    assert out[2] == _run(ref, [(0, plan[2][1], short, {"adapter": ("a",)})])[0][0]
-    assert out[2] != _alone(model, tok, plan[2][1], short)        # (the adapter matters)
+    traces = eng.stats()["fast"]["traces"]
+    _run(eng, plan)                      # the same traffic again: adapters switched on and
+    assert eng.stats()["fast"]["traces"] == traces    # off every step, no new trace
 
 
 def test_prefix_cache_request_runs_beside_the_batch(qwen_path):
@@ -91,18 +82,25 @@ def test_prefix_cache_request_runs_beside_the_batch(qwen_path):
     assert out[0] == _alone(model, tok, "one two three", greedy)
 
 
-def test_seeded_sampling_alone_waits_for_the_batch_and_stays_reproducible(qwen_path, tmp_path):
-    eng = Engine.load(qwen_path, max_batch=4)
-    eng.adapters.mount("a", str(make_adapter(qwen_path, tmp_path / "a", seed=1)))
+def _prefix(model, tok, text):
+    caches = model.make_cache()
+    mx.eval(model(mx.array(tok.encode(text))[None], cache=caches))
+    return caches
+
+
+def test_seeded_sampling_alone_waits_for_the_batch_and_stays_reproducible(qwen_path):
+    model, tok = engine.load(qwen_path)
+    eng = Engine(model, tok, max_batch=4)
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
     noisy = SamplingParams(max_tokens=12, temperature=1.0)
+    alone_kw = {"prefix_caches": _prefix(model, tok, "a shared beginning")}
     plan = [(0, "one two three", noisy, {}), (0, "alpha", noisy, {}),
-            (1, "the seeded one", seeded, {"adapter": ("a",)}),
+            (1, tok.encode(" the seeded one"), seeded, alone_kw),
             (2, "after it", SamplingParams(max_tokens=4, temperature=0.0), {})]
     out, seen = _run(eng, plan)
     # it started after the batch drained; the batch request after it waited for it
     assert seen[2][0] > max(seen[0][-1], seen[1][-1])
     assert seen[3][0] > seen[2][0]
-    alone = Engine.load(qwen_path, max_batch=4)
-    alone.adapters.mount("a", str(make_adapter(qwen_path, tmp_path / "b", seed=1)))
-    assert out[2] == _run(alone, [(0, plan[2][1], seeded, {"adapter": ("a",)})])[0][0]
+    alone = Engine(model, tok, max_batch=4)
+    again = {"prefix_caches": _prefix(model, tok, "a shared beginning")}
+    assert out[2] == _run(alone, [(0, plan[2][1], seeded, again)])[0][0]

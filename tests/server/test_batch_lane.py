@@ -167,8 +167,8 @@ def test_full_queue_gets_503_with_retry_after(bsrv):
 
 
 def test_openai_sdk_streams_mixed_lanes(bsrv, ssrv):
-    """Official SDK, concurrent streams: batchable and serial-lane (per-request adapter)
-    requests mixed."""
+    """Official SDK, concurrent streams: requests with and without a per-request adapter mixed,
+    all rows of the batch (each row with its own adapter)."""
     from openai import OpenAI
     client = OpenAI(base_url=bsrv.v1, api_key="sk-x", max_retries=0, timeout=120)
     ref = {p: _chat(ssrv.url, p)["choices"][0]["message"]["content"] for p in PROMPTS}
@@ -192,10 +192,8 @@ def test_openai_sdk_streams_mixed_lanes(bsrv, ssrv):
     for i, p in enumerate(PROMPTS * 2):
         assert out[i] == (ref_a if i % 3 == 0 else ref)[p], (i, p)
     after = _stats(bsrv.url)
-    n_serial = len(range(0, 2 * len(PROMPTS), 3))
-    assert after["serial_reasons"].get("adapters", 0) - \
-        before["serial_reasons"].get("adapters", 0) == n_serial
-    assert after["lanes"]["batch"] - before["lanes"]["batch"] == 2 * len(PROMPTS) - n_serial
+    assert after["serial_reasons"].get("adapters", 0) == before["serial_reasons"].get("adapters", 0)
+    assert after["lanes"]["batch"] - before["lanes"]["batch"] == 2 * len(PROMPTS)
 
 
 def test_aggregate_admission_holds_rows_that_do_not_fit_together(llama_dir):
