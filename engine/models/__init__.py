@@ -1,6 +1,6 @@
 """Architectures, registered by HF `model_type`."""
 
-from . import gemma3, gemma3_text, gemma4, gemma4_text, llama, minicpm, qwen2, qwen3, qwen3_moe
+from . import gemma3, gemma3_text, gemma4, gemma4_text, llama, minicpm, qwen2, qwen2_5_vl, qwen3, qwen3_moe
 
 REGISTRY = {
     "llama": (llama.Model, llama.Args),
@@ -15,11 +15,13 @@ REGISTRY = {
 
 # Multimodal wrappers: the text decoder of a config nested under `text_config`.
 # gemma3 builds its vision tower when the config describes one (engine.models.gemma3).
+# qwen2_5_vl: Qwen2.5-VL, its vision tower and M-RoPE decoder (engine.models.qwen2_5_vl).
 # gemma4_unified is the encoder-free Gemma 4 checkpoint (its vision weights are dropped).
 WRAPPERS = {
     "gemma3": (gemma3.Model, gemma3.text_args),
     "gemma4": (gemma4.Model, gemma4.text_args),
     "gemma4_unified": (gemma4.Model, gemma4.text_args),
+    "qwen2_5_vl": (qwen2_5_vl.Model, qwen2_5_vl.text_args),
 }
 
 

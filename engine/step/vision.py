@@ -43,18 +43,35 @@ class VisionPrompts:
         if not has_vision(self.model):
             raise PromptError("this model has no vision tower: image inputs are not supported")
         n = sum(1 for t in prompt_ids if t == self.model.vision.image_token_id)
-        if n != vision.count * self.model.vision.tokens_per_image:
+        if vision.tokens is not None:      # (a size-dependent count: Qwen2.5-VL)
+            if n != vision.tokens:
+                raise PromptError(f"the prompt has {n} image tokens for {vision.count} "
+                                  f"image(s) of {vision.tokens} tokens in all")
+        elif n != vision.count * self.model.vision.tokens_per_image:
             raise PromptError(f"the prompt has {n} image tokens for {vision.count} image(s) of "
                               f"{self.model.vision.tokens_per_image} tokens each")
+        if self.positional_images() and self.policy.active:
+            raise PromptError("quantized KV is not supported for this model's image prompts "
+                              "(its multimodal positions)")
+
+    def positional_images(self) -> bool:
+        """Whether the model's images carry their own token positions (M-RoPE: Qwen2.5-VL);
+        such a request runs alone (`solo_reasons["images"]`), its positions bound to its
+        caches."""
+        return hasattr(self.model, "bind_positions")
 
     def prompt_embeddings(self, req: RequestState) -> Optional[mx.array]:
         """The uncached prompt's input embeddings [1, L - reused, D] with the images merged
         in; None without images or when every image token is in the reused prefix."""
         if req.vision is None:
             return None
+        grids = req.vision.grids
+        if grids is not None and self.positional_images():
+            self.model.bind_positions(req.caches, req.ids, grids)   # (a reused prefix too)
         image = self.model.vision.image_token_id
         if all(t != image for t in req.ids[req.reused:]):
             return None
-        embeds = self.model.embed_prompt(req.ids, req.vision.pixels)
+        extra = () if grids is None else (grids,)
+        embeds = self.model.embed_prompt(req.ids, req.vision.pixels, *extra)
         mx.eval(embeds)
         return embeds[:, req.reused:]

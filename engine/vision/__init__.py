@@ -1,5 +1,5 @@
 """Images in prompts: decoding (`images`), each vision family's preprocessing and prompt
-expansion (`gemma3`), and `vision_prompt`, which turns chat messages with image parts plus
+expansion (`gemma3`, `qwen2_5_vl`), and `vision_prompt`, which turns chat messages with image parts plus
 the images' bytes into the prompt's token ids and a `VisionInput` for `Engine.submit`.
 
 An image part in a message's content is `{"type": "image"}` (the chat templates' own
@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .gemma3 import Gemma3Preprocess, expand
+from .qwen2_5_vl import Qwen25VLPreprocess, expand as expand_runs
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_image, formats
 
 # a request's images together (16 images of 5 MP; a header declaring 36 MP in 100 bytes costs
@@ -31,11 +32,15 @@ image_formats = formats
 
 @dataclass(frozen=True)
 class VisionInput:
-    """A request's images, ready for the model: pixel values [N, C, H, W] float32 and the
-    digest of the images' bytes (in order), which keys the prompt cache."""
+    """A request's images, ready for the model: pixel values and the digest of the images'
+    bytes (in order), which keys the prompt cache. Gemma 3: pixels [N, C, H, W] float32.
+    Qwen2.5-VL: pixels [patches, C*T*P*P] float32 of all images together, `grids` each
+    image's (t, h, w) patch grid and `tokens` the prompt's image tokens in all."""
     pixels: mx.array
     digest: str
     count: int
+    grids: Optional[tuple] = None
+    tokens: Optional[int] = None
 
 
 def has_vision(model) -> bool:
@@ -54,6 +59,11 @@ def preprocessor_for(model, model_dir=None):
             pre = {}
     if info.kind == "gemma3":
         return Gemma3Preprocess.from_config(info.image_size, pre)
+    if info.kind == "qwen2_5_vl":
+        a = model.vision_tower.args
+        return Qwen25VLPreprocess.from_config(pre, {
+            "patch_size": a.patch_size, "temporal_patch_size": a.temporal_patch_size,
+            "spatial_merge_size": a.spatial_merge_size})
     raise ValueError(f"no image preprocessing for {info.kind!r}")   # pragma: no cover
 
 
@@ -98,7 +108,11 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
         if used > max_request_pixels:
             raise ImageError(f"image {i + 1}: the request's images together have more than "
                              f"{max_request_pixels:,} pixels")
-        arrays.append(preprocess.pixels(img))
+        try:
+            arrays.append(preprocess.patches(img) if info.kind == "qwen2_5_vl"
+                          else preprocess.pixels(img))
+        except ValueError as e:          # (an aspect ratio Qwen2.5-VL's resize refuses)
+            raise ImageError(f"image {i + 1}: {e}") from None
     img = None
     try:
         text = tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
@@ -106,6 +120,8 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
                                              **(template_kwargs or {}))
     except Exception as e:
         raise PromptError(f"chat template failed: {e}") from None
+    if info.kind == "qwen2_5_vl":
+        return _qwen_prompt(tokenizer, info, text, arrays, preprocess, h.hexdigest())
     boi = _token(tokenizer, info.boi_token_id)
     marks = text.count(boi)
     if marks != len(arrays):
@@ -116,3 +132,19 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
     ids = tokenizer.encode(text, add_special_tokens=False)
     pixels = mx.array(np.stack(arrays))
     return ids, VisionInput(pixels, h.hexdigest(), len(arrays))
+
+
+def _qwen_prompt(tokenizer, info, text: str, arrays: list, preprocess, digest: str) -> tuple:
+    """Qwen2.5-VL: each `<|image_pad|>` the template rendered becomes the image's tokens."""
+    from engine.step.request import PromptError
+
+    pad = _token(tokenizer, info.image_token_id)
+    marks = text.count(pad)
+    if marks != len(arrays):
+        raise PromptError(f"the prompt has {marks} image marker(s) ({pad}) for "
+                          f"{len(arrays)} image(s); the text may not contain {pad} itself")
+    grids = tuple(g for _, g in arrays)
+    counts = [preprocess.tokens_for(g) for g in grids]
+    ids = tokenizer.encode(expand_runs(text, pad, counts), add_special_tokens=False)
+    pixels = mx.array(np.concatenate([a for a, _ in arrays]))
+    return ids, VisionInput(pixels, digest, len(arrays), grids, sum(counts))
