@@ -119,6 +119,7 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = a.hidden_size, a.head_dim
         self.n_heads, self.n_kv_heads = a.num_attention_heads, a.num_key_value_heads
+        self.head_dim = hd
         self.scale = hd ** -0.5
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=True)
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=True)
