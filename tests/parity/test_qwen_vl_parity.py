@@ -1,6 +1,7 @@
 """L1 of Qwen2.5-VL's image path against mlx-vlm 0.7.x (the live oracle), all with
 `mx.array_equal`, on the `qwen2_5_vl` fixture (random weights in mlx-vlm's layout, float32
-and bfloat16, `parity.fixtures.qwen2_5_vl`): the preprocessed pixel values, grids and
+and bfloat16, `parity.fixtures.qwen2_5_vl`, and its 4- and 8-bit versions made by mlx-vlm's
+converter: decoder quantized, tower float): the preprocessed pixel values, grids and
 prompt ids, the vision tower's features, the merged embeddings and M-RoPE positions, the
 logits at every step and the greedy tokens, and the Engine's request against mlx-vlm's own
 `generate_step`. Negative controls: the M-RoPE sections swapped, one tower weight moved by
@@ -20,6 +21,7 @@ from engine.text.tokenizer import load_tokenizer
 from engine.vision import preprocessor_for
 from parity.fixtures.qwen2_5_vl import ensure_fixture
 from parity.oracles import mlx_vlm_qwen_vl as vlm
+from parity.oracles.mlx_vlm_oracle import quantized
 
 pytestmark = pytest.mark.parity
 STEPS = 10
@@ -53,9 +55,12 @@ TWO = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": 
                                     {"type": "image"}, {"type": "text", "text": "compare"}]}]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "q4", "q8"])
 def setup(request):
-    path = ensure_fixture(request.param)
+    if request.param in ("q4", "q8"):      # quantized by mlx-vlm's converter (tower float)
+        path = quantized(ensure_fixture("bfloat16"), int(request.param[1]))
+    else:
+        path = ensure_fixture(request.param)
     ref, processor = vlm.load(path)
     ours, _ = load_model(path)
     return path, ref, processor, ours, load_tokenizer(path)
@@ -205,3 +210,46 @@ def test_negative_control_one_ulp(setup):
         ours.vision_tower.blocks[0].attn.qkv.weight = keep
     assert not mx.array_equal(got, want).item()
     assert mx.array_equal(ours.image_features(vision.pixels, vision.grids), want).item()
+
+
+def test_negative_control_decode_delta(setup):
+    """The positions after the prompt count from its largest position (delta < 0): with
+    delta 0 the prompt's logits stay equal and the first decoded token's change."""
+    _, ref, _, ours, _ = setup
+    ids, vision = _ours(setup, ONE, [IMAGES["rgb_png"]])
+    grid = mx.array([list(g) for g in vision.grids])
+    want, _ = vlm.forward_logits(ref, mx.array([ids]), vision.pixels, grid, 1)
+    cache = ours.make_cache()
+    ours.bind_positions(cache, ids, vision.grids)
+    cache[0].mrope.delta = 0
+    emb = ours.embed_prompt(ids, vision.pixels, vision.grids)
+    x = mx.array([ids])
+    ours(x[:, :-1], cache=cache, input_embeddings=emb[:, :-1])
+    first = ours(x[:, -1:], cache=cache, input_embeddings=emb[:, -1:])[0, -1]
+    second = ours(mx.array([[mx.argmax(first).item()]]), cache=cache)[0, -1]
+    assert mx.array_equal(first, want[0]).item()
+    assert not mx.array_equal(second, want[1]).item()
+
+
+def test_text_rows_of_a_batch_equal_their_runs_alone():
+    """Text-only requests on the model are rows of the continuous batch (per-row offsets);
+    each row's tokens equal the same request run alone (CPU, float32)."""
+    path = ensure_fixture("float32")
+    ours, _ = load_model(path)
+    tok = load_tokenizer(path)
+    prompts = [[{"role": "user", "content": "Hello there"}],
+               [{"role": "user", "content": "A much longer question about the weather today"}]]
+
+    def run(max_batch, ps):
+        eng = Engine(ours, tok, max_batch=max_batch)
+        eng.eos = set()
+        rids = [eng.submit(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in ps]
+        out = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.token_ids
+        return [out[r] for r in rids], eng.stats()["solo_reasons"]
+
+    together, reasons = run(4, prompts)
+    assert reasons == {}
+    assert together == [run(1, [p])[0][0] for p in prompts]
