@@ -13,7 +13,8 @@ The package is grouped by concern:
 - ``engine.fast``: the L3 fast path (CUDA kernels under ``engine/fast/cuda``) and its config;
 - ``engine.distributed``: tensor parallelism (sharding, the step broadcast, followers);
 - ``engine.embeddings``: text embeddings (pooled final hidden states);
-- ``engine.vision``: images in prompts (decoding, each vision family's preprocessing);
+- ``engine.vision``: images in prompts (decoding, each vision family's preprocessing:
+  Gemma 3, Qwen2.5-VL);
 - ``engine.loader``, ``engine.convert``, ``engine.levers``, ``engine.cli``: loading, converting,
   the speed levers, the command line.
 """

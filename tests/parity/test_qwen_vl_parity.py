@@ -180,12 +180,12 @@ def test_negative_control_sections_swapped(setup):
     grid = mx.array([list(g) for g in vision.grids])
     want, _ = vlm.forward_logits(ref, mx.array([ids]), vision.pixels, grid, 0)
     lm = ours.language_model
-    keep = lm._section
+    keep = lm.freq_axis
     try:
-        lm._section = mx.array(np.sort(np.array(keep))[::-1].copy())   # w, h sections first
+        lm.freq_axis = mx.array(np.sort(np.array(keep))[::-1].copy())   # w, h sections first
         got, _ = _our_logits(ours, ids, vision, 0)
     finally:
-        lm._section = keep
+        lm.freq_axis = keep
     assert not mx.array_equal(got[0], want[0]).item()
 
 
