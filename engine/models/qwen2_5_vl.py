@@ -177,7 +177,7 @@ class TextModel(nn.Module):
             for j in range(at, min(at + n, hd // 2)):
                 sel[j] = axis
             at += n
-        self.freq_axis = mx.array(sel, mx.int32)   # the position (t, h, w) each frequency follows
+        self._freq_axis = mx.array(sel, mx.int32)   # the position (t, h, w) each frequency follows
 
     @property
     def layers(self):
@@ -202,7 +202,7 @@ class TextModel(nn.Module):
 
     def rope(self, positions: mx.array, dtype) -> tuple:
         """cos, sin [B, 1, L, head_dim] in `dtype` for positions [3, B, L]."""
-        p = mx.take(positions, self.freq_axis, axis=0).transpose(1, 2, 0)     # [B, L, hd/2]
+        p = mx.take(positions, self._freq_axis, axis=0).transpose(1, 2, 0)     # [B, L, hd/2]
         freqs = p.astype(mx.float32) * self._inv_freq
         emb = mx.concatenate([freqs, freqs], axis=-1)
         return (mx.cos(emb).astype(dtype)[:, None], mx.sin(emb).astype(dtype)[:, None])

@@ -173,19 +173,23 @@ def test_engine_matches_mlx_vlm_generate_step(setup):
     assert eng.stats()["solo_reasons"] == {"images": 1}
 
 
-def test_negative_control_sections_swapped(setup):
-    """The M-RoPE sections matter: [6, 6, 4] for [4, 6, 6] changes the first logits."""
-    _, ref, _, ours, _ = setup
+def test_negative_control_sections_swapped(setup, tmp_path):
+    """The M-RoPE sections matter: the same checkpoint with [6, 6, 4] for [4, 6, 6] in its
+    config changes the first logits."""
+    import json
+    import shutil
+
+    path, ref, _, _, _ = setup
     ids, vision = _ours(setup, ONE, [IMAGES["rgb_png"]])
     grid = mx.array([list(g) for g in vision.grids])
     want, _ = vlm.forward_logits(ref, mx.array([ids]), vision.pixels, grid, 0)
-    lm = ours.language_model
-    keep = lm.freq_axis
-    try:
-        lm.freq_axis = mx.array(np.sort(np.array(keep))[::-1].copy())   # w, h sections first
-        got, _ = _our_logits(ours, ids, vision, 0)
-    finally:
-        lm.freq_axis = keep
+    swapped = tmp_path / "swapped"
+    shutil.copytree(path, swapped)
+    cfg = json.loads((swapped / "config.json").read_text())
+    cfg["rope_scaling"]["mrope_section"] = cfg["rope_scaling"]["mrope_section"][::-1]
+    (swapped / "config.json").write_text(json.dumps(cfg))
+    other, _ = load_model(swapped)
+    got, _ = _our_logits(other, ids, vision, 0)
     assert not mx.array_equal(got[0], want[0]).item()
 
 
