@@ -4,7 +4,8 @@ Each call to `BatchScheduler.step()` does, in this order (mlx-lm 0.32.2
 BatchGenerator's schedule, so the same inserts give the same forwards):
 
 1. **decode** — one forward over every generating row (its last sampled token; over
-   [B, K + 1] when rows speculate with prompt lookup: `engine.step.batch_lookup`),
+   [B, K + 1] when rows speculate with prompt lookup, `engine.step.batch_lookup`, or with
+   a draft model, `engine.step.batch_draft`),
    sample each row's next token with its own sampler / PRNG key / processors,
    emit each row's *current* token with its logprobs (the step is pipelined:
    the token emitted now was sampled by the previous forward), and drop rows
@@ -33,6 +34,7 @@ from engine.adapters.rows import selected
 from engine.kv.batch_cache import batch_caches
 from engine.kv.cache import temporal_caches
 from engine.step.batch_types import BatchRequest, RowEvent
+from engine.step.batch_draft import DraftBatch
 from engine.step.batch_lookup import LookupSteps
 from engine.step.batch_rows import Group, Row, eval_caches, extract_row, guarded, pooled
 from engine.step.batch_vision import embedding_kwargs
@@ -57,11 +59,14 @@ class BatchScheduler(LookupSteps):
     deterministic: every row's sliding-window caches keep temporal order
     (`engine.kv.cache.temporal_caches`; engine.deterministic says why).
     A row with `lookup` speculates (`engine.step.batch_lookup`): L1, full-attention caches.
+    draft_model: a model of the same vocabulary drafting for rows with `draft`
+    (`engine.step.batch_draft`; L1 only: refused with a decoder or deterministic).
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
-                 prefill_step_size: int = 2048, decoder=None, deterministic: bool = False):
+                 prefill_step_size: int = 2048, decoder=None, deterministic: bool = False,
+                 draft_model=None):
         self.model = model
         self.decoder = decoder
         self.deterministic = deterministic
@@ -83,6 +88,10 @@ class BatchScheduler(LookupSteps):
             from engine.fast.slots import SlotPool   # (engine.fast imports the models)
             pool = SlotPool(decoder, model)
         self._decode = Group(pool)
+        if draft_model is not None:
+            if decoder is not None or deterministic:
+                raise ValueError("draft-model rows need the L1 batch runner")
+            self._decode.draft = DraftBatch(draft_model, prefill_step_size)
         self._uid = 0
         self._cancelled: List[RowEvent] = []
         self.steps = 0
@@ -94,12 +103,18 @@ class BatchScheduler(LookupSteps):
             raise ValueError("empty prompt")
         if req.max_tokens is not None and req.max_tokens <= 0:
             raise ValueError("max_tokens must be > 0")
-        if req.lookup is not None:
+        for name, spec in (("prompt lookup", req.lookup), ("a draft model", req.draft)):
+            if spec is None:
+                continue
             why = ("it needs the L1 batch runner" if self.decoder is not None or self.deterministic
                    else "it is greedy, without logits processors" if req.logits_processors
-                   or req.sampler not in (None, greedy) else lookup_unsupported(self.model))
+                   or req.sampler not in (None, greedy) else lookup_unsupported(self.model)
+                   or ("the scheduler has no draft_model" if req.draft is not None
+                       and self._decode.draft is None else None)
+                   or ("one source of drafts" if req.lookup is not None
+                       and req.draft is not None else None))
             if why:
-                raise ValueError(f"prompt lookup in the batch: {why}")
+                raise ValueError(f"{name} in the batch: {why}")
         if req.embeddings is not None and req.embeddings.shape[1] != len(req.prompt):
             raise ValueError(f"embeddings for {req.embeddings.shape[1]} tokens, the prompt "
                              f"has {len(req.prompt)}")
@@ -141,8 +156,9 @@ class BatchScheduler(LookupSteps):
         return bool(self._queue or self._prefill.rows or self._decode.rows or self._cancelled)
 
     def kv_nbytes(self) -> int:
-        return sum(g.caches.nbytes if pooled(g.caches) else sum(c.nbytes for c in g.caches)
-                   for g in (self._prefill, self._decode))
+        draft = self._decode.draft.nbytes if self._decode.draft is not None else 0
+        return draft + sum(g.caches.nbytes if pooled(g.caches) else
+                           sum(c.nbytes for c in g.caches) for g in (self._prefill, self._decode))
 
     # -- the loop -----------------------------------------------------------------
     def step(self) -> List[RowEvent]:
@@ -219,7 +235,7 @@ class BatchScheduler(LookupSteps):
 
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
-        if any(r.spec is not None for r in g.rows):    # rows speculate (batch_lookup)
+        if any(r.spec is not None for r in g.rows):    # rows speculate (batch_lookup/_draft)
             events = self._lookup_step(g)
             if events is not None:
                 return events

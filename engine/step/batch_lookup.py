@@ -1,4 +1,6 @@
-"""Prompt-lookup speculation for rows of the continuous batch (`engine.step.batch`, L1).
+"""Prompt-lookup speculation for rows of the continuous batch (`engine.step.batch`, L1), and
+the verify step that draft-model rows share (`engine.step.batch_draft`: their drafts come from
+the draft model, batched, before the verify forward; its caches are rewound after it).
 
 A row that asks for it (`BatchRequest(lookup=RowLookup(ngram, draft_tokens))`, greedy,
 without logits processors) drafts from its own prompt and output at each decode step, as
@@ -79,7 +81,8 @@ class LookupRow:
 
 class LookupSteps:
     """Mixed into `engine.step.batch.BatchScheduler`: `_lookup_step`, the decode step of a
-    group in which rows speculate (its rows' `spec`: a `LookupRow` or None)."""
+    group in which rows speculate (its rows' `spec`: a `LookupRow`, a
+    `engine.step.batch_draft.DraftRow` or None; `g.draft`: the group's `DraftBatch` or None)."""
 
     def _lookup_step(self, g) -> Optional[List]:
         """One verify step of group g when a row has a draft (its events), else None (every
@@ -87,6 +90,8 @@ class LookupSteps:
         rows = g.rows
         inputs, cur_lp = g.next_tokens, g.next_logprobs
         ys = inputs.tolist()      # (waits for the previous forward: drafts follow y)
+        if g.draft is not None:   # draft-model rows' drafts, batched (engine.step.batch_draft)
+            g.draft.propose(rows, ys)
         drafts = [r.spec.propose(r.tokens, y, r.n) if r.spec is not None else []
                   for r, y in zip(rows, ys)]
         K = max(len(d) for d in drafts)
@@ -125,6 +130,8 @@ class LookupSteps:
             runs.append(run)
         for c in g.caches:
             c.rewind(drop)
+        if g.draft is not None:
+            g.draft.rewind()
         g.next_tokens, g.next_logprobs = mx.array(nxt, dtype=inputs.dtype), nlp
         mx.async_eval(g.next_tokens, g.next_logprobs)
         events, keep = [], []

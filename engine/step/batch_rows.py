@@ -8,6 +8,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from engine.kv.batch_cache import extend_caches
+from engine.step.batch_draft import DraftRow
 from engine.step.batch_lookup import LookupRow
 from engine.step.batch_types import BatchRequest
 from engine.step.sampling import greedy
@@ -34,7 +35,8 @@ class Row:
         self.text = None
         self.cancelled = False
         self.error: Optional[BaseException] = None   # raised by this row's own code
-        self.spec = LookupRow(req.lookup, req.max_tokens) if req.lookup is not None else None
+        self.spec = (LookupRow(req.lookup, req.max_tokens) if req.lookup is not None
+                     else DraftRow(req.draft, req.max_tokens) if req.draft is not None else None)
         if tokenizer is not None:
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
             self.text = TextStream(tokenizer, stop)
@@ -75,12 +77,15 @@ class Group:
         self.next_logprobs: list = []
         self.procs_key = None              # row uids `procs` was built for
         self.procs = None                  # row_processors.batched(rows' processors)
+        self.draft = None                  # decode group: its rows' draft caches (DraftBatch)
 
     def __len__(self):
         return len(self.rows)
 
     def filter(self, keep: List[int]):
         self.rows = [self.rows[i] for i in keep]
+        if self.draft is not None:         # (the rows that left: their draft caches freed)
+            self.draft.keep(self.rows)
         if pooled(self.caches):
             self.caches.filter(keep)
         elif not keep:

@@ -27,6 +27,9 @@ class BatchRequest:
     return_cache: bool = False                  # the finishing event carries the row's KV
     lookup: Optional[object] = None             # engine.step.batch_lookup.RowLookup: greedy
                                                 # prompt-lookup speculation (L1)
+    draft: Optional[object] = None              # engine.step.batch_draft.RowDraft: greedy
+                                                # draft-model speculation (L1; the scheduler's
+                                                # draft_model)
     embeddings: Optional[mx.array] = None       # [1, len(prompt), D]: the prompt's input
                                                 # embeddings (images merged in), fed instead
                                                 # of its tokens' own (engine.step.batch_vision)

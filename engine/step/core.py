@@ -120,8 +120,12 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         # any number of rows, max_batch 1 included)
         from engine.fast.apply import fast_step_for   # (engine.fast imports the models)
         self._fast_step = fast_step_for(model, levers, self.policy)
-        self._sched = (self._new_scheduler() if max_batch > 1 or self._fast_step is not None
-                       or self.deterministic else None)
+        self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
+        batching = max_batch > 1 or self._fast_step is not None or self.deterministic
+        # greedy draft-model requests as rows of the batch (engine.step.batch_draft): the L1
+        # batch runner; sampled ones (and any elsewhere) run alone (engine.step.draft)
+        self.draft_rows = batching and draft_model is not None and self._fast_step is None
+        self._sched = self._new_scheduler() if batching else None
         # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner
         # over full-attention caches; elsewhere a lookup request runs alone
         self.lookup_rows = (self._sched is not None and self._fast_step is None
@@ -146,7 +150,6 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         self.solo_reasons: dict = {}
         from engine.step.speculation import Speculation
         self.spec = Speculation()        # speculation's counters (prompt lookup, draft model)
-        self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
 
     def _new_scheduler(self) -> BatchScheduler:
         # (no tokenizer, no stop tokens, no max_tokens: rows end by the Engine's update)
@@ -154,7 +157,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
                               prefill_step_size=self.prefill_step_size,
-                              decoder=self._fast_step, deterministic=self.deterministic)
+                              decoder=self._fast_step, deterministic=self.deterministic,
+                              draft_model=self.draft_model if self.draft_rows else None)
 
     @property
     def fast_step(self):   # the fast runner's step in force (None: the rows decode on L1)
@@ -282,7 +286,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             return "max_batch=1"
         if params.looks_up() and not self.lookup_rows:    # (else a batch row drafts)
             return "prompt_lookup"
-        if self.draft_model is not None and params.drafts():
+        if self.draft_model is not None and params.drafts() and not self._draft_row(params):
             return "draft_model"
         if self.max_kv_size:
             return "max_kv_size"

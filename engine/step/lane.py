@@ -7,13 +7,16 @@ A greedy request with prompt lookup is a speculating row (`engine.step.batch_loo
 batch can take it (`lookup_rows`: the L1 batch runner, full-attention caches, not deterministic
 mode): it may hand out several tokens in one step, one event each; once the update ends it (EOS,
 a stop string, max_tokens), the rest of that step's tokens are dropped and trimmed from the KV
-it leaves to the prompt cache."""
+it leaves to the prompt cache. A greedy request with the engine's draft model is a speculating
+row the same way (`engine.step.batch_draft`, where `draft_rows`: the L1 batch runner); a
+sampled one runs alone (`engine.step.draft`)."""
 
 from __future__ import annotations
 
 import time
 
 from engine.step.batch import BatchRequest
+from engine.step.batch_draft import RowDraft
 from engine.step.batch_lookup import RowLookup
 from engine.step.request import RequestState
 
@@ -27,11 +30,14 @@ class BatchLane:
             self.adapters.activate(())
         p = req.params
         caches = self._fetch(req)
-        lookup = None
+        lookup = draft = None
         if p.looks_up():         # (only where `lookup_rows`: else it runs alone)
             req.spec = self.spec.for_request("lookup")
             lookup = RowLookup(p.prompt_lookup, p.num_draft_tokens, limit=p.max_tokens,
                                stats=req.spec)
+        elif self._draft_row(p) and req.vision is None:   # (images: no drafts, as alone)
+            req.spec = self.spec.for_request("draft")
+            draft = RowDraft(p.num_draft_tokens, limit=p.max_tokens, stats=req.spec)
         embeds = self.prompt_embeddings(req)   # images merged in (None: no images to embed)
         snapshot = None
         if req.vision is not None and self._sliding_windows():
@@ -43,10 +49,16 @@ class BatchLane:
         req.uid = self._sched.submit(BatchRequest(
             req.ids[req.reused:], max_tokens=None, sampler=self._sampler(p),
             seed=p.seed, logits_processors=p.make_processors(),
-            caches=caches, history=req.ids[:req.reused], lookup=lookup, embeddings=embeds,
+            caches=caches, history=req.ids[:req.reused], lookup=lookup, draft=draft,
+            embeddings=embeds,
             on_prefilled=snapshot, adapters=req.adapters,
             return_cache=self.prompt_cache is not None or self.disk_cache is not None))
         self._rows[req.uid] = req
+
+    def _draft_row(self, p) -> bool:
+        """Whether a request with these (resolved) params speculates with the draft model as
+        a row of the batch: greedy, drafting (`SamplingParams.drafts`), where `draft_rows`."""
+        return self.draft_rows and p.drafts() and not p.temperature
 
     def _sliding_windows(self) -> bool:
         """Whether the model's caches have sliding-window rings."""

@@ -3,7 +3,8 @@ oracle: the same tokens, logprob vectors (`mx.array_equal`) and draft flags, gre
 seeded sampling, for the families mlx-lm speculates on (llama, qwen3: a float target, a
 draft of the same family and tokenizer), and the global PRNG left in the same state
 (the same draws, in the same order). Through `engine.step.draft.draft_generate_step`, through
-the `Engine` (one row, and a batching engine where the request runs alone), and through
+the `Engine` (one row; a batching engine, where a sampled request runs alone and a greedy one
+is a speculating batch row, engine.step.batch_draft), and through
 `engine-generate --draft-model` against `mlx_lm generate --draft-model`. A negative control
 (rejected drafts left in the caches) makes the comparison fail."""
 
@@ -128,8 +129,11 @@ def _engine_run(m, d, tok, ids, k, s, seed, max_batch):
 @pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1], SETTINGS[3]],
                          ids=[SETTING_IDS[0], SETTING_IDS[1], SETTING_IDS[3]])
 def test_the_engine_equals_mlx_lm(pair, settings, max_batch):
-    """An `Engine` with a draft model (alone on the exact runner, also beside a batch): the
-    tokens and logprob vectors mlx-lm's speculative loop gives, up to EOS; the counts."""
+    """An `Engine` with a draft model (alone on the exact runner; on a batching engine a
+    sampled request runs alone there too, a greedy one is a batch row that drafts,
+    engine.step.batch_draft): the tokens and logprob vectors mlx-lm's speculative loop gives,
+    up to EOS; the counts (mlx-lm's where it runs alone; a row's first token comes from the
+    batch's plain first step, so its verify rounds are its own, one token later than mlx-lm's)."""
     _, m, d, tok, rm, rd, ids = pair
     for seed in (0, 7):
         ref, _ = _oracle(rm, rd, ids, 3, settings, seed)
@@ -138,11 +142,14 @@ def test_the_engine_equals_mlx_lm(pair, settings, max_batch):
         assert toks == [t for t, _, _ in ref][:len(toks)] and handed >= 1
         assert all(mx.array_equal(a, b).item() for a, (_, b, _) in zip(lps, ref))
         spec = eng.stats()["speculation"]
-        assert spec["draft"]["accepted"] == sum(f for _, _, f in ref[:handed])
+        row = max_batch > 1 and settings["temperature"] == 0.0
+        if not row:
+            assert spec["draft"]["accepted"] == sum(f for _, _, f in ref[:handed])
+        assert 0 < spec["draft"]["accepted"] < handed
         assert last.speculation == {k: spec["draft"][k] for k in last.speculation}
         assert spec["lookup"]["drafted"] == 0 and spec["recent"][-1]["source"] == "draft"
         if max_batch > 1:
-            assert eng.stats()["solo_reasons"] == {"draft_model": 1}
+            assert eng.stats()["solo_reasons"] == ({} if row else {"draft_model": 1})
 
 
 def test_negative_control_rejected_drafts_left_in_the_caches(pair, monkeypatch):

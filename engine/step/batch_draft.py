@@ -1,0 +1,175 @@
+"""Draft-model speculation for greedy rows of the continuous batch (`engine.step.batch`, L1).
+
+A row that asks for it (`BatchRequest(draft=RowDraft(draft_tokens))`, greedy, without logits
+processors, on a scheduler built with `draft_model=`) gets its drafts from a second, smaller
+model of the same vocabulary: at each decode step the draft model proposes up to K tokens for
+every drafting row at once (`DraftBatch.propose`: K batched forwards over the drafting rows,
+greedy), then the target verifies them in the batch's one forward over [B, K + 1] exactly as
+prompt-lookup rows are verified (`engine.step.batch_lookup.LookupSteps._lookup_step`: the
+drafts equal to the argmax before them are kept, then the argmax after the last kept one; the
+rejected and padded columns leave the target's KV by `BatchKVCache.rewind`). Rows with
+lookup drafts and rows without speculation share the step.
+
+The draft keeps its own batched caches for its rows (`DraftBatch.caches`, the same
+`engine.kv.batch_cache` classes as the target's): a row's are prefilled with every token in
+the row's target caches (its whole prompt, a prompt-cache prefix included) at its first
+decode step, grow by the draft's forwards, and are rewound after verification like the
+target's, to the tokens the row keeps: the last draft when every draft was kept is not in
+them yet (it was never fed to the draft), so it is fed with the next step's token (mlx-lm's
+`speculative_generate_step` does the same). They are freed when the row leaves the decode
+group (`keep`, called by `engine.step.batch_rows.Group.filter`).
+
+Exactness: the tokens handed out are the target's argmax at every position, whatever the
+draft proposes; so where the verify forward gives each position the logits of a single step
+(the CPU, full attention), every row's tokens and logprobs equal those of the batch without
+speculation (tests/engine/test_batch_draft.py). The draft's caches only decide which drafts
+are proposed (the acceptance), which the same tests check against the draft model run alone.
+Sampled requests do not get here: with a draft model they run alone on the exact runner
+(`engine.step.draft`: mlx-lm's scheme, or rejection sampling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+
+from engine.kv.batch_cache import batch_caches, extend_caches
+from engine.step.speculation import SpecStats
+from engine.step.stepper import prefill
+
+__all__ = ["RowDraft", "DraftRow", "DraftBatch"]
+
+
+@dataclass
+class RowDraft:
+    """A batch row's draft-model settings. draft_tokens: K, the most drafts a step; limit:
+    tokens the row may hand out in all (its drafts never reach past it; None: the row's
+    `max_tokens`); stats: its counters (`Speculation.for_request("draft")`)."""
+
+    draft_tokens: int = 3
+    limit: Optional[int] = None
+    stats: Optional[SpecStats] = None
+
+    def __post_init__(self):
+        if self.draft_tokens < 1:
+            raise ValueError("draft-model speculation needs draft_tokens >= 1")
+
+
+class DraftRow:
+    """One row's drafting state (its `Row.spec`): the tokens its draft caches lack before the
+    current token (`pending`), this step's proposal and how many of them the draft fed."""
+
+    def __init__(self, draft: RowDraft, max_tokens: Optional[int]):
+        self.draft = draft
+        self.limit = draft.limit if draft.limit is not None else max_tokens
+        self.stats = draft.stats if draft.stats is not None else SpecStats()
+        self.pending: list = []      # tokens before y not yet in the draft's caches
+        self.proposed: list = []     # this step's drafts (set by DraftBatch.propose)
+        self.fed = 0                 # drafts of this step in the draft's caches
+        self.kept = 0                # of this step's drafts, accepted by the target
+
+    def wants(self, n: int) -> int:
+        """Drafts this step after n tokens handed out (none past the row's limit)."""
+        k = self.draft.draft_tokens
+        return k if self.limit is None else max(0, min(k, self.limit - n - 1))
+
+    def propose(self, tokens: list, y: int, n: int) -> list:
+        return self.proposed
+
+    def accept(self, drafts: list) -> None:
+        self.kept = len(drafts)
+
+
+class DraftBatch:
+    """The draft model's batched caches for the drafting rows of one decode group (in its
+    own row order). prefill_step_size: the chunk of a joining row's prefill."""
+
+    def __init__(self, model, prefill_step_size: int = 2048):
+        self.model = model
+        self.prefill_step_size = prefill_step_size
+        self.rows: list = []
+        self.caches: list = []
+        self.ran = False             # the draft ran this step (its caches hold drafts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def keep(self, rows) -> None:
+        """Only `rows` (a group's rows after a filter) stay; the others' caches are freed."""
+        live = {id(r) for r in rows}
+        idx = [i for i, r in enumerate(self.rows) if id(r) in live]
+        if len(idx) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in idx]
+        if not idx:
+            self.caches = []
+            return
+        for c in self.caches:
+            c.filter(idx)
+
+    def _join(self, rows: list, ys: list) -> None:
+        """Rows new to the draft: their caches prefilled with every token before y."""
+        per_row = []
+        for r, y in zip(rows, ys):
+            caches = self.model.make_cache()
+            prefill(self.model, mx.array(r.tokens + [y]), caches, None, self.prefill_step_size)
+            per_row.append(caches)
+            r.spec.pending = []
+        self.caches = extend_caches(self.caches, batch_caches(per_row))
+        self.rows += rows
+
+    def propose(self, rows: list, ys: List[int]) -> None:
+        """Each drafting row's drafts after its current token y (`DraftRow.proposed`), from
+        K greedy forwards of the draft over all of them (K the most any row wants)."""
+        self.ran = False
+        y_of = {id(r): y for r, y in zip(rows, ys) if isinstance(r.spec, DraftRow)}
+        have = {id(r) for r in self.rows}
+        new = [r for r in rows if id(r) in y_of and id(r) not in have]
+        want = {id(r): r.spec.wants(r.n) for r in rows if id(r) in y_of}
+        K = max(want.values(), default=0)
+        for r in self.rows + new:
+            r.spec.proposed, r.spec.fed, r.spec.kept = [], 0, 0
+        if K == 0:                   # no draft this step: y waits for the next one
+            for r in self.rows + new:
+                r.spec.pending.append(y_of[id(r)])
+            return
+        if new:
+            self._join(new, [y_of[id(r)] for r in new])
+        inputs = [r.spec.pending + [y_of[id(r)]] for r in self.rows]
+        P = max(len(x) for x in inputs)
+        logits = self.model(mx.array([x + [0] * (P - len(x)) for x in inputs]),
+                            cache=self.caches)
+        logits = logits[mx.arange(len(inputs)), mx.array([len(x) - 1 for x in inputs])]
+        if any(len(x) < P for x in inputs):      # the padding leaves the draft's caches
+            for c in self.caches:
+                c.rewind([P - len(x) for x in inputs])
+        drafts = [mx.argmax(logits, axis=-1)]
+        for _ in range(K - 1):
+            logits = self.model(drafts[-1][:, None], cache=self.caches)[:, -1, :]
+            drafts.append(mx.argmax(logits, axis=-1))
+        drafts = mx.stack(drafts, axis=1).tolist()        # [B_d, K]
+        for r, d in zip(self.rows, drafts):
+            r.spec.proposed, r.spec.fed, r.spec.pending = d[:want[id(r)]], K - 1, []
+        self.ran = True
+
+    def rewind(self) -> None:
+        """After verification: each row's caches keep its token and its accepted drafts (the
+        last accepted one waits in `pending` when the draft never fed it)."""
+        if not self.ran:
+            return
+        drop = []
+        for r in self.rows:
+            s = r.spec
+            drop.append(s.fed - min(s.kept, s.fed))
+            s.pending = [s.proposed[s.kept - 1]] if s.kept > s.fed else []
+        self.ran = False
+        if max(drop) > 0:
+            self.take_back(drop)
+
+    def take_back(self, drop: List[int]) -> None:
+        """The last drop[b] columns leave row b's draft caches (`BatchKVCache.rewind`)."""
+        for c in self.caches:
+            c.rewind(drop)
