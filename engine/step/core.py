@@ -15,8 +15,9 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    alone when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects
    adapters (the batch runs the base weights), brings its own prefix caches or speculates
    with a draft model (`engine.step.draft`) or with prompt lookup where the batch cannot take
-   it (`engine.step.lookup`; on the L1 batch runner it is a speculating row,
-   `engine.step.batch_lookup`; a request with images is a row of the L1 batch runner,
+   it (`engine.step.lookup`; on the L1 batch runner a lookup request and a greedy draft-model
+   one are speculating rows, `engine.step.batch_lookup`, `engine.step.batch_draft`, a
+   sampled draft-model one runs alone; a request with images is a row of the L1 batch runner,
    `engine.step.batch_vision`, and runs alone on the fast runner or in deterministic
    mode); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
    estimate fits (a lone row always runs: its own check passed at submit) and at most
