@@ -38,7 +38,11 @@ class BatchLane:
         elif self._draft_row(p) and req.vision is None:   # (images: no drafts, as alone)
             req.spec = self.spec.for_request("draft")
             draft = RowDraft(p.num_draft_tokens, limit=p.max_tokens, stats=req.spec)
+        if self.adapters is not None and req.vision is not None:
+            self.adapters.activate(req.adapters)   # (an adapter may target the vision tower)
         embeds = self.prompt_embeddings(req)   # images merged in (None: no images to embed)
+        if self.adapters is not None:
+            self.adapters.activate(())
         snapshot = None
         if req.vision is not None and self._sliding_windows():
             # (as the alone path does: a sliding-window ring that wraps while decoding can no
