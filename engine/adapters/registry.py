@@ -94,6 +94,10 @@ class AdapterRegistry:
         ids = tuple(ids)
         if not ids:
             return BASE_NAMESPACE
+        for i in ids:          # (resolved when the request came; an unmount ran since)
+            if i not in self.mounted:
+                raise UnknownAdapter(f'adapter "{i}" was unmounted before the request ran',
+                                     param="adapter")
         ns = "+".join(f"{i}#{self.mounted[i].generation}" for i in ids)
         for i in ids:
             self.mounted[i].namespaces.add(ns)

@@ -101,3 +101,17 @@ def test_lora_linear_row_selection_is_exact():
     lin.enabled = False
     lin._stack.items[0]["active"] = False
     assert mx.array_equal(lin(x), base)                 # outside a selection: the switches
+
+
+def test_a_request_for_an_adapter_unmounted_meanwhile_is_refused_by_name(qwen):
+    """The server resolves `adapter` when the request arrives; an unmount queued before it
+    runs first. The request is then a 400 naming the adapter and the field, not a bare
+    KeyError ("'a'")."""
+    from engine.adapters.registry import UnknownAdapter
+
+    eng = _engine(qwen, 8)
+    eng.adapters.unmount("a")
+    with pytest.raises(UnknownAdapter) as e:
+        eng.submit("x", SamplingParams(max_tokens=2), adapter=("b", "a"))
+    assert e.value.param == "adapter" and 'adapter "a"' in str(e.value)
+    assert not eng.has_unfinished()
