@@ -5,7 +5,7 @@ merged in (computed when it starts: it joins the batch, or starts running alone)
 A request with images is a row of the L1 batch runner (`engine.step.batch_vision`: its
 prompt's chunks and its last prompt token's step take its merged embeddings, the other rows
 of those forwards their tokens' own). On the fast runner, in deterministic mode and where
-every request runs alone (max_batch 1, quantized KV, adapters, ...) it runs alone
+every request runs alone (max_batch 1, quantized KV, ...) it runs alone
 (`solo_reasons["images"]` for the first two; also every request whose images bring their
 own token positions, Qwen2.5-VL's M-RoPE: `positional_images`), on mlx-vlm's token loop (the prompt's
 embeddings through the prefill and the last prompt token's step). Its prompt-cache namespace
