@@ -98,6 +98,10 @@ def parser() -> argparse.ArgumentParser:
            "--batch, at least 16)")
     a("--prompt-concurrency", type=int, help="(mlx_lm.server) accepted, ignored")
     a("--prefill-step-size", type=int, default=2048, help="prefill chunk size (2048)")
+    a("--prefill-budget", type=int, default=None, metavar="N",
+      help="prompt tokens one batch step prefills, shared by the prompts prefilling (default: "
+           "--prefill-step-size; 0: each prompt a full chunk, mlx-lm's BatchGenerator schedule; "
+           "models with sliding windows always use 0)")
     a("--chat-template", metavar="FILE|STRING",
       help="chat template (Jinja) replacing the model's: a file, or the template itself")
     a("--chat-template-args", type=_json_dict, default={}, metavar="JSON",
@@ -286,6 +290,7 @@ def config_from_args(args):
         template_kwargs=dict(args.chat_template_args or {}),
         chat_template=chat_template_from(args.chat_template),
         prefill_step_size=args.prefill_step_size,
+        prefill_budget=-1 if args.prefill_budget is None else max(0, args.prefill_budget),
         allowed_origins=list(args.cors_origins or []),
         stream_interval_ms=max(0.0, args.stream_interval_ms),
         embeddings_pooling=args.embeddings_pooling,

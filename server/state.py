@@ -57,6 +57,7 @@ class ServerConfig:
     template_kwargs: dict = field(default_factory=dict)
     chat_template: Optional[str] = None   # --chat-template: replaces the model's template
     prefill_step_size: int = 2048
+    prefill_budget: int = -1            # engine.Engine(prefill_budget=): -1 = prefill_step_size
     allowed_origins: list = field(default_factory=lambda: ["*"])
     owner: str = "serve"
     stream_interval_ms: float = 25.0    # coalesce streamed deltas: one write per interval (0 = per token)
@@ -134,6 +135,7 @@ class ServerState:
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
+                             prefill_budget=config.prefill_budget,
                              levers=config.levers, draft_model=draft_model,
                              deterministic=config.deterministic, **self.kv_options)
         if config.prompt_cache_dir:

@@ -74,6 +74,7 @@ def agree_config(config, group=None):
     from engine import default_budget
 
     keys = ("batch", "prompt_cache_bytes", "kv_quant", "kv_group_size", "prefill_step_size",
+            "prefill_budget",
             "memory_budget_bytes")
     mine = {k: getattr(config, k) for k in keys}
     if mine["memory_budget_bytes"] is None:

@@ -66,7 +66,7 @@ class BatchScheduler(LookupSteps):
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, decoder=None, deterministic: bool = False,
-                 draft_model=None):
+                 draft_model=None, prefill_budget: Optional[int] = None):
         self.model = model
         self.decoder = decoder
         self.deterministic = deterministic
@@ -77,6 +77,7 @@ class BatchScheduler(LookupSteps):
         self.prefill_batch_size = prefill_batch_size
         self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
         self.prefill_step_size = prefill_step_size
+        self.prefill_budget = prefill_budget    # prompt tokens a step, all rows (None: per row)
         # the fast runner (L3) pads prompt chunks to a multiple of PREFILL_BUCKET tokens: on
         # CUDA a new chunk length costs a new attention plan (cuDNN: 45-90 ms on an H100),
         # so repeating lengths keep the first token fast; L1 pads as BatchGenerator does
@@ -325,12 +326,21 @@ class BatchScheduler(LookupSteps):
             r.tokens.append(r.last)
         self._decode.extend(g)
 
+    def _chunk_size(self, rows: int) -> int:
+        """Prompt tokens per row in this prefill step: `prefill_step_size`, or with a budget,
+        the budget shared by the rows (at least PREFILL_BUCKET each), so a burst of long
+        prompts does not hold the decoding rows for rows x step size tokens."""
+        if not self.prefill_budget:
+            return self.prefill_step_size
+        return min(self.prefill_step_size, max(PREFILL_BUCKET, self.prefill_budget // rows))
+
     def _prefill_chunk(self):
         g = self._prefill
         chunks, starts = [], []
+        size = self._chunk_size(len(g.rows))
         for r in g.rows:
-            chunks.append(r.pending[:self.prefill_step_size])
-            r.pending = r.pending[self.prefill_step_size:]
+            chunks.append(r.pending[:size])
+            r.pending = r.pending[size:]
             r.tokens.extend(chunks[-1])
             starts.append(r.at)
             r.at += len(chunks[-1])

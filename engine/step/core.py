@@ -77,7 +77,10 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
     drafting for speculative decoding (`engine.step.draft`; its tokenizer, when given as
     draft_tokenizer, is checked; `admission` should count it: `Admission.with_draft`).
     deterministic: every row's logits bit-identical whatever else is in the batch, every
-    batchable request a batch row, max_batch 1 too (`engine.deterministic`).
+    batchable request a batch row, max_batch 1 too (`engine.deterministic`). prefill_budget:
+    prompt tokens a batch step prefills, shared by the rows prefilling (default:
+    prefill_step_size; 0: each row prefill_step_size, as mlx-lm's BatchGenerator, and always
+    on models with sliding-window layers).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
@@ -86,7 +89,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
                  levers=None, max_context: Optional[int] = None,
                  max_kv_size: Optional[int] = None, disk_cache=None, draft_model=None,
-                 draft_tokenizer=None, deterministic: bool = False):
+                 draft_tokenizer=None, deterministic: bool = False,
+                 prefill_budget: Optional[int] = -1):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.deterministic = bool(deterministic)
@@ -106,6 +110,12 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             from engine.fast.apply import prepare   # (engine.fast imports the models)
             prepare(model, levers)
         self.prefill_step_size = prefill_step_size
+        # prompt tokens one batch step prefills over all its rows (-1: prefill_step_size;
+        # None or 0: each row its prefill_step_size, BatchGenerator's schedule; also on
+        # sliding-window models, whose rings round differently when the chunks change)
+        self.prefill_budget = prefill_step_size if prefill_budget == -1 else prefill_budget
+        if self.prefill_budget and self._sliding_windows():
+            self.prefill_budget = 0
         if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size < 1):
             raise ValueError(f"max_kv_size must be a positive integer, got {max_kv_size!r}")
         self.max_kv_size = max_kv_size
@@ -158,6 +168,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
                               prefill_step_size=self.prefill_step_size,
+                              prefill_budget=self.prefill_budget,
                               decoder=self._fast_step, deterministic=self.deterministic,
                               draft_model=self.draft_model if self.draft_rows else None)
 
