@@ -37,6 +37,7 @@ from tokenizers import Tokenizer as _BackendTokenizer
 
 from engine.text.chat_template import (XTML_TOKENS, check_chat_template, infer_tool_parser_type,
                             render_chat_template)
+from engine.text.prefix_encode import PrefixEncoder
 from engine.text.detokenizer import (ByteLevelDetokenizer, DecodeDetokenizer, StreamingDetokenizer,
                           token_bytes)
 
@@ -135,6 +136,7 @@ class Tokenizer:
         backend.no_padding()
         self.split_special_tokens = bool(cfg.get("split_special_tokens", False))
         backend.encode_special_tokens = self.split_special_tokens
+        self._prefix_encoder = PrefixEncoder(backend)   # a grown conversation: its new part
 
         self._backend_json = json.loads(backend.to_str())
         self._is_bpe = (self._backend_json.get("model") or {}).get("type") == "BPE"
@@ -443,7 +445,7 @@ class Tokenizer:
         )
         if not tokenize:
             return text
-        return self.encode(text, add_special_tokens=False)
+        return self._prefix_encoder.encode(text)    # == self.encode(text, False)
 
     def __repr__(self) -> str:
         return (
