@@ -30,6 +30,10 @@ def _ints(v) -> mx.array:
     return mx.array(list(v), dtype=mx.int32)
 
 
+def _every_row(keep: List[int], rows: int) -> bool:   # (then no gather: no copy of the KV)
+    return len(keep) == rows and all(i == j for i, j in enumerate(keep))
+
+
 def _pad_time(k: mx.array, left: int, right: int) -> mx.array:
     if right < 0:
         k = k[..., :right, :]
@@ -170,7 +174,7 @@ class BatchKVCache(_Rows):
     # -- rows leave / join --------------------------------------------------------
     def filter(self, keep: List[int]):
         self._solo = self._solo and len(keep) == self.batch_size
-        if self.keys is not None:
+        if self.keys is not None and not _every_row(keep, self.keys.shape[0]):
             self.keys, self.values = self.keys[keep], self.values[keep]
         self.offset = self.offset[keep]
         self.left_padding = self.left_padding[keep]
@@ -417,7 +421,7 @@ class BatchRotatingKVCache(_Rows):
 
     # -- rows leave / join --------------------------------------------------------
     def filter(self, keep: List[int]):
-        if self.keys is not None:
+        if self.keys is not None and not _every_row(keep, self.keys.shape[0]):
             self.keys, self.values = self.keys[keep], self.values[keep]
         self.offset = self.offset[keep]
         self.left_padding = self.left_padding[keep]

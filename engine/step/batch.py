@@ -15,7 +15,10 @@ BatchGenerator's schedule, so the same inserts give the same forwards):
 2. **admit** — queued requests join the prefill group (bounded by `prefill_batch_size` and
    `completion_batch_size`), their caches stacked right-aligned and appended;
 3. **graduate** — rows whose prompt is consumed but its last token: one forward of that
-   token gives their first sampled token, and they join the decode group;
+   token gives their first sampled token, and they join the decode group (with
+   `first_at_graduate`, rows the caller ends itself hand that token out now, not with the
+   next decode step; a row then retired still runs in that forward, as in BatchGenerator,
+   unless no other row does);
 4. **prefill** — one chunk (<= `prefill_step_size` tokens per row) of every
    remaining prompt, right-padded to the longest, then rolled to left padding,
    so long prompts never stall the decoding rows for more than one chunk.
@@ -61,13 +64,17 @@ class BatchScheduler(LookupSteps):
     A row with `lookup` speculates (`engine.step.batch_lookup`): L1, full-attention caches.
     draft_model: a model of the same vocabulary drafting for rows with `draft`
     (`engine.step.batch_draft`; L1 only: refused with a decoder or deterministic).
+    first_at_graduate: a row with no scheduler-side ending (no max_tokens, stop tokens or
+    tokenizer: the Engine's rows) emits its first token when it graduates.
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, decoder=None, deterministic: bool = False,
-                 draft_model=None, prefill_budget: Optional[int] = None):
+                 draft_model=None, prefill_budget: Optional[int] = None,
+                 first_at_graduate: bool = False):
         self.model = model
+        self.first_at_graduate = first_at_graduate
         self.decoder = decoder
         self.deterministic = deterministic
         self.tokenizer = tokenizer
@@ -164,6 +171,8 @@ class BatchScheduler(LookupSteps):
     # -- the loop -----------------------------------------------------------------
     def step(self) -> List[RowEvent]:
         events, self._cancelled = self._cancelled, []
+        if self._decode.rows and all(r.retired for r in self._decode.rows):  # (after a cancel)
+            self._decode.filter([])
         self.decoded_rows = len(self._decode)
         if self._decode.rows:
             events += self._decode_step()
@@ -173,7 +182,7 @@ class BatchScheduler(LookupSteps):
         self._admit()
         ready = [i for i, r in enumerate(self._prefill.rows) if not r.pending]
         if ready:
-            self._graduate(ready)
+            events += self._graduate(ready)
         if self._prefill.rows:
             self._prefill_chunk()
         return events
@@ -265,6 +274,10 @@ class BatchScheduler(LookupSteps):
         after `tok` that are in its cache (an accepted draft run past the end)."""
         row.tokens.append(tok)
         row.n += 1
+        if row.early:                      # `tok` went out when the row graduated
+            row.early = False
+            if row.retired or row.error is None:
+                return not row.retired
         ev = RowEvent(row.uid, tok, lp)
         events.append(ev)
         if row.error is not None:          # this row's own code raised: it ends alone
@@ -308,7 +321,7 @@ class BatchScheduler(LookupSteps):
         new.caches = batch_caches(per_row)
         self._prefill.extend(new)
 
-    def _graduate(self, idx: List[int]):
+    def _graduate(self, idx: List[int]) -> List[RowEvent]:
         g = self._prefill.take(idx)
         for i, r in enumerate(g.rows):     # (a snapshot of the prompt but its last token)
             if r.req.on_prefilled is not None and r.at:
@@ -324,7 +337,17 @@ class BatchScheduler(LookupSteps):
         mx.async_eval(g.next_tokens, g.next_logprobs)
         for r in g.rows:
             r.tokens.append(r.last)
+        early = [(i, r) for i, r in enumerate(g.rows) if self.first_at_graduate
+                 and r.error is None and r.req.max_tokens is None and not r.stops
+                 and r.text is None and r.spec is None]      # (lookup rows: pipelined)
+        events = []
+        if early:                # (waits for this forward only; the tokens, values as before)
+            toks = g.next_tokens.tolist()
+            for i, r in early:
+                r.early = True
+                events.append(RowEvent(r.uid, toks[i], g.next_logprobs[i]))
         self._decode.extend(g)
+        return events
 
     def _chunk_size(self, rows: int) -> int:
         """Prompt tokens per row in this prefill step: `prefill_step_size`, or with a budget,
@@ -380,8 +403,11 @@ class BatchScheduler(LookupSteps):
                 out[r.uid] = extract_row(g.caches, i) if r.req.return_cache else None
                 for c in out[r.uid] if out[r.uid] and unused.get(r.uid) else ():
                     c.trim(unused[r.uid])
-            else:
+                r.retired = r.early     # (an early row runs in the next forward: kept)
+            if r.retired or r.uid not in want:
                 keep.append(i)
+        if all(g.rows[i].retired for i in keep):
+            keep = []                   # (no other row's forward to run it in)
         if len(keep) < len(g):
             g.filter(keep)
         return out

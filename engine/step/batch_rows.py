@@ -19,7 +19,7 @@ __all__ = ["Row", "Group", "pooled", "extract_row", "guarded", "clone_cache", "e
 
 class Row:
     __slots__ = ("uid", "req", "pending", "last", "tokens", "n", "key", "stops",
-                 "text", "cancelled", "error", "spec", "embeds", "at")
+                 "text", "cancelled", "error", "spec", "embeds", "at", "early", "retired")
 
     def __init__(self, uid: int, req: BatchRequest, stops: set, tokenizer):
         self.uid, self.req = uid, req
@@ -34,6 +34,8 @@ class Row:
         self.stops = stops
         self.text = None
         self.cancelled = False
+        self.early = False        # its first token went out at graduation (not yet decoded)
+        self.retired = False      # retired while early: leaves after its next forward
         self.error: Optional[BaseException] = None   # raised by this row's own code
         self.spec = (LookupRow(req.lookup, req.max_tokens) if req.lookup is not None
                      else DraftRow(req.draft, req.max_tokens) if req.draft is not None else None)

@@ -170,7 +170,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               prefill_step_size=self.prefill_step_size,
                               prefill_budget=self.prefill_budget,
                               decoder=self._fast_step, deterministic=self.deterministic,
-                              draft_model=self.draft_model if self.draft_rows else None)
+                              draft_model=self.draft_model if self.draft_rows else None,
+                              first_at_graduate=True)
 
     @property
     def fast_step(self):   # the fast runner's step in force (None: the rows decode on L1)

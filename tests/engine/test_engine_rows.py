@@ -80,3 +80,60 @@ def test_solo_lane_decodes_one_row(qwen):
         eng.step()
         nows.append(eng.stats()["rows_now"])
     assert max(nows) == 1 and nows[-1] == 0 and eng.stats()["peak_rows"] == 1
+
+
+def test_first_token_in_the_step_the_row_graduates(qwen):
+    """A batch row's first token is handed out by the step that ran its last prompt token
+    (graduation), not one decode step later; the tokens are those of the pipelined
+    scheduler (`first_at_graduate=False`, BatchGenerator's timing)."""
+    model, tok = qwen
+    prompt = list(range(5, 40))
+    got = {}
+    for early in (True, False):
+        eng = Engine(model, tok, max_batch=2)
+        eng._sched.first_at_graduate = early
+        rid = eng.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0))
+        steps, toks = [], []
+        while eng.has_unfinished():
+            outs = [o for o in eng.step() if o.request_id == rid]
+            steps.append(sum(len(o.token_ids) for o in outs))
+            toks += [t for o in outs for t in o.token_ids]
+        got[early] = (steps, toks)
+    (early_steps, early_toks), (late_steps, late_toks) = got[True], got[False]
+    assert early_toks == late_toks and len(early_toks) == 4
+    assert early_steps.index(1) == 1 and late_steps.index(1) == 2   # prefill, then graduate
+
+
+def test_first_at_graduate_runs_the_same_forwards(qwen):
+    """Rows ending at their first token (max_tokens 1) beside decoding rows: every
+    one-token forward has the batch it has with BatchGenerator's timing (a row that ended
+    at graduation still runs in the next decode forward); negative control: retiring it at
+    once changes them."""
+    from engine.step import batch
+
+    def forwards(early, defer=True):
+        model = Watched(qwen[0])
+        eng = Engine(model, qwen[1], max_batch=4)
+        eng._sched.first_at_graduate = early
+        plan = {0: [(list(range(5, 30)), 8), (list(range(7, 20)), 1)], 3: [(list(range(9, 40)), 1)],
+                5: [(list(range(3, 12)), 6), (list(range(4, 9)), 1)]}
+        step = 0
+        while step <= max(plan) or eng.has_unfinished():
+            for prompt, m in plan.get(step, ()):
+                eng.submit(prompt, SamplingParams(max_tokens=m, temperature=0.0))
+            eng.step()
+            step += 1
+        return model.one_token
+
+    assert forwards(True) == forwards(False)
+    retire = batch.BatchScheduler.retire
+
+    def at_once(self, uids):
+        for r in self._decode.rows:
+            r.early = r.early and r.uid not in uids     # (those retired leave now)
+        return retire(self, uids)
+    batch.BatchScheduler.retire = at_once
+    try:
+        assert forwards(True) != forwards(False)
+    finally:
+        batch.BatchScheduler.retire = retire

@@ -100,3 +100,21 @@ def test_negative_control_abort_one_step_later_differs():
     """The abort test can fail: aborting a step later gives the row one more token."""
     got, ref, _ = _abort_case(6)
     assert compare([RowResult(t, l, f) for t, l, f in got], ref)
+
+
+def test_rows_ending_at_their_first_token_equal_batch_generator():
+    """A batch row's first token goes out in the step it graduates (`first_at_graduate`); a
+    row that ends there still runs in the next decode forward beside the others, as in
+    BatchGenerator, so the others' values stay its: rows of max_tokens 1 joining at the
+    start and while others decode."""
+    n = 4
+    eng, ref_model = _engine("llama", max_batch=n)
+    p = _prompts(6, seed=11)
+    sched = [Insert(0, p[0], 10), Insert(0, p[1], 1), Insert(3, p[2], 1), Insert(3, p[3], 8),
+             Insert(6, p[4], 1), Insert(9, p[5], 1)]
+    ref = run_mlx_lm(ref_model, sched, completion_batch_size=n, prefill_batch_size=n)
+    _eos_free(eng, ref)
+    got = run_engine(eng, sched)
+    problems = compare(got, ref)
+    assert not problems, problems[:3]
+    assert [len(r.tokens) for r in got] == [10, 1, 1, 8, 1, 1]
