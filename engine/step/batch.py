@@ -339,7 +339,7 @@ class BatchScheduler(LookupSteps):
             r.tokens.append(r.last)
         early = [(i, r) for i, r in enumerate(g.rows) if self.first_at_graduate
                  and r.error is None and r.req.max_tokens is None and not r.stops
-                 and r.text is None and r.spec is None]      # (lookup rows: pipelined)
+                 and r.text is None and r.spec is None]   # (speculating rows: pipelined)
         events = []
         if early:                # (waits for this forward only; the tokens, values as before)
             toks = g.next_tokens.tolist()
