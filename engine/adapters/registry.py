@@ -74,19 +74,20 @@ class AdapterRegistry:
         if spec is None:
             return ()
         if isinstance(spec, str):
-            s = spec.strip()
-            if s.lower() in ("", "none", "base"):
-                return ()
-            names = [p.strip() for p in s.replace(",", "+").split("+") if p.strip()]
+            parts = spec.replace(",", "+").split("+")
         elif isinstance(spec, list) and all(isinstance(x, str) for x in spec):
-            names = [x.strip() for x in spec if x.strip() and x.strip().lower() != "none"]
+            parts = spec
         else:
             raise AdapterRequestError('adapter must be a string ("id", "a+b" or "none")',
                                       param="adapter")
+        # ("none" / "base" name the base model: in a stack they add nothing, as in a list)
+        names = [p.strip() for p in parts if p.strip() and p.strip().lower() not in ("none", "base")]
         for n in names:
             if n not in self.mounted:
                 have = ", ".join(self.mounted) or "(none)"
-                raise UnknownAdapter(f'unknown adapter "{n}" - mounted: {have}', param="adapter")
+                shown = n if len(n) <= 64 else n[:64] + "..."
+                raise UnknownAdapter(f'unknown adapter "{shown}" - mounted: {have}',
+                                     param="adapter")
         order = list(self.mounted)
         return tuple(sorted(set(names), key=order.index))
 
