@@ -80,8 +80,14 @@ async def mount_adapter(request: Request, validated: AdapterMount):
         m = state.adapters.mount(aid, path, scale)
         state.refresh_admission()
         return m
+    # on the L1 runners a mount runs between two steps: a new adapter is off for every row
+    # (a wrapped projection gives its base output bit for bit), so the running requests go on
+    # untouched; on the fast runner (whose step changes with the model's modules) it waits for
+    # the running requests, like an unmount
+    run = (state.gateway.between_steps if state.engine.fast_step is None
+           else state.gateway.call_async)
     try:
-        m = await state.gateway.call_async(mount)   # through the worker's queue
+        m = await run(mount)
     except ValueError as e:                          # (engine.adapters.registry.AdapterRequestError)
         raise from_exception(e) from None
     return JSONResponse({"id": m.id, "path": m.path, "mounted_layers": m.mounted_layers,

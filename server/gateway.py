@@ -6,9 +6,9 @@ unmounting an adapter; `between_steps`: an embeddings forward, run at once
 between two engine steps), or the stop signal. The worker submits jobs to the
 Engine at once and keeps stepping it while any request is unfinished; each
 step's `RequestOutput`s go back to their jobs through a thread-safe hand-off.
-A call waits until every job submitted before it has finished (an adapter
-mount never changes the weights under a running request), and everything
-after it waits behind it, so arrival order holds.
+A call waits until every job submitted before it has finished (an unmount
+never removes an adapter under a running request), and everything after it
+waits behind it, so arrival order holds; `between_steps` runs at once.
 
 `job.cancel()` (the HTTP client went away) aborts the request at the next
 step; a job cancelled while still queued never starts.
@@ -212,7 +212,8 @@ class Gateway:
 
     async def between_steps(self, fn: Callable, *args, **kwargs):
         """Run `fn` on the worker between two engine steps, without waiting for the running
-        requests to finish (a read-only use of the model: an embeddings forward)."""
+        requests to finish (a use of the model that leaves their outputs as they are: an
+        embeddings forward, an adapter mount on the L1 runners)."""
         fut: Future = Future()
         self._q.put(("now", fn, args, kwargs, fut))
         return await asyncio.wrap_future(fut)

@@ -3,6 +3,7 @@
 Every server here runs twice: L1 as is, and with merged projections (`--merged-proj`,
 whose merged q/k/v and gate/up groups split when an adapter is mounted onto them)."""
 
+import json
 import threading
 import time
 import uuid
@@ -124,10 +125,15 @@ def test_bad_mounts_are_all_or_nothing(lsrv, adapters, tmp_path):
     assert r.status_code == 400 and 'unknown adapter "Q"' in r.json()["error"]["message"]
 
 
-def test_mount_waits_for_the_running_generation(lsrv, adapters):
-    body = {"prompt": "long", "max_tokens": 400, "temperature": 0, "stream": True,
+def test_mount_does_not_wait_for_the_running_generation(lsrv, adapters):
+    """A mount runs between two steps (L1): the running stream goes on, its tokens unchanged
+    (the new adapter is off for it; merged projections split back give the same values)."""
+    body = {"prompt": "long", "max_tokens": 300, "temperature": 0, "stream": True,
             "logit_bias": NO_EOS}
-    times = {}
+    quiet = {**body, "stream": False}
+    want = httpx.post(lsrv.v1 + "/completions", json=quiet, timeout=120).json()
+    want = want["choices"][0]["text"]
+    times, got = {}, []
 
     def mount():
         r = httpx.post(lsrv.v1 + "/adapters", json={"id": "C", "path": str(adapters["A"])},
@@ -135,17 +141,20 @@ def test_mount_waits_for_the_running_generation(lsrv, adapters):
         times["mounted"] = time.monotonic()
         times["status"] = r.status_code
 
-    with httpx.stream("POST", lsrv.v1 + "/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", lsrv.v1 + "/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
-        next(lines)
-        t = threading.Thread(target=mount)
-        t.start()
-        for _ in lines:
-            pass
+        t = None
+        for line in lines:
+            if line.startswith("data: {"):
+                got.append(json.loads(line[6:])["choices"][0]["text"])
+                if t is None:
+                    t = threading.Thread(target=mount)
+                    t.start()
         times["stream_end"] = time.monotonic()
     t.join()
     assert times["status"] == 200
-    assert times["mounted"] >= times["stream_end"] - 0.05
+    assert times["mounted"] < times["stream_end"] - 0.05     # it did not wait for the stream
+    assert "".join(got) == want                               # the stream is unchanged
     assert httpx.delete(lsrv.v1 + "/adapters/C").status_code == 200
 
 
