@@ -9,8 +9,9 @@ image tokens, the image prompt 37 tokens):
   (`max_batch=1`, the exact runner: today's path) with `mx.array_equal`, when it is the only
   row and with text rows prefilling and decoding beside it (float32 and bfloat16);
 - the text rows' outputs are unchanged by the image row wherever the batch's logits are
-  invariant on the CPU: in bfloat16 always here; in float32 when the text rows are longer
-  than the sliding window. What is not: float32 text rows shorter than the window beside a
+  invariant on the CPU: in bfloat16 in these short runs (not always: a row joining mid-decode
+  moved a long gemma3 bf16 row's logprobs after ~140 steps); in float32 when the text rows
+  are longer than the sliding window and join together. What is not: float32 text rows shorter than the window beside a
   row longer than it (the image row, or any text row of its length) see the window's keys in
   another ring order and round differently (docs/batching.md, "Batch sensitivity"); the test
   checks that a text filler of the image prompt's length changes them just the same.
