@@ -1,12 +1,18 @@
 """Gemma 4 as released (`model_type: gemma4`): the text decoder inside a
 multimodal wrapper. Config nests the decoder under `text_config`; HF weights
-are named `model.language_model.*` (vision/audio towers are dropped).
-The encoder-free `gemma4_unified` checkpoints load through the same wrapper
-(their `vision_embedder.*` weights are dropped until vision exists)."""
+are named `model.language_model.*`. With a whole `vision_config`
+(`gemma4_vision.complete`) the vision tower (`vision_tower.*`) and its projection
+(`embed_vision.*`) are built and loaded and `Model.vision` describes them for the image
+path (`engine.vision`); otherwise (a stub vision_config) they are dropped, as the audio
+tower always is. The encoder-free `gemma4_unified` checkpoints load through the same
+wrapper, text-only (their `vision_embedder.*` weights are dropped)."""
 
 from __future__ import annotations
 
-from . import gemma4_text
+import mlx.core as mx
+
+from . import gemma4_text, gemma4_vision
+from .gemma3 import VisionInfo
 from .wrapper import TextWrapper
 
 _TOWERS = ("vision_tower", "multi_modal_projector", "audio_tower", "embed_audio",
@@ -26,19 +32,79 @@ def text_args(config: dict) -> gemma4_text.Args:
 
 
 class Model(TextWrapper):
-    def __init__(self, args: gemma4_text.Args):
+    def __init__(self, args: gemma4_text.Args, config: dict | None = None):
         super().__init__(gemma4_text.Model(args), "gemma4")
+        config = config or {}
+        self.vision = None
+        vcfg = config.get("vision_config")
+        if config.get("model_type", "gemma4") == "gemma4" and gemma4_vision.complete(vcfg):
+            va = gemma4_vision.VisionArgs.from_dict(vcfg)
+            self.vision_tower = gemma4_vision.VisionTower(va)
+            self.embed_vision = gemma4_vision.Embedder(va.hidden_size, args.hidden_size,
+                                                       va.rms_norm_eps)
+            image = int(config.get("image_token_id", 258880))
+            # tokens_per_image 0: the count depends on the image's size
+            marks = [config.get(k, d) for k, d in (("boi_token_id", 255999),
+                                                    ("eoi_token_id", 258882))]
+            marks = [-1 if m is None else int(m) for m in marks]    # -1: none
+            self.vision = VisionInfo("gemma4", 0, 0, image, marks[0], marks[1],
+                                     int(config.get("pad_token_id", 0) or 0))
+            media = [image] + [int(config[k]) for k in ("audio_token_id", "video_token_id")
+                               if config.get(k) is not None]
+            self.language_model.set_media_tokens(media)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        return cls(text_args(config), config)
+
+    def image_features(self, patches: mx.array, grids: list) -> mx.array:
+        """All images' patches [sum of rows * cols, p*p*3] (float32, in [0, 1]) and their
+        grids (1, rows, cols) -> soft tokens [tokens, text width], image by image."""
+        out, at = [], 0
+        dtype = self.vision_tower.patch_embedder.input_proj.weight.dtype
+        for _, rows, cols in grids:
+            n = rows * cols
+            out.append(self.embed_vision(self.vision_tower(patches[at:at + n], rows, cols)
+                                         .astype(dtype)))
+            at += n
+        return mx.concatenate(out, axis=0)
+
+    def token_embeddings(self, tokens: mx.array) -> mx.array:
+        """The tokens' input embeddings [B, T] -> [B, T, D], scaled as the decoder scales
+        them (`begin(..., input_embeddings=)` takes them as they are)."""
+        return self.language_model.embed(tokens)
+
+    def embed_prompt(self, ids: list, pixels: mx.array, grids: list) -> mx.array:
+        """The prompt's input embeddings [1, L, D], the images' soft tokens (unscaled) at
+        the image tokens."""
+        tokens = mx.array(ids)
+        embeds = self.token_embeddings(tokens[None])
+        feats = self.image_features(pixels, grids)
+        return gemma4_vision.merge(embeds, tokens, feats, self.vision.image_token_id)
 
     @property
     def donor(self):
         return self.language_model.donor
 
+    def drop_vision(self) -> None:
+        """Text-only from now on (a checkpoint whose config describes the tower but whose
+        weights do not have it, as text-only conversions are)."""
+        for name in ("vision_tower", "embed_vision"):
+            if name in self:
+                del self[name]
+        self.vision = None
+        self.language_model.set_media_tokens(())
+
     def sanitize(self, weights: dict) -> dict:
+        if self.vision is not None and not any(
+                k.removeprefix("model.").startswith("vision_tower.") for k in weights):
+            self.drop_vision()
         out = {}
         for k, v in weights.items():
             hf = k.startswith("model.")
             k = k.removeprefix("model.")
-            if k.startswith(_TOWERS):
+            if k.startswith(_TOWERS) and not (
+                    self.vision is not None and k.startswith(("vision_tower.", "embed_vision."))):
                 continue
             if hf and k.startswith("language_model."):
                 k = k.replace("language_model.", "language_model.model.", 1)
@@ -46,7 +112,10 @@ class Model(TextWrapper):
         inner = {k.removeprefix("language_model."): v for k, v in out.items()
                  if k.startswith("language_model.")}
         inner = self.language_model.sanitize(inner)
-        return {f"language_model.{k}": v for k, v in inner.items()}
+        rest = {k: v for k, v in out.items() if k.startswith(("vision_tower.", "embed_vision."))}
+        if self.vision is not None:
+            rest = gemma4_vision.sanitize(rest, self.vision_tower.args.use_clipped_linears)
+        return {**rest, **{f"language_model.{k}": v for k, v in inner.items()}}
 
     def token_split(self, i):
         return self.language_model.token_split(i)

@@ -220,10 +220,16 @@ class Model(nn.Module):
         proj = m.per_layer_projection_norm(mx.unflatten(proj, -1, (n, d)))
         return (proj + tok) * (2.0 ** -0.5)
 
+    def set_media_tokens(self, ids) -> None:
+        """Token ids that stand for media (image soft tokens): their per-layer inputs are
+        looked up as token 0, as mlx-vlm does."""
+        self._media = tuple(int(i) for i in ids)
+
     def begin(self, inputs, cache=None, input_embeddings=None):
-        if input_embeddings is not None:
-            raise ValueError("gemma4 needs token ids (per-layer inputs are looked up by id)")
-        h = self.embed(inputs)
+        """`input_embeddings` [B, T, D], when given, are the final input embeddings (the
+        tokens' already scaled, as `embed` gives them, with any image features in place);
+        `inputs` still name the tokens (their per-layer inputs)."""
+        h = self.embed(inputs) if input_embeddings is None else input_embeddings
         n = len(self.layers)
         caches = [None] * n if cache is None else list(cache) + [None] * (n - len(cache))
         masks, by_type = [], {}
@@ -235,7 +241,10 @@ class Model(nn.Module):
             masks.append(by_type[t])
         pli = None
         if self.args.hidden_size_per_layer_input:
-            pli = self.per_layer_inputs(inputs, h)
+            ids = inputs
+            for t in getattr(self, "_media", ()):
+                ids = mx.where(ids == t, 0, ids)
+            pli = self.per_layer_inputs(ids, h)
         return h, {"masks": masks, "caches": caches, "pli": pli, "kv": [None] * n}
 
     def layer_step(self, i, h, ctx):

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .gemma3 import Gemma3Preprocess, expand
+from .gemma4 import Gemma4Preprocess, expand as expand_soft
 from .qwen2_5_vl import Qwen25VLPreprocess, expand as expand_runs
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_image, formats
 
@@ -52,11 +53,18 @@ def preprocessor_for(model, model_dir=None):
     one, else the family's defaults at the tower's image size)."""
     info = model.vision
     pre = {}
-    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").exists():
-        try:
-            pre = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
-        except ValueError:
-            pre = {}
+    names = ("preprocessor_config.json",)
+    if info.kind == "gemma4":              # (mlx-vlm reads processor_config.json first)
+        names = ("processor_config.json", "preprocessor_config.json")
+    for name in names:
+        if model_dir is not None and (Path(model_dir) / name).exists():
+            try:
+                pre = json.loads((Path(model_dir) / name).read_text())
+            except ValueError:
+                pre = {}
+            break
+    if info.kind == "gemma4":
+        return Gemma4Preprocess.from_config(vars(model.vision_tower.args), pre)
     if info.kind == "gemma3":
         return Gemma3Preprocess.from_config(info.image_size, pre)
     if info.kind == "qwen2_5_vl":
@@ -109,9 +117,9 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
             raise ImageError(f"image {i + 1}: the request's images together have more than "
                              f"{max_request_pixels:,} pixels")
         try:
-            arrays.append(preprocess.patches(img) if info.kind == "qwen2_5_vl"
+            arrays.append(preprocess.patches(img) if info.kind in ("qwen2_5_vl", "gemma4")
                           else preprocess.pixels(img))
-        except ValueError as e:          # (an aspect ratio Qwen2.5-VL's resize refuses)
+        except ValueError as e:          # (an aspect ratio Qwen2.5-VL's resize refuses, ...)
             raise ImageError(f"image {i + 1}: {e}") from None
     img = None
     try:
@@ -120,6 +128,8 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
                                              **(template_kwargs or {}))
     except Exception as e:
         raise PromptError(f"chat template failed: {e}") from None
+    if info.kind == "gemma4":
+        return _gemma4_prompt(tokenizer, info, text, arrays, preprocess, h.hexdigest())
     if info.kind == "qwen2_5_vl":
         return _qwen_prompt(tokenizer, info, text, arrays, preprocess, h.hexdigest())
     boi = _token(tokenizer, info.boi_token_id)
@@ -146,5 +156,24 @@ def _qwen_prompt(tokenizer, info, text: str, arrays: list, preprocess, digest: s
     grids = tuple(g for _, g in arrays)
     counts = [preprocess.tokens_for(g) for g in grids]
     ids = tokenizer.encode(expand_runs(text, pad, counts), add_special_tokens=False)
+    pixels = mx.array(np.concatenate([a for a, _ in arrays]))
+    return ids, VisionInput(pixels, digest, len(arrays), grids, sum(counts))
+
+
+def _gemma4_prompt(tokenizer, info, text: str, arrays: list, preprocess, digest: str) -> tuple:
+    """Gemma 4: each image token the template rendered becomes boi + the image's soft tokens
+    + eoi (boi / eoi: none where the config names none)."""
+    from engine.step.request import PromptError
+
+    image = _token(tokenizer, info.image_token_id)
+    marks = text.count(image)
+    if marks != len(arrays):
+        raise PromptError(f"the prompt has {marks} image marker(s) ({image}) for "
+                          f"{len(arrays)} image(s); the text may not contain {image} itself")
+    boi, eoi = (_token(tokenizer, t) if t >= 0 else "" for t in (info.boi_token_id,
+                                                                 info.eoi_token_id))
+    grids = tuple(g for _, g in arrays)
+    counts = [preprocess.tokens_for(g) for g in grids]
+    ids = tokenizer.encode(expand_soft(text, image, boi, eoi, counts), add_special_tokens=False)
     pixels = mx.array(np.concatenate([a for a, _ in arrays]))
     return ids, VisionInput(pixels, digest, len(arrays), grids, sum(counts))

@@ -1,0 +1,71 @@
+"""mlx-vlm 0.7.x's Gemma 4 (`gemma4` model and Gemma4Processor) as the live oracle of the
+Gemma 4 image path (imported only by the parity code): the pixel values and prompt ids its
+processor makes, the tower's soft tokens, the merged embeddings and its token loop."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def load(path):
+    """(model, processor) as `mlx_vlm.load` gives them."""
+    from mlx_vlm import load as vlm_load
+    return vlm_load(str(path))
+
+
+def prepare(model, processor, images: list, text: str):
+    """What mlx_vlm.generate's `prepare_inputs` makes of a templated prompt and images
+    (bytes): {"input_ids", "pixel_values", ...}; pixel_values [N, 3, H, W] when the images'
+    sizes agree, else a list of [3, H, W]."""
+    from io import BytesIO
+
+    from mlx_vlm.utils import load_image, prepare_inputs
+    pil = [load_image(BytesIO(i)) for i in images]
+    return prepare_inputs(processor, images=pil, prompts=[text],
+                          image_token_index=model.config.image_token_id,
+                          add_special_tokens=False)
+
+
+def pixel_list(pixels) -> list:
+    """The processor's pixel values as a list of [3, H, W] arrays."""
+    if isinstance(pixels, (list, tuple)):
+        return [mx.array(p) for p in pixels]
+    return [pixels[i] for i in range(pixels.shape[0])]
+
+
+def features(model, pixels) -> mx.array:
+    """The soft tokens of all images [tokens, text width] (tower + embed_vision)."""
+    return model.encode_image(pixels)[0]
+
+
+def embeddings(model, ids: mx.array, pixels) -> mx.array:
+    return model.get_input_embeddings(ids, pixels).inputs_embeds
+
+
+def forward_logits(model, ids: mx.array, pixels, steps: int) -> tuple:
+    """The logits of mlx-vlm's schedule (prompt but its last token in one chunk, the last
+    token, then `steps` greedy tokens), each [V], and the greedy tokens."""
+    lm = model.language_model
+    cache = lm.make_cache()
+    emb = embeddings(model, ids, pixels)
+    lm(ids[:, :-1], inputs_embeds=emb[:, :-1], cache=cache)
+    out = lm(ids[:, -1:], inputs_embeds=emb[:, -1:], cache=cache).logits[0, -1]
+    logits, tokens = [out], []
+    for _ in range(steps):
+        tok = mx.argmax(out).item()
+        tokens.append(tok)
+        out = lm(mx.array([[tok]]), cache=cache).logits[0, -1]
+        logits.append(out)
+    return logits, tokens
+
+
+def generate(model, ids: mx.array, pixels, max_tokens: int) -> list:
+    """mlx-vlm's own `generate_step` (greedy): [(token, logprobs [V])]."""
+    from mlx_vlm.generate.ar import generate_step
+    out = []
+    for tok, lp in generate_step(ids, model, pixels, mx.ones(ids.shape, mx.int32),
+                                 max_tokens=max_tokens, temperature=0.0):
+        out.append((int(tok), lp))
+        if len(out) == max_tokens:
+            break
+    return out
