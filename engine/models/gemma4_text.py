@@ -225,6 +225,10 @@ class Model(nn.Module):
         looked up as token 0, as mlx-vlm does."""
         self._media = tuple(int(i) for i in ids)
 
+    @property
+    def media_tokens(self) -> tuple:
+        return getattr(self, "_media", ())
+
     def begin(self, inputs, cache=None, input_embeddings=None):
         """`input_embeddings` [B, T, D], when given, are the final input embeddings (the
         tokens' already scaled, as `embed` gives them, with any image features in place);
@@ -242,7 +246,7 @@ class Model(nn.Module):
         pli = None
         if self.args.hidden_size_per_layer_input:
             ids = inputs
-            for t in getattr(self, "_media", ()):
+            for t in self.media_tokens:
                 ids = mx.where(ids == t, 0, ids)
             pli = self.per_layer_inputs(ids, h)
         return h, {"masks": masks, "caches": caches, "pli": pli, "kv": [None] * n}

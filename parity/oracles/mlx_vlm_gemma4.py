@@ -44,12 +44,17 @@ def embeddings(model, ids: mx.array, pixels) -> mx.array:
 
 def forward_logits(model, ids: mx.array, pixels, steps: int) -> tuple:
     """The logits of mlx-vlm's schedule (prompt but its last token in one chunk, the last
-    token, then `steps` greedy tokens), each [V], and the greedy tokens."""
+    token, then `steps` greedy tokens), each [V], and the greedy tokens. The prompt's
+    per-layer inputs (E2B-style decoders) are the ones `get_input_embeddings` makes."""
     lm = model.language_model
     cache = lm.make_cache()
-    emb = embeddings(model, ids, pixels)
-    lm(ids[:, :-1], inputs_embeds=emb[:, :-1], cache=cache)
-    out = lm(ids[:, -1:], inputs_embeds=emb[:, -1:], cache=cache).logits[0, -1]
+    feats = model.get_input_embeddings(ids, pixels)
+    emb, pli = feats.inputs_embeds, feats.per_layer_inputs   # (pli: the image tokens' as 0)
+    cut = (lambda a, s: None if a is None else a[:, s])
+    lm(ids[:, :-1], inputs_embeds=emb[:, :-1], cache=cache,
+       per_layer_inputs=cut(pli, slice(None, -1)))
+    out = lm(ids[:, -1:], inputs_embeds=emb[:, -1:], cache=cache,
+             per_layer_inputs=cut(pli, slice(-1, None))).logits[0, -1]
     logits, tokens = [out], []
     for _ in range(steps):
         tok = mx.argmax(out).item()

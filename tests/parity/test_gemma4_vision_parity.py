@@ -3,7 +3,8 @@
 embeddings, the logits at every step and the greedy tokens, and the Engine's request against
 mlx-vlm's own `generate_step`, all with `mx.array_equal`, on the `gemma4_vision` fixture
 (float32 and bfloat16; random weights in mlx-vlm's layout, clipped projections and
-standardisation on). A negative control: one tower weight moved by an ulp changes the
+standardisation on), with a 31B-style decoder and with an E2B-style one (per-layer inputs:
+an image token's are looked up as token 0). A negative control: one tower weight moved by an ulp changes the
 soft tokens."""
 
 import io
@@ -54,9 +55,11 @@ TWO = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": 
                                     {"type": "image"}, {"type": "text", "text": "compare"}]}]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=[("float32", "dense"), ("bfloat16", "dense"),
+                                        ("float32", "ple"), ("bfloat16", "ple")],
+                ids=lambda p: "-".join(p))
 def setup(request):
-    path = ensure_fixture(request.param)
+    path = ensure_fixture(*request.param)
     ref, processor = vlm.load(path)
     ours, _ = load_model(path)
     return path, ref, processor, ours, load_tokenizer(path)
@@ -210,3 +213,25 @@ def test_config_with_a_tower_but_no_tower_weights_loads_text_only(tmp_path):
     full, _ = load_model(src)
     x = mx.array([[2, 5, 100, 7]])
     assert mx.array_equal(model(x), full(x)).item()
+
+
+def test_image_tokens_per_layer_inputs_as_token_0_matter(setup):
+    """Negative control (E2B-style decoder): looking an image token's per-layer input up by
+    its own id, not as token 0, changes the prompt's logits."""
+    path, ref, _, ours, _ = setup
+    if not ours.args.hidden_size_per_layer_input:
+        pytest.skip("no per-layer inputs in this decoder")
+    ids, vision = _ours(setup, ONE, [IMAGES["rgba_png"]])
+    inp = _oracle(setup, ONE, [IMAGES["rgba_png"]])
+    want, _ = vlm.forward_logits(ref, mx.array([ids]), inp["pixel_values"], 0)
+    emb = ours.embed_prompt(ids, vision.pixels, vision.grids)
+    media = ours.language_model.media_tokens
+    assert ours.vision.image_token_id in media
+    try:
+        ours.language_model.set_media_tokens(())
+        got = ours(mx.array([ids]), cache=ours.make_cache(), input_embeddings=emb)[0, -1]
+    finally:
+        ours.language_model.set_media_tokens(media)
+    assert not mx.array_equal(got, want[0]).item()
+    got = ours(mx.array([ids]), cache=ours.make_cache(), input_embeddings=emb)[0, -1]
+    assert mx.allclose(got, want[0], atol=1e-2).item()     # (one chunk vs two: close)
