@@ -196,6 +196,8 @@ def test_engine_matches_mlx_vlm_generate_step(setup, max_batch):
     assert toks == [t for t, _ in want]
     for i, (a, (_, b)) in enumerate(zip(lps, want)):
         assert mx.array_equal(a, b).item(), f"step {i}"
+    # max_batch 4: a row of the L1 batch runner, not a request run alone
+    assert eng.stats()["solo_reasons"] == ({"max_batch=1": 1} if max_batch == 1 else {})
 
 
 def test_config_with_a_tower_but_no_tower_weights_loads_text_only(tmp_path):
