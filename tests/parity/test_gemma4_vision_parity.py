@@ -237,3 +237,33 @@ def test_image_tokens_per_layer_inputs_as_token_0_matter(setup):
     assert not mx.array_equal(got, want[0]).item()
     got = ours(mx.array([ids]), cache=ours.make_cache(), input_embeddings=emb)[0, -1]
     assert mx.allclose(got, want[0], atol=1e-2).item()     # (one chunk vs two: close)
+
+
+def test_image_row_beside_a_text_row_matches_mlx_vlm(setup):
+    """An image row and a text row in one batch: the image row's tokens and log-probabilities
+    are still mlx-vlm's own; the text row runs to its end."""
+    path, ref, _, ours, tok = setup
+    eng = Engine(ours, tok, keep_logprob_arrays=True, max_batch=4)
+    eng.image_preprocess = preprocessor_for(ours, path)
+    images = [IMAGES["rgb_png"]]
+    ids, vision = eng.vision_prompt(ONE, images)
+    inp = _oracle(setup, ONE, images)
+    want = vlm.generate(ref, mx.array([ids]), inp["pixel_values"], STEPS)
+    eng.eos = set()
+    text = tok.apply_chat_template([{"role": "user", "content": "hello there"}],
+                                   add_generation_prompt=True)
+    tid = eng.submit(text, SamplingParams(max_tokens=STEPS, temperature=0.0))
+    rid = eng.submit(ids, SamplingParams(max_tokens=STEPS, temperature=0.0), vision=vision)
+    toks, lps, other = [], [], 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.error is None
+            if o.request_id == rid:
+                toks += o.token_ids
+                lps += o.logprob_arrays
+            else:
+                assert o.request_id == tid
+                other += len(o.token_ids)
+    assert other == STEPS and toks == [t for t, _ in want]
+    for i, (a, (_, b)) in enumerate(zip(lps, want)):
+        assert mx.array_equal(a, b).item(), f"step {i}"
