@@ -52,6 +52,10 @@ class Model(TextWrapper):
             media = [image] + [int(config[k]) for k in ("audio_token_id", "video_token_id")
                                if config.get(k) is not None]
             self.language_model.set_media_tokens(media)
+            if (config.get("text_config") or {}).get("use_bidirectional_attention") == "vision":
+                # (an image's tokens would attend to each other both ways: not built here)
+                self.vision_refused = ("image inputs are not supported for this checkpoint: its "
+                                       "decoder attends bidirectionally within images")
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":

@@ -93,6 +93,8 @@ def vision_prompt(model, tokenizer, messages: list, images: list, *, tools=None,
 
     if not has_vision(model):
         raise PromptError("this model has no vision tower: image inputs are not supported")
+    if getattr(model, "vision_refused", None):
+        raise PromptError(model.vision_refused)
     if not images:
         raise PromptError("vision_prompt needs at least one image")
     info = model.vision
