@@ -5,13 +5,14 @@ are named `model.language_model.*`. With a whole `vision_config`
 (`embed_vision.*`) are built and loaded and `Model.vision` describes them for the image
 path (`engine.vision`); otherwise (a stub vision_config) they are dropped, as the audio
 tower always is. The encoder-free `gemma4_unified` checkpoints load through the same
-wrapper, text-only (their `vision_embedder.*` weights are dropped)."""
+wrapper; with a `vision_config` their `vision_embedder.*` (`gemma4_unified_vision`) and
+`embed_vision.*` take the tower's place (dropped when the weights lack them)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from . import gemma4_text, gemma4_vision
+from . import gemma4_text, gemma4_unified_vision, gemma4_vision
 from .gemma3 import VisionInfo
 from .wrapper import TextWrapper
 
@@ -37,11 +38,24 @@ class Model(TextWrapper):
         config = config or {}
         self.vision = None
         vcfg = config.get("vision_config")
-        if config.get("model_type", "gemma4") == "gemma4" and gemma4_vision.complete(vcfg):
+        kind = config.get("model_type", "gemma4")
+        unified = kind == "gemma4_unified" and isinstance(vcfg, dict)
+        problem = None
+        if unified:
+            ua = gemma4_unified_vision.UnifiedVisionArgs.from_dict(vcfg)
+            try:
+                ua.check()
+            except ValueError as e:
+                problem = f"image inputs are not supported for this checkpoint: {e}"
+            self.vision_embedder = gemma4_unified_vision.VisionEmbedder(ua)
+            self.embed_vision = gemma4_vision.Embedder(ua.output_proj_dims, args.hidden_size,
+                                                       ua.rms_norm_eps)
+        elif kind == "gemma4" and gemma4_vision.complete(vcfg):
             va = gemma4_vision.VisionArgs.from_dict(vcfg)
             self.vision_tower = gemma4_vision.VisionTower(va)
             self.embed_vision = gemma4_vision.Embedder(va.hidden_size, args.hidden_size,
                                                        va.rms_norm_eps)
+        if unified or (kind == "gemma4" and gemma4_vision.complete(vcfg)):
             image = int(config.get("image_token_id", 258880))
             # tokens_per_image 0: the count depends on the image's size
             marks = [config.get(k, d) for k, d in (("boi_token_id", 255999),
@@ -52,10 +66,14 @@ class Model(TextWrapper):
             media = [image] + [int(config[k]) for k in ("audio_token_id", "video_token_id")
                                if config.get(k) is not None]
             self.language_model.set_media_tokens(media)
-            if (config.get("text_config") or {}).get("use_bidirectional_attention") == "vision":
+            text = config.get("text_config") or {}
+            default = "vision" if unified else None        # (mlx-vlm's default for each)
+            if text.get("use_bidirectional_attention", default) == "vision":
                 # (an image's tokens would attend to each other both ways: not built here)
                 self.vision_refused = ("image inputs are not supported for this checkpoint: its "
                                        "decoder attends bidirectionally within images")
+            if problem:
+                self.vision_refused = problem
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
@@ -65,6 +83,12 @@ class Model(TextWrapper):
         """All images' patches [sum of rows * cols, p*p*3] (float32, in [0, 1]) and their
         grids (1, rows, cols) -> soft tokens [tokens, text width], image by image."""
         out, at = [], 0
+        if "vision_embedder" in self:          # gemma4_unified: one patch per soft token
+            for _, rows, cols in grids:
+                n = rows * cols
+                out.append(self.embed_vision(self.vision_embedder(patches[at:at + n], rows, cols)))
+                at += n
+            return mx.concatenate(out, axis=0)
         dtype = self.vision_tower.patch_embedder.input_proj.weight.dtype
         for _, rows, cols in grids:
             n = rows * cols
@@ -93,22 +117,23 @@ class Model(TextWrapper):
     def drop_vision(self) -> None:
         """Text-only from now on (a checkpoint whose config describes the tower but whose
         weights do not have it, as text-only conversions are)."""
-        for name in ("vision_tower", "embed_vision"):
+        for name in ("vision_tower", "vision_embedder", "embed_vision"):
             if name in self:
                 del self[name]
         self.vision = None
         self.language_model.set_media_tokens(())
 
     def sanitize(self, weights: dict) -> dict:
+        mine = ("vision_embedder.", "embed_vision.") if "vision_embedder" in self else \
+            ("vision_tower.", "embed_vision.")
         if self.vision is not None and not any(
-                k.removeprefix("model.").startswith("vision_tower.") for k in weights):
+                k.removeprefix("model.").startswith(mine[0]) for k in weights):
             self.drop_vision()
         out = {}
         for k, v in weights.items():
             hf = k.startswith("model.")
             k = k.removeprefix("model.")
-            if k.startswith(_TOWERS) and not (
-                    self.vision is not None and k.startswith(("vision_tower.", "embed_vision."))):
+            if k.startswith(_TOWERS) and not (self.vision is not None and k.startswith(mine)):
                 continue
             if hf and k.startswith("language_model."):
                 k = k.replace("language_model.", "language_model.model.", 1)
@@ -116,8 +141,8 @@ class Model(TextWrapper):
         inner = {k.removeprefix("language_model."): v for k, v in out.items()
                  if k.startswith("language_model.")}
         inner = self.language_model.sanitize(inner)
-        rest = {k: v for k, v in out.items() if k.startswith(("vision_tower.", "embed_vision."))}
-        if self.vision is not None:
+        rest = {k: v for k, v in out.items() if k.startswith(mine)}
+        if self.vision is not None and mine[0] == "vision_tower.":
             rest = gemma4_vision.sanitize(rest, self.vision_tower.args.use_clipped_linears)
         return {**rest, **{f"language_model.{k}": v for k, v in inner.items()}}
 

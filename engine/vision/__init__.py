@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .gemma3 import Gemma3Preprocess, expand
-from .gemma4 import Gemma4Preprocess, expand as expand_soft
+from .gemma4 import Gemma4Preprocess, Gemma4UnifiedPreprocess, expand as expand_soft
 from .qwen2_5_vl import Qwen25VLPreprocess, expand as expand_runs
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_image, formats
 
@@ -63,6 +63,8 @@ def preprocessor_for(model, model_dir=None):
             except ValueError:
                 pre = {}
             break
+    if info.kind == "gemma4" and "vision_embedder" in model:        # gemma4_unified
+        return Gemma4UnifiedPreprocess.from_config(vars(model.vision_embedder.args), pre)
     if info.kind == "gemma4":
         return Gemma4Preprocess.from_config(vars(model.vision_tower.args), pre)
     if info.kind == "gemma3":

@@ -108,3 +108,25 @@ def expand(text: str, marker: str, boi: str, eoi: str, counts: list) -> str:
     for n, rest in zip(counts, parts[1:]):
         out.append(f"{boi}{marker * n}{eoi}{rest}")
     return "".join(out)
+
+
+@dataclass(frozen=True)
+class Gemma4UnifiedPreprocess(Gemma4Preprocess):
+    """`gemma4_unified`: the same resize and rescale; the patches are model patches of
+    patch_size * pooling_kernel_size pixels (what mlx-vlm's processor cuts, whatever its
+    `model_patch_size` says), one soft token each."""
+
+    @classmethod
+    def from_config(cls, tower: dict, pre: dict) -> "Gemma4UnifiedPreprocess":
+        tower = dict(tower)
+        tower.setdefault("default_output_length", tower.get("num_soft_tokens", 280))
+        ip = dict(pre.get("image_processor") or pre)
+        if "max_soft_tokens" not in ip and "num_soft_tokens" in ip:
+            ip["max_soft_tokens"] = ip["num_soft_tokens"]
+        return cls(**vars(Gemma4Preprocess.from_config(tower, ip)))
+
+    def patches(self, image) -> tuple:
+        return to_patches(self.pixels(image), self.patch_size * self.pooling_kernel_size)
+
+    def tokens_for(self, grid) -> int:
+        return grid[1] * grid[2]
