@@ -18,7 +18,10 @@ dtype (what mlx-vlm computes when it has no Metal kernel for it, i.e. on the CPU
 A request's positions travel with its caches: `bind_positions(caches, ids, grids)` puts
 them on the first layer's cache (`caches[0].mrope`); a forward over tokens [o, o + T)
 takes the prompt's table there, past it o + delta. Caches without them (a text-only
-prompt) use o + arange(T) (delta 0; per row when the offsets are an array)."""
+prompt) use o + arange(T) (delta 0). A batch cache (one offset per row, left padding not
+counted) takes its rows' own positions from `row_positions` (a list: each row's `Positions`
+or None for a text row; the batch runner sets it before each forward): row b's tokens
+[o_b, o_b + T) then sit where they sit alone (`row_positions` below)."""
 
 from __future__ import annotations
 
@@ -109,6 +112,20 @@ def prompt_positions(ids: list, image_token: int, grids: list, merge: int) -> Po
     return Positions(table, int(table.max()) + 1 - len(ids))
 
 
+def row_positions(pos: Optional[Positions], offset: int, L: int) -> np.ndarray:
+    """[3, L] positions of tokens [offset, offset + L) of one sequence: its prompt's table
+    inside the prompt, index + delta after it; plain (index on all three axes) without
+    `pos` (a text-only sequence) and at negative indices (padding)."""
+    idx = np.arange(offset, offset + L)
+    p = np.array(np.broadcast_to(idx, (3, L)))
+    if pos is not None:
+        n = pos.table.shape[1]
+        inside = (idx >= 0) & (idx < n)
+        p[:, inside] = pos.table[:, idx[inside]]
+        p[:, idx >= n] += pos.delta
+    return p
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -186,18 +203,14 @@ class TextModel(nn.Module):
     def positions(self, cache, B: int, L: int) -> mx.array:
         """[3, B, L] int positions of a forward of L tokens on `cache` (layer 0's)."""
         offset = cache.offset if cache is not None else 0
-        pos: Optional[Positions] = getattr(cache, "mrope", None)
         if isinstance(offset, mx.array):        # a batch cache: one offset per row
-            p = offset.reshape(-1, 1).astype(mx.int32) + mx.arange(L, dtype=mx.int32)
-            return mx.broadcast_to(p[None], (3, p.shape[0], L))
-        idx = np.arange(offset, offset + L)
-        if pos is None:
-            p = np.broadcast_to(idx, (3, L))
-        else:
-            n = pos.table.shape[1]
-            inside = pos.table[:, idx[idx < n]]
-            after = np.broadcast_to(idx[idx >= n] + pos.delta, (3, int((idx >= n).sum())))
-            p = np.concatenate([inside, after], axis=1)
+            rows = getattr(cache, "row_positions", None)
+            if rows is None or all(r is None for r in rows):
+                p = offset.reshape(-1, 1).astype(mx.int32) + mx.arange(L, dtype=mx.int32)
+                return mx.broadcast_to(p[None], (3, p.shape[0], L))
+            p = np.stack([row_positions(r, o, L) for r, o in zip(rows, offset.tolist())], 1)
+            return mx.array(p.astype(np.int32))
+        p = row_positions(getattr(cache, "mrope", None), offset, L)
         return mx.broadcast_to(mx.array(p.astype(np.int32))[:, None], (3, B, L))
 
     def rope(self, positions: mx.array, dtype) -> tuple:
@@ -280,10 +293,13 @@ class Model(TextWrapper):
         rows = feats[mx.maximum(mx.cumsum(is_image.astype(mx.int32)) - 1, 0)]
         return mx.where(is_image[:, None], rows, embeds[0])[None]
 
+    def image_positions(self, ids: list, grids: list) -> Positions:
+        """The M-RoPE positions of a prompt with images (a batch row's `positions`)."""
+        return prompt_positions(ids, self.vision.image_token_id, grids, self.vision.merge_size)
+
     def bind_positions(self, caches: list, ids: list, grids: list) -> None:
         """Put the prompt's M-RoPE positions on the request's caches (before its prefill)."""
-        caches[0].mrope = prompt_positions(ids, self.vision.image_token_id, grids,
-                                           self.vision.merge_size)
+        caches[0].mrope = self.image_positions(ids, grids)
 
     def sanitize(self, weights: dict) -> dict:
         inner, rest = {}, {}

@@ -40,7 +40,7 @@ from engine.step.batch_types import BatchRequest, RowEvent
 from engine.step.batch_draft import DraftBatch
 from engine.step.batch_lookup import LookupSteps
 from engine.step.batch_rows import Group, Row, eval_caches, extract_row, guarded, pooled
-from engine.step.batch_vision import embedding_kwargs
+from engine.step.batch_vision import bind_row_positions, embedding_kwargs
 from engine.step.lookup import lookup_unsupported
 from engine.step.row_processors import apply_processors, batched
 from engine.step.sampling import greedy
@@ -126,6 +126,8 @@ class BatchScheduler(LookupSteps):
         if req.embeddings is not None and req.embeddings.shape[1] != len(req.prompt):
             raise ValueError(f"embeddings for {req.embeddings.shape[1]} tokens, the prompt "
                              f"has {len(req.prompt)}")
+        if req.positions is not None and self.decoder is not None:
+            raise ValueError("a row with its own positions needs the L1 batch runner")
         stops = self.eos if req.stop_tokens is None else set(int(t) for t in req.stop_tokens)
         row = Row(self._uid, req, stops, self.tokenizer)
         self._uid += 1
@@ -240,6 +242,7 @@ class BatchScheduler(LookupSteps):
 
     def _forward(self, g: Group, tokens, **kw):
         """The model over g's rows, each with its own adapters (`engine.adapters.rows`)."""
+        bind_row_positions(g.rows, g.caches)   # (rows with their own positions: batch_vision)
         with selected([r.req.adapters for r in g.rows]):
             return self.model(tokens, cache=g.caches, **kw)
 

@@ -33,6 +33,9 @@ class BatchRequest:
     embeddings: Optional[mx.array] = None       # [1, len(prompt), D]: the prompt's input
                                                 # embeddings (images merged in), fed instead
                                                 # of its tokens' own (engine.step.batch_vision)
+    positions: Optional[object] = None          # the row's own token positions (the model's
+                                                # M-RoPE `Positions` of its whole prompt, a
+                                                # reused prefix included; engine.step.batch_vision)
     on_prefilled: Optional[Callable] = None     # fn(single-row caches): once the row's caches
                                                 # hold its prompt but the last token
     adapters: tuple = ()                        # runtime adapter ids of this row

@@ -7,7 +7,15 @@ other rows' (and every padding position's) token embeddings (`model.token_embedd
 values the model's own embedding lookup gives: `begin` scales both the same way). On the CPU
 a row's values do not depend on the other rows of the forward, so the image row computes what
 it computes alone and the text rows what they compute without it (full attention; see
-docs/batching.md for the sliding-window rings)."""
+docs/batching.md for the sliding-window rings).
+
+A row may also bring its own token positions (`BatchRequest.positions`: Qwen2.5-VL's M-RoPE
+table of its prompt, images at their grid positions, and the delta after it). Before every
+forward of a group (prefill chunk, graduation, decode, speculation) `bind_row_positions`
+puts the rows' positions on the group's first-layer batch cache (`row_positions`: one entry a
+row, None for a text row); the model then gives each row its own positions from its offset
+(its real tokens: left padding is not counted), so a text row keeps offset + t on every axis
+and the image row takes what it takes alone."""
 
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from typing import List, Sequence
 
 import mlx.core as mx
 
-__all__ = ["embedding_kwargs"]
+__all__ = ["embedding_kwargs", "bind_row_positions"]
 
 
 def embedding_kwargs(model, rows, starts: Sequence[int], chunks: List[list],
@@ -40,3 +48,16 @@ def embedding_kwargs(model, rows, starts: Sequence[int], chunks: List[list],
                                   .astype(own.dtype)], axis=1)
         parts.append(own)
     return {"input_embeddings": mx.concatenate(parts, axis=0)}
+
+
+def bind_row_positions(rows, caches) -> None:
+    """Put `rows`' own positions (`rows[i].req.positions`, None for a text row) on the
+    first-layer cache of their group's batch caches `caches`, for the next forward; a group
+    none of whose rows has any clears what an earlier group of the same caches left."""
+    if not isinstance(caches, list) or not caches:       # (the fast runner's slot pool)
+        return
+    pos = [r.req.positions for r in rows]
+    if any(p is not None for p in pos):
+        caches[0].row_positions = pos
+    elif getattr(caches[0], "row_positions", None) is not None:
+        caches[0].row_positions = None

@@ -279,7 +279,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         if vision is not None:
             self.check_vision(vision, ids)
             cache_namespace = f"{cache_namespace}:images:{vision.digest}"
-            if reason is None and (not self.image_rows or self.positional_images()):
+            if reason is None and not self.image_rows:
                 reason = "images"
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)

@@ -54,7 +54,7 @@ class BatchLane:
             req.ids[req.reused:], max_tokens=None, sampler=self._sampler(p),
             seed=p.seed, logits_processors=p.make_processors(),
             caches=caches, history=req.ids[:req.reused], lookup=lookup, draft=draft,
-            embeddings=embeds,
+            embeddings=embeds, positions=self.image_positions(req),
             on_prefilled=snapshot, adapters=req.adapters,
             return_cache=self.prompt_cache is not None or self.disk_cache is not None))
         self._rows[req.uid] = req

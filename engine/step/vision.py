@@ -6,9 +6,11 @@ A request with images is a row of the L1 batch runner (`engine.step.batch_vision
 prompt's chunks and its last prompt token's step take its merged embeddings, the other rows
 of those forwards their tokens' own). On the fast runner, in deterministic mode and where
 every request runs alone (max_batch 1, quantized KV, ...) it runs alone
-(`solo_reasons["images"]` for the first two; also every request whose images bring their
-own token positions, Qwen2.5-VL's M-RoPE: `positional_images`), on mlx-vlm's token loop (the prompt's
-embeddings through the prefill and the last prompt token's step). Its prompt-cache namespace
+(`solo_reasons["images"]` for the first two), on mlx-vlm's token loop (the prompt's
+embeddings through the prefill and the last prompt token's step). Where the images bring
+their own token positions (Qwen2.5-VL's M-RoPE: `positional_images`) a row takes them with
+it (`BatchRequest.positions`, `image_positions`); a request running alone has them bound to
+its caches. Its prompt-cache namespace
 carries the digest of the images' bytes, so a prefix is reused only by a request with the
 same images (a text-only prefix is not shared with it)."""
 
@@ -56,10 +58,17 @@ class VisionPrompts:
                               "(its multimodal positions)")
 
     def positional_images(self) -> bool:
-        """Whether the model's images carry their own token positions (M-RoPE: Qwen2.5-VL);
-        such a request runs alone (`solo_reasons["images"]`), its positions bound to its
-        caches."""
+        """Whether the model's images carry their own token positions (M-RoPE: Qwen2.5-VL):
+        a batch row takes them along (`image_positions`), a request running alone has them
+        bound to its caches."""
         return hasattr(self.model, "bind_positions")
+
+    def image_positions(self, req: RequestState):
+        """The token positions of a request's whole prompt (a reused prefix included) where
+        its images bring their own (the model's `Positions`), else None."""
+        if req.vision is None or req.vision.grids is None or not self.positional_images():
+            return None
+        return self.model.image_positions(req.ids, req.vision.grids)
 
     def prompt_embeddings(self, req: RequestState) -> Optional[mx.array]:
         """The uncached prompt's input embeddings [1, L - reused, D] with the images merged
@@ -67,8 +76,8 @@ class VisionPrompts:
         if req.vision is None:
             return None
         grids = req.vision.grids
-        if grids is not None and self.positional_images():
-            self.model.bind_positions(req.caches, req.ids, grids)   # (a reused prefix too)
+        if grids is not None and self.positional_images() and req.caches is not None:
+            self.model.bind_positions(req.caches, req.ids, grids)   # alone (a reused prefix too)
         image = self.model.vision.image_token_id
         if all(t != image for t in req.ids[req.reused:]):
             return None

@@ -152,7 +152,7 @@ def test_text_only_prompt_equals_mlx_vlm(setup):
 
 def test_engine_matches_mlx_vlm_generate_step(setup):
     """The Engine's request (vision_prompt + submit) against mlx-vlm's own token loop;
-    with max_batch 4 it runs alone (its positions are its own)."""
+    with max_batch 4 it is a row of the batch, its own positions with it."""
     path, ref, _, ours, tok = setup
     eng = Engine(ours, tok, max_batch=4, keep_logprob_arrays=True)
     eng.image_preprocess = preprocessor_for(ours, path)
@@ -170,7 +170,8 @@ def test_engine_matches_mlx_vlm_generate_step(setup):
     assert toks == [t for t, _ in want]
     for i, (a, (_, b)) in enumerate(zip(lps, want)):
         assert mx.array_equal(a, b).item(), f"step {i}"
-    assert eng.stats()["solo_reasons"] == {"images": 1}
+    st = eng.stats()
+    assert st["solo_reasons"] == {} and st["lanes"] == {"batch": 1, "solo": 0}
 
 
 def test_negative_control_sections_swapped(setup, tmp_path):
