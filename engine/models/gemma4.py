@@ -33,6 +33,7 @@ def text_args(config: dict) -> gemma4_text.Args:
 
 
 class Model(TextWrapper):
+    whole_image_prompts = False   # True: a prompt with images is prefilled in one forward
     def __init__(self, args: gemma4_text.Args, config: dict | None = None):
         super().__init__(gemma4_text.Model(args), "gemma4")
         config = config or {}
@@ -69,9 +70,12 @@ class Model(TextWrapper):
             text = config.get("text_config") or {}
             default = "vision" if unified else None        # (mlx-vlm's default for each)
             if text.get("use_bidirectional_attention", default) == "vision":
-                # (an image's tokens would attend to each other both ways: not built here)
-                self.vision_refused = ("image inputs are not supported for this checkpoint: its "
-                                       "decoder attends bidirectionally within images")
+                # an image's tokens attend to each other both ways in the prompt's forward,
+                # which therefore runs whole (`whole_image_prompts`: engine.step.alone)
+                video = config.get("video_token_id")
+                self.language_model.set_image_blocks([image] + ([] if video is None
+                                                                else [int(video)]))
+                self.whole_image_prompts = True
             if problem:
                 self.vision_refused = problem
 
@@ -121,7 +125,9 @@ class Model(TextWrapper):
             if name in self:
                 del self[name]
         self.vision = None
+        self.whole_image_prompts = False
         self.language_model.set_media_tokens(())
+        self.language_model.set_image_blocks(())
 
     def sanitize(self, weights: dict) -> dict:
         mine = ("vision_embedder.", "embed_vision.") if "vision_embedder" in self else \

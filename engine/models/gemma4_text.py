@@ -229,6 +229,41 @@ class Model(nn.Module):
     def media_tokens(self) -> tuple:
         return getattr(self, "_media", ())
 
+    def set_image_blocks(self, ids) -> None:
+        """`use_bidirectional_attention: "vision"`: in a forward of more than one token from
+        empty caches, each run of these tokens (one image's soft tokens) attends to itself in
+        both directions, over the causal / sliding-window masks (as mlx-vlm does)."""
+        self._blocks = tuple(int(i) for i in ids)
+
+    @property
+    def image_blocks(self) -> tuple:
+        return getattr(self, "_blocks", ())
+
+    def _overlay_masks(self, inputs, caches) -> Optional[dict]:
+        """{layer type: bool mask [B, 1, T, T]} with the image blocks' overlay, or None where
+        it does not apply (one token, a cache already holding tokens, no image token)."""
+        T = inputs.shape[-1]
+        offsets = [getattr(c, "offset", None) for c in caches if c is not None]
+        if T < 2 or any(type(o) is not int or o for o in offsets):
+            return None
+        inside = mx.zeros(inputs.shape, dtype=mx.bool_)
+        for t in self.image_blocks:
+            inside = inside | (inputs == t)
+        if not mx.any(inside).item():
+            return None
+        before = mx.concatenate([mx.zeros_like(inside[:, :1]), inside[:, :-1]], axis=1)
+        run = mx.cumsum((inside & ~before).astype(mx.int32), axis=1)      # 1, 2, ...: the run
+        run = mx.where(inside, run, 0)
+        same = (run[:, :, None] > 0) & (run[:, :, None] == run[:, None, :])
+        q, k = mx.arange(T)[:, None], mx.arange(T)[None]
+        out = {}
+        for t in set(self.args.layer_types):
+            causal = q >= k
+            if t == "sliding_attention":
+                causal = causal & (q < k + self.args.sliding_window)
+            out[t] = mx.expand_dims(causal | same, 1)
+        return out
+
     def begin(self, inputs, cache=None, input_embeddings=None):
         """`input_embeddings` [B, T, D], when given, are the final input embeddings (the
         tokens' already scaled, as `embed` gives them, with any image features in place);
@@ -243,6 +278,10 @@ class Model(nn.Module):
                 window = self.args.sliding_window if t == "sliding_attention" else None
                 by_type[t] = attention_mask(h, c, window=window)
             masks.append(by_type[t])
+        if self.image_blocks and inputs is not None:
+            overlay = self._overlay_masks(inputs, caches)
+            if overlay is not None:
+                masks = [overlay[layer.layer_type] for layer in self.layers]
         pli = None
         if self.args.hidden_size_per_layer_input:
             ids = inputs

@@ -39,7 +39,7 @@ class AloneRunner:
         processors = p.make_processors()
         if p.seed is not None:
             mx.random.seed(p.seed)
-        caches = self._fetch(req)
+        caches = None if req.whole else self._fetch(req)
         if caches is not None:
             self.policy.apply(caches)
         else:
@@ -63,7 +63,7 @@ class AloneRunner:
                                      sampler=sampler, logits_processors=processors or None,
                                      caches=caches, policy=self.policy,
                                      prefill_step_size=self.prefill_step_size, history=history,
-                                     embeddings=req.embeds[:, req.done:])
+                                     embeddings=req.embeds[:, req.done:], whole=req.whole)
             if p.looks_up():        # prompt-lookup speculation (greedy: no sampler needed)
                 req.spec = self.spec.for_request("lookup")
                 return lookup_generate_step(
@@ -103,6 +103,9 @@ class AloneRunner:
     def _solo_prefill(self, req: RequestState) -> None:
         from engine.kv.cache import RotatingKVCache   # (engine.kv.cache imports the models)
 
+        if req.whole and req.embeds is not None:    # (the prompt in generate_step's one step)
+            req.steps, req.start_decode = req.start_decode(), None
+            return
         if req.prompt.size - req.done > 1:
             req.done = prefill_chunk(self.model, req.prompt, req.done, req.caches,
                                      self.policy, self.prefill_step_size,
@@ -129,7 +132,7 @@ class AloneRunner:
             req.steps.close()
         if req.spec is not None:
             self.spec.finished(req.rid, req.spec)
-        if store:
+        if store and not req.whole:
             self._store(req, req.caches)
         req.steps = req.caches = req.prompt = req.start_decode = req.embeds = None
         self._solo = None

@@ -281,9 +281,16 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             cache_namespace = f"{cache_namespace}:images:{vision.digest}"
             if reason is None and not self.image_rows:
                 reason = "images"
+            if reason is None and getattr(self.model, "whole_image_prompts", False):
+                reason = "bidirectional_images"
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
         req.prefix, req.vision = prefix_caches or None, vision
+        # images the decoder attends to both ways: the prompt in one forward from empty caches
+        req.whole = vision is not None and getattr(self.model, "whole_image_prompts", False)
+        if req.whole and req.prefix is not None:
+            raise PromptError("prefix caches are not supported with images this model's "
+                              "decoder attends to both ways")
         # sampling from the global seeded stream alone: the batch's draws must not interleave
         req.exclusive = req.lane == "solo" and params.seed is not None and bool(params.temperature)
         # (copied on write: stats() may be read from another thread)

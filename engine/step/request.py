@@ -344,6 +344,7 @@ class RequestState:
         self.done = 0                     # solo: how many of them are in the caches
         self.vision = None                # its images (engine.vision.VisionInput), if any
         self.embeds = None                # solo: the uncached prompt's embeddings (images)
+        self.whole = False                # solo: its prompt in one forward, no prompt cache
         self.start_decode = None          # solo: builds `steps` once prefilled
         self.spec = None                  # solo: its SpecStats while it speculates
         self.text = TextStream(tokenizer, params.stop)   # (the one update's, every runner)

@@ -73,6 +73,7 @@ def generate_step(
     on_prefilled: Optional[Callable[[list], None]] = None,
     decoder: Optional[Callable] = None,
     embeddings: Optional[mx.array] = None,
+    whole: bool = False,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs [V]) for up to max_tokens tokens.
 
@@ -83,7 +84,9 @@ def generate_step(
     not modify the caches. `decoder(tokens, caches) -> logits [1, V]` (L3, see
     engine.fast.decode) replaces the model's forward for decode steps only. `embeddings`
     [1, len(prompt), D]: the prompt's input embeddings (images merged in: the prefill and
-    the last prompt token's step take them, as mlx-vlm's generate_step does)."""
+    the last prompt token's step take them, as mlx-vlm's generate_step does). `whole` (with
+    `embeddings`): no prefill, the whole prompt is the first step's forward (as mlx-vlm runs
+    a prompt whose images the decoder attends to both ways); `on_prefilled` is not called."""
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     caches = caches if caches is not None else model.make_cache()
@@ -107,18 +110,21 @@ def generate_step(
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
-    if logits_processors:
+    if logits_processors and not (whole and embeddings is not None):
         # processors see the whole prompt; all but its last token now
         head = prompt[:-1]
         seen = mx.concatenate([seen, head]) if seen is not None else head
         if seen.size == 0:
             seen = None
-    last = prefill(model, prompt, caches, policy, prefill_step_size, embeddings=embeddings)
-    if on_prefilled is not None and prompt.size > 1:
-        on_prefilled(caches)
-    if decoder is not None:             # L3: the preallocated buffer (it grows as needed)
-        decoder.reserve(caches, 1)
-    y, logprobs = step(last, None if embeddings is None else embeddings[:, -1:])
+    if whole and embeddings is not None:
+        y, logprobs = step(prompt, embeddings)
+    else:
+        last = prefill(model, prompt, caches, policy, prefill_step_size, embeddings=embeddings)
+        if on_prefilled is not None and prompt.size > 1:
+            on_prefilled(caches)
+        if decoder is not None:         # L3: the preallocated buffer (it grows as needed)
+            decoder.reserve(caches, 1)
+        y, logprobs = step(last, None if embeddings is None else embeddings[:, -1:])
     mx.async_eval(y, logprobs)
     n = 0
     while True:

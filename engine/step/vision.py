@@ -12,7 +12,9 @@ their own token positions (Qwen2.5-VL's M-RoPE: `positional_images`) a row takes
 it (`BatchRequest.positions`, `image_positions`); a request running alone has them bound to
 its caches. Its prompt-cache namespace
 carries the digest of the images' bytes, so a prefix is reused only by a request with the
-same images (a text-only prefix is not shared with it)."""
+same images (a text-only prefix is not shared with it). On a checkpoint whose decoder
+attends to an image's tokens both ways (`whole_image_prompts`) such a request runs alone,
+its prompt one forward, without the prompt cache (docs/vision-gemma4.md)."""
 
 from __future__ import annotations
 

@@ -74,3 +74,44 @@ def generate(model, ids: mx.array, pixels, max_tokens: int) -> list:
         if len(out) == max_tokens:
             break
     return out
+
+
+def token_types(model, ids: mx.array) -> mx.array:
+    """The processor's `mm_token_type_ids` for prompt ids (1: image token, else 0)."""
+    return (ids == model.config.image_token_id).astype(mx.int32)
+
+
+def whole_forward_logits(model, ids: mx.array, pixels, steps: int, types=True, **kw) -> tuple:
+    """The logits of mlx-vlm's schedule for a prompt with images when the decoder attends
+    to them both ways (`use_bidirectional_attention: "vision"`: its chunked-prefill policy
+    is off, the whole prompt is one forward with the prompt's `mm_token_type_ids`), then
+    `steps` greedy tokens: ([V] each, tokens). `types=False`: without the token types (no
+    overlay: the negative control). `kw`: more inputs of `get_input_embeddings`
+    (gemma4_unified: `image_position_ids`)."""
+    lm = model.language_model
+    cache = lm.make_cache()
+    feats = model.get_input_embeddings(ids, pixels, **kw)
+    extra = {"mm_token_type_ids": token_types(model, ids)} if types else {}
+    out = lm(ids, inputs_embeds=feats.inputs_embeds, cache=cache,
+             per_layer_inputs=feats.per_layer_inputs, logits_to_keep=1, **extra).logits[0, -1]
+    logits, tokens = [out], []
+    for _ in range(steps):
+        tok = mx.argmax(out).item()
+        tokens.append(tok)
+        out = lm(mx.array([[tok]]), cache=cache, **extra).logits[0, -1]
+        logits.append(out)
+    return logits, tokens
+
+
+def generate_with_types(model, ids: mx.array, pixels, max_tokens: int, **kw) -> list:
+    """`generate` with the prompt's `mm_token_type_ids`, as mlx_vlm.generate passes the
+    processor's."""
+    from mlx_vlm.generate.ar import generate_step
+    out = []
+    for tok, lp in generate_step(ids, model, pixels, mx.ones(ids.shape, mx.int32),
+                                 max_tokens=max_tokens, temperature=0.0,
+                                 mm_token_type_ids=token_types(model, ids), **kw):
+        out.append((int(tok), lp))
+        if len(out) == max_tokens:
+            break
+    return out

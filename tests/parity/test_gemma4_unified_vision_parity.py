@@ -171,17 +171,24 @@ def _variant(tmp_path, edit):
     return load_model(tmp_path)[0], load_tokenizer(tmp_path)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda c: c["text_config"].pop("use_bidirectional_attention"),     # mlx-vlm: "vision"
-    lambda c: c["text_config"].update(use_bidirectional_attention="vision"),
-    lambda c: c["vision_config"].update(patch_size=3)],
-    ids=["bidirectional-default", "bidirectional", "model-patch"])
-def test_checkpoints_not_served_refuse_images(tmp_path, edit):
+def test_checkpoints_not_served_refuse_images(tmp_path):
     from engine.step.request import PromptError
     from engine.vision import vision_prompt
-    model, tok = _variant(tmp_path, edit)
+    model, tok = _variant(tmp_path, lambda c: c["vision_config"].update(patch_size=3))
     with pytest.raises(PromptError, match="not supported"):
         vision_prompt(model, tok, ONE, [IMAGES["exact_48"]])
+
+
+@pytest.mark.parametrize("edit", [
+    lambda c: c["text_config"].pop("use_bidirectional_attention"),     # mlx-vlm: "vision"
+    lambda c: c["text_config"].update(use_bidirectional_attention="vision")],
+    ids=["bidirectional-default", "bidirectional"])
+def test_bidirectional_checkpoints_take_images_whole(tmp_path, edit):
+    """(their parity: tests/parity/test_gemma4_bidirectional_parity.py)"""
+    from engine.vision import vision_prompt
+    model, tok = _variant(tmp_path, edit)
+    assert model.whole_image_prompts and model.language_model.image_blocks
+    assert vision_prompt(model, tok, ONE, [IMAGES["exact_48"]])[0]
 
 
 def test_text_only_unified_checkpoints_load_as_before():

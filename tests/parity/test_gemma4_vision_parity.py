@@ -267,29 +267,3 @@ def test_image_row_beside_a_text_row_matches_mlx_vlm(setup):
     assert other == STEPS and toks == [t for t, _ in want]
     for i, (a, (_, b)) in enumerate(zip(lps, want)):
         assert mx.array_equal(a, b).item(), f"step {i}"
-
-
-def test_bidirectional_image_attention_is_refused_not_silently_causal(tmp_path):
-    """A checkpoint whose decoder attends bidirectionally within images
-    (`text_config.use_bidirectional_attention: "vision"`, not built here) refuses image
-    inputs with a clear error instead of decoding them causally; text still runs."""
-    import json
-    import shutil
-
-    from engine.step.request import PromptError
-    from engine.vision import vision_prompt
-
-    src = ensure_fixture("float32")
-    for f in src.iterdir():
-        shutil.copy(f, tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.setdefault("text_config", {})["use_bidirectional_attention"] = "vision"
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model, _ = load_model(tmp_path)
-    tok = load_tokenizer(tmp_path)
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
-    with pytest.raises(PromptError, match="bidirectionally"):
-        vision_prompt(model, tok, msgs, [_enc(np.zeros((32, 32, 3), np.uint8))])
-    good, _ = load_model(src)
-    assert vision_prompt(good, load_tokenizer(src), msgs,
-                         [_enc(np.zeros((32, 32, 3), np.uint8))])[0]
