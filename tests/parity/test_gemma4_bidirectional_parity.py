@@ -136,3 +136,35 @@ def test_engine_matches_mlx_vlm_generate_step(setup, max_batch):
             assert mx.array_equal(a, b).item(), f"step {i}"
     reason = "max_batch=1" if max_batch == 1 else "bidirectional_images"
     assert eng.stats()["solo_reasons"] == {reason: 2}
+
+
+def test_image_request_beside_text_rows_and_text_unchanged(setup):
+    """max_batch 4: an image request submitted among text requests still equals mlx-vlm; a
+    text prompt's logits are those of the causal checkpoint (no image token, no overlay)."""
+    path, ref, _, ours, tok = setup
+    ids, vision, pixels, kw = _prompt(setup)
+    want = vlm.generate_with_types(ref, mx.array([ids]), pixels, STEPS, **kw)
+    eng = Engine(ours, tok, keep_logprob_arrays=True, max_batch=4)
+    eng.image_preprocess = preprocessor_for(ours, path)
+    eng.eos = set()
+    text = [2] + list(range(40, 70))
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0)
+    first = eng.submit(text, params)
+    rid = eng.submit(ids, params, vision=vision)
+    last = eng.submit(text[:20], params)
+    got = {first: [], rid: [], last: []}
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.error is None
+            got[o.request_id] += o.logprob_arrays
+    assert len(got[rid]) == STEPS
+    for i, (a, (_, b)) in enumerate(zip(got[rid], want)):
+        assert mx.array_equal(a, b).item(), f"step {i}"
+    assert eng.stats()["solo_reasons"] == {"bidirectional_images": 1}
+    blocks = ours.language_model.image_blocks
+    with_blocks = ours(mx.array([text]))
+    ours.language_model.set_image_blocks(())
+    try:
+        assert mx.array_equal(with_blocks, ours(mx.array([text]))).item()
+    finally:
+        ours.language_model.set_image_blocks(blocks)
