@@ -44,8 +44,7 @@ def _pad_time(k: mx.array, left: int, right: int) -> mx.array:
 
 
 class _Rows:
-    """What both batched caches share: per-row `offset` and `left_padding`, keys/values
-    [B, heads, T, head_dim]."""
+    """Both batched caches: per-row `offset`, `left_padding`; keys/values [B, heads, T, D]."""
 
     step = 256
     bits = None
@@ -69,8 +68,7 @@ class _Rows:
 class BatchKVCache(_Rows):
     """Growing batched cache for full-attention layers."""
 
-    _lp_seen = None
-    _lp_max = 0
+    _lp_seen, _lp_max = None, 0       # (left_padding whose host max is _lp_max: _unmasked)
 
     def __init__(self, left_padding: Sequence[int]):
         self.keys = None
