@@ -424,14 +424,19 @@ def ensure_fixture(family: str, dtype: str = "float32", shards: int = 1,
     if variant and not _config_variant(variant):
         raise ValueError(f"unknown fixture variant {variant!r}; have "
                          f"{sorted(v for v in VARIANTS if _config_variant(v))}")
-    root = fixture_root()
-    final = root / fixture_name(family, dtype, shards, variant)
+    return build_once(fixture_root() / fixture_name(family, dtype, shards, variant),
+                      lambda tmp: build_fixture(tmp, family, dtype, shards, variant))
+
+
+def build_once(final: Path, build) -> Path:
+    """`final`, built first by `build(tmp)` into a temporary folder beside it and renamed into
+    place (atomically: concurrent builders race, the loser's copy is equal and dropped)."""
     if (final / "config.json").exists():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
-        build_fixture(tmp, family, dtype, shards, variant)
+        build(tmp)
         try:
             tmp.rename(final)
         except OSError:

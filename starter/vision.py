@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -134,20 +132,6 @@ def ensure_vision_fixture(dtype: str = "float32") -> Path:
     """Path of the cached `gemma3_vision` fixture, building it first (atomically)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown vision fixture dtype {dtype!r}; have {DTYPES}")
-    root = models.fixture_root()
-    final = root / fixture_name(dtype)
-    if (final / "config.json").exists():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    try:
-        build(tmp, dtype)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return models.build_once(models.fixture_root() / fixture_name(dtype),
+                             lambda tmp: build(tmp, dtype))
 
