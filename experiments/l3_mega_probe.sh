@@ -5,8 +5,7 @@
 #   3. experiments/l3_overhead.py: l1, l3 (one kernel), l3 emptied, l3 without it, at 128 and 2048;
 #   4. experiments/bench_decode.py l1,l3 on 1b (and on 8b with MODELS="1b 8b");
 #   5. with TRAINED=1, experiments/trained_gate.py (TRAINED_STEPS) in the time left;
-#   with QUANT=1 first: the 4-bit 1b through the kernel's quantized variant (MLXP_MEGA_QUANT=1):
-#   its logits against the step of separate kernels and L1, then bench_decode l1,l3.
+#   (QUANT=1 ran the 4-bit 1b through the kernel; 4-bit models left the kernel at 0.5.2: reports/l3/JOURNAL.md)
 #   OUT=/tmp/mega BUDGET=520 bash experiments/l3_mega_probe.sh
 set -u
 OUT=${OUT:-/tmp/mega}
@@ -15,14 +14,6 @@ source "$(dirname "$0")/stages.sh"
 {
 stage build
 for m in ${MODELS:-1b}; do python3 -m experiments.presets "$m" "/tmp/m/$m"; done
-if [ "${QUANT:-0}" = 1 ]; then
-  stage quant
-  python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4
-  MLXP_MEGA_QUANT=1 MLXP_MEGA_PROF=1 run $(lim 300 60) python3 experiments/mega_check.py --model /tmp/m/1b-q4 \
-    --steps 16 --out "$OUT/mega_check_q4.json"
-  MLXP_MEGA_QUANT=1 run $(lim 250 90) python3 experiments/bench_decode.py --model /tmp/m/1b-q4 --tier l1,l3 \
-    --lengths 128,2048 --gen 64 --trials 5 --tag h200-q4-mega --out "$OUT/bench-q4"
-fi
 stage check
 MLXP_MEGA_PROF=1 run $(lim 400 90) python3 experiments/mega_check.py --model /tmp/m/1b --steps 24 --out "$OUT/mega_check.json"
 MLXP_MEGA_PROF=1 run $(lim 380 60) python3 experiments/mega_check.py --model /tmp/m/1b --steps 8 --prompt 2048 \

@@ -8,7 +8,7 @@
 #   3. (CHECK1B=0 leaves out) mega_check on 1b bf16;
 #   4. (BENCH1B=0 leaves out) bench_decode l1,l3 on 1b bf16;
 #   5. (E8B=0 leaves out) bench_decode l1,l3, mega_check and experiments/l3_overhead.py l1,l3 on 8b;
-#   6. with Q8=1: 1b with 8-bit weights through the kernel (MLXP_MEGA_QUANT=1), and with
+#   6. with Q8=1: 1b with 8-bit weights through the kernel (the default since 0.5.2), and with
 #      QWEN3=1 the qwen3-2b preset (per-head q/k norms in the kernel):
 #      each mega_check, then bench_decode l1,l3;
 #   7. (MMA=1 ran experiments/mma_probe.py, the bf16 tensor-core GEMV probe; deleted at 0.5.0, see git history)
@@ -65,9 +65,9 @@ fi
 if [ "${Q8:-0}" = 1 ]; then
   stage q8
   python3 -m experiments.presets 1b /tmp/m/1b-q8 --bits 8
-  MLXP_MEGA_QUANT=1 MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
+  MLXP_MEGA_PROF=1 run $(lim 5 90) python3 experiments/mega_check.py \
     --model /tmp/m/1b-q8 --steps 16 --out "$OUT/mega_check_q8.json"
-  [ "${Q8BENCH:-1}" = 1 ] && MLXP_MEGA_QUANT=1 run $(lim 5 120) python3 experiments/bench_decode.py \
+  [ "${Q8BENCH:-1}" = 1 ] && run $(lim 5 120) python3 experiments/bench_decode.py \
     --model /tmp/m/1b-q8 --tier l1,l3 --lengths 128,2048 --gen 64 --trials 5 --tag h200-q8-mega --out "$OUT/bench-q8"
 fi
 if [ "${QWEN3:-0}" = 1 ]; then

@@ -5,7 +5,6 @@ the `Levers` (engine.levers.resolve: preset < environment < flag) and carried by
 | field | environment | values | what it does |
 |---|---|---|---|
 | `prof` | `MLXP_MEGA_PROF` | 0/1 | the one-kernel step's phase timer (`FastDecoder.mega_profile`) |
-| `quant` | `MLXP_MEGA_QUANT` | unset, 0, 1 | quantized models on the one-kernel step: 4-bit (unset), none (0), 8-bit too (1) |
 | `qk_norm` | `MLXP_MEGA_QKNORM` | 0/1 | qwen3 (per-head q/k norms) on the one-kernel step (0: off it) |
 | `disabled` | `MLXP_DISABLE_KERNELS` | a comma list of `KERNELS` (add_rms, rope_qkv, attention, gemv, mega, qmm) | kernels switched off: their stock-MLX references run instead |
 | `deterministic` | (`--deterministic`) | bool | batch-invariant kernels (issue #41's GPU part): set by `engine.deterministic.check`; not built yet, so `engine.fast.apply.fast_step_for` refuses it |
@@ -14,7 +13,7 @@ the `Levers` (engine.levers.resolve: preset < environment < flag) and carried by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping
 
 KERNELS = ("add_rms", "rope_qkv", "attention", "gemv", "mega", "qmm")
 
@@ -26,7 +25,6 @@ class FastConfigError(ValueError):
 @dataclass(frozen=True)
 class FastConfig:
     prof: bool = False
-    quant: Optional[bool] = None       # None: 4-bit weights; False: none; True: 8-bit too
     qk_norm: bool = True
     disabled: frozenset = field(default_factory=frozenset)
     deterministic: bool = False        # batch-invariant kernels (not built yet: refused)
@@ -35,8 +33,6 @@ class FastConfig:
         for name in ("prof", "qk_norm", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise FastConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
-        if self.quant is not None and not isinstance(self.quant, bool):
-            raise FastConfigError(f"quant must be None, True or False, not {self.quant!r}")
         object.__setattr__(self, "disabled", frozenset(self.disabled))
         bad = sorted(self.disabled - set(KERNELS))
         if bad:
@@ -44,7 +40,7 @@ class FastConfig:
                                   f"one of {', '.join(KERNELS)}")
 
     def as_dict(self) -> dict:
-        return {"prof": self.prof, "quant": self.quant, "qk_norm": self.qk_norm,
+        return {"prof": self.prof, "qk_norm": self.qk_norm,
                 "disabled": sorted(self.disabled)}
 
     @classmethod
@@ -58,5 +54,5 @@ class FastConfig:
             return None if raw == "" else raw == "1"
         qkn = switch("MLXP_MEGA_QKNORM")
         return cls(prof=bool(switch("MLXP_MEGA_PROF")),
-                   quant=switch("MLXP_MEGA_QUANT"), qk_norm=qkn is not False,
+                   qk_norm=qkn is not False,
                    disabled=frozenset(k for k in env.get("MLXP_DISABLE_KERNELS", "").split(",") if k))

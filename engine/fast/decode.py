@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .. import models as _models  # noqa: F401  (engine.kv.cache needs the models package first)
 from engine.kv.cache import KVCache
@@ -99,12 +100,33 @@ def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
     return None
 
 
-def quantized_rows_elsewhere(model, levers) -> bool:
-    """Whether a 4-bit model's rows past the first go to the step of separate kernels: its
-    weights are the one kernel's 4-bit kind and every projection takes `engine.fast.qmm`
-    (`step.gemv_ok`)."""
-    q = MG.quantization(model, levers.fast.quant)
-    return q is not None and q[0] == 4 and gemv_ok(model, levers)
+# A 4-bit model whose layers hold more than this (packed weights, scales, biases) decodes one
+# row faster on the step of separate kernels with the 4-bit tensor-core kernel (engine.fast.qmm)
+# than on the one kernel: there the weight read dominates, and qmm reads faster (H100, 8B, ~117
+# MiB a layer: 256 tok/s against 202). Below it the separate step is bound by its launches (1B,
+# ~33 MiB a layer: ~1,100 tok/s on the one kernel; the 1B step of separate kernels took 1.7 ms
+# with its kernels emptied, H200). reports/l3/JOURNAL.md, 0.5.2.
+QMM_ONE_ROW_LAYER_BYTES = 80 * 2**20
+
+
+def layer_bytes(model) -> int:
+    """Bytes of the first decoder layer's arrays (its weights; quantized: packed, scales, biases)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.layers[0].parameters()))
+
+
+def one_kernel_rows(model, levers) -> tuple:
+    """(rows one call of the one kernel takes, why none where a 4-bit model leaves it): 0 where
+    it is not used (`mega.why_not` says why). A 4-bit model whose projections all take qmm
+    (`step.gemv_ok`): one row at most (the one kernel's multi-row 4-bit calls were ~3x slower
+    than qmm's), and none where a layer holds more than QMM_ONE_ROW_LAYER_BYTES."""
+    if MG.why_not(model, levers) is not None:
+        return 0, None
+    q = MG.quantization(model)
+    if q is None or q[0] != 4 or not gemv_ok(model, levers):
+        return MG.rows_per_call(model), None
+    if layer_bytes(model) > QMM_ONE_ROW_LAYER_BYTES:
+        return 0, "4-bit layers this large decode faster on the separate kernels with qmm"
+    return 1, None
 
 
 @dataclass
@@ -145,14 +167,8 @@ class FastStep:
         self._zeros: dict = {}    # rows -> int32 zeros [rows] (the rows' first column)
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
         # rows one call of the one-kernel step takes (0: that step is not used)
-        mega_ok = self._mega_freq is not None and MG.why_not(model, levers) is None
-        self.mega_rows = MG.rows_per_call(model) if mega_ok else 0
-        if self.mega_rows > 1 and quantized_rows_elsewhere(model, levers):
-            # 4-bit rows: one row on the one kernel, two and more on the step of separate
-            # kernels with the 4-bit tensor-core kernel (engine.fast.qmm). On an H100, 8B
-            # 4-bit: a 7-row call of the one kernel took ~18 ms (0.4.0), the separate step
-            # with qmm ~5.6 ms at 16 rows (0.5.0): reports/l3/JOURNAL.md
-            self.mega_rows = 1
+        self.mega_rows, self.mega_off = (one_kernel_rows(model, levers) if self._mega_freq is not None
+                                         else (0, None))
 
     def rows_for(self, n: int) -> int:
         """The rows a step runs for n rows in use (a bucket, so shapes repeat): a power of
@@ -224,7 +240,7 @@ class FastStep:
         if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
             reason = (MG.why_not(self.model, self.levers) if self._mega_freq is not None
-                      else "no RoPE kernel")
+                      else "no RoPE kernel") or self.mega_off
             # (rows a call: only where the one kernel takes the model, whose parts it reads)
             limit = (self.mega_rows or MG.rows_per_call(self.model)) if reason is None else 0
             if reason is None and rows > limit:

@@ -11,10 +11,9 @@ It is used by `FastDecoder` (one row) and `FastBatchDecoder` (the rows of the ba
 to `rows_per_call` a kernel call) when `why_not(model, levers)` is None: CUDA,
 `perf_kernel` on, the `mega` kernel not disabled (`FastConfig.disabled`), a llama model (or
 qwen3, whose per-head q/k norms the kernel applies, unless `FastConfig.qk_norm` is off) with
-merged q/k/v and gate/up projections, float weights without bias or affine 4-bit weights of
-one group size (8-bit with `FastConfig.quant` True, its speed not yet measured; False keeps
-quantized models off it: `quantization`), SiLU gating and shapes the kernel's vector loads
-divide. Otherwise the step of engine.fast.decode runs
+merged q/k/v and gate/up projections, float weights without bias or affine 4- or 8-bit
+weights of one group size (`quantization`; which rows of a 4-bit model take it is
+engine.fast.decode's choice), SiLU gating and shapes the kernel's vector loads divide. Otherwise the step of engine.fast.decode runs
 as before. The grid is one block per SM (the count read from the CUDA driver).
 """
 
@@ -90,10 +89,9 @@ def why_not(model, levers: Levers) -> Optional[str]:
         return "SiLU gating only"
     norm, head = model.head_parts()
     mods = [m for p in parts for m in (p[1], p[2], p[4], p[5])] + [head, model.model.embed_tokens]
-    qz = quantization(model, levers.fast.quant)
+    qz = quantization(model)
     if qz is None and not all(G.is_float(m) for m in mods):
-        return ("float weights, or affine 4-bit weights of one group size without bias "
-                "(8-bit: MLXP_MEGA_QUANT=1; MLXP_MEGA_QUANT=0: float weights only)")
+        return "float weights, or affine 4- or 8-bit weights of one group size without bias"
     dts = {weight_dtype(m) for m in mods} | {p[0].weight.dtype for p in parts} | {norm.weight.dtype}
     if len(dts) != 1:
         return "one dtype for every weight"
@@ -125,13 +123,10 @@ def weight_dtype(module):
     return module.scales.dtype if hasattr(module, "scales") else module.weight.dtype
 
 
-def quantization(model, quant: Optional[bool] = None) -> Optional[tuple]:
+def quantization(model) -> Optional[tuple]:
     """(bits, group size) when every matrix of the step (the embedding and the head too)
-    is an affine 4-bit QuantizedLinear / QuantizedEmbedding of one group size without
-    bias (8-bit too with `quant` True, `FastConfig.quant`: not yet timed on a GPU; none with
-    `quant` False); else None."""
-    if quant is False:
-        return None
+    is an affine 4- or 8-bit QuantizedLinear / QuantizedEmbedding of one group size without
+    bias; else None."""
     parts = _parts(model)
     if parts is None:
         return None
@@ -146,8 +141,6 @@ def quantization(model, quant: Optional[bool] = None) -> Optional[tuple]:
     if len(kinds) != 1:
         return None
     bits, gs = kinds.pop()
-    if bits == 8 and quant is not True:
-        return None
     epl = 4 * (32 // bits) if bits in (4, 8) else 0
     return (bits, gs) if epl and gs % epl == 0 and model.args.hidden_size % gs == 0 else None
 
@@ -185,7 +178,7 @@ class MegaStep:
         self.I = _inter(parts)
         self.V = head.weight.shape[0]
         self.dtype = weight_dtype(head)
-        self.quant = quantization(model, config.quant)   # (bits, group size), or None: float weights
+        self.quant = quantization(model)   # (bits, group size), or None: float weights
         self.eps = norm.eps
         self.scale = a0.scale
         self.blocks = sm_count()

@@ -17,23 +17,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_environment_then_flag():
     assert resolve("l3", env={}).fast == FastConfig()
-    env = {"MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1", "MLXP_DISABLE_KERNELS": "attention"}
+    env = {"MLXP_MEGA_QKNORM": "0", "MLXP_MEGA_PROF": "1", "MLXP_DISABLE_KERNELS": "attention"}
     lv = resolve("l3", env=env)
-    assert lv.fast.quant is False and lv.fast.prof and lv.fast.disabled == {"attention"}
+    assert lv.fast.qk_norm is False and lv.fast.prof and lv.fast.disabled == {"attention"}
     # an explicit value beats the environment
-    assert resolve("l3", env=env, fast=FastConfig(quant=True)).fast == FastConfig(quant=True)
+    assert resolve("l3", env=env, fast=FastConfig(prof=False)).fast == FastConfig(prof=False)
     # with no fast lever on, the environment's settings are not read (nor checked)
-    assert resolve("l1", env={**env, "MLXP_MEGA_QUANT": "x"}).fast == FastConfig()
+    assert resolve("l1", env={**env, "MLXP_MEGA_PROF": "x"}).fast == FastConfig()
     # a fast lever switched on by a flag reads them
-    assert resolve("l1", env=env, perf_kernel=True).fast.quant is False
+    assert resolve("l1", env=env, perf_kernel=True).fast.qk_norm is False
 
 
 def test_bad_values_name_the_setting():
-    for name, value in (("MLXP_MEGA_PROF", "yes"), ("MLXP_MEGA_QUANT", "2"), ("MLXP_MEGA_QKNORM", "off"),
+    for name, value in (("MLXP_MEGA_PROF", "yes"), ("MLXP_MEGA_QKNORM", "off"),
                         ("MLXP_DISABLE_KERNELS", "gemv,qgemv")):
         with pytest.raises(LeverError, match=name):
             resolve("l3", env={name: value})
-    for bad in (dict(prof=1), dict(quant="1"), dict(qk_norm=None),
+    for bad in (dict(prof=1), dict(qk_norm=None),
                 dict(disabled={"warp"})):
         with pytest.raises(FastConfigError, match=next(iter(bad))):
             FastConfig(**bad)
@@ -45,7 +45,7 @@ def test_frozen_hashable_and_reported():
     with pytest.raises(Exception):
         a.prof = True
     lv = with_levers(resolve("l3", env={}), fast=a)
-    assert lv.as_dict()["fast"] == {"prof": False, "quant": None, "qk_norm": True, "disabled": ["gemv"]}
+    assert lv.as_dict()["fast"] == {"prof": False, "qk_norm": True, "disabled": ["gemv"]}
     assert {lv: 1}[with_levers(resolve("l3", env={}), fast=b)] == 1    # (decoders are kept per levers)
     assert set(KERNELS) >= a.disabled
 

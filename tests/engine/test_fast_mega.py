@@ -166,20 +166,19 @@ def test_decoder_reports_why_the_kernel_is_not_used(llama):
     assert dec.mega_profile() == {}
 
 
-def test_quantized_weights_4bit_by_default_8bit_opt_in(monkeypatch):
-    """Affine 4-bit weights take the kernel's quantized dot product unless
-    MLXP_MEGA_QUANT=0; 8-bit ones only with MLXP_MEGA_QUANT=1 (not yet run on a GPU).
-    Their inputs carry each matrix's group scales and biases."""
+def test_quantized_weights_4bit_and_8bit(monkeypatch):
+    """Affine 4-bit and 8-bit weights take the kernel's quantized dot product (8-bit by default
+    since it passed the trained gate, faster than the separate kernels on an H100; which 4-bit
+    rows take it is engine.fast.decode.one_kernel_rows'). Their inputs carry each matrix's
+    group scales and biases."""
     q4 = load_model(str(ensure_fixture("llama", "q4")))[0]
     merge_projections(q4)
     q8 = load_model(str(ensure_fixture("llama", "q8")))[0]
     merge_projections(q8)
-    off = resolve("l3", env={"MLXP_MEGA_QUANT": "0"}).fast.quant
-    assert MG.quantization(q4, off) is None and MG.quantization(q8, off) is None
-    assert MG.quantization(q8) is None
+    assert MG.quantization(q8)[0] == 8
+    assert MG.MegaStep(q8, mx.ones((q8.layers[0].self_attn.head_dim // 2,))).params.QB == 8
     bits, gs = MG.quantization(q4)
     assert bits == 4 and gs == q4.layers[0].mlp.down_proj.group_size
-    assert MG.quantization(q8, resolve("l3", env={"MLXP_MEGA_QUANT": "1"}).fast.quant)[0] == 8
     a0 = q4.layers[0].self_attn
     step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
     names = C.input_names(step.L, quantized=True)
@@ -227,10 +226,10 @@ def test_settings_checked_where_the_levers_are_resolved():
     import argparse
 
     from engine.levers import LeverError, levers_from_args
-    ok = {"MLXP_MEGA_QUANT": "0", "MLXP_MEGA_PROF": "1", "MLXP_DISABLE_KERNELS": "gemv,mega"}
+    ok = {"MLXP_MEGA_QKNORM": "0", "MLXP_MEGA_PROF": "1", "MLXP_DISABLE_KERNELS": "gemv,mega"}
     assert levers_from_args(argparse.Namespace(tier="l3"), env=ok).fast == FastConfig(
-        quant=False, prof=True, disabled=frozenset({"gemv", "mega"}))
-    bad = {"MLXP_MEGA_QUANT": "yes", "MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_PROF": "on",
+        qk_norm=False, prof=True, disabled=frozenset({"gemv", "mega"}))
+    bad = {"MLXP_MEGA_QKNORM": "2", "MLXP_MEGA_PROF": "on",
            "MLXP_DISABLE_KERNELS": "qgemv"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):

@@ -136,11 +136,14 @@ def test_fast_runner_takes_the_separate_kernels_for_4bit_rows():
     assert not off.stats.gemv
 
 
-def test_4bit_rows_past_the_first_leave_the_one_kernel():
-    """On a GPU a 4-bit model runs one row on the one kernel and two or more on the separate
-    kernels with qmm (the one kernel's multi-row 4-bit calls were ~3x slower): the model test
-    here (no CUDA: the one kernel is off, so only the predicate and the buckets are checked)."""
-    from engine.fast.decode import FastStep, quantized_rows_elsewhere
+def test_4bit_rows_on_the_one_kernel_by_layer_size(monkeypatch):
+    """On a GPU a 4-bit model's rows past the first never take the one kernel (its multi-row 4-bit
+    calls were ~3x slower than qmm's), and its one row takes it only while a layer's weights are
+    small (launch-bound separate step: 1B); large layers (8B) take qmm at one row too. No CUDA
+    here: the one kernel is made available as on a GPU, and the choice and the buckets checked."""
+    from engine.fast import decode as D
+    from engine.fast import mega as MG
+    from engine.fast.merge import merge_projections
     from engine.levers import parse_spec, resolve
     from engine.models import build
     from starter.models import FAMILIES
@@ -149,12 +152,20 @@ def test_4bit_rows_past_the_first_leave_the_one_kernel():
            "vocab_size": 1024}
     model = build(cfg)
     model.set_dtype(mx.bfloat16)
-    float_step = FastStep(model, parse_spec("l3"))
-    assert not quantized_rows_elsewhere(model, parse_spec("l3"))
+    monkeypatch.setattr(MG, "why_not", lambda model, levers: None)
+    monkeypatch.setattr(MG, "rows_per_call", lambda model: 7)
+    lv = parse_spec("l3")
+    assert D.one_kernel_rows(model, lv) == (7, None)                     # (float)
     nn.quantize(model, group_size=64, bits=4)
-    step = FastStep(model, parse_spec("l3"))
-    assert quantized_rows_elsewhere(model, parse_spec("l3"))
-    assert not quantized_rows_elsewhere(model, resolve("l3", env={"MLXP_DISABLE_KERNELS": "qmm"}))
-    step.mega_rows = 1                    # (what a GPU sets for this model)
+    merge_projections(model)
+    assert D.one_kernel_rows(model, lv) == (1, None)                     # (small layers)
+    # without qmm (MLXP_DISABLE_KERNELS=qmm) its rows take the one kernel as float ones do
+    assert D.one_kernel_rows(model, resolve("l3", env={"MLXP_DISABLE_KERNELS": "qmm"})) == (7, None)
+    monkeypatch.setattr(D, "QMM_ONE_ROW_LAYER_BYTES", D.layer_bytes(model) - 1)
+    rows, why = D.one_kernel_rows(model, lv)
+    assert rows == 0 and why.startswith("4-bit layers this large")
+    step = D.FastStep(model, lv)
+    step.mega_rows, step.mega_off = rows, why             # (what a GPU sets: no CUDA here)
+    step._mega_freq = mx.ones((model.layers[0].self_attn.head_dim // 2,))
+    assert step._fn(1, 512)[1] is False and step.stats.mega_reason == why
     assert [step.rows_for(n) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
-    assert float_step is not None

@@ -8,7 +8,7 @@ from experiments import bench_decode
 
 
 def test_quick_run_writes_the_report(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLXP_MEGA_QUANT", "0")
+    monkeypatch.setenv("MLXP_MEGA_QKNORM", "0")
     out = tmp_path / "r"
     bench_decode.main(["--quick", "--lengths", "16", "--gen", "3", "--trials", "2", "--out", str(out)])
     rows = list(csv.DictReader((out / "bench_decode.csv").open()))
@@ -25,5 +25,5 @@ def test_quick_run_writes_the_report(tmp_path, monkeypatch):
         assert abs(float(r["best_ratio"]) * float(r["mlx_lm_best_tok_s"])
                    - float(r["ours_best_tok_s"])) < 1e-6 * float(r["ours_best_tok_s"])
     md = (out / "bench_decode.md").read_text()
-    assert "One-kernel step settings: MLXP_MEGA_QUANT=0" in md
+    assert "One-kernel step settings: MLXP_MEGA_QKNORM=0" in md
     assert (out / "bench_decode.png").stat().st_size > 0
