@@ -11,8 +11,9 @@
 # L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join),
 # agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server).
 # lone (experiments/lone_row.py: a lone request on --batch 32 vs --batch 1, 1B: speed and
-# equal tokens/logprobs), q4one (8B 4-bit at 1 and 2 rows on the fast runner with the one kernel
-# and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take).
+# equal tokens/logprobs), q4one (Q4ONE_PRESET, default 8b, 4-bit at 1 and 2 rows on the fast runner
+# as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
+# checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -92,10 +93,11 @@ if has lone; then
 fi
 if has q4one; then
   stage q4one
-  [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
+  P=${Q4ONE_PRESET:-8b}
+  [ -d /tmp/m/$P-q4 ] || python3 -m experiments.presets $P /tmp/m/$P-q4 --bits 4
   for off in "" mega; do
     echo "MLXP_DISABLE_KERNELS=$off"
-    MLXP_DISABLE_KERNELS=$off timeout ${Q4ONE_S:-120} python3 experiments/bench_rows.py --model /tmp/m/8b-q4 \
+    MLXP_DISABLE_KERNELS=$off timeout ${Q4ONE_S:-120} python3 experiments/bench_rows.py --model /tmp/m/$P-q4 \
       --rows 1,2 --tiers l3 --gen 64 --trials 3 --out "$OUT/q4one-${off:-default}" 2>&1 | tail -4
   done
 fi
