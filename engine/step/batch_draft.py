@@ -11,9 +11,12 @@ rejected and padded columns leave the target's KV by `BatchKVCache.rewind`). Row
 lookup drafts and rows without speculation share the step.
 
 The draft keeps its own batched caches for its rows (`DraftBatch.caches`, the same
-`engine.kv.batch_cache` classes as the target's): a row's are prefilled with every token in
-the row's target caches (its whole prompt, a prompt-cache prefix included) at its first
-decode step, grow by the draft's forwards, and are rewound after verification like the
+`engine.kv.batch_cache` classes as the target's): a row's are filled with every token in the
+row's target caches (its whole prompt, a prompt-cache prefix included) from its first decode
+step on, at most `prefill_step_size` tokens a decode step for all joining rows together (so a
+long prompt's draft prefill never stalls the other rows for more than one chunk; the row
+decodes without drafts until its caches hold every token before its current one, then joins
+the draft's batch), grow by the draft's forwards, and are rewound after verification like the
 target's, to the tokens the row keeps: the last draft when every draft was kept is not in
 them yet (it was never fed to the draft), so it is fed with the next step's token (mlx-lm's
 `speculative_generate_step` does the same). They are freed when the row leaves the decode
@@ -37,7 +40,6 @@ import mlx.core as mx
 
 from engine.kv.batch_cache import batch_caches, extend_caches
 from engine.step.speculation import SpecStats
-from engine.step.stepper import prefill
 
 __all__ = ["RowDraft", "DraftRow", "DraftBatch"]
 
@@ -84,22 +86,25 @@ class DraftRow:
 
 class DraftBatch:
     """The draft model's batched caches for the drafting rows of one decode group (in its
-    own row order). prefill_step_size: the chunk of a joining row's prefill."""
+    own row order). prefill_step_size: the most tokens of joining rows' draft prefill a step."""
 
     def __init__(self, model, prefill_step_size: int = 2048):
         self.model = model
         self.prefill_step_size = prefill_step_size
         self.rows: list = []
         self.caches: list = []
+        self.joining: dict = {}      # id(row) -> [row, its caches, tokens fed]: filling up
         self.ran = False             # the draft ran this step (its caches hold drafts)
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+        return (sum(c.nbytes for c in self.caches)
+                + sum(c.nbytes for j in self.joining.values() for c in j[1]))
 
     def keep(self, rows) -> None:
         """Only `rows` (a group's rows after a filter) stay; the others' caches are freed."""
         live = {id(r) for r in rows}
+        self.joining = {k: j for k, j in self.joining.items() if k in live}
         idx = [i for i, r in enumerate(self.rows) if id(r) in live]
         if len(idx) == len(self.rows):
             return
@@ -110,34 +115,49 @@ class DraftBatch:
         for c in self.caches:
             c.filter(idx)
 
-    def _join(self, rows: list, ys: list) -> None:
-        """Rows new to the draft: their caches prefilled with every token before y."""
-        per_row = []
-        for r, y in zip(rows, ys):
-            caches = self.model.make_cache()
-            prefill(self.model, mx.array(r.tokens + [y]), caches, None, self.prefill_step_size)
-            per_row.append(caches)
-            r.spec.pending = []
-        self.caches = extend_caches(self.caches, batch_caches(per_row))
-        self.rows += rows
+    def _catch_up(self, new: list) -> None:
+        """Rows new to the draft start filling their caches; the joining rows (oldest first)
+        get at most `prefill_step_size` of their tokens before y fed this step, all together;
+        those whose caches then hold every one of them join the draft's batch."""
+        for r in new:
+            self.joining[id(r)] = [r, self.model.make_cache(), 0]
+        budget, ready = self.prefill_step_size, []
+        for key, entry in list(self.joining.items()):
+            r, caches, fed = entry
+            n = min(len(r.tokens) - fed, budget)
+            if n > 0:
+                self.model(mx.array(r.tokens[fed:fed + n])[None], cache=caches)
+                mx.eval([c.state for c in caches])
+                entry[2] = fed = fed + n
+                budget -= n
+            if fed == len(r.tokens):
+                del self.joining[key]
+                r.spec.pending = []
+                ready.append((r, caches))
+        if ready:
+            self.caches = extend_caches(self.caches, batch_caches([c for _, c in ready]))
+            self.rows += [r for r, _ in ready]
 
     def propose(self, rows: list, ys: List[int]) -> None:
         """Each drafting row's drafts after its current token y (`DraftRow.proposed`), from
         K greedy forwards of the draft over all of them (K the most any row wants)."""
         self.ran = False
         y_of = {id(r): y for r, y in zip(rows, ys) if isinstance(r.spec, DraftRow)}
-        have = {id(r) for r in self.rows}
+        have = {id(r) for r in self.rows} | set(self.joining)
         new = [r for r in rows if id(r) in y_of and id(r) not in have]
         want = {id(r): r.spec.wants(r.n) for r in rows if id(r) in y_of}
         K = max(want.values(), default=0)
-        for r in self.rows + new:
-            r.spec.proposed, r.spec.fed, r.spec.kept = [], 0, 0
+        for r in rows:
+            if id(r) in y_of:
+                r.spec.proposed, r.spec.fed, r.spec.kept = [], 0, 0
         if K == 0:                   # no draft this step: y waits for the next one
-            for r in self.rows + new:
+            for r in self.rows:
                 r.spec.pending.append(y_of[id(r)])
             return
-        if new:
-            self._join(new, [y_of[id(r)] for r in new])
+        if new or self.joining:
+            self._catch_up(new)
+        if not self.rows:
+            return
         inputs = [r.spec.pending + [y_of[id(r)]] for r in self.rows]
         P = max(len(x) for x in inputs)
         logits = self.model(mx.array([x + [0] * (P - len(x)) for x in inputs]),

@@ -271,3 +271,68 @@ def test_sampled_requests_and_the_fast_runner_run_alone(pair):
         assert st["solo_reasons"] == {"draft_model" if eng.max_batch > 1 else "max_batch=1": 1}
         assert st["speculation"]["draft"]["forwards"] > 0
     assert Engine(m, tok, max_batch=4, draft_model=d).draft_rows
+
+
+def test_a_long_prompts_draft_prefill_is_spread_over_steps(pair, monkeypatch):
+    """A drafting row whose prompt is longer than the scheduler's prefill_step_size fills its
+    draft caches a chunk a step (the joining rows together at most prefill_step_size tokens a
+    step) while the other rows decode, drafts only once they hold its tokens (its proposals are
+    the draft alone's), and every row's tokens equal the same scheduler's without a draft model.
+    Negative control: with one catch-up step allowed to feed a whole prompt, the bound fails."""
+    m, tok, d = pair
+    long = list(range(100, 140)) * 3                               # 120 tokens
+    step = 16
+
+    def run(draft, budget=step):
+        sched = BatchScheduler(m, eos_token_ids=(), draft_model=draft, prefill_step_size=step)
+        fed, seen = [], []
+        if draft is not None:
+            sched._decode.draft.prefill_step_size = budget
+            real_catch, real_propose = DraftBatch._catch_up, DraftBatch.propose
+
+            def catch(self, new):
+                calls, model = [], self.model
+
+                class Counted:
+                    make_cache = model.make_cache
+
+                    def __call__(self, x, cache=None):
+                        calls.append(x.shape[1])
+                        return model(x, cache=cache)
+                self.model = Counted()
+                try:
+                    real_catch(self, new)
+                finally:
+                    self.model = model
+                fed.append(sum(calls))
+
+            def propose(self, rows, ys):
+                real_propose(self, rows, ys)
+                for r, y in zip(rows, ys):
+                    if r in self.rows and r.spec.proposed:
+                        seen.append((list(r.tokens) + [y], list(r.spec.proposed)))
+            monkeypatch.setattr(DraftBatch, "_catch_up", catch)
+            monkeypatch.setattr(DraftBatch, "propose", propose)
+        spec = (lambda k: RowDraft(k)) if draft is not None else (lambda k: None)
+        uids = [sched.submit(BatchRequest(PROMPTS[1], max_tokens=40, draft=spec(3))),
+                sched.submit(BatchRequest(PROMPTS[2], max_tokens=40)),
+                sched.submit(BatchRequest(long, max_tokens=40, draft=spec(3)))]
+        evs, joining_while_decoding = [], 0
+        while sched.has_work():
+            evs += sched.step()
+            if draft is not None and sched._decode.draft.joining and sched.decoding > 1:
+                joining_while_decoding += 1
+        monkeypatch.undo()
+        toks = [[e.token for e in evs if e.uid == u] for u in uids]
+        return toks, fed, seen, joining_while_decoding
+
+    ref, _, _, _ = run(None)
+    got, fed, seen, overlap = run(d)
+    assert got == ref and all(len(t) == 40 for t in got)
+    assert max(fed) <= step and sum(f > 0 for f in fed) >= len(long) // step
+    assert overlap >= 3                       # the long row filled up while the others decoded
+    assert any(len(ctx) > len(long) for ctx, _ in seen)    # and then drafted
+    for ctx, drafts in seen:
+        assert drafts == _draft_alone(d, ctx, len(drafts))
+    _, fed_all, _, _ = run(d, budget=10 ** 6)                # (one step feeds everything)
+    assert max(fed_all) > step
