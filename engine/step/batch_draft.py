@@ -1,14 +1,16 @@
-"""Draft-model speculation for greedy rows of the continuous batch (`engine.step.batch`, L1).
+"""Draft-model speculation for rows of the continuous batch (`engine.step.batch`, L1).
 
-A row that asks for it (`BatchRequest(draft=RowDraft(draft_tokens))`, greedy, without logits
+A row that asks for it (`BatchRequest(draft=RowDraft(draft_tokens))`, without logits
 processors, on a scheduler built with `draft_model=`) gets its drafts from a second, smaller
 model of the same vocabulary: at each decode step the draft model proposes up to K tokens for
-every drafting row at once (`DraftBatch.propose`: K batched forwards over the drafting rows,
-greedy), then the target verifies them in the batch's one forward over [B, K + 1] exactly as
-prompt-lookup rows are verified (`engine.step.batch_lookup.LookupSteps._lookup_step`: the
-drafts equal to the argmax before them are kept, then the argmax after the last kept one; the
-rejected and padded columns leave the target's KV by `BatchKVCache.rewind`). Rows with
-lookup drafts and rows without speculation share the step.
+every drafting row at once (`DraftBatch.propose`: K batched forwards over the drafting rows;
+a greedy row's drafts are the argmax, a sampled row's drawn with its sampler from a key stream
+of its own, `DraftRow.draw`), then the target verifies them in the batch's one forward over
+[B, K + 1] as prompt-lookup rows are verified (`engine.step.batch_lookup.LookupSteps._lookup_step`:
+the drafts equal to the argmax before them are kept, then the argmax after the last kept one;
+for a sampled row, the drafts equal to its own draw at their position, mlx-lm's scheme,
+`batch_lookup.accepted`; the rejected and padded columns leave the target's KV by
+`BatchKVCache.rewind`). Rows with lookup drafts and rows without speculation share the step.
 
 The draft keeps its own batched caches for its rows (`DraftBatch.caches`, the same
 `engine.kv.batch_cache` classes as the target's): a row's are filled with every token in the
@@ -22,13 +24,14 @@ them yet (it was never fed to the draft), so it is fed with the next step's toke
 `speculative_generate_step` does the same). They are freed when the row leaves the decode
 group (`keep`, called by `engine.step.batch_rows.Group.filter`).
 
-Exactness: the tokens handed out are the target's argmax at every position, whatever the
+Exactness: the tokens handed out are the target's argmax (or the row's own draw, each
+position's key spent only once the draft before it was kept) at every position, whatever the
 draft proposes; so where the verify forward gives each position the logits of a single step
 (the CPU, full attention), every row's tokens and logprobs equal those of the batch without
 speculation (tests/engine/test_batch_draft.py). The draft's caches only decide which drafts
 are proposed (the acceptance), which the same tests check against the draft model run alone.
-Sampled requests do not get here: with a draft model they run alone on the exact runner
-(`engine.step.draft`: mlx-lm's scheme, or rejection sampling).
+Requests with rejection sampling do not get here: they run alone on the exact runner
+(`engine.step.draft`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from engine.kv.batch_cache import batch_caches, extend_caches
+from engine.step.sampling import greedy
 from engine.step.speculation import SpecStats
 
 __all__ = ["RowDraft", "DraftRow", "DraftBatch"]
@@ -63,8 +67,11 @@ class DraftRow:
     """One row's drafting state (its `Row.spec`): the tokens its draft caches lack before the
     current token (`pending`), this step's proposal and how many of them the draft fed."""
 
-    def __init__(self, draft: RowDraft, max_tokens: Optional[int]):
+    def __init__(self, draft: RowDraft, max_tokens: Optional[int], seed: Optional[int] = None):
         self.draft = draft
+        # a sampled row's draws of the draft (a stream of its own: the row's key is the
+        # target's); None: the global PRNG
+        self.key = mx.random.split(mx.random.key(seed), 2)[1] if seed is not None else None
         self.limit = draft.limit if draft.limit is not None else max_tokens
         self.stats = draft.stats if draft.stats is not None else SpecStats()
         self.pending: list = []      # tokens before y not yet in the draft's caches
@@ -82,6 +89,13 @@ class DraftRow:
 
     def accept(self, drafts: list) -> None:
         self.kept = len(drafts)
+
+    def draw(self, sampler, logprobs: mx.array) -> mx.array:
+        """A sampled row's draft token from the draft's logprobs [1, V], with the row's sampler."""
+        if self.key is None:
+            return sampler(logprobs)
+        self.key, sub = mx.random.split(self.key)
+        return sampler(logprobs, key=sub)
 
 
 class DraftBatch:
@@ -166,14 +180,24 @@ class DraftBatch:
         if any(len(x) < P for x in inputs):      # the padding leaves the draft's caches
             for c in self.caches:
                 c.rewind([P - len(x) for x in inputs])
-        drafts = [mx.argmax(logits, axis=-1)]
+        drafts = [self._choose(logits)]
         for _ in range(K - 1):
             logits = self.model(drafts[-1][:, None], cache=self.caches)[:, -1, :]
-            drafts.append(mx.argmax(logits, axis=-1))
+            drafts.append(self._choose(logits))
         drafts = mx.stack(drafts, axis=1).tolist()        # [B_d, K]
         for r, d in zip(self.rows, drafts):
             r.spec.proposed, r.spec.fed, r.spec.pending = d[:want[id(r)]], K - 1, []
         self.ran = True
+
+    def _choose(self, logits: mx.array) -> mx.array:
+        """The draft's next token of each of its rows [B_d]: the argmax, or for a sampled row a
+        draw with its sampler (`DraftRow.draw`)."""
+        if all(r.sampler is greedy for r in self.rows):
+            return mx.argmax(logits, axis=-1)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.concatenate([mx.argmax(lp[b:b + 1], axis=-1) if r.sampler is greedy
+                               else r.spec.draw(r.sampler, lp[b:b + 1]).astype(mx.uint32)
+                               for b, r in enumerate(self.rows)])
 
     def rewind(self) -> None:
         """After verification: each row's caches keep its token and its accepted drafts (the

@@ -33,6 +33,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from engine.step.lookup import NgramIndex
+from engine.step.sampling import greedy
 from engine.step.speculation import SpecStats
 
 __all__ = ["RowLookup", "LookupRow", "LookupSteps"]
@@ -79,6 +80,25 @@ class LookupRow:
             self.index.append(t)
 
 
+def accepted(r, drafts: list, best: list, first: int, lp: mx.array) -> tuple:
+    """(drafts kept, the token after them) for row r: greedy, the drafts equal to the argmax
+    (`best`, per position) before them; sampled (a draft-model row), the drafts equal to the
+    row's own draw at their position (mlx-lm's scheme: every token handed out is the target's
+    sample), `first` the draw at position 0 and each later one taken with the row's sampler and
+    key only when the one before was kept, so a seeded row draws exactly the keys it would
+    without speculation."""
+    if r.sampler is greedy:
+        ok = 0
+        while ok < len(drafts) and best[ok] == drafts[ok]:
+            ok += 1
+        return ok, best[ok]
+    ok, t = 0, first
+    while ok < len(drafts) and t == drafts[ok]:
+        ok += 1
+        t = r.sample(lp[ok][None]).item()
+    return ok, t
+
+
 class LookupSteps:
     """Mixed into `engine.step.batch.BatchScheduler`: `_lookup_step`, the decode step of a
     group in which rows speculate (its rows' `spec`: a `LookupRow`, a
@@ -117,14 +137,12 @@ class LookupSteps:
                 nlp.append(logprobs[e])
                 drop.append(K)
             else:
-                j, t = spec.index(e), best[e]
-                ok = 0
-                while ok < len(d) and t[ok] == d[ok]:
-                    ok += 1
+                j = spec.index(e)
+                ok, t = accepted(r, d, best[e], sampled[e], lp[j])
                 r.spec.stats.record(len(d), ok)
                 r.spec.accept(d[:ok])
                 run += [(d[a], lp[j, a]) for a in range(ok)]
-                nxt.append(t[ok])
+                nxt.append(t)
                 nlp.append(lp[j, ok])
                 drop.append(K - ok)
             runs.append(run)

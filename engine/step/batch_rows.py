@@ -38,7 +38,8 @@ class Row:
         self.retired = False      # retired while early: leaves after its next forward
         self.error: Optional[BaseException] = None   # raised by this row's own code
         self.spec = (LookupRow(req.lookup, req.max_tokens) if req.lookup is not None
-                     else DraftRow(req.draft, req.max_tokens) if req.draft is not None else None)
+                     else DraftRow(req.draft, req.max_tokens, req.seed) if req.draft is not None
+                     else None)
         if tokenizer is not None:
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
             self.text = TextStream(tokenizer, stop)

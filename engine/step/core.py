@@ -15,9 +15,9 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    alone when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects
    adapters (the batch runs the base weights), brings its own prefix caches or speculates
    with a draft model (`engine.step.draft`) or with prompt lookup where the batch cannot take
-   it (`engine.step.lookup`; on the L1 batch runner a lookup request and a greedy draft-model
-   one are speculating rows, `engine.step.batch_lookup`, `engine.step.batch_draft`, a
-   sampled draft-model one runs alone; a request with images is a row of the L1 batch runner,
+   it (`engine.step.lookup`; on the L1 batch runner a lookup request and a draft-model one
+   are speculating rows, `engine.step.batch_lookup`, `engine.step.batch_draft`, one with
+   rejection sampling runs alone; a request with images is a row of the L1 batch runner,
    `engine.step.batch_vision`, and runs alone on the fast runner or in deterministic
    mode); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
    estimate fits (a lone row always runs: its own check passed at submit) and at most
@@ -133,8 +133,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         self._fast_step = fast_step_for(model, levers, self.policy)
         self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
         batching = max_batch > 1 or self._fast_step is not None or self.deterministic
-        # greedy draft-model requests as rows of the batch (engine.step.batch_draft): the L1
-        # batch runner; sampled ones (and any elsewhere) run alone (engine.step.draft)
+        # draft-model requests as rows of the batch (engine.step.batch_draft): the L1 batch
+        # runner; rejection-sampled ones (and any elsewhere) run alone (engine.step.draft)
         self.draft_rows = batching and draft_model is not None and self._fast_step is None
         self._sched = self._new_scheduler() if batching else None
         # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner

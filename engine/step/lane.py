@@ -61,8 +61,9 @@ class BatchLane:
 
     def _draft_row(self, p) -> bool:
         """Whether a request with these (resolved) params speculates with the draft model as
-        a row of the batch: greedy, drafting (`SamplingParams.drafts`), where `draft_rows`."""
-        return self.draft_rows and p.drafts() and not p.temperature
+        a row of the batch: drafting (`SamplingParams.drafts`), greedy or sampled by mlx-lm's
+        scheme (`spec_sampling="exact"`; rejection sampling runs alone), where `draft_rows`."""
+        return self.draft_rows and p.drafts() and (not p.temperature or p.spec_sampling == "exact")
 
     def _sliding_windows(self) -> bool:
         """Whether the model's caches have sliding-window rings."""

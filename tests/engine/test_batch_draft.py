@@ -249,17 +249,16 @@ def test_the_scheduler_frees_a_rows_draft_caches_when_it_leaves(pair):
             assert mine[-1].caches[0].offset == len(p) + n
     with pytest.raises(ValueError, match="no draft_model"):
         BatchScheduler(m).submit(BatchRequest(REPEATS, draft=RowDraft(2)))
-    with pytest.raises(ValueError, match="greedy"):
+    with pytest.raises(ValueError, match="no logits processors"):
         sched.submit(BatchRequest(REPEATS, draft=RowDraft(2),
-                                  sampler=lambda lp, key=None: lp.argmax(-1)))
+                                  logits_processors=[lambda toks, lg: lg]))
 
 
-def test_sampled_requests_and_the_fast_runner_run_alone(pair):
-    """A sampled request with the draft model (either scheme) runs alone on the exact runner,
-    as does a greedy one on the fast runner (L3) or with max_batch 1."""
+def test_rejection_sampled_requests_and_the_fast_runner_run_alone(pair):
+    """A request with the draft model and rejection sampling runs alone on the exact runner, as
+    does a greedy one on the fast runner (L3) or with max_batch 1."""
     m, tok, d = pair
-    cases = [({}, dict(temperature=0.5, seed=3)),
-             ({}, dict(temperature=0.5, seed=3, spec_sampling="rejection")),
+    cases = [({}, dict(temperature=0.5, seed=3, spec_sampling="rejection")),
              ({"levers": parse_spec("l3")}, dict(temperature=0.0)),
              ({"max_batch": 1}, dict(temperature=0.0))]
     for kw, params in cases:
@@ -336,3 +335,52 @@ def test_a_long_prompts_draft_prefill_is_spread_over_steps(pair, monkeypatch):
         assert drafts == _draft_alone(d, ctx, len(drafts))
     _, fed_all, _, _ = run(d, budget=10 ** 6)                # (one step feeds everything)
     assert max(fed_all) > step
+
+
+def _sampled(m, tok, draft, n=4):
+    """n seeded sampled requests (temperature 0.2; the last without the draft model), one
+    greedy drafting row beside them: each request's tokens and logprob vectors, and the stats."""
+    eng = Engine(m, tok, max_batch=n + 1, keep_logprob_arrays=True, draft_model=draft)
+    params = [SamplingParams(max_tokens=24, temperature=0.2, seed=11 + i, use_draft=i < n - 1,
+                             num_draft_tokens=3) for i in range(n)]
+    params.append(SamplingParams(max_tokens=24, temperature=0.0, num_draft_tokens=3))
+    rids = [eng.submit(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
+    toks, lps = {r: [] for r in rids}, {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.error is None
+            toks[o.request_id] += o.token_ids
+            lps[o.request_id] += o.logprob_arrays
+    return [toks[r] for r in rids], [lps[r] for r in rids], eng.stats()
+
+
+def test_sampled_draft_rows_give_the_seeded_batchs_tokens(pair, monkeypatch):
+    """Seeded sampled requests with the draft model are rows of the batch (mlx-lm's scheme: a
+    draft is kept when the row's own draw at its position equals it). Each later position is
+    drawn with the row's next key only when the draft before it was kept, so every row's tokens
+    and logprob vectors equal the same seeded batch's without a draft model, while drafts are
+    kept. Negative control: drawing every position's key up front (keys spent on positions after
+    a rejected draft) changes the tokens."""
+    from engine.step import batch_lookup as BL
+    m, tok, d = pair
+    ref, ref_lp, _ = _sampled(m, tok, None)
+    got, got_lp, st = _sampled(m, tok, d)
+    assert st["solo_reasons"] == {}
+    assert got == ref and all(len(t) == 24 for t in got)
+    for a, b in zip(got_lp, ref_lp):
+        assert all(mx.array_equal(x, y) for x, y in zip(a, b))
+    assert st["speculation"]["draft"]["accepted"] > 0
+    assert st["speculation"]["draft"]["drafted"] > st["speculation"]["draft"]["accepted"]
+
+    def eager(r, drafts, best, first, lp):
+        if r.sampler is BL.greedy:
+            return real(r, drafts, best, first, lp)
+        draws = [first] + [r.sample(lp[a][None]).item() for a in range(1, len(drafts) + 1)]
+        ok = 0
+        while ok < len(drafts) and draws[ok] == drafts[ok]:
+            ok += 1
+        return ok, draws[ok]
+    real = BL.accepted
+    monkeypatch.setattr(BL, "accepted", eager)
+    bad, _, _ = _sampled(m, tok, d)
+    assert bad != ref

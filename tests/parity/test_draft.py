@@ -3,8 +3,9 @@ oracle: the same tokens, logprob vectors (`mx.array_equal`) and draft flags, gre
 seeded sampling, for the families mlx-lm speculates on (llama, qwen3: a float target, a
 draft of the same family and tokenizer), and the global PRNG left in the same state
 (the same draws, in the same order). Through `engine.step.draft.draft_generate_step`, through
-the `Engine` (one row; a batching engine, where a sampled request runs alone and a greedy one
-is a speculating batch row, engine.step.batch_draft), and through
+the `Engine` (one row; a batching engine, where the request is a speculating batch row,
+engine.step.batch_draft: greedy, mlx-lm's speculative tokens; seeded sampled, its seeded
+loop's without speculation), and through
 `engine-generate --draft-model` against `mlx_lm generate --draft-model`. A negative control
 (rejected drafts left in the caches) makes the comparison fail."""
 
@@ -129,27 +130,37 @@ def _engine_run(m, d, tok, ids, k, s, seed, max_batch):
 @pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1], SETTINGS[3]],
                          ids=[SETTING_IDS[0], SETTING_IDS[1], SETTING_IDS[3]])
 def test_the_engine_equals_mlx_lm(pair, settings, max_batch):
-    """An `Engine` with a draft model (alone on the exact runner; on a batching engine a
-    sampled request runs alone there too, a greedy one is a batch row that drafts,
-    engine.step.batch_draft): the tokens and logprob vectors mlx-lm's speculative loop gives,
-    up to EOS; the counts (mlx-lm's where it runs alone; a row's first token comes from the
-    batch's plain first step, so its verify rounds are its own, one token later than mlx-lm's)."""
+    """An `Engine` with a draft model, alone on the exact runner (max_batch 1): the tokens and
+    logprob vectors mlx-lm's speculative loop gives, up to EOS, and its counts. On a batching
+    engine the request is a batch row that drafts (engine.step.batch_draft): greedy, the same
+    tokens as mlx-lm's speculative loop; seeded sampled, its own key (docs/batching.md,
+    per-row seeds) drawn only for the positions it hands out, so the tokens of mlx-lm's seeded
+    loop *without* speculation (`generate_step`: speculation does not change a seeded row's
+    answer), drafts kept too. A row's first token comes from the batch's plain first step, so
+    its verify rounds are its own (its counts are not mlx-lm's)."""
+    from mlx_lm.generate import generate_step as ref_generate
     _, m, d, tok, rm, rd, ids = pair
+    sampled_row = max_batch > 1 and settings["temperature"] > 0
     for seed in (0, 7):
-        ref, _ = _oracle(rm, rd, ids, 3, settings, seed)
+        if sampled_row:
+            mx.random.seed(seed)
+            ref = [(int(t), lp, False) for t, lp in ref_generate(
+                mx.array(ids), rm, max_tokens=MAX, sampler=ref_sampler(**_sampler_kw(settings)),
+                prefill_step_size=2048)]
+        else:
+            ref, _ = _oracle(rm, rd, ids, 3, settings, seed)
         toks, lps, last, eng = _engine_run(m, d, tok, ids, 3, settings, seed, max_batch)
         handed = len(toks) + (last.finish_reason == "stop")     # (EOS is handed out too)
         assert toks == [t for t, _, _ in ref][:len(toks)] and handed >= 1
         assert all(mx.array_equal(a, b).item() for a, (_, b, _) in zip(lps, ref))
         spec = eng.stats()["speculation"]
-        row = max_batch > 1 and settings["temperature"] == 0.0
-        if not row:
+        if max_batch == 1:
             assert spec["draft"]["accepted"] == sum(f for _, _, f in ref[:handed])
         assert 0 < spec["draft"]["accepted"] < handed
         assert last.speculation == {k: spec["draft"][k] for k in last.speculation}
         assert spec["lookup"]["drafted"] == 0 and spec["recent"][-1]["source"] == "draft"
         if max_batch > 1:
-            assert eng.stats()["solo_reasons"] == ({} if row else {"draft_model": 1})
+            assert eng.stats()["solo_reasons"] == {}
 
 
 def test_negative_control_rejected_drafts_left_in_the_caches(pair, monkeypatch):
