@@ -331,10 +331,23 @@ class BatchScheduler(LookupSteps):
         for i, r in enumerate(g.rows):     # (a snapshot of the prompt but its last token)
             if r.req.on_prefilled is not None and r.at:
                 r.req.on_prefilled(extract_row(g.caches, i))
+        given = [i for i, r in enumerate(g.rows) if r.req.first_logits is not None]
+        events = []
+        if given:                # (their caches hold the whole prompt: no forward of their own)
+            h = g.take(given)
+            events = self._to_decode(h, mx.array([r.last for r in h.rows]),
+                                     mx.concatenate([r.req.first_logits for r in h.rows]))
+            if not g.rows:
+                return events
         inputs = mx.array([r.last for r in g.rows])
         kw = embedding_kwargs(self.model, g.rows, [r.at for r in g.rows],
                               [[r.last] for r in g.rows], 1)     # ({}: no row has images)
         logits = self._forward(g, inputs[:, None], **kw)[:, -1, :]
+        return events + self._to_decode(g, inputs, logits)
+
+    def _to_decode(self, g: Group, inputs: mx.array, logits: mx.array) -> List[RowEvent]:
+        """Graduated rows g join the decode group, sampled from their last prompt token's
+        logits [B, V] (inputs: those tokens)."""
         for r in g.rows:
             r.embeds = None
         g.next_tokens, lp = self._sample(g, inputs, logits)

@@ -40,6 +40,9 @@ class BatchRequest:
                                                 # hold its prompt but the last token
     adapters: tuple = ()                        # runtime adapter ids of this row
                                                 # (engine.adapters.rows; the rest: base)
+    first_logits: Optional[mx.array] = None     # [1, V]: the caller ran the whole prompt
+                                                # (`caches` hold it, `prompt` is its last
+                                                # token): the row graduates on these logits
 
 
 @dataclass

@@ -281,8 +281,6 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             cache_namespace = f"{cache_namespace}:images:{vision.digest}"
             if reason is None and not self.image_rows:
                 reason = "images"
-            if reason is None and getattr(self.model, "whole_image_prompts", False):
-                reason = "bidirectional_images"
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
         req.prefix, req.vision = prefix_caches or None, vision

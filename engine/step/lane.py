@@ -8,12 +8,21 @@ batch can take it (`lookup_rows`: the L1 batch runner, full-attention caches, no
 mode): it may hand out several tokens in one step, one event each; once the update ends it (EOS,
 a stop string, max_tokens), the rest of that step's tokens are dropped and trimmed from the KV
 it leaves to the prompt cache. A greedy request with the engine's draft model is a speculating
-row the same way (`engine.step.batch_draft`, where `draft_rows`: the L1 batch runner); a
-sampled one runs alone (`engine.step.draft`)."""
+row the same way (`engine.step.batch_draft`, where `draft_rows`: the L1 batch runner; greedy or
+sampled, rejection sampling runs alone: `engine.step.draft`).
+
+A request whose images the decoder attends to both ways (`req.whole`: Gemma 4's
+`use_bidirectional_attention: "vision"`) has its whole prompt run in one forward from empty
+caches before it joins (`_whole_prefill`: the forward in which the model lets each image's
+tokens attend to each other, as the request alone and mlx-vlm run it); it joins with those caches
+and graduates on that forward's last logits (`BatchRequest.first_logits`), outside the prompt
+cache (neither fetched nor stored, as alone)."""
 
 from __future__ import annotations
 
 import time
+
+import mlx.core as mx
 
 from engine.step.batch import BatchRequest
 from engine.step.batch_draft import RowDraft
@@ -29,7 +38,7 @@ class BatchLane:
         if self.adapters is not None:
             self.adapters.activate(())
         p = req.params
-        caches = self._fetch(req)
+        caches = None if req.whole else self._fetch(req)
         lookup = draft = None
         if p.looks_up():         # (only where `lookup_rows`: else it runs alone)
             req.spec = self.spec.for_request("lookup")
@@ -41,23 +50,36 @@ class BatchLane:
         if self.adapters is not None and req.vision is not None:
             self.adapters.activate(req.adapters)   # (an adapter may target the vision tower)
         embeds = self.prompt_embeddings(req)   # images merged in (None: no images to embed)
+        skip, first = 0, None    # prompt tokens in `caches` that are not a prompt-cache hit
+        if req.whole:
+            caches, first = self._whole_prefill(req, embeds)
+            skip, embeds = len(req.ids) - 1, None
         if self.adapters is not None:
             self.adapters.activate(())
         snapshot = None
-        if req.vision is not None and self._sliding_windows():
+        if req.vision is not None and self._sliding_windows() and not req.whole:
             # (as the alone path does: a sliding-window ring that wraps while decoding can no
             # longer be trimmed back to the prompt, so the prompt is kept when prefilled)
             def snapshot(caches, req=req):
                 self._keep(req, req.ids[:len(req.ids) - 1], caches)
         req.tic = time.perf_counter()
         req.uid = self._sched.submit(BatchRequest(
-            req.ids[req.reused:], max_tokens=None, sampler=self._sampler(p),
+            req.ids[req.reused + skip:], max_tokens=None, sampler=self._sampler(p),
             seed=p.seed, logits_processors=p.make_processors(),
-            caches=caches, history=req.ids[:req.reused], lookup=lookup, draft=draft,
+            caches=caches, history=req.ids[:req.reused + skip], lookup=lookup, draft=draft,
             embeddings=embeds, positions=self.image_positions(req),
-            on_prefilled=snapshot, adapters=req.adapters,
-            return_cache=self.prompt_cache is not None or self.disk_cache is not None))
+            on_prefilled=snapshot, adapters=req.adapters, first_logits=first,
+            return_cache=not req.whole and (self.prompt_cache is not None
+                                            or self.disk_cache is not None)))
         self._rows[req.uid] = req
+
+    def _whole_prefill(self, req: RequestState, embeds) -> tuple:
+        """(fresh caches holding `req`'s whole prompt, its last token's logits [1, V]) from one
+        forward over it with its input embeddings (images merged in), under the adapters active."""
+        caches = self.model.make_cache()
+        logits = self.model(mx.array([req.ids]), cache=caches, input_embeddings=embeds)[:, -1, :]
+        mx.eval(logits, [c.state for c in caches])
+        return caches, logits
 
     def _draft_row(self, p) -> bool:
         """Whether a request with these (resolved) params speculates with the draft model as

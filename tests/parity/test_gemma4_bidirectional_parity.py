@@ -134,13 +134,14 @@ def test_engine_matches_mlx_vlm_generate_step(setup, max_batch):
         assert toks == [t for t, _ in want]
         for i, (a, (_, b)) in enumerate(zip(lps, want)):
             assert mx.array_equal(a, b).item(), f"step {i}"
-    reason = "max_batch=1" if max_batch == 1 else "bidirectional_images"
-    assert eng.stats()["solo_reasons"] == {reason: 2}
+    # (a batching engine: a row of the batch, its prompt but the last token run in one forward)
+    assert eng.stats()["solo_reasons"] == ({"max_batch=1": 2} if max_batch == 1 else {})
 
 
 def test_image_request_beside_text_rows_and_text_unchanged(setup):
-    """max_batch 4: an image request submitted among text requests still equals mlx-vlm; a
-    text prompt's logits are those of the causal checkpoint (no image token, no overlay)."""
+    """max_batch 4: an image request submitted among text requests is a row of their batch and
+    still equals mlx-vlm; the text rows equal themselves run without it; a text prompt's logits
+    are those of the causal checkpoint (no image token, no overlay)."""
     path, ref, _, ours, tok = setup
     ids, vision, pixels, kw = _prompt(setup)
     want = vlm.generate_with_types(ref, mx.array([ids]), pixels, STEPS, **kw)
@@ -160,7 +161,17 @@ def test_image_request_beside_text_rows_and_text_unchanged(setup):
     assert len(got[rid]) == STEPS
     for i, (a, (_, b)) in enumerate(zip(got[rid], want)):
         assert mx.array_equal(a, b).item(), f"step {i}"
-    assert eng.stats()["solo_reasons"] == {"bidirectional_images": 1}
+    assert eng.stats()["solo_reasons"] == {}
+    alone = Engine(ours, tok, keep_logprob_arrays=True, max_batch=4)
+    alone.eos = set()
+    a, b = alone.submit(text, params), alone.submit(text[:20], params)
+    want_text = {a: [], b: []}
+    while alone.has_unfinished():
+        for o in alone.step():
+            want_text[o.request_id] += o.logprob_arrays
+    for mine, ref_rid in ((first, a), (last, b)):
+        assert len(got[mine]) == STEPS
+        assert all(mx.array_equal(x, y).item() for x, y in zip(got[mine], want_text[ref_rid]))
     blocks = ours.language_model.image_blocks
     with_blocks = ours(mx.array([text]))
     ours.language_model.set_image_blocks(())
