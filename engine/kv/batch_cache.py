@@ -15,32 +15,9 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from engine.kv.cache import KVCache, RotatingKVCache
+from engine.kv.batch_ops import each as _each, every_row as _every_row, ints as _ints
+from engine.kv.batch_ops import pad_time as _pad_time, part as _part, roll_rows
 from engine.kv.masks import causal_mask
-
-
-def roll_rows(x: mx.array, shifts: mx.array, axis: int = 2) -> mx.array:
-    """Roll each row b of x (batch axis 0) right by shifts[b] along `axis` (a gather)."""
-    n = x.shape[axis]
-    pos = mx.arange(n).reshape((n,) + (1,) * (x.ndim - 1 - axis))
-    sh = shifts.reshape((-1,) + (1,) * (x.ndim - 1))
-    return mx.take_along_axis(x, (pos - sh) % n, axis=axis)
-
-
-def _ints(v) -> mx.array:
-    return mx.array(list(v), dtype=mx.int32)
-
-
-def _every_row(keep: List[int], rows: int) -> bool:   # (then no gather: no copy of the KV)
-    return len(keep) == rows and all(i == j for i, j in enumerate(keep))
-
-
-def _pad_time(k: mx.array, left: int, right: int) -> mx.array:
-    if right < 0:
-        k = k[..., :right, :]
-        right = 0
-    if left or right:
-        k = mx.pad(k, [(0, 0), (0, 0), (left, right), (0, 0)])
-    return k
 
 
 class _Rows:
@@ -59,6 +36,9 @@ class _Rows:
 
     def empty(self) -> bool:
         return self.keys is None
+
+    def _apply(self, fn):       # fn on keys and values (the quantized form: on each part)
+        self.keys, self.values = _each(fn, self.keys), _each(fn, self.values)
 
     @property
     def nbytes(self) -> int:
@@ -153,8 +133,7 @@ class BatchKVCache(_Rows):
         rp = self._right_padding
         if rp is None:
             return
-        self.keys = roll_rows(self.keys, rp)
-        self.values = roll_rows(self.values, rp)
+        self._apply(lambda x: roll_rows(x, rp))
         self.offset = self.offset - rp
         self.left_padding = self.left_padding + rp
         self._right_padding = None
@@ -172,15 +151,14 @@ class BatchKVCache(_Rows):
     # -- rows leave / join --------------------------------------------------------
     def filter(self, keep: List[int]):
         self._solo = self._solo and len(keep) == self.batch_size
-        if self.keys is not None and not _every_row(keep, self.keys.shape[0]):
-            self.keys, self.values = self.keys[keep], self.values[keep]
+        if self.keys is not None and not _every_row(keep, self.batch_size):
+            self._apply(lambda x: x[keep])
         self.offset = self.offset[keep]
         self.left_padding = self.left_padding[keep]
         drop = min(self.left_padding.tolist())
         if drop > 0:                       # every row has padding there: cut it
             if self.keys is not None:
-                self.keys = self.keys[..., drop:, :]
-                self.values = self.values[..., drop:, :]
+                self._apply(lambda x: x[..., drop:, :])
             self._idx -= drop
             self.left_padding = self.left_padding - drop
 
@@ -192,23 +170,21 @@ class BatchKVCache(_Rows):
             return
         idx = max(self._idx, other._idx)
         ref = self if self.keys is not None else other
-        _, H, _, dk = ref.keys.shape
-        dv = ref.values.shape[3]
-        cap = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
-        parts = []
+        cap = max(_part(c.keys).shape[2] for c in (self, other) if c.keys is not None)
+        kv, lps = [], []
         for c in (self, other):
-            k, v = c.keys, c.values
-            if k is None:
-                nb = c.offset.shape[0]
-                k = mx.zeros((nb, H, 0, dk), ref.keys.dtype)
-                v = mx.zeros((nb, H, 0, dv), ref.keys.dtype)
-            left = idx - c._idx
-            right = cap - k.shape[2] - left
-            parts.append((_pad_time(k, left, right), _pad_time(v, left, right),
-                          c.offset, c.left_padding + left))
-        self.keys, self.values, self.offset, self.left_padding = (
-            mx.concatenate(list(p)) for p in zip(*parts))
-        self._idx = idx
+            k, v, left = c.keys, c.values, idx - c._idx
+            if k is None:           # (no columns yet: empty ones shaped as ref's)
+                none = lambda x, n=c.batch_size: mx.zeros((n, x.shape[1], 0, x.shape[3]), x.dtype)  # noqa: E731
+                k, v = _each(none, ref.keys), _each(none, ref.values)
+            pad = lambda x, left=left: _pad_time(x, left, cap - x.shape[2] - left)  # noqa: E731
+            kv.append((_each(pad, k), _each(pad, v)))
+            lps.append(c.left_padding + left)
+        (k0, v0), (k1, v1) = kv
+        cat = lambda a, b: mx.concatenate([a, b])             # noqa: E731
+        self.keys, self.values = _each(cat, k0, k1), _each(cat, v0, v1)
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.left_padding, self._idx = mx.concatenate(lps), idx
 
     def extract(self, b: int) -> KVCache:
         """Row b as a single-row KVCache (its real tokens only)."""

@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from engine.adapters.rows import selected
 from engine.kv.batch_cache import batch_caches
+from engine.kv.batch_quant import batch_caches_q, quantize_group
 from engine.kv.cache import temporal_caches
 from engine.step.batch_types import BatchRequest, RowEvent
 from engine.step.batch_draft import DraftBatch
@@ -66,14 +67,19 @@ class BatchScheduler(LookupSteps):
     (`engine.step.batch_draft`; L1 only: refused with a decoder or deterministic).
     first_at_graduate: a row with no scheduler-side ending (no max_tokens, stop tokens or
     tokenizer: the Engine's rows) emits its first token when it graduates.
+    kv_layers: a KV policy's quantized layers (cache index -> (bits, group size)), quantized
+    from the first token: the rows' caches of those layers become quantized after their first
+    forward (`engine.kv.batch_quant`), as a request's alone; rows then prefill one at a time
+    (so a group's rows convert together) and decode together.
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, decoder=None, deterministic: bool = False,
                  draft_model=None, prefill_budget: Optional[int] = None,
-                 first_at_graduate: bool = False):
+                 first_at_graduate: bool = False, kv_layers: Optional[dict] = None):
         self.model = model
+        self.kv_layers = kv_layers or {}
         self.first_at_graduate = first_at_graduate
         self.decoder = decoder
         self.deterministic = deterministic
@@ -315,6 +321,8 @@ class BatchScheduler(LookupSteps):
     def _admit(self):
         n = min(self.prefill_batch_size - len(self._prefill),
                 self.completion_batch_size - len(self._decode), len(self._queue))
+        if self.kv_layers:       # (quantized KV: one row's prefill at a time, see the class)
+            n = 0 if self._prefill.rows else min(n, 1)
         if n <= 0:
             return
         new = Group()
@@ -323,7 +331,7 @@ class BatchScheduler(LookupSteps):
                    for r in new.rows]
         if self.deterministic:
             per_row = [temporal_caches(c) for c in per_row]
-        new.caches = batch_caches(per_row)
+        new.caches = batch_caches_q(per_row) if self.kv_layers else batch_caches(per_row)
         self._prefill.extend(new)
 
     def _graduate(self, idx: List[int]) -> List[RowEvent]:
@@ -343,6 +351,7 @@ class BatchScheduler(LookupSteps):
         kw = embedding_kwargs(self.model, g.rows, [r.at for r in g.rows],
                               [[r.last] for r in g.rows], 1)     # ({}: no row has images)
         logits = self._forward(g, inputs[:, None], **kw)[:, -1, :]
+        quantize_group(g.caches, self.kv_layers)
         return events + self._to_decode(g, inputs, logits)
 
     def _to_decode(self, g: Group, inputs: mx.array, logits: mx.array) -> List[RowEvent]:
@@ -405,6 +414,7 @@ class BatchScheduler(LookupSteps):
             for c in g.caches:
                 c.finalize()
             eval_caches(g.caches)
+        quantize_group(g.caches, self.kv_layers)
 
     def retire(self, uids, unused: Optional[dict] = None) -> dict:
         """End decoding rows now (their caller's update decided they finished: the Engine's

@@ -171,7 +171,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               prefill_budget=self.prefill_budget,
                               decoder=self._fast_step, deterministic=self.deterministic,
                               draft_model=self.draft_model if self.draft_rows else None,
-                              first_at_graduate=True)
+                              first_at_graduate=True, kv_layers=self.policy.layers)
 
     @property
     def fast_step(self):   # the fast runner's step in force (None: the rows decode on L1)
@@ -281,6 +281,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             cache_namespace = f"{cache_namespace}:images:{vision.digest}"
             if reason is None and not self.image_rows:
                 reason = "images"
+            if reason is None and self.policy.active:      # (quantized KV rows: text only)
+                reason = "kv_quant"
         req = RequestState(rid, ids, params, adapter, cache_namespace,
                        "batch" if reason is None else "solo", self.tokenizer)
         req.prefix, req.vision = prefix_caches or None, vision
@@ -308,7 +310,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             return "draft_model"
         if self.max_kv_size:
             return "max_kv_size"
-        if self.policy.active:
+        if self.policy.active and not self._quant_row(params):
             return "kv_quant"
         if adapter and not self.adapter_rows:
             return "adapters"
@@ -332,8 +334,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
 
     @property
     def batching(self) -> bool:
-        """Whether requests can run as batch rows (max_batch > 1 and unquantized KV)."""
-        return self._sched is not None and not self.policy.active
+        """Whether requests can run as batch rows (max_batch > 1; quantized KV: `quant_rows`)."""
+        return self._sched is not None and (not self.policy.active or self.quant_rows)
 
     def has_unfinished(self) -> bool:
         return bool(self._live or self._done_now)

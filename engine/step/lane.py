@@ -87,6 +87,27 @@ class BatchLane:
         scheme (`spec_sampling="exact"`; rejection sampling runs alone), where `draft_rows`."""
         return self.draft_rows and p.drafts() and (not p.temperature or p.spec_sampling == "exact")
 
+    @property
+    def quant_rows(self) -> bool:
+        """Whether requests with the engine's quantized KV are rows of the batch
+        (`engine.kv.batch_quant`): the L1 batch runner (not deterministic mode), KV quantized
+        from the first token (`quantized_kv_start` 0, the server's), every quantized layer a
+        full-attention one."""
+        if getattr(self, "_quant_rows", None) is None:
+            from engine.kv.cache import KVCache   # (engine.kv.cache imports the models)
+            kinds = self.model.make_cache()
+            self._quant_rows = bool(
+                self._sched is not None and self.policy.active and self.policy.start == 0
+                and self._fast_step is None and not self.deterministic
+                and all(type(kinds[i]) is KVCache for i in self.policy.layers))
+        return self._quant_rows
+
+    def _quant_row(self, p) -> bool:
+        """Whether a request with these params is a row with quantized KV: `quant_rows`, and
+        it does not speculate (speculating rows with quantized KV run alone)."""
+        return self.quant_rows and not p.looks_up() and not (self.draft_model is not None
+                                                             and p.drafts())
+
     def _sliding_windows(self) -> bool:
         """Whether the model's caches have sliding-window rings."""
         from engine.kv.cache import RotatingKVCache   # (engine.kv.cache imports the models)

@@ -213,8 +213,8 @@ def test_models_it_does_not_cover_stay_on_l1_with_a_reason():
     model, tok = _model("llama", "bfloat16")
     assert fast_step_for(model, FAST, make_policy(model, kv_bits=8)) is None
     assert fast_step_for(model, FAST) is fast_step_for(model, FAST)     # one per (model, levers)
-    eng = Engine(model, tok, max_batch=4, levers=FAST, kv_bits=8)   # quantized KV: L1, alone
-    assert eng.fast_step is None and not eng.batching
+    eng = Engine(model, tok, max_batch=4, levers=FAST, kv_bits=8)   # quantized KV: L1 rows
+    assert eng.fast_step is None and eng.batching and eng.quant_rows
 
 
 def test_admission_counts_every_row_of_the_bucket():
