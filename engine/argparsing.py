@@ -125,9 +125,11 @@ def add_speculation_flags(a) -> None:
     a("--num-draft-tokens", type=int, default=None, metavar="K",
       help="draft tokens a step: 3 with --draft-model (mlx-lm's), 4 with --prompt-lookup")
     a("--spec-sampling", choices=("exact", "rejection"), default="exact",
-      help="with --draft-model, how sampled requests keep drafts: exact (mlx-lm's scheme, "
-      "its tokens bit for bit) or rejection (speculative sampling: the model's distribution, "
-      "more drafts kept; no XTC); greedy is the same under both (docs/generation.md)")
+      help="with --draft-model, how sampled requests keep drafts: exact (mlx-lm's scheme: a "
+      "draft kept when the model's own draw equals it; alone, mlx-lm's tokens bit for bit, as "
+      "a batch row the tokens it samples without speculation) or rejection (speculative "
+      "sampling: the model's distribution, more drafts kept; no XTC, runs alone); greedy is "
+      "the same under both (docs/generation.md)")
 
 
 def speculation_settings(args) -> tuple:

@@ -14,6 +14,8 @@
 # equal tokens/logprobs), q4one (Q4ONE_PRESET, default 8b, 4-bit at 1 and 2 rows on the fast runner
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
 # checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
+# spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
+# --prompt-lookup at SPEC_LEVELS clients, through HTTP: the speculation speed targets).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -100,6 +102,11 @@ if has q4one; then
     MLXP_DISABLE_KERNELS=$off timeout ${Q4ONE_S:-120} python3 experiments/bench_rows.py --model /tmp/m/$P-q4 \
       --rows 1,2 --tiers l3 --gen 64 --trials 3 --out "$OUT/q4one-${off:-default}" 2>&1 | tail -4
   done
+fi
+if has spec; then
+  stage spec
+  timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
+    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --tag h100 --out "$OUT/spec" 2>&1 | grep -v '"step"' | tail -12
 fi
 if has agent; then
   for m in ${AGENT_MODELS:-8b-q4 1b}; do

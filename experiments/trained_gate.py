@@ -127,15 +127,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     losses = train(model, lang, a.steps, a.batch, a.length, a.lr)
     train_s = time.perf_counter() - t0
-    model.set_dtype(mx.bfloat16)
-    mdir = out / "model"
-    mdir.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (mdir / f.name).write_bytes(f.read_bytes())
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(mdir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    mdir = save_trained(model, src, out / "model")
     # gate prompts: a walk and the first 8 tokens of its copy (the rest is predictable)
     half = 64
     prompts = []
@@ -174,6 +166,19 @@ def main(argv=None) -> int:
         for r in qres:
             print(json.dumps({"bits": bits, **r.__dict__}), flush=True)
     return 0
+
+
+def save_trained(model, src: Path, dst: Path) -> Path:
+    """`model` saved in bf16 in `dst`, with the config and tokenizer files of `src`."""
+    model.set_dtype(mx.bfloat16)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return dst
 
 
 def save_quantized(src: Path, dst: Path, bits: int, group_size: int = 64) -> Path:

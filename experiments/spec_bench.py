@@ -1,0 +1,171 @@
+"""Speculative decoding through HTTP on a model that has learned something.
+
+Random weights accept almost no draft (their next-token distributions are flat), so this
+script trains a target preset and a smaller draft of the same vocabulary (and tokenizer) on
+the synthetic language of experiments/trained_gate.py (a Markov walk, then a copy of its
+start), then serves the target with engine-serve three ways, all started in the same run:
+plain, `--draft-model DRAFT`, and `--prompt-lookup N`. Each level sends that many concurrent
+streaming greedy `/v1/completions` (token-id prompts: a walk and the first tokens of its copy,
+so the continuation is the copy, a repeat of the prompt: the copy-heavy workload prompt
+lookup is for; EOS banned), trials interleaved across the servers. Per level and mode:
+aggregate and per-stream tok/s, TTFT, `ratio` = tok/s over the plain server's in the same
+trials, and the drafts kept / drafted from the server's `/stats`.
+
+    python experiments/spec_bench.py --target 1b --steps 500 --levels 1,8 --tag h100   # GPU
+    python experiments/spec_bench.py --quick --out DIR                                 # CPU dry run
+
+Writes `reports/spec_bench/<version>/<tag>/` (or `--out`): spec_bench.csv, spec_bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments._common import machine, md_table, report_dir, write_csv  # noqa: E402
+from experiments.bench_batching import level, start  # noqa: E402
+from experiments.presets import PRESETS, build_preset  # noqa: E402
+from experiments.trained_gate import SMALL, Language, save_trained, train  # noqa: E402
+
+# the draft: a few narrow layers over the target's vocabulary (ratio of sizes ~1:40 for the 1b)
+DRAFT = dict(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1536,
+             num_attention_heads=8, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+             rope_theta=10000.0, max_position_embeddings=131072, tie_word_embeddings=False)
+MODES = ("plain", "draft", "lookup")
+FIELDS = ["mode", "clients", "agg_tps", "req_tps_p50", "ttft_p50_ms", "ratio", "stream_ratio",
+          "accepted", "drafted", "lost"]
+
+
+def language(seed: int = 0) -> Language:
+    """The synthetic language over tokens 0..999 (seed 0: the same tables for every model):
+    no special token (the presets' tokenizer has them from 1008 on), so no EOS is ever
+    learned and requests need no logit bias (a logits processor: it turns speculation off)."""
+    lang = Language(1000)
+    if seed:
+        lang.rng = np.random.default_rng(1000 + seed)
+    return lang
+
+
+def trained(name: str, out: Path, steps: int, lr: float, batch: int, length: int) -> Path:
+    """Preset `name` trained on the synthetic language."""
+    from engine.loader import load_model
+    src = build_preset(name, out / f"{name}-init")
+    model = load_model(src)[0]
+    losses = train(model, language(), steps, batch, length, lr)
+    print(json.dumps({"trained": name, "first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
+    return save_trained(model, src, out / name)
+
+
+def prompts(n: int, gen: int, seed: int) -> list:
+    """n token-id prompts: a walk of gen + 16 tokens, then the first 8 of its copy."""
+    lang = language(seed + 1)
+    out = []
+    for _ in range(n):
+        w = lang.walk(gen + 16)
+        out.append(w + w[:8])
+    return out
+
+
+def spec_counts(url: str) -> tuple:
+    """(accepted, drafted) so far, both speculation sources together (`/stats`)."""
+    import httpx
+    s = httpx.get(url + "/stats", timeout=30).json().get("speculation", {})
+    return (sum(s.get(k, {}).get("accepted", 0) for k in ("draft", "lookup")),
+            sum(s.get(k, {}).get("drafted", 0) for k in ("draft", "lookup")))
+
+
+def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngram: int, hf_cache):
+    bias: dict = {}                  # (none: see `language`)
+    batch = max(levels)
+    extra = {"plain": [], "draft": ["--draft-model", str(draft), "--num-draft-tokens", str(k)],
+             "lookup": ["--prompt-lookup", str(ngram), "--num-draft-tokens", str(k)]}
+    servers = {m: start(target, hf_cache, batch, "ours", extra[m]) for m in MODES}
+    rows = []
+    try:
+        for c in levels:
+            for s in servers.values():      # untimed warm-up at this concurrency
+                level(s.url, prompts(c, 8, 99), 8, bias)
+            res = {m: [] for m in MODES}
+            counts0 = {m: spec_counts(s.url) for m, s in servers.items()}
+            for t in range(trials):
+                ps = prompts(c, gen, t)
+                for m in (MODES if t % 2 == 0 else MODES[::-1]):
+                    res[m].append(level(servers[m].url, ps, gen, bias))
+            plain_agg = statistics.median(r["agg"] for r in res["plain"])
+            plain_tps = statistics.median(x for r in res["plain"] for x in r["tps"] or [0.0])
+            for m, rs in res.items():
+                agg = statistics.median(r["agg"] for r in rs)
+                tps = statistics.median(x for r in rs for x in r["tps"] or [0.0])
+                acc, dr = (a - b for a, b in zip(spec_counts(servers[m].url), counts0[m]))
+                ttfts = sorted(x for r in rs for x in r["ttfts"])
+                rows.append(dict(mode=m, clients=c, agg_tps=round(agg, 1), req_tps_p50=round(tps, 1),
+                                 ttft_p50_ms=round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else 0.0,
+                                 ratio=round(agg / plain_agg, 3) if plain_agg else 0.0,
+                                 stream_ratio=round(tps / plain_tps, 3) if plain_tps else 0.0,
+                                 accepted=acc, drafted=dr, lost=sum(r["lost"] for r in rs)))
+                print(rows[-1], flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--quick", action="store_true", help="CPU dry run: small shapes, few steps")
+    ap.add_argument("--steps", type=int, default=500, help="training steps of the target")
+    ap.add_argument("--draft-steps", type=int, default=None, help="(default: --steps)")
+    ap.add_argument("--levels", default="1,8")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens a step (both sources)")
+    ap.add_argument("--ngram", type=int, default=3, help="--prompt-lookup N")
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="spec_bench_"))
+    lr, batch, length = 3e-4, 16, 256
+    if a.quick:
+        PRESETS["spec-target"] = SMALL
+        PRESETS["spec-draft"] = dict(SMALL, hidden_size=128, num_hidden_layers=2,
+                                     intermediate_size=256, num_attention_heads=2,
+                                     num_key_value_heads=2)
+        a.target, a.steps, lr, batch, length = "spec-target", min(a.steps, 80), 2e-3, 8, 128
+        a.draft_steps = min(a.draft_steps or 40, 40)
+        a.gen, a.trials, a.levels = min(a.gen, 32), min(a.trials, 1), "1,4"
+    else:
+        PRESETS["spec-draft"] = dict(DRAFT, vocab_size=PRESETS[a.target]["vocab_size"])
+    t0 = time.perf_counter()
+    target = trained(a.target, work, a.steps, lr, batch, length)
+    draft = trained("spec-draft", work, a.draft_steps or a.steps, lr * (1 if a.quick else 3),
+                    batch, length)
+    train_s = time.perf_counter() - t0
+    levels = [int(x) for x in a.levels.split(",") if x.strip()]
+    rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf")
+    out = Path(a.out) if a.out else report_dir("spec_bench", a.tag)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "spec_bench.csv", rows, FIELDS)
+    cmd = "python experiments/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "spec_bench.md").write_text(
+        "# Speculative decoding through HTTP (engine-serve: plain, --draft-model, --prompt-lookup)\n\n"
+        f"Machine: {machine()}. Target `{a.target}` and draft `spec-draft` trained on the synthetic "
+        f"language ({a.steps} / {a.draft_steps or a.steps} steps, {train_s:.0f} s); greedy, "
+        f"{a.gen} tokens a request, K {a.k}, n-gram {a.ngram}, median of {a.trials}; ratio = tok/s "
+        f"over the plain server's in the same trials. Reproduce: `{cmd.strip()}`\n\n"
+        + md_table(FIELDS, [[r[f] for f in FIELDS] for r in rows]) + "\n")
+    print(out / "spec_bench.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
