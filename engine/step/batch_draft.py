@@ -42,6 +42,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from engine.kv.batch_cache import batch_caches, extend_caches
+from engine.step.rejection import rejection_rule
 from engine.step.sampling import greedy
 from engine.step.speculation import SpecStats
 
@@ -52,11 +53,14 @@ __all__ = ["RowDraft", "DraftRow", "DraftBatch"]
 class RowDraft:
     """A batch row's draft-model settings. draft_tokens: K, the most drafts a step; limit:
     tokens the row may hand out in all (its drafts never reach past it; None: the row's
-    `max_tokens`); stats: its counters (`Speculation.for_request("draft")`)."""
+    `max_tokens`); stats: its counters (`Speculation.for_request("draft")`); rejection: a
+    sampled row keeps drafts by the speculative-sampling rule (`engine.step.rejection`)
+    instead of mlx-lm's scheme."""
 
     draft_tokens: int = 3
     limit: Optional[int] = None
     stats: Optional[SpecStats] = None
+    rejection: bool = False
 
     def __post_init__(self):
         if self.draft_tokens < 1:
@@ -67,8 +71,13 @@ class DraftRow:
     """One row's drafting state (its `Row.spec`): the tokens its draft caches lack before the
     current token (`pending`), this step's proposal and how many of them the draft fed."""
 
-    def __init__(self, draft: RowDraft, max_tokens: Optional[int], seed: Optional[int] = None):
+    def __init__(self, draft: RowDraft, max_tokens: Optional[int], seed: Optional[int] = None,
+                 sampler=None):
         self.draft = draft
+        # the speculative-sampling rule of a rejection-sampled row (None: argmax or mlx-lm's
+        # scheme), and this step's drafts' distributions q
+        self.rule = rejection_rule(sampler, "rejection") if draft.rejection and sampler else None
+        self.qs: list = []
         # a sampled row's draws of the draft (a stream of its own: the row's key is the
         # target's); None: the global PRNG
         self.key = mx.random.split(mx.random.key(seed), 2)[1] if seed is not None else None
@@ -91,11 +100,16 @@ class DraftRow:
         self.kept = len(drafts)
 
     def draw(self, sampler, logprobs: mx.array) -> mx.array:
-        """A sampled row's draft token from the draft's logprobs [1, V], with the row's sampler."""
-        if self.key is None:
-            return sampler(logprobs)
-        self.key, sub = mx.random.split(self.key)
-        return sampler(logprobs, key=sub)
+        """A sampled row's draft token from the draft's logprobs [1, V], with the row's sampler
+        (a rejection-sampled row's from its rule, keeping q)."""
+        sub = None
+        if self.key is not None:
+            self.key, sub = mx.random.split(self.key)
+        if self.rule is not None:
+            tok, q = self.rule.draw(logprobs, sub)
+            self.qs.append(q)
+            return tok
+        return sampler(logprobs) if sub is None else sampler(logprobs, key=sub)
 
 
 class DraftBatch:
@@ -163,7 +177,7 @@ class DraftBatch:
         K = max(want.values(), default=0)
         for r in rows:
             if id(r) in y_of:
-                r.spec.proposed, r.spec.fed, r.spec.kept = [], 0, 0
+                r.spec.proposed, r.spec.fed, r.spec.kept, r.spec.qs = [], 0, 0, []
         if K == 0:                   # no draft this step: y waits for the next one
             for r in self.rows:
                 r.spec.pending.append(y_of[id(r)])

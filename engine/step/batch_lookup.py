@@ -92,6 +92,11 @@ def accepted(r, drafts: list, best: list, first: int, lp: mx.array) -> tuple:
         while ok < len(drafts) and best[ok] == drafts[ok]:
             ok += 1
         return ok, best[ok]
+    rule = getattr(r.spec, "rule", None)
+    if rule is not None and drafts:      # (a rejection-sampled draft row: engine.step.rejection)
+        tokens, ok = rule.verify(lp[:len(drafts) + 1], mx.array(drafts), r.spec.qs[:len(drafts)],
+                                 r.split_key())
+        return ok, tokens[ok]
     ok, t = 0, first
     while ok < len(drafts) and t == drafts[ok]:
         ok += 1

@@ -38,7 +38,7 @@ class Row:
         self.retired = False      # retired while early: leaves after its next forward
         self.error: Optional[BaseException] = None   # raised by this row's own code
         self.spec = (LookupRow(req.lookup, req.max_tokens) if req.lookup is not None
-                     else DraftRow(req.draft, req.max_tokens, req.seed) if req.draft is not None
+                     else DraftRow(req.draft, req.max_tokens, req.seed, req.sampler) if req.draft is not None
                      else None)
         if tokenizer is not None:
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
@@ -51,10 +51,15 @@ class Row:
         return self.req.sampler or greedy
 
     def sample(self, logprobs):
+        sub = self.split_key()
+        return self.sampler(logprobs) if sub is None else self.sampler(logprobs, key=sub)
+
+    def split_key(self):
+        """The row's next PRNG key (None: the row draws from the global PRNG)."""
         if self.key is None:
-            return self.sampler(logprobs)
+            return None
         self.key, sub = mx.random.split(self.key)
-        return self.sampler(logprobs, key=sub)
+        return sub
 
 
 def pooled(caches) -> bool:

@@ -16,10 +16,9 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    adapters (the batch runs the base weights), brings its own prefix caches or speculates
    with a draft model (`engine.step.draft`) or with prompt lookup where the batch cannot take
    it (`engine.step.lookup`; on the L1 batch runner a lookup request and a draft-model one
-   are speculating rows, `engine.step.batch_lookup`, `engine.step.batch_draft`, one with
-   rejection sampling runs alone; a request with images is a row of the L1 batch runner,
-   `engine.step.batch_vision`, and runs alone on the fast runner or in deterministic
-   mode); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
+   are speculating rows, `engine.step.batch_lookup`, `engine.step.batch_draft`; a request
+   with images is a row of the L1 batch runner, `engine.step.batch_vision`, and runs alone
+   on the fast runner or in deterministic mode); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
    estimate fits (a lone row always runs: its own check passed at submit) and at most
    `max_batch` rows are in the batch (the rest wait, `stats()["waiting"]`). A request
    running alone runs beside the batch (one at a time); one that samples from a seed
@@ -134,7 +133,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
         batching = max_batch > 1 or self._fast_step is not None or self.deterministic
         # draft-model requests as rows of the batch (engine.step.batch_draft): the L1 batch
-        # runner; rejection-sampled ones (and any elsewhere) run alone (engine.step.draft)
+        # runner; elsewhere they run alone (engine.step.draft)
         self.draft_rows = batching and draft_model is not None and self._fast_step is None
         self._sched = self._new_scheduler() if batching else None
         # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner

@@ -9,7 +9,7 @@ mode): it may hand out several tokens in one step, one event each; once the upda
 a stop string, max_tokens), the rest of that step's tokens are dropped and trimmed from the KV
 it leaves to the prompt cache. A greedy request with the engine's draft model is a speculating
 row the same way (`engine.step.batch_draft`, where `draft_rows`: the L1 batch runner; greedy or
-sampled, rejection sampling runs alone: `engine.step.draft`).
+sampled, by mlx-lm's scheme or the speculative-sampling rule).
 
 A request whose images the decoder attends to both ways (`req.whole`: Gemma 4's
 `use_bidirectional_attention: "vision"`) has its whole prompt run in one forward from empty
@@ -46,7 +46,8 @@ class BatchLane:
                                stats=req.spec)
         elif self._draft_row(p) and req.vision is None:   # (images: no drafts, as alone)
             req.spec = self.spec.for_request("draft")
-            draft = RowDraft(p.num_draft_tokens, limit=p.max_tokens, stats=req.spec)
+            draft = RowDraft(p.num_draft_tokens, limit=p.max_tokens, stats=req.spec,
+                             rejection=p.spec_sampling == "rejection")
         if self.adapters is not None and req.vision is not None:
             self.adapters.activate(req.adapters)   # (an adapter may target the vision tower)
         embeds = self.prompt_embeddings(req)   # images merged in (None: no images to embed)
@@ -83,9 +84,9 @@ class BatchLane:
 
     def _draft_row(self, p) -> bool:
         """Whether a request with these (resolved) params speculates with the draft model as
-        a row of the batch: drafting (`SamplingParams.drafts`), greedy or sampled by mlx-lm's
-        scheme (`spec_sampling="exact"`; rejection sampling runs alone), where `draft_rows`."""
-        return self.draft_rows and p.drafts() and (not p.temperature or p.spec_sampling == "exact")
+        a row of the batch: drafting (`SamplingParams.drafts`), greedy or sampled (either
+        `spec_sampling`), where `draft_rows`."""
+        return self.draft_rows and p.drafts()
 
     @property
     def quant_rows(self) -> bool:

@@ -45,8 +45,8 @@ def sampling_probs(logprobs: mx.array, settings: dict) -> mx.array:
     return mx.softmax((logprobs * (1.0 / settings["temp"])).astype(mx.float32), axis=-1)
 
 
-def _draw(probs: mx.array) -> mx.array:
-    return mx.random.categorical(mx.log(probs))
+def _draw(probs: mx.array, key=None) -> mx.array:
+    return mx.random.categorical(mx.log(probs), key=key)
 
 
 class RejectionRule:
@@ -59,37 +59,39 @@ class RejectionRule:
                              "its distribution is not one set of probabilities)")
         self.settings = settings
 
-    def draw(self, logprobs: mx.array):
-        """(one draft token [1], its distribution q [1, V]) for the draft's `logprobs` [1, V]."""
+    def draw(self, logprobs: mx.array, key=None):
+        """(one draft token [1], its distribution q [1, V]) for the draft's `logprobs` [1, V]
+        (`key`: a PRNG key of its own, else the global PRNG)."""
         q = sampling_probs(logprobs, self.settings)
-        return _draw(q), q
+        return _draw(q, key), q
 
     @staticmethod
-    def accepts(px: mx.array, qx: mx.array) -> mx.array:
+    def accepts(px: mx.array, qx: mx.array, key=None) -> mx.array:
         """[K] bool: each draft x kept with probability min(1, p(x) / q(x)) (one uniform
         each; q(x) > 0, x having been drawn from q)."""
-        return mx.random.uniform(shape=px.shape) * qx < px
+        return mx.random.uniform(shape=px.shape, key=key) * qx < px
 
     @staticmethod
     def residual(p: mx.array, q: mx.array) -> mx.array:
         """[K, V]: what a rejected position draws from, unnormalised: max(0, p - q)."""
         return mx.maximum(p - q, 0.0)
 
-    def verify(self, logprobs: mx.array, draft: mx.array, qs: list) -> tuple:
+    def verify(self, logprobs: mx.array, draft: mx.array, qs: list, key=None) -> tuple:
         """(tokens, accepted): the target's `logprobs` [K + 1, V] after [last, drafts],
         the K `draft` tokens and their distributions `qs` ([1, V] each). `tokens[:accepted]`
         are the accepted drafts, `tokens[accepted]` the residual (or, all accepted, the bonus)
-        draw. One evaluation."""
+        draw. One evaluation. `key`: the draws' PRNG key (a batch row's), else the global PRNG."""
+        k_accept, k_fix = mx.random.split(key) if key is not None else (None, None)
         k = draft.size
         p = sampling_probs(logprobs, self.settings)                       # [K + 1, V]
         q = mx.concatenate(qs)                                            # [K, V]
         at = draft.astype(mx.int32)[:, None]
         px = mx.take_along_axis(p[:k], at, axis=-1)[:, 0]
         qx = mx.take_along_axis(q, at, axis=-1)[:, 0]
-        accept = self.accepts(px, qx)
+        accept = self.accepts(px, qx, k_accept)
         resid = self.residual(p[:k], q)
         resid = mx.where(resid.sum(axis=-1, keepdims=True) > 0, resid, p[:k])
-        fix = _draw(mx.concatenate([resid, p[k:]]))                       # [K + 1]
+        fix = _draw(mx.concatenate([resid, p[k:]]), k_fix)                # [K + 1]
         mx.eval(accept, fix, draft)
         accept, fix, proposed = accept.tolist(), fix.tolist(), draft.tolist()
         ok = 0

@@ -254,12 +254,11 @@ def test_the_scheduler_frees_a_rows_draft_caches_when_it_leaves(pair):
                                   logits_processors=[lambda toks, lg: lg]))
 
 
-def test_rejection_sampled_requests_and_the_fast_runner_run_alone(pair):
-    """A request with the draft model and rejection sampling runs alone on the exact runner, as
-    does a greedy one on the fast runner (L3) or with max_batch 1."""
+def test_the_fast_runner_and_max_batch_1_run_draft_requests_alone(pair):
+    """A draft-model request runs alone on the exact runner on the fast runner (L3) or with
+    max_batch 1 (a rejection-sampled one is a batch row: test_rejection_sampling.py)."""
     m, tok, d = pair
-    cases = [({}, dict(temperature=0.5, seed=3, spec_sampling="rejection")),
-             ({"levers": parse_spec("l3")}, dict(temperature=0.0)),
+    cases = [({"levers": parse_spec("l3")}, dict(temperature=0.0)),
              ({"max_batch": 1}, dict(temperature=0.0))]
     for kw, params in cases:
         eng = Engine(m, tok, draft_model=d, **{"max_batch": 4, **kw})

@@ -121,7 +121,7 @@ def test_negative_controls_fail_the_same_test(fx, exact_joint, monkeypatch, cont
     m, d, ids, _ = fx
     if control == "accept_every_draft":
         monkeypatch.setattr(RejectionRule, "accepts",
-                            staticmethod(lambda px, qx: mx.ones(px.shape, dtype=mx.bool_)))
+                            staticmethod(lambda px, qx, key=None: mx.ones(px.shape, dtype=mx.bool_)))
     else:
         monkeypatch.setattr(RejectionRule, "residual", staticmethod(lambda p, q: p))
     pairs, _ = _runs(m, d, ids)
@@ -222,3 +222,44 @@ def test_served_requests_choose_spec_sampling():
         assert r.status_code == 400 and "spec_sampling" in r.text
     finally:
         stop_server(s)
+
+
+def _batch_pairs(m, d, ids, seeds=SEEDS):
+    """The first two tokens of one seeded batch row per seed (32 rows at a time, each with its
+    own key; K drafts a step by the rule), and the rows' summed counters. A row's first token
+    is the batch's plain sample; its second the first verify round's (a kept draft, or the
+    residual draw)."""
+    from engine.step.batch import BatchRequest, BatchScheduler
+    from engine.step.batch_draft import RowDraft
+    sched = BatchScheduler(m, eos_token_ids=(), draft_model=d, completion_batch_size=32)
+    sampler, stats = make_sampler(**SETTINGS), SpecStats()
+    uids = [sched.submit(BatchRequest(ids, max_tokens=2, sampler=sampler, seed=s,
+                                      draft=RowDraft(K, stats=stats, rejection=True)))
+            for s in seeds]
+    toks = {u: [] for u in uids}
+    while sched.has_work():
+        for ev in sched.step():
+            toks[ev.uid].append(ev.token)
+    return [tuple(toks[u]) for u in uids], stats
+
+
+@pytest.mark.parametrize("control", [None, "accept_every_draft", "residual_from_p"])
+def test_batch_rows_keep_the_target_distribution(fx, exact_joint, monkeypatch, control):
+    """Rejection-sampled draft rows of the continuous batch (engine.step.batch_draft, each row
+    drawing from its own key) give the target's joint distribution of their first two tokens
+    (the second from the rule), by the same chi-square test; both negative controls fail it."""
+    m, d, ids, _ = fx
+    if control == "accept_every_draft":
+        monkeypatch.setattr(RejectionRule, "accepts",
+                            staticmethod(lambda px, qx, key=None: mx.ones(px.shape, dtype=mx.bool_)))
+    elif control == "residual_from_p":
+        monkeypatch.setattr(RejectionRule, "residual", staticmethod(lambda p, q: p))
+    pairs, stats = _batch_pairs(m, d, ids)
+    assert all(len(p) == 2 for p in pairs) and stats.accepted > 0
+    results = _tests(pairs, exact_joint)
+    if control is None:
+        assert all(stat < crit for stat, crit in results.values()), results
+        again, _ = _batch_pairs(m, d, ids, seeds=range(40))      # seeded: the same tokens
+        assert again == pairs[:40]
+    else:
+        assert any(stat > crit for stat, crit in results.values()), results
