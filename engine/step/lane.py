@@ -104,10 +104,10 @@ class BatchLane:
         return self._quant_rows
 
     def _quant_row(self, p) -> bool:
-        """Whether a request with these params is a row with quantized KV: `quant_rows`, and
-        it does not speculate (speculating rows with quantized KV run alone)."""
-        return self.quant_rows and not p.looks_up() and not (self.draft_model is not None
-                                                             and p.drafts())
+        """Whether a request with these params is a row with quantized KV: `quant_rows` (a
+        prompt-lookup row too: its rejected drafts leave the quantized caches as the float
+        ones', `BatchKVCache.rewind`; a draft model is refused with quantized KV)."""
+        return self.quant_rows and not (self.draft_model is not None and p.drafts())
 
     def _sliding_windows(self) -> bool:
         """Whether the model's caches have sliding-window rings."""

@@ -85,12 +85,38 @@ def test_a_prompt_cache_hit_restores_a_quantized_prefix_as_a_row(model):
     assert cache.stats()["hits"] >= len(PROMPTS) and _equal(again, alone)
 
 
-def test_speculating_and_later_quantizing_requests_still_run_alone(model):
+def test_an_engine_quantizing_later_runs_requests_alone(model):
+    """quantized_kv_start > 0 (rows would convert at different steps): one at a time, as before."""
     m, tok = model
     eng = Engine(m, tok, max_batch=4, kv_bits=8, kv_group_size=32, quantized_kv_start=64)
     assert not eng.quant_rows and not eng.batching
-    eng = Engine(m, tok, max_batch=4, kv_bits=8, kv_group_size=32)
-    eng.submit(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, prompt_lookup=2))
+    for p in PROMPTS[:2]:
+        eng.submit(p, SamplingParams(max_tokens=4, temperature=0.0))
     while eng.has_unfinished():
         eng.step()
-    assert eng.stats()["solo_reasons"] == {"kv_quant": 1}
+    assert eng.stats()["solo_reasons"] == {"kv_quant": 2}
+
+
+def test_prompt_lookup_rows_with_quantized_kv_equal_alone(model):
+    """Prompt-lookup requests are quantized rows too (their verify forwards' rejected columns
+    rewound from the quantized caches): tokens and logprobs equal each request alone."""
+    m, tok = model
+    reps = [[5, 6, 7, 8, 9, 10, 11, 12] * 5, [3, 4, 5, 6] * 6 + [9], list(range(20, 44)) * 2]
+
+    def run(max_batch):
+        eng = Engine(m, tok, max_batch=max_batch, kv_bits=8, kv_group_size=32,
+                     prefill_step_size=16, keep_logprob_arrays=True)
+        eng.eos = set()
+        rids = [eng.submit(p, SamplingParams(max_tokens=24, temperature=0.0, prompt_lookup=2,
+                                             num_draft_tokens=3)) for p in reps]
+        got = {r: ([], []) for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                assert o.error is None
+                got[o.request_id][0].extend(o.token_ids)
+                got[o.request_id][1].extend(o.logprob_arrays)
+        return [got[r] for r in rids], eng.stats()
+    alone, _ = run(1)
+    rows, st = run(4)
+    assert st["solo_reasons"] == {} and st["speculation"]["lookup"]["accepted"] > 0
+    assert _equal(rows, alone)
