@@ -362,11 +362,6 @@ def main(argv=None) -> int:
     if args.quantized_kv_start:
         print("engine-serve: --quantized-kv-start is ignored (the server quantizes from "
               "token 0)", file=sys.stderr)
-    if config.batch > 1 and str(config.kv_quant).lower() not in ("off", "none", "bf16",
-                                                                  "false", "0", "config"):
-        print(f"engine-serve: --batch {config.batch}: {NOT_YET} with quantized KV "
-              "(--kv-quant); serving one request at a time (/stats batch.batched = false)",
-              file=sys.stderr)
     sock = bind(config.host, config.port)
 
     from engine import KVConfigError
@@ -388,6 +383,10 @@ def main(argv=None) -> int:
         msg = getattr(e, "message", None) or str(e)
         print(f"engine-serve: cannot start: {msg}", file=sys.stderr)
         return 2
+    if not pool_mode and config.batch > 1 and not state.engine.batching:
+        print(f"engine-serve: --batch {config.batch}: {NOT_YET} with this model's quantized KV "
+              "(sliding-window layers: docs/kv-quant.md); serving one request at a time "
+              "(/stats batch.batched = false)", file=sys.stderr)
     if not pool_mode and state.ceiling < 1:
         print("engine-serve: cannot start: the model's weights do not fit the memory budget "
               f"({state.admission.budget_bytes / 1e9:.2f} GB)", file=sys.stderr)

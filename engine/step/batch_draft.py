@@ -30,8 +30,9 @@ draft proposes; so where the verify forward gives each position the logits of a 
 (the CPU, full attention), every row's tokens and logprobs equal those of the batch without
 speculation (tests/engine/test_batch_draft.py). The draft's caches only decide which drafts
 are proposed (the acceptance), which the same tests check against the draft model run alone.
-Requests with rejection sampling do not get here: they run alone on the exact runner
-(`engine.step.draft`).
+A rejection-sampled row (`RowDraft(rejection=True)`) keeps drafts by the speculative-sampling
+rule (`engine.step.rejection`) from its own keys: its drafts become its tokens, so it draws
+only its own drafts and its draft prefill never waits for other rows' (a seeded one repeats).
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ class DraftRow:
 
 class DraftBatch:
     """The draft model's batched caches for the drafting rows of one decode group (in its
-    own row order). prefill_step_size: the most tokens of joining rows' draft prefill a step."""
+    own row order). prefill_step_size: the most tokens of joining rows' draft prefill a step,
+    all together; a rejection-sampled row (whose drafts become its tokens, so its tokens depend
+    on the step it starts drafting at) gets that many of its own each step, whatever the others
+    take, so a seeded one repeats among any rows."""
 
     def __init__(self, model, prefill_step_size: int = 2048):
         self.model = model
@@ -152,12 +156,13 @@ class DraftBatch:
         budget, ready = self.prefill_step_size, []
         for key, entry in list(self.joining.items()):
             r, caches, fed = entry
-            n = min(len(r.tokens) - fed, budget)
+            own = getattr(r.spec, "rule", None) is not None     # (see the class docstring)
+            n = min(len(r.tokens) - fed, self.prefill_step_size if own else budget)
             if n > 0:
                 self.model(mx.array(r.tokens[fed:fed + n])[None], cache=caches)
                 mx.eval([c.state for c in caches])
                 entry[2] = fed = fed + n
-                budget -= n
+                budget = max(0, budget - n)
             if fed == len(r.tokens):
                 del self.joining[key]
                 r.spec.pending = []
@@ -194,24 +199,27 @@ class DraftBatch:
         if any(len(x) < P for x in inputs):      # the padding leaves the draft's caches
             for c in self.caches:
                 c.rewind([P - len(x) for x in inputs])
-        drafts = [self._choose(logits)]
-        for _ in range(K - 1):
+        wants = [want[id(r)] for r in self.rows]
+        drafts = [self._choose(logits, 0, wants)]
+        for i in range(1, K):
             logits = self.model(drafts[-1][:, None], cache=self.caches)[:, -1, :]
-            drafts.append(self._choose(logits))
+            drafts.append(self._choose(logits, i, wants))
         drafts = mx.stack(drafts, axis=1).tolist()        # [B_d, K]
         for r, d in zip(self.rows, drafts):
             r.spec.proposed, r.spec.fed, r.spec.pending = d[:want[id(r)]], K - 1, []
         self.ran = True
 
-    def _choose(self, logits: mx.array) -> mx.array:
-        """The draft's next token of each of its rows [B_d]: the argmax, or for a sampled row a
-        draw with its sampler (`DraftRow.draw`)."""
-        if all(r.sampler is greedy for r in self.rows):
+    def _choose(self, logits: mx.array, i: int, wants: list) -> mx.array:
+        """The draft's i-th token of each of its rows [B_d]: the argmax, or for a sampled row
+        that wants an i-th draft (wants[b] > i) a draw with its sampler (`DraftRow.draw`): a row
+        spends its draft keys on its own drafts only, however many the other rows want (a
+        rejection-sampled row's drafts become its tokens: its draws must not depend on them)."""
+        if all(r.sampler is greedy or w <= i for r, w in zip(self.rows, wants)):
             return mx.argmax(logits, axis=-1)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return mx.concatenate([mx.argmax(lp[b:b + 1], axis=-1) if r.sampler is greedy
+        return mx.concatenate([mx.argmax(lp[b:b + 1], axis=-1) if r.sampler is greedy or w <= i
                                else r.spec.draw(r.sampler, lp[b:b + 1]).astype(mx.uint32)
-                               for b, r in enumerate(self.rows)])
+                               for b, (r, w) in enumerate(zip(self.rows, wants))])
 
     def rewind(self) -> None:
         """After verification: each row's caches keep its token and its accepted drafts (the

@@ -383,3 +383,31 @@ def test_sampled_draft_rows_give_the_seeded_batchs_tokens(pair, monkeypatch):
     monkeypatch.setattr(BL, "accepted", eager)
     bad, _, _ = _sampled(m, tok, d)
     assert bad != ref
+
+
+def test_a_seeded_rejection_row_repeats_among_other_rows(pair):
+    """A rejection-sampled row's drafts become its tokens, so its draws must not depend on the
+    other rows: it draws only its own drafts (not the most any row wants this step) and its
+    draft prefill never waits for the others'. Seeded, it gives the same tokens alone and among
+    greedy drafting rows that want more drafts and have long prompts to catch up."""
+    m, tok, d = pair
+    x = SamplingParams(max_tokens=20, temperature=0.9, seed=9, spec_sampling="rejection",
+                       num_draft_tokens=2)
+
+    def run(others):
+        eng = Engine(m, tok, max_batch=5, draft_model=d, prefill_step_size=16)
+        eng.eos = set()
+        for p in others:
+            eng.submit(p, SamplingParams(max_tokens=30, temperature=0.0, num_draft_tokens=4))
+        rid = eng.submit(PROMPTS[1], x)
+        out = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                assert o.error is None
+                if o.request_id == rid:
+                    out += o.token_ids
+        return out, eng.stats()
+    alone, _ = run([])
+    among, st = run([list(range(100, 140)) * 3, REPEATS, PROMPTS[3]])
+    assert len(alone) == 20 and among == alone
+    assert st["solo_reasons"] == {} and st["speculation"]["draft"]["drafted"] > 0

@@ -23,6 +23,10 @@ def test_uniform_kv8(qwen_dir):
         # qwen3 fixture head_dim 32: group 64 cannot apply, 32 is used (and reported)
         assert kv == {"mode": "uniform-kv8", "layers": {"kv8": 2},
                       "attention": {"global": 2, "sliding_window": 0}, "group_size": 32}
+        # full-attention layers quantized from token 0: requests are rows of the batch
+        # (docs/kv-quant.md), not one at a time
+        batch = httpx.get(s.url + "/stats").json()["batch"]
+        assert batch["batched"] and batch["configured"] > 1, batch
         q = f"kv {uuid.uuid4().hex[:6]}"
         msgs = [{"role": "user", "content": q}]
         assert _chat(s, q) == s.generate(msgs, max_tokens=8, temperature=0.0, kv_bits=8,
