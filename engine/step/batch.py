@@ -69,8 +69,9 @@ class BatchScheduler(LookupSteps):
     tokenizer: the Engine's rows) emits its first token when it graduates.
     kv_layers: a KV policy's quantized layers (cache index -> (bits, group size)), quantized
     from the first token: the rows' caches of those layers become quantized after their first
-    forward (`engine.kv.batch_quant`), as a request's alone; rows then prefill one at a time
-    (so a group's rows convert together) and decode together.
+    forward (`engine.kv.batch_quant`), as a request's alone; rows join the prefill group only
+    while it is empty, and only rows of one kind together (fresh ones, or prompt-cache hits
+    already quantized), so a group's rows convert together; they decode together.
     """
 
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
@@ -321,12 +322,18 @@ class BatchScheduler(LookupSteps):
     def _admit(self):
         n = min(self.prefill_batch_size - len(self._prefill),
                 self.completion_batch_size - len(self._decode), len(self._queue))
-        if self.kv_layers:       # (quantized KV: one row's prefill at a time, see the class)
-            n = 0 if self._prefill.rows else min(n, 1)
+        if self.kv_layers and self._prefill.rows:   # (quantized KV: see the class)
+            return
         if n <= 0:
             return
         new = Group()
         new.rows = [self._queue.popleft() for _ in range(n)]
+        if self.kv_layers:       # (rows of one kind: all fresh, or all from a prompt-cache hit)
+            same = [r.req.caches is None for r in new.rows]
+            cut = next((i for i, s in enumerate(same) if s != same[0]), len(same))
+            for r in reversed(new.rows[cut:]):
+                self._queue.appendleft(r)
+            new.rows = new.rows[:cut]
         per_row = [r.req.caches if r.req.caches is not None else self.model.make_cache()
                    for r in new.rows]
         if self.deterministic:

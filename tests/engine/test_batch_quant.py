@@ -35,12 +35,14 @@ def _run(m, tok, max_batch, bits, prompts, cache=None, max_tokens=(12, 20, 7, 15
     rids = [eng.submit(p, SamplingParams(max_tokens=n, temperature=0.0))
             for p, n in zip(prompts, max_tokens)]
     got = {r: ([], []) for r in rids}
-    peak, eng.kinds = 0, set()
+    peak, eng.kinds, eng.prefill_peak = 0, set(), 0
     while eng.has_unfinished():
         for o in eng.step():
             assert o.error is None
             got[o.request_id][0].extend(o.token_ids)
             got[o.request_id][1].extend(o.logprob_arrays)
+        if eng._sched is not None:
+            eng.prefill_peak = max(eng.prefill_peak, len(eng._sched._prefill.rows))
         if eng._sched is not None and eng._sched.decoding > 1:
             peak = max(peak, eng._sched.decoding)
             eng.kinds |= {type(c) for c in eng._sched._decode.caches}
@@ -62,6 +64,7 @@ def test_quantized_rows_equal_each_request_alone(model, bits):
     assert eng.stats()["solo_reasons"] == {} and peak >= 3
     assert _equal(rows, alone)
     assert eng.kinds == {BatchQuantizedKVCache}       # (every layer, while rows shared a step)
+    assert eng.prefill_peak >= 3                      # (fresh rows prefilled together)
 
 
 def test_negative_control_rows_that_keep_float_kv_differ(model, monkeypatch):
@@ -120,3 +123,21 @@ def test_prompt_lookup_rows_with_quantized_kv_equal_alone(model):
     rows, st = run(4)
     assert st["solo_reasons"] == {} and st["speculation"]["lookup"]["accepted"] > 0
     assert _equal(rows, alone)
+
+
+def test_fresh_rows_and_prompt_cache_hits_mixed(model):
+    """Queued fresh prompts and prompt-cache hits (quantized prefixes) alternate: each prefill
+    group takes rows of one kind, and every request equals its alone run on an engine whose
+    prompt cache was filled the same way (a hit changes where the prompt's chunks fall, and
+    quantized attention rounds by chunk shape: a hit is compared with a hit)."""
+    m, tok = model
+    mixed = [PROMPTS[0] + [11, 12], PROMPTS[2] + [5], list(range(60, 90)), [9, 8, 7, 6],
+             PROMPTS[4] + [1]]                  # (two hits, two fresh, a hit)
+    out = []
+    for max_batch in (1, 4):
+        cache = engine.PromptCache(1 << 30)
+        _run(m, tok, max_batch, 8, PROMPTS[::2], cache=cache, max_tokens=(6, 6, 6))
+        got, eng, _ = _run(m, tok, max_batch, 8, mixed, cache=cache)
+        assert cache.stats()["hits"] >= 3
+        out.append(got)
+    assert eng.prefill_peak >= 2 and _equal(out[1], out[0])
