@@ -462,7 +462,8 @@ def batch_caches(per_row: Sequence[Sequence]) -> list:
         elif isinstance(c0, KVCache) and not c0.bits:
             out.append(BatchKVCache.from_caches(layer))
         else:
-            raise TypeError(f"{type(c0).__name__} cannot be batched (quantized KV runs serially)")
+            raise TypeError(f"{type(c0).__name__} cannot be batched here (quantized full-attention "
+                            "caches: engine.kv.batch_quant.batch_caches_q)")
     return out
 
 
