@@ -28,6 +28,7 @@ from engine.levers import parse_spec
 from engine.step.batch import BatchRequest, BatchScheduler
 from engine.step.batch_draft import DraftBatch, RowDraft
 from parity.fixtures.models import ensure_fixture
+from spec_rows import run_row
 
 REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
 PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
@@ -120,8 +121,9 @@ def _draft_alone(d, context, k):
     return out
 
 
-def _proposals(monkeypatch, m, tok, d):
-    """Every proposal of the batch's draft: (the row's tokens before it, its drafts)."""
+def _spy_proposals(monkeypatch) -> list:
+    """From now on every proposal of a batch's draft goes into the list returned: (the row's
+    tokens before it, its drafts)."""
     seen, real = [], DraftBatch.propose
 
     def spy(self, rows, ys):
@@ -130,6 +132,12 @@ def _proposals(monkeypatch, m, tok, d):
             if r in self.rows and r.spec.proposed:
                 seen.append((list(r.tokens) + [y], list(r.spec.proposed)))
     monkeypatch.setattr(DraftBatch, "propose", spy)
+    return seen
+
+
+def _proposals(monkeypatch, m, tok, d):
+    """Every proposal of the batch's draft: (the row's tokens before it, its drafts)."""
+    seen = _spy_proposals(monkeypatch)
     got, _, _, _, eng = _batch(m, tok, d)
     return got, seen, eng.stats()["speculation"]["draft"]
 
@@ -166,28 +174,7 @@ def _one(m, tok, d, prompt, params, stop_ids=(), cache_bytes=0):
     eng = Engine(m, tok, max_batch=4, draft_model=d,
                  prompt_cache=engine.PromptCache(cache_bytes) if cache_bytes else None)
     eng.eos = eng.eos | set(stop_ids)
-    rid = eng.submit(prompt, params)
-    eng.submit(list(range(20, 50)), SamplingParams(max_tokens=40, temperature=0.0,
-                                                   use_draft=False))
-    dropped, runs = {}, []
-    real, real_step = eng._sched.retire, eng._sched.step
-
-    def spy(uids, unused=None):
-        dropped.update(unused or {})
-        return real(uids, unused)
-
-    def step_spy():
-        evs = real_step()
-        runs.append(sum(ev.uid == 0 for ev in evs))
-        return evs
-    eng._sched.retire, eng._sched.step = spy, step_spy
-    toks, reason = [], None
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.request_id == rid:
-                toks += o.token_ids
-                reason = o.finish_reason or reason
-    return toks, reason, dropped.get(0, 0), [n for n in runs if n], eng
+    return (*run_row(eng, prompt, params, filler={"use_draft": False}), eng)
 
 
 def test_a_stop_inside_an_accepted_run_ends_the_row_there(pair):
@@ -286,7 +273,7 @@ def test_a_long_prompts_draft_prefill_is_spread_over_steps(pair, monkeypatch):
         fed, seen = [], []
         if draft is not None:
             sched._decode.draft.prefill_step_size = budget
-            real_catch, real_propose = DraftBatch._catch_up, DraftBatch.propose
+            real_catch = DraftBatch._catch_up
 
             def catch(self, new):
                 calls, model = [], self.model
@@ -303,14 +290,8 @@ def test_a_long_prompts_draft_prefill_is_spread_over_steps(pair, monkeypatch):
                 finally:
                     self.model = model
                 fed.append(sum(calls))
-
-            def propose(self, rows, ys):
-                real_propose(self, rows, ys)
-                for r, y in zip(rows, ys):
-                    if r in self.rows and r.spec.proposed:
-                        seen.append((list(r.tokens) + [y], list(r.spec.proposed)))
             monkeypatch.setattr(DraftBatch, "_catch_up", catch)
-            monkeypatch.setattr(DraftBatch, "propose", propose)
+            seen = _spy_proposals(monkeypatch)
         spec = (lambda k: RowDraft(k)) if draft is not None else (lambda k: None)
         uids = [sched.submit(BatchRequest(PROMPTS[1], max_tokens=40, draft=spec(3))),
                 sched.submit(BatchRequest(PROMPTS[2], max_tokens=40)),

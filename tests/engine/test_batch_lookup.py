@@ -29,6 +29,7 @@ from engine.levers import parse_spec
 from engine.step.batch import BatchRequest, BatchScheduler
 from engine.step.batch_lookup import RowLookup
 from parity.fixtures.models import ensure_fixture
+from spec_rows import run_row
 
 REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
 PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
@@ -114,29 +115,8 @@ def _greedy_lookup(m, tok, prompt, params, stop_ids=(), cache_bytes=0, filler=Tr
     eng = Engine(m, tok, max_batch=4, keep_logprob_arrays=True,
                  prompt_cache=engine.PromptCache(cache_bytes) if cache_bytes else None)
     eng.eos = eng.eos | set(stop_ids)
-    rid = eng.submit(prompt, params)
-    if filler:
-        eng.submit(list(range(20, 50)), SamplingParams(max_tokens=40, temperature=0.0))
-    dropped, runs = {}, []
-    real, real_step = eng._sched.retire, eng._sched.step
-
-    def spy(uids, unused=None):
-        dropped.update(unused or {})
-        return real(uids, unused)
-
-    def step_spy():
-        evs = real_step()
-        runs.append(sum(ev.uid == 0 for ev in evs))
-        return evs
-    eng._sched.retire, eng._sched.step = spy, step_spy
-    toks, reason = [], None
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.request_id == rid:
-                toks += o.token_ids
-                reason = o.finish_reason or reason
-    eng.runs = [n for n in runs if n]        # tokens the row got from each decode step
-    return toks, reason, dropped.get(0, 0), eng
+    toks, reason, dropped, eng.runs = run_row(eng, prompt, params, None if filler else False)
+    return toks, reason, dropped, eng
 
 
 def test_a_stop_inside_an_accepted_run_ends_the_row_there(model):
