@@ -106,7 +106,7 @@ fi
 if has spec; then
   stage spec
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
-    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --tag h100 --out "$OUT/spec" 2>&1 | grep -v '"step"' | tail -12
+    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --tag h100 --work /tmp/specwork --out "$OUT/spec" 2>&1 | grep -v '"step"' | tail -12
 fi
 if has agent; then
   for m in ${AGENT_MODELS:-8b-q4 1b}; do

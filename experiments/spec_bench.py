@@ -56,8 +56,11 @@ def language(seed: int = 0) -> Language:
 
 
 def trained(name: str, out: Path, steps: int, lr: float, batch: int, length: int) -> Path:
-    """Preset `name` trained on the synthetic language."""
+    """Preset `name` trained on the synthetic language (kept from an earlier run in `out`)."""
     from engine.loader import load_model
+    if (out / name / "model.safetensors").exists():
+        print(json.dumps({"trained": name, "kept": str(out / name)}), flush=True)
+        return out / name
     src = build_preset(name, out / f"{name}-init")
     model = load_model(src)[0]
     losses = train(model, language(), steps, batch, length, lr)
@@ -132,8 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram", type=int, default=3, help="--prompt-lookup N")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--work", default=None,
+                    help="where the trained models go (kept: a second run there reuses them)")
     a = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="spec_bench_"))
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="spec_bench_"))
     lr, batch, length = 3e-4, 16, 256
     if a.quick:
         PRESETS["spec-target"] = SMALL
