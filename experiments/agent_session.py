@@ -14,6 +14,8 @@ Phases, each a fresh server process on the same model:
   and prefills only the new tokens;
 - `replay`: engine-serve started again on the `warm` directory: the same session resumed,
   every turn's whole prompt but its last token already on disk;
+- `default`: engine-serve with its default flags (the RAM prompt cache); `l3`: the same
+  with `--tier l3` (the fast runner's kernels, prefill attention included);
 - `cold`: engine-serve with no prompt cache (`--prompt-cache 0`): the prefill each turn
   would cost without reuse;
 - `mlx_lm` (with `--mlx-lm`): `mlx_lm.server` on the same model, the same turns (its own
@@ -192,7 +194,7 @@ def main(argv=None):
     ap.add_argument("--server-args", default="", help="extra engine-serve flags")
     ap.add_argument("--phases", default="warm,cold,replay,restart",
                     help="comma list of warm, cold, replay, restart, default (engine-serve with "
-                         "its default flags: the RAM prompt cache only)")
+                         "its default flags: the RAM prompt cache only), l3 (default + --tier l3)")
     ap.add_argument("--tag", default="cpu")
     a = ap.parse_args(argv)
     phases = [p.strip() for p in a.phases.split(",") if p.strip()]
@@ -206,7 +208,7 @@ def main(argv=None):
         disk = ["--prompt-cache-disk-gb", str(a.disk_gb), "--prompt-cache-dir"]
         warm, per_turn = disk + [str(Path(tmp) / "warm")], disk + [str(Path(tmp) / "restart")]
         plain = ["--model", model_dir, *extra]
-        for phase, args in (("default", plain), ("warm", base + warm),
+        for phase, args in (("default", plain), ("l3", plain + ["--tier", "l3"]), ("warm", base + warm),
                             ("cold", base + ["--prompt-cache", "0"]), ("replay", base + warm)):
             if phase not in phases:
                 continue

@@ -113,7 +113,7 @@ if has agent; then
     stage "agent $m"
     case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
     timeout ${AGENT_S:-240} python3 experiments/agent_session.py --model /tmp/m/$m --mlx-lm \
-      --prefix-tokens ${AGENT_PREFIX:-16000} --turns ${AGENT_TURNS:-10} --phases ${AGENT_PHASES:-default} \
+      --prefix-tokens ${AGENT_PREFIX:-16000} --turns ${AGENT_TURNS:-10} --phases ${AGENT_PHASES:-default,l3} \
       --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
     mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
   done
