@@ -7,7 +7,7 @@
 # servedl1 (the default engine-serve, --batch L1_BATCH (32, the default), L1, vs mlx_lm.server), served8bf (8B bf16, l3,
 # one client: the weight-read roofline target), qmm (experiments/qmm_probe.py: the 4-bit
 # tensor-core projections against MLX's quantized matmul), rows8b (8B 4-bit in-process at ROWS8 rows, l1
-# vs l3), check8b (8B 4-bit, one row: the one kernel against the step of separate kernels and
+# vs l3), check8b (CHECK8_MODEL 8b-q4 or 8b (bf16), one row: the one kernel against the step of separate kernels and
 # L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join),
 # agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server).
 # lone (experiments/lone_row.py: a lone request on --batch 32 vs --batch 1, 1B: speed and
@@ -70,8 +70,9 @@ if has qmm; then
 fi
 if has check8b; then
   stage check8b
-  [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
-  MLXP_MEGA_PROF=1 timeout ${CHECK8_S:-200} python3 experiments/mega_check.py --model /tmp/m/8b-q4 --steps 16 \
+  C8=${CHECK8_MODEL:-8b-q4}
+  [ -d /tmp/m/$C8 ] || python3 -m experiments.presets 8b /tmp/m/$C8 $([ "$C8" = 8b-q4 ] && echo --bits 4)
+  MLXP_MEGA_PROF=1 timeout ${CHECK8_S:-200} python3 experiments/mega_check.py --model /tmp/m/$C8 --steps 16 \
     --out "$OUT/check8b.json" 2>&1 | tail -30
 fi
 if has rows8b; then

@@ -37,6 +37,7 @@ from engine.adapters.rows import selected
 from engine.kv.batch_cache import batch_caches
 from engine.kv.batch_quant import batch_caches_q, quantize_group
 from engine.kv.cache import temporal_caches
+from engine.models.composed_sdpa import speculating
 from engine.step.batch_types import BatchRequest, RowEvent
 from engine.step.batch_draft import DraftBatch
 from engine.step.batch_lookup import LookupSteps
@@ -78,7 +79,8 @@ class BatchScheduler(LookupSteps):
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, decoder=None, deterministic: bool = False,
                  draft_model=None, prefill_budget: Optional[int] = None,
-                 first_at_graduate: bool = False, kv_layers: Optional[dict] = None):
+                 first_at_graduate: bool = False, kv_layers: Optional[dict] = None,
+                 whole_chunks: bool = False):
         self.model = model
         self.kv_layers = kv_layers or {}
         self.first_at_graduate = first_at_graduate
@@ -92,6 +94,7 @@ class BatchScheduler(LookupSteps):
         self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
         self.prefill_step_size = prefill_step_size
         self.prefill_budget = prefill_budget    # prompt tokens a step, all rows (None: per row)
+        self.whole_chunks = whole_chunks        # (the budget admits rows, chunks stay whole)
         # the fast runner (L3) pads prompt chunks to a multiple of PREFILL_BUCKET tokens: on
         # CUDA a new chunk length costs a new attention plan (cuDNN: 45-90 ms on an H100),
         # so repeating lengths keep the first token fast; L1 pads as BatchGenerator does
@@ -258,7 +261,8 @@ class BatchScheduler(LookupSteps):
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
         if any(r.spec is not None for r in g.rows):    # rows speculate (batch_lookup/_draft)
-            events = self._lookup_step(g)
+            with speculating():                         # (engine.models.composed_sdpa)
+                events = self._lookup_step(g)
             if events is not None:
                 return events
         inputs, cur_lp = g.next_tokens, g.next_logprobs
@@ -326,6 +330,10 @@ class BatchScheduler(LookupSteps):
             return
         if n <= 0:
             return
+        if self.whole_chunks and self.prefill_budget:
+            n = self._rows_in_budget(n)
+            if n <= 0:
+                return
         new = Group()
         new.rows = [self._queue.popleft() for _ in range(n)]
         if self.kv_layers:       # (rows of one kind: all fresh, or all from a prompt-cache hit)
@@ -383,11 +391,26 @@ class BatchScheduler(LookupSteps):
         self._decode.extend(g)
         return events
 
+    def _rows_in_budget(self, n: int) -> int:
+        """Of the next n queued rows, how many may join the prefill group while its padded
+        chunk (rows x the longest next chunk) stays within the budget; one at least when the
+        group is empty (whole chunks: a long prompt prefills alone, short ones together)."""
+        step = self.prefill_step_size
+        rows = len(self._prefill.rows)
+        widest = max((min(len(r.pending), step) for r in self._prefill.rows), default=0)
+        take = 0
+        for r in list(self._queue)[:n]:
+            w = max(widest, min(len(r.pending), step), 1)
+            if rows + take and (rows + take + 1) * w > self.prefill_budget:
+                break
+            widest, take = w, take + 1
+        return take
+
     def _chunk_size(self, rows: int) -> int:
         """Prompt tokens per row in this prefill step: `prefill_step_size`, or with a budget,
         the budget shared by the rows (at least PREFILL_BUCKET each), so a burst of long
         prompts does not hold the decoding rows for rows x step size tokens."""
-        if not self.prefill_budget:
+        if not self.prefill_budget or self.whole_chunks:
             return self.prefill_step_size
         return min(self.prefill_step_size, max(PREFILL_BUCKET, self.prefill_budget // rows))
 

@@ -78,8 +78,9 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
     deterministic: every row's logits bit-identical whatever else is in the batch, every
     batchable request a batch row, max_batch 1 too (`engine.deterministic`). prefill_budget:
     prompt tokens a batch step prefills, shared by the rows prefilling (default:
-    prefill_step_size; 0: each row prefill_step_size, as mlx-lm's BatchGenerator, and always
-    on models with sliding-window layers).
+    prefill_step_size; 0: each row prefill_step_size, as mlx-lm's BatchGenerator; on models
+    with sliding-window layers the chunks stay whole and the budget bounds the rows prefilling
+    together).
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 1, prompt_cache=None,
@@ -110,11 +111,11 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             prepare(model, levers)
         self.prefill_step_size = prefill_step_size
         # prompt tokens one batch step prefills over all its rows (-1: prefill_step_size;
-        # None or 0: each row its prefill_step_size, BatchGenerator's schedule; also on
-        # sliding-window models, whose rings round differently when the chunks change)
+        # None or 0: each row its prefill_step_size, BatchGenerator's schedule). Sliding-window
+        # models keep whole chunks (their rings round differently when the chunks change):
+        # there the budget bounds how many rows prefill together instead
         self.prefill_budget = prefill_step_size if prefill_budget == -1 else prefill_budget
-        if self.prefill_budget and self._sliding_windows():
-            self.prefill_budget = 0
+        self.whole_chunks = self._sliding_windows()
         if max_kv_size is not None and (not isinstance(max_kv_size, int) or max_kv_size < 1):
             raise ValueError(f"max_kv_size must be a positive integer, got {max_kv_size!r}")
         self.max_kv_size = max_kv_size
@@ -167,7 +168,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=self.prefill_batch_size,
                               prefill_step_size=self.prefill_step_size,
-                              prefill_budget=self.prefill_budget,
+                              prefill_budget=self.prefill_budget, whole_chunks=self.whole_chunks,
                               decoder=self._fast_step, deterministic=self.deterministic,
                               draft_model=self.draft_model if self.draft_rows else None,
                               first_at_graduate=True, kv_layers=self.policy.layers)

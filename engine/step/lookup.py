@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from engine.kv.quant import KVPolicy
+from engine.models.composed_sdpa import speculating
 from engine.step.speculation import SpecStats
 from engine.step.stepper import prefill
 
@@ -77,7 +78,8 @@ def lookup_generate_step(prompt: mx.array, model, *, max_tokens: int, caches: li
     n = 0
     while n < max_tokens:
         draft = index.propose(min(draft_tokens, max_tokens - n - 1))
-        logits = model(mx.array([[y] + draft]), cache=caches)[0]
+        with speculating():          # (the verify forward: engine.models.composed_sdpa)
+            logits = model(mx.array([[y] + draft]), cache=caches)[0]
         policy.apply(caches)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         toks = mx.argmax(logprobs, axis=-1).tolist()

@@ -2,7 +2,8 @@
 `prefill_step_size`), so the rows already decoding wait for at most ~budget prompt tokens per
 step instead of rows x `prefill_step_size` (mlx-lm's BatchGenerator schedule, `prefill_budget=0`).
 On the CPU the chunking does not change any row's tokens or logprobs with full attention; on
-sliding-window models it would (the rings round differently), so there the budget is off."""
+sliding-window models it would (the rings round differently), so there the chunks stay whole and
+the budget bounds the rows prefilling together."""
 
 import numpy as np
 import pytest
@@ -52,8 +53,62 @@ def test_budget_keeps_every_row_and_bounds_the_step(family, dtype, monkeypatch):
     assert shared == plain                     # every row's tokens and logprobs
 
 
-def test_sliding_window_models_keep_batchgenerators_schedule():
+def _spied(monkeypatch, model):
+    """The prefill forwards' input shapes (rows, tokens) of `model`, as they run."""
+    shapes = []
+    cls = type(model)
+    real = cls.__call__
+
+    def spy(self, inputs, *a, **kw):
+        if inputs.ndim == 2 and inputs.shape[1] > 1:
+            shapes.append(tuple(inputs.shape))
+        return real(self, inputs, *a, **kw)
+    monkeypatch.setattr(cls, "__call__", spy)
+    return shapes
+
+
+def _alone(model, tok, prompt, params):
+    eng = Engine(model, tok, max_batch=1, prefill_step_size=STEP, prompt_cache=None)
+    eng.submit(prompt, params)
+    toks, lps = [], []
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks.extend(o.token_ids)
+            lps.extend(o.logprobs)
+    return toks, lps
+
+
+def test_sliding_window_models_keep_whole_chunks_and_prefill_rows_within_the_budget(monkeypatch):
+    """Gemma 3 text (sliding-window layers): each row's prompt chunks stay BatchGenerator's
+    (prefill_step_size each: the rings would round differently otherwise), and the budget
+    bounds the rows prefilling together: a burst of long prompts prefills one row at a time,
+    chunk by chunk, while short prompts still prefill together. Control: budget 0 prefills
+    the burst's rows all in one forward."""
     model, tok = load(str(ensure_fixture("gemma3_text", "float32")))
-    assert Engine(model, tok, max_batch=8, prefill_step_size=STEP).prefill_budget == 0
-    model, tok = load(str(ensure_fixture("llama", "float32")))
-    assert Engine(model, tok, max_batch=8, prefill_step_size=STEP).prefill_budget == STEP
+    eng = Engine(model, tok, max_batch=8, prefill_step_size=STEP, prompt_cache=None)
+    assert eng.prefill_budget == STEP and eng.whole_chunks
+    assert not Engine(*load(str(ensure_fixture("llama", "float32"))), max_batch=8,
+                      prefill_step_size=STEP).whole_chunks
+    shapes = _spied(monkeypatch, model)
+    shared = _burst(eng, n=4)
+    assert shapes and all(r == 1 and t <= STEP for r, t in shapes)   # one row, whole chunks
+    assert max(t for _, t in shapes) == STEP
+    shapes.clear()
+    _burst(Engine(model, tok, max_batch=8, prefill_step_size=STEP, prefill_budget=0,
+                  prompt_cache=None), n=4)
+    assert max(r * t for r, t in shapes) == 4 * STEP          # the control: four rows at once
+    # the first row prefilled alone in whole chunks: its first token and logprobs are its
+    # run alone's (later ones may move as the next rows join its decode: docs/batching.md)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5)
+    toks, lps = _alone(model, tok, np.random.default_rng(0).integers(4, 900, size=600).tolist(),
+                       params)
+    assert shared[0][0][0] == toks[0] and shared[0][1][0] == lps[0]
+    # short prompts: several rows in one forward, within the budget
+    shapes.clear()
+    short = Engine(model, tok, max_batch=8, prefill_step_size=STEP, prompt_cache=None)
+    rng = np.random.default_rng(1)
+    for i in range(6):
+        short.submit(rng.integers(4, 900, size=30 + i).tolist(), SamplingParams(max_tokens=2))
+    while short.has_unfinished():
+        short.step()
+    assert shapes[0][0] == 6 and shapes[0][0] * shapes[0][1] <= STEP
