@@ -105,14 +105,15 @@ class BatchKVCache(_Rows):
         return self.keys[..., :self._idx, :], self.values[..., :self._idx, :]
 
     def make_mask(self, n: int, window_size: Optional[int] = None, return_array: bool = False):
-        if n == 1 and not return_array and self._unmasked(window_size):
-            return None
+        if not return_array and self._unmasked(n, window_size):
+            return None if n == 1 else "causal"
         return causal_mask(n, self._idx, window=window_size, left_padding=self.left_padding)
 
-    def _unmasked(self, window_size: Optional[int]) -> bool:
-        """A batch that has held one row from its start, unpadded and uncut by a window, decodes
-        as mlx_lm.generate does: no mask (CUDA's fused vector attention; docs/batching.md)."""
-        if not self._solo or (window_size is not None and self._idx + 1 > window_size):
+    def _unmasked(self, n: int, window_size: Optional[int]) -> bool:
+        """A batch that has held one row from its start, unpadded and uncut by a window, runs
+        as mlx_lm.generate does: no mask to decode, "causal" to prefill (CUDA's fused vector
+        attention, cuDNN's causal attention without a bias tensor; docs/batching.md)."""
+        if not self._solo or (window_size is not None and self._idx + n > window_size):
             return False
         if self._lp_seen is not self.left_padding:      # host copy of max(left_padding), once
             self._lp_seen, self._lp_max = self.left_padding, max(self.left_padding.tolist(), default=0)

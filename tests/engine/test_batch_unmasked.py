@@ -1,7 +1,8 @@
-"""A batch that has held one row from its start decodes as mlx_lm.generate does, with no mask
-(so CUDA runs MLX's fused vector attention, as the exact runner does); the values equal
-mlx-lm's BatchGenerator, which passes an all-true mask, on the CPU. Two rows or more, or a row
-left alone after others leave, keep BatchGenerator's mask."""
+"""A batch that has held one row from its start runs as mlx_lm.generate does: no mask to decode
+(so CUDA runs MLX's fused vector attention, as the exact runner does) and "causal" to prefill
+(cuDNN's causal attention, no bias tensor); the values equal mlx-lm's BatchGenerator, which
+passes its boolean masks, on the CPU. Two rows or more, or a row left alone after others
+leave, keep BatchGenerator's masks."""
 
 import random
 
@@ -28,7 +29,11 @@ def test_mask_only_where_needed():
     assert isinstance(_filled([0, 2]).make_mask(1), mx.array)
     assert isinstance(_filled([0]).make_mask(1, window_size=3), mx.array)  # a window cuts
     assert _filled([0]).make_mask(1, window_size=64) is None
-    assert isinstance(_filled([0]).make_mask(2), mx.array)   # a chunk: always the mask
+    assert _filled([0]).make_mask(2) == "causal"             # a lone row's chunk
+    assert isinstance(_filled([0]).make_mask(2, return_array=True), mx.array)
+    assert isinstance(_filled([0, 0]).make_mask(2), mx.array)           # rows: the mask
+    assert isinstance(_filled([0]).make_mask(4, window_size=8), mx.array)  # 5 + 4 > 8
+    assert _filled([0]).make_mask(3, window_size=8) == "causal"
     c = _filled([0, 0])
     c.filter([0])                                            # left alone: still the mask
     assert isinstance(c.make_mask(1), mx.array)
@@ -50,16 +55,21 @@ def test_unmasked_steps_equal_batchgenerator(family, monkeypatch):
     lone = [Insert(0, [rng.randrange(4, 1000) for _ in range(9)], 12)]
     same = [Insert(0, [rng.randrange(4, 1000) for _ in range(7)], 10) for _ in range(3)]
     seen = []                     # per attention call: a decode step without a mask
+    chunks = []                   # per prompt chunk: its mask was "causal"
     real = mx.fast.scaled_dot_product_attention
 
     def spy(q, k, v, *, scale, mask=None, **kw):
         seen.append(mask is None and q.shape[2] == 1)
+        if q.shape[2] > 1:
+            chunks.append(isinstance(mask, str) and mask == "causal")
         return real(q, k, v, scale=scale, mask=mask, **kw)
     for sched in (lone, same):
         ref = run_mlx_lm(ref_m, sched)
         seen.clear()
+        chunks.clear()
         monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
         ours = run_ours(ours_m, sched)
         monkeypatch.undo()
         assert any(seen) == (sched is lone)  # only the lone row decodes without a mask
+        assert chunks and all(chunks) == (sched is lone) and any(chunks) == (sched is lone)
         assert not compare(ours, ref)
