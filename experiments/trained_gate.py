@@ -78,9 +78,14 @@ class Language:
         return mx.array(np.array([self.sequence(length + 1) for _ in range(n)], dtype=np.int32))
 
 
-def train(model, lang: Language, steps: int, batch: int, length: int, lr: float) -> list[float]:
+def train(model, lang: Language, steps: int, batch: int, length: int, lr: float,
+          warmup: int = 0, clip: float = 0.0) -> list[float]:
+    """AdamW on the language; `warmup` steps of linear learning-rate warm-up and gradient
+    clipping at norm `clip` when given (the gate trains without either, as it always has)."""
     model.set_dtype(mx.float32)
-    opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
+    rate = (optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup), lambda _: lr],
+                                 [warmup]) if warmup else lr)
+    opt = optim.AdamW(learning_rate=rate, weight_decay=0.0)
 
     def loss_fn(m, x, y):
         return nn.losses.cross_entropy(m(x), y, reduction="mean")
@@ -90,6 +95,8 @@ def train(model, lang: Language, steps: int, batch: int, length: int, lr: float)
     for i in range(steps):
         seq = lang.batch(batch, length)
         loss, grads = step(model, seq[:, :-1], seq[:, 1:])
+        if clip:
+            grads, _ = optim.clip_grad_norm(grads, clip)
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, loss)
         losses.append(loss.item())
