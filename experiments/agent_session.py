@@ -190,7 +190,8 @@ def main(argv=None):
     ap.add_argument("--turn-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--disk-gb", type=float, default=20.0)
-    ap.add_argument("--mlx-lm", action="store_true", help="also run mlx_lm.server")
+    ap.add_argument("--mlx-lm", action=argparse.BooleanOptionalAction, default=False,
+                    help="also run mlx_lm.server")
     ap.add_argument("--server-args", default="", help="extra engine-serve flags")
     ap.add_argument("--phases", default="warm,cold,replay,restart",
                     help="comma list of warm, cold, replay, restart, default (engine-serve with "

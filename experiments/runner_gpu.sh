@@ -9,7 +9,7 @@
 # tensor-core projections against MLX's quantized matmul), rows8b (8B 4-bit in-process at ROWS8 rows, l1
 # vs l3), check8b (CHECK8_MODEL 8b-q4 or 8b (bf16), one row: the one kernel against the step of separate kernels and
 # L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join),
-# agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server).
+# agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server unless AGENT_NO_MLXLM=1).
 # lone (experiments/lone_row.py: a lone request on --batch 32 vs --batch 1, 1B: speed and
 # equal tokens/logprobs), q4one (Q4ONE_PRESET, default 8b, 4-bit at 1 and 2 rows on the fast runner
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
@@ -113,7 +113,7 @@ if has agent; then
   for m in ${AGENT_MODELS:-8b-q4 1b}; do
     stage "agent $m"
     case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
-    timeout ${AGENT_S:-240} python3 experiments/agent_session.py --model /tmp/m/$m --mlx-lm \
+    timeout ${AGENT_S:-240} python3 experiments/agent_session.py --model /tmp/m/$m $([ -n "${AGENT_NO_MLXLM:-}" ] || echo --mlx-lm) \
       --prefix-tokens ${AGENT_PREFIX:-16000} --turns ${AGENT_TURNS:-10} --phases ${AGENT_PHASES:-default,l3} \
       --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
     mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
