@@ -143,15 +143,14 @@ def rope_and_cache(rope, q, k, v, cache):
 
 def attention(q, k, v, cache, scale: float, mask):
     """SDPA, dispatching to the quantized path when the cache holds quantized K/V, and to
-    MLX's composed ops for speculation's short multi-token forwards and the fast runner's
-    prompt chunks (`engine.models.composed_sdpa`)."""
+    MLX's composed ops for speculation's short multi-token forwards."""
     if cache is not None and getattr(cache, "bits", None):
         if kv_dequant_attention.enabled():   # L3, off by default (see that module)
             k = mx.dequantize(*k, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
             v = mx.dequantize(*v, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return _quantized_attention(q, k, v, scale, mask, cache.group_size, cache.bits)
-    if composed_sdpa.takes(q, k):   # (speculation, L3 prefill: engine.models.composed_sdpa)
+    if composed_sdpa.takes(q):      # (speculation's forwards: engine.models.composed_sdpa)
         return composed_sdpa.sdpa(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 

@@ -10,8 +10,7 @@ precise softmax, matmul). `sdpa` is that chain written out with the same ops in 
 order, so on the CPU it gives the same bits as `mx.fast.scaled_dot_product_attention`
 (tests/engine/test_composed_sdpa.py), and on CUDA it runs as ordinary matmuls with no plan
 to build. `speculating()` turns it on for the forwards inside it whose queries have 2..MAX_QUERY
-tokens (engine.step's verify and draft forwards), `prefilling()` for the fast runner's prompt
-chunks (L3, bounded by the scores' bytes); outside, attention is unchanged.
+tokens (engine.step's verify and draft forwards); outside, attention is unchanged.
 """
 
 from __future__ import annotations
@@ -24,43 +23,23 @@ import mlx.core as mx
 
 _STATE = threading.local()
 MAX_QUERY = 32      # query tokens a speculation forward takes it for (longer: left to MLX)
-MAX_SCORES = 1 << 30   # bytes of scores a fast-runner prefill chunk takes it for
 
 
-def takes(q: mx.array, k: mx.array) -> bool:
-    """Whether attention of queries q [B, H, L, D] over keys k [B, H_kv, S, D] runs `sdpa`
-    on this thread: inside `speculating()` with 1 < L <= MAX_QUERY, or inside
-    `prefilling()` (the fast runner's prompt chunks, L3) while the scores [B, H, L, S] take
-    at most MAX_SCORES bytes."""
-    mode = getattr(_STATE, "mode", None)
-    L = q.shape[2]
-    if mode is None or L < 2:
-        return False
-    if mode == "speculating":
-        return L <= MAX_QUERY
-    return q.shape[0] * q.shape[1] * L * k.shape[2] * q.itemsize <= MAX_SCORES
+def takes(q: mx.array) -> bool:
+    """Whether attention of queries q [B, H, L, D] runs `sdpa`: inside `speculating()` on
+    this thread, with 1 < L <= MAX_QUERY."""
+    return getattr(_STATE, "on", False) and 1 < q.shape[2] <= MAX_QUERY
 
 
 @contextmanager
-def _mode(name: str):
-    before = getattr(_STATE, "mode", None)
-    _STATE.mode = name
+def speculating():
+    """Within: speculation's short multi-token forwards run `sdpa` (the module docstring)."""
+    before = getattr(_STATE, "on", False)
+    _STATE.on = True
     try:
         yield
     finally:
-        _STATE.mode = before
-
-
-def speculating():
-    """Within: speculation's short multi-token forwards run `sdpa` (the module docstring)."""
-    return _mode("speculating")
-
-
-def prefilling():
-    """Within: prompt chunks run `sdpa` while their scores fit MAX_SCORES (the fast runner's
-    prefill, L3: a new K/V length costs cuDNN a new plan, ~50 ms, where an agent's turn
-    prefills a few hundred tokens over a long cached prefix in less)."""
-    return _mode("prefilling")
+        _STATE.on = before
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,

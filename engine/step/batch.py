@@ -29,7 +29,6 @@ BatchGenerator's schedule, so the same inserts give the same forwards):
 from __future__ import annotations
 
 from collections import deque
-from contextlib import nullcontext
 from typing import Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
@@ -38,7 +37,7 @@ from engine.adapters.rows import selected
 from engine.kv.batch_cache import batch_caches
 from engine.kv.batch_quant import batch_caches_q, quantize_group
 from engine.kv.cache import temporal_caches
-from engine.models.composed_sdpa import prefilling, speculating
+from engine.models.composed_sdpa import speculating
 from engine.step.batch_types import BatchRequest, RowEvent
 from engine.step.batch_draft import DraftBatch
 from engine.step.batch_lookup import LookupSteps
@@ -438,9 +437,8 @@ class BatchScheduler(LookupSteps):
             tokens = mx.array([c + [0] * p for c, p in zip(chunks, pads)])
         else:
             tokens = mx.array(chunks)
-        with prefilling() if self.prefill_bucket else nullcontext():   # (L3: composed_sdpa)
-            self._forward(g, tokens,   # ({}: no row has images, batch_vision)
-                          **embedding_kwargs(self.model, g.rows, starts, chunks, T))
+        self._forward(g, tokens,       # ({}: no row has images, batch_vision)
+                      **embedding_kwargs(self.model, g.rows, starts, chunks, T))
         eval_caches(g.caches)
         if padded:
             for c in g.caches:

@@ -71,46 +71,14 @@ def test_speculating_routes_short_multi_token_queries_only(monkeypatch):
         with C.speculating():
             attention(q, k, v, None, 0.125, "causal" if L > 1 else None)
     assert calls == [2, C.MAX_QUERY]
-    q, k, _ = _qkv(mx.float32, L=4)
+    q = _qkv(mx.float32, L=4)[0]
     seen = []
     with C.speculating():                       # another thread is not speculating
-        t = threading.Thread(target=lambda: seen.append(C.takes(q, k)))
+        t = threading.Thread(target=lambda: seen.append(C.takes(q)))
         t.start()
         t.join()
     assert seen == [False]
     with pytest.raises(RuntimeError):
         with C.speculating():
             raise RuntimeError("boom")
-    assert not C.takes(q, k)
-
-
-def test_prefilling_routes_chunks_by_the_bytes_of_their_scores(monkeypatch):
-    q, k, _ = _qkv(mx.bfloat16, B=1, H=8, L=100, S=400)       # scores 8 * 100 * 400 * 2 bytes
-    monkeypatch.setattr(C, "MAX_SCORES", 8 * 100 * 400 * 2)
-    with C.prefilling():
-        assert C.takes(q, k) and not C.takes(q[:, :, :1], k)
-        monkeypatch.setattr(C, "MAX_SCORES", 8 * 100 * 400 * 2 - 1)
-        assert not C.takes(q, k)
-    assert not C.takes(q, k)
-
-
-def test_the_fast_runners_prefill_chunks_take_it_and_l1s_do_not(monkeypatch):
-    """BatchScheduler prefilling for the fast runner (its prefill bucket set; the decoder
-    itself is a GPU thing) runs its chunks inside `prefilling()`; L1's stay MLX's."""
-    from engine.loader import load
-    from engine.step.batch import BatchScheduler
-    from engine.step.batch_types import BatchRequest
-    from parity.fixtures.models import ensure_fixture
-    model, _ = load(str(ensure_fixture("llama", "float32")))
-    calls = []
-    real = C.sdpa
-    monkeypatch.setattr(C, "sdpa", lambda *a: calls.append(a[0].shape[2]) or real(*a))
-    for bucket in (0, 64):
-        calls.clear()
-        s = BatchScheduler(model, completion_batch_size=2)
-        s.prefill_bucket = bucket
-        s.submit(BatchRequest(list(range(5, 90)), max_tokens=2))
-        while s.has_work():
-            s.step()
-        # (a call a layer; the 84 prompt tokens but the last padded to 2 x 64)
-        assert (calls and set(calls) == {128}) if bucket else calls == []
+    assert not C.takes(q)
