@@ -11,6 +11,8 @@ the drafts equal to the argmax before them are kept, then the argmax after the l
 for a sampled row, the drafts equal to its own draw at their position, mlx-lm's scheme,
 `batch_lookup.accepted`; the rejected and padded columns leave the target's KV by
 `BatchKVCache.rewind`). Rows with lookup drafts and rows without speculation share the step.
+The drafts stay on the device until the verify forward has run (`placed`, `read`): the host
+builds that forward while the draft's run, and reads both back at once.
 
 The draft keeps its own batched caches for its rows (`DraftBatch.caches`, the same
 `engine.kv.batch_cache` classes as the target's): a row's are filled with every token in the
@@ -127,6 +129,7 @@ class DraftBatch:
         self.caches: list = []
         self.joining: dict = {}      # id(row) -> [row, its caches, tokens fed]: filling up
         self.ran = False             # the draft ran this step (its caches hold drafts)
+        self.tokens = None           # this step's drafts [rows, K] (on the device)
 
     @property
     def nbytes(self) -> int:
@@ -204,10 +207,36 @@ class DraftBatch:
         for i in range(1, K):
             logits = self.model(drafts[-1][:, None], cache=self.caches)[:, -1, :]
             drafts.append(self._choose(logits, i, wants))
-        drafts = mx.stack(drafts, axis=1).tolist()        # [B_d, K]
-        for r, d in zip(self.rows, drafts):
-            r.spec.proposed, r.spec.fed, r.spec.pending = d[:want[id(r)]], K - 1, []
+        # [B_d, K] left on the device: the verify forward takes them from there (`placed`), so
+        # the draft runs while the host builds that forward; read back with its results (`read`)
+        self.tokens = mx.stack(drafts, axis=1).astype(mx.int32)
+        mx.async_eval(self.tokens)
+        for r in self.rows:
+            r.spec.proposed, r.spec.fed, r.spec.pending = [None] * want[id(r)], K - 1, []
         self.ran = True
+
+    def placed(self, rows: list, tokens: list) -> mx.array:
+        """The verify forward's input [B, K + 1] (host `tokens`, one list a row of the group's
+        `rows`) with each drafting row's drafts taken from this step's device `tokens`."""
+        host = mx.array(tokens)
+        if not self.ran:
+            return host
+        at = {id(r): b for b, r in enumerate(self.rows)}
+        B_d = self.tokens.shape[0]
+        K_d = min(self.tokens.shape[1], host.shape[1] - 1)   # (K: the most any row wanted)
+        src = mx.array([at.get(id(r), B_d) for r in rows])              # (B_d: a zero row)
+        drafted = mx.concatenate([self.tokens[:, :K_d], mx.zeros((1, K_d), mx.int32)])[src]
+        want = mx.array([len(r.spec.proposed) if id(r) in at else 0 for r in rows])
+        keep = mx.arange(K_d)[None] < want[:, None]
+        mid = mx.where(keep, drafted, host[:, 1:1 + K_d])
+        return mx.concatenate([host[:, :1], mid, host[:, 1 + K_d:]], axis=1)
+
+    def read(self) -> None:
+        """The drafts of this step onto the host, each row's `proposed` (after the verify)."""
+        if not self.ran:
+            return
+        for r, d in zip(self.rows, self.tokens.tolist()):
+            r.spec.proposed = d[:len(r.spec.proposed)]
 
     def _choose(self, logits: mx.array, i: int, wants: list) -> mx.array:
         """The draft's i-th token of each of its rows [B_d]: the argmax, or for a sampled row

@@ -32,6 +32,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from engine.step.batch_draft import DraftRow
 from engine.step.lookup import NgramIndex
 from engine.step.sampling import greedy
 from engine.step.speculation import SpecStats
@@ -125,7 +126,8 @@ class LookupSteps:
                 if r.spec is not None:
                     r.spec.stats.record(0, 0)
             return None
-        tokens = mx.array([[y] + d + [0] * (K - len(d)) for y, d in zip(ys, drafts)])
+        tokens = [[y] + [t or 0 for t in d] + [0] * (K - len(d)) for y, d in zip(ys, drafts)]
+        tokens = g.draft.placed(rows, tokens) if g.draft is not None else mx.array(tokens)
         logits = self._forward(g, tokens)                          # [B, K + 1, V]
         sampled, logprobs = self._sample(g, inputs, logits[:, 0, :])
         spec = [e for e, r in enumerate(rows) if r.spec is not None]
@@ -134,6 +136,10 @@ class LookupSteps:
         best = mx.argmax(lp, axis=-1)
         mx.eval(sampled, best, cur_lp)
         sampled, best = sampled.tolist(), dict(zip(spec, best.tolist()))
+        if g.draft is not None:         # (the draft-model rows' drafts, read back only now)
+            g.draft.read()
+            drafts = [r.spec.proposed if isinstance(r.spec, DraftRow) else d
+                      for r, d in zip(rows, drafts)]
         runs, nxt, nlp, drop = [], [], [], []
         for e, (r, y, d) in enumerate(zip(rows, ys, drafts)):
             run = [(y, cur_lp[e])]

@@ -124,14 +124,19 @@ def _draft_alone(d, context, k):
 def _spy_proposals(monkeypatch) -> list:
     """From now on every proposal of a batch's draft goes into the list returned: (the row's
     tokens before it, its drafts)."""
-    seen, real = [], DraftBatch.propose
+    seen, real, real_read, asked = [], DraftBatch.propose, DraftBatch.read, []
 
-    def spy(self, rows, ys):
+    def spy(self, rows, ys):            # (the drafts stay on the device until `read`)
         real(self, rows, ys)
-        for r, y in zip(rows, ys):
-            if r in self.rows and r.spec.proposed:
-                seen.append((list(r.tokens) + [y], list(r.spec.proposed)))
+        asked[:] = [(r, list(r.tokens) + [y]) for r, y in zip(rows, ys)
+                    if r in self.rows and r.spec.proposed]
+
+    def spy_read(self):
+        real_read(self)
+        seen.extend((context, list(r.spec.proposed)) for r, context in asked)
+        asked.clear()
     monkeypatch.setattr(DraftBatch, "propose", spy)
+    monkeypatch.setattr(DraftBatch, "read", spy_read)
     return seen
 
 
