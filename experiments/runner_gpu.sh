@@ -15,7 +15,7 @@
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
 # checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
-# --prompt-lookup at SPEC_LEVELS clients, through HTTP: the speculation speed targets).
+# --prompt-lookup at SPEC_LEVELS clients, K SPEC_K, through HTTP: the speculation speed targets).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -107,7 +107,7 @@ fi
 if has spec; then
   stage spec
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
-    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --tag h100 --work /tmp/specwork --out "$OUT/spec" 2>&1 | grep -v '"step"' | tail -12
+    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --tag h100 --work /tmp/specwork --out "$OUT/spec" 2>&1 | grep -v '"step"' | tail -12
 fi
 if has agent; then
   for m in ${AGENT_MODELS:-8b-q4 1b}; do
