@@ -221,9 +221,6 @@ def main(argv=None) -> int:
             from engine.deterministic import why_not_deterministic
             if why_not_deterministic(levers):
                 raise CliError(why_not_deterministic(levers))
-            if args.draft_model is not None:
-                raise CliError("--deterministic with --draft-model is not supported (the draft's "
-                               "verify step is not checked batch-invariant)")
         caches, model_path = (_load_cache_file(args) if args.prompt_cache_file
                               else (None, args.model))
     except (LeverError, CliError, ValueError) as e:

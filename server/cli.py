@@ -240,9 +240,6 @@ def config_from_args(args):
         from engine import why_not_deterministic
         if why_not_deterministic(levers):
             raise SystemExit(f"engine-serve: {why_not_deterministic(levers)}")
-        if args.draft_model is not None:
-            raise SystemExit("engine-serve: --deterministic with --draft-model is not supported "
-                             "(the draft's verify step is not checked batch-invariant)")
     if args.batch is None:   # (admission bounds the rows by memory; unused buckets cost nothing)
         args.batch = 32
     if args.batch < 1:

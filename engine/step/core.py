@@ -94,8 +94,6 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.deterministic = bool(deterministic)
-        if self.deterministic and draft_model is not None:
-            raise ValueError("deterministic mode with a draft model is not supported")
         if self.deterministic:    # (DeterministicUnsupported where it is not built)
             levers = deterministic_levers(levers)
         self.model, self.tokenizer = model, tokenizer
@@ -134,8 +132,10 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
         batching = max_batch > 1 or self._fast_step is not None or self.deterministic
         # draft-model requests as rows of the batch (engine.step.batch_draft): the L1 batch
-        # runner; elsewhere they run alone (engine.step.draft)
-        self.draft_rows = batching and draft_model is not None and self._fast_step is None
+        # runner outside deterministic mode; elsewhere they run alone (engine.step.draft: in
+        # deterministic mode so, their drafts never depend on other rows)
+        self.draft_rows = (batching and draft_model is not None and self._fast_step is None
+                           and not self.deterministic)
         self._sched = self._new_scheduler() if batching else None
         # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner
         # over full-attention caches; elsewhere a lookup request runs alone

@@ -344,3 +344,33 @@ def test_op_level_invariances_the_cpu_mode_relies_on():
     a = sdpa(q, k, v, scale=32 ** -0.5)
     rolled = [sdpa(q, mx.roll(k, r, 2), mx.roll(v, r, 2), scale=32 ** -0.5) for r in range(1, 8)]
     assert not all(mx.array_equal(a, b).item() for b in rolled)
+
+
+def test_a_draft_models_requests_keep_their_logits_among_any_rows():
+    """With a draft model in this mode its requests run alone beside the batch (their drafts
+    never depend on other rows): a greedy one among 7 other rows of random lengths gives the
+    tokens and logprobs of plain decoding alone, drafts accepted; a seeded rejection-sampled
+    one (its drafts become its tokens) repeats among other rows; both counted as alone."""
+    model, tok = _load("llama")
+    draft, _ = _load("llama", "q4")
+    rng = random.Random(5)
+    target = (_ids(rng, 5, 5) * 9)[:44]
+    plain = _drive(_engine(model, tok, max_batch=1, deterministic=True), [(0, target, GREEDY)])[0]
+    greedy = SamplingParams(max_tokens=14, temperature=0.0, num_draft_tokens=3)
+    sampled = SamplingParams(max_tokens=14, temperature=0.8, seed=3, num_draft_tokens=3,
+                             spec_sampling="rejection")
+    runs = []
+    for others in (0, 7, 7):
+        plan = [(rng.randint(0, 6), _ids(rng, 1, 60),      # (batch rows: no drafts)
+                 SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0, use_draft=False))
+                for _ in range(others)] + [(2, target, greedy), (3, target, sampled)]
+        plan.sort(key=lambda p: p[0])
+        eng = _engine(model, tok, max_batch=8, deterministic=True, draft_model=draft)
+        got = _drive(eng, plan)
+        g = next(i for i, p in enumerate(plan) if p[2] is greedy)
+        s = next(i for i, p in enumerate(plan) if p[2] is sampled)
+        assert _same(got[g], plain)
+        runs.append(got[s])
+        assert eng.stats()["solo_reasons"].get("draft_model") == 2
+        assert eng.stats()["speculation"]["draft"]["accepted"] > 0
+    assert len(runs[0][0]) == 14 and _same(runs[0], runs[1]) and _same(runs[1], runs[2])
