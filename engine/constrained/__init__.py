@@ -222,11 +222,24 @@ def tool_choice_processor(tokenizer, tool_format: Any, tools: Optional[Sequence[
         raise ConstraintError(f"tool_choice: {e}", "tool_choice") from None
 
 
+class GrammarFactory:
+    """A fresh `GrammarProcessor` of one compiled grammar per call (per request); marked
+    `grammar` so that speculation knows its masks can be computed ahead
+    (`SamplingParams.only_grammars`, `GrammarProcessor.masks_ahead`)."""
+
+    grammar = True
+
+    def __init__(self, grammar, tokenizer):
+        self._grammar, self._tokenizer = grammar, tokenizer
+
+    def __call__(self) -> GrammarProcessor:
+        return GrammarProcessor(self._grammar, self._tokenizer)
+
+
 def _factory(proc: Optional[GrammarProcessor], tokenizer):
     if proc is None:
         return None
-    grammar = proc.grammar      # the shared compiled matcher: each request copies it
-    return lambda: GrammarProcessor(grammar, tokenizer)
+    return GrammarFactory(proc.grammar, tokenizer)   # (the shared matcher: each copies it)
 
 
 def response_format_factory(tokenizer, fmt: Optional[ResponseFormat], **kw):

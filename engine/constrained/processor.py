@@ -199,6 +199,30 @@ class GrammarProcessor:
         if not self.matcher.is_error() and not self.matcher.is_stopped():
             self.matcher.consume_tokens([int(t) for t in new])
 
+    def masks_ahead(self, drafts: Sequence[int], vocab: int) -> list:
+        """The allowed-token masks [vocab] after drafts[:1], drafts[:2], ... from the state
+        after the last token this processor saw (a speculating row's verify positions 1, 2,
+        ...), as far as the grammar takes the drafts: a draft it does not allow, one that ends
+        it, or a position allowing nothing ends the list. The matcher is rolled back after."""
+        m = self.matcher
+        if m.is_error() or m.is_stopped() or not drafts:
+            return []
+        drafts = [int(t) for t in drafts]
+        masks, fed = [], 0
+        for t in drafts[:m.validate_tokens(drafts)]:
+            if not m.consume_tokens([t]):
+                break
+            fed += 1
+            if m.is_stopped() or m.is_error():
+                break
+            allowed = self.allowed(vocab)
+            if dead_end(m, allowed, self._eos) is not None:
+                break
+            masks.append(allowed)
+        if fed:
+            m.rollback(fed)
+        return masks
+
     def allowed(self, vocab: int) -> np.ndarray:
         """Boolean mask [vocab] of the tokens the grammar allows next."""
         return _mask(self.matcher, self._words, vocab)

@@ -126,7 +126,8 @@ class BatchScheduler(LookupSteps):
                 continue
             greedy_only = req.lookup is not None      # (draft-model rows may sample)
             why = ("it needs the L1 batch runner" if self.decoder is not None or self.deterministic
-                   else "it takes no logits processors" if req.logits_processors
+                   else "its logits processors are not grammars" if any(
+                       not hasattr(p, "masks_ahead") for p in req.logits_processors)
                    else "it is greedy" if greedy_only and req.sampler not in (None, greedy)
                    else lookup_unsupported(self.model)
                    or ("the scheduler has no draft_model" if req.draft is not None

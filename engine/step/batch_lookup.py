@@ -105,6 +105,34 @@ def accepted(r, drafts: list, best: list, first: int, lp: mx.array) -> tuple:
     return ok, t
 
 
+def grammar_positions(lp: mx.array, spec: list, rows: list, drafts: list, logprobs: mx.array,
+                      logits: mx.array) -> mx.array:
+    """The speculating rows' verify logprobs [S, K + 1, V] (`lp`, rows `spec` of the group)
+    with each grammar row's positions as single steps would give them: position 0 the step's
+    own processed logprobs (`logprobs` [B, V]), position i the logits masked by every grammar
+    of the row after its first i drafts (`GrammarProcessor.masks_ahead`, the processor's own
+    `where`, then the same normalisation). A row's drafts (`drafts`, changed in place) are cut
+    where a grammar stops taking them, so nothing past its masks is kept."""
+    out = []
+    V = logits.shape[-1]
+    for j, e in enumerate(spec):
+        procs = rows[e].req.logits_processors
+        if not procs:
+            out.append(lp[j])
+            continue
+        ahead = [p.masks_ahead(drafts[e], V) for p in procs]
+        n = min(len(m) for m in ahead)
+        drafts[e] = drafts[e][:n]
+        pos = [logprobs[e]]
+        for i in range(n):
+            x = logits[e:e + 1, i + 1]
+            for masks in ahead:
+                x = mx.where(mx.array(masks[i]), x, mx.array(-float("inf"), x.dtype))
+            pos.append((x - mx.logsumexp(x, axis=-1, keepdims=True))[0])
+        out.append(mx.concatenate([mx.stack(pos), lp[j, n + 1:]]))
+    return mx.stack(out)
+
+
 class LookupSteps:
     """Mixed into `engine.step.batch.BatchScheduler`: `_lookup_step`, the decode step of a
     group in which rows speculate (its rows' `spec`: a `LookupRow`, a
@@ -140,6 +168,10 @@ class LookupSteps:
             g.draft.read()
             drafts = [r.spec.proposed if isinstance(r.spec, DraftRow) else d
                       for r, d in zip(rows, drafts)]
+        if any(rows[e].req.logits_processors for e in spec):     # (grammar rows)
+            lp = grammar_positions(lp, spec, rows, drafts, logprobs, logits)
+            best = mx.argmax(lp, axis=-1)
+            best = dict(zip(spec, best.tolist()))
         runs, nxt, nlp, drop = [], [], [], []
         for e, (r, y, d) in enumerate(zip(rows, ys, drafts)):
             run = [(y, cur_lp[e])]
