@@ -49,7 +49,8 @@ FIELDS = ["mode", "clients", "agg_tps", "req_tps_p50", "ttft_p50_ms", "ratio", "
 def language(seed: int = 0) -> Language:
     """The synthetic language over tokens 0..999 (seed 0: the same tables for every model):
     no special token (the presets' tokenizer has them from 1008 on), so no EOS is ever
-    learned and requests need no logit bias (a logits processor: it turns speculation off)."""
+    learned and requests need no logit bias (a logits processor: alone it turns speculation
+    off; as batch rows, since 0.5.3, each verify position is processed as a single step)."""
     lang = Language(1000)
     if seed:
         lang.rng = np.random.default_rng(1000 + seed)

@@ -225,7 +225,7 @@ def tool_choice_processor(tokenizer, tool_format: Any, tools: Optional[Sequence[
 class GrammarFactory:
     """A fresh `GrammarProcessor` of one compiled grammar per call (per request); marked
     `grammar` so that speculation knows its masks can be computed ahead
-    (`SamplingParams.only_grammars`, `GrammarProcessor.masks_ahead`)."""
+    (`SamplingParams.verifiable`, `GrammarProcessor.masks_ahead`)."""
 
     grammar = True
 

@@ -105,14 +105,16 @@ def accepted(r, drafts: list, best: list, first: int, lp: mx.array) -> tuple:
     return ok, t
 
 
-def grammar_positions(lp: mx.array, spec: list, rows: list, drafts: list, logprobs: mx.array,
-                      logits: mx.array) -> mx.array:
+def processed_positions(lp: mx.array, spec: list, rows: list, drafts: list, ys: list,
+                        logprobs: mx.array, logits: mx.array) -> mx.array:
     """The speculating rows' verify logprobs [S, K + 1, V] (`lp`, rows `spec` of the group)
-    with each grammar row's positions as single steps would give them: position 0 the step's
-    own processed logprobs (`logprobs` [B, V]), position i the logits masked by every grammar
-    of the row after its first i drafts (`GrammarProcessor.masks_ahead`, the processor's own
-    `where`, then the same normalisation). A row's drafts (`drafts`, changed in place) are cut
-    where a grammar stops taking them, so nothing past its masks is kept."""
+    with each row that has logits processors processed as single steps would be: position 0
+    the step's own processed logprobs (`logprobs` [B, V]); position i the logits through the
+    row's processors in order, a grammar masking as after the row's first i drafts
+    (`GrammarProcessor.masks_ahead`, its own `where`), a built-in penalty or bias called with
+    the context a single step would see there (its tokens, y, drafts[:i]); then the same
+    normalisation. A
+    row's drafts (`drafts`, changed in place) are cut where a grammar stops taking them."""
     out = []
     V = logits.shape[-1]
     for j, e in enumerate(spec):
@@ -120,14 +122,17 @@ def grammar_positions(lp: mx.array, spec: list, rows: list, drafts: list, logpro
         if not procs:
             out.append(lp[j])
             continue
-        ahead = [p.masks_ahead(drafts[e], V) for p in procs]
-        n = min(len(m) for m in ahead)
+        ahead = {id(p): p.masks_ahead(drafts[e], V) for p in procs if hasattr(p, "masks_ahead")}
+        n = min((len(m) for m in ahead.values()), default=len(drafts[e]))
         drafts[e] = drafts[e][:n]
+        before = rows[e].tokens + [ys[e]]
         pos = [logprobs[e]]
-        for i in range(n):
+        for i in range(n):          # position i + 1: the input drafts[i]
             x = logits[e:e + 1, i + 1]
-            for masks in ahead:
-                x = mx.where(mx.array(masks[i]), x, mx.array(-float("inf"), x.dtype))
+            ctx = mx.array(before + drafts[e][:i + 1], dtype=mx.int32)
+            for p in procs:
+                x = (mx.where(mx.array(ahead[id(p)][i]), x, mx.array(-float("inf"), x.dtype))
+                     if id(p) in ahead else p(ctx, x))
             pos.append((x - mx.logsumexp(x, axis=-1, keepdims=True))[0])
         out.append(mx.concatenate([mx.stack(pos), lp[j, n + 1:]]))
     return mx.stack(out)
@@ -168,8 +173,8 @@ class LookupSteps:
             g.draft.read()
             drafts = [r.spec.proposed if isinstance(r.spec, DraftRow) else d
                       for r, d in zip(rows, drafts)]
-        if any(rows[e].req.logits_processors for e in spec):     # (grammar rows)
-            lp = grammar_positions(lp, spec, rows, drafts, logprobs, logits)
+        if any(rows[e].req.logits_processors for e in spec):   # (grammars, penalties, bias)
+            lp = processed_positions(lp, spec, rows, drafts, ys, logprobs, logits)
             best = mx.argmax(lp, axis=-1)
             best = dict(zip(spec, best.tolist()))
         runs, nxt, nlp, drop = [], [], [], []

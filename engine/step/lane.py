@@ -40,7 +40,7 @@ class BatchLane:
         p = req.params
         caches = None if req.whole else self._fetch(req)
         lookup = draft = None
-        if p.looks_up(grammars=self.lookup_rows):   # (only where `lookup_rows`: else alone)
+        if p.looks_up(processors=self.lookup_rows):   # (only where `lookup_rows`: else alone)
             req.spec = self.spec.for_request("lookup")
             lookup = RowLookup(p.prompt_lookup, p.num_draft_tokens, limit=p.max_tokens,
                                stats=req.spec)
@@ -85,9 +85,9 @@ class BatchLane:
     def _draft_row(self, p) -> bool:
         """Whether a request with these (resolved) params speculates with the draft model as
         a row of the batch: drafting (`SamplingParams.drafts`), greedy or sampled (either
-        `spec_sampling`), grammars allowed (their masks apply to the drafts' positions), where
-        `draft_rows`."""
-        return self.draft_rows and p.drafts(grammars=True)
+        `spec_sampling`), with `verifiable` processors (each draft position processed as a
+        single step: `engine.step.batch_lookup`), where `draft_rows`."""
+        return self.draft_rows and p.drafts(processors=True)
 
     @property
     def quant_rows(self) -> bool:

@@ -166,27 +166,26 @@ class SamplingParams:
         return bool(self.processor_factories or any(
             v for k, v in self._processor_kwargs().items() if k != "repetition_context_size"))
 
-    def only_grammars(self) -> bool:
-        """Whether its logits processors are grammars only (structured outputs, forced tool
-        calls: `engine.constrained.GrammarFactory`), whose masks a batch row's verify step
-        computes ahead for its drafts (`engine.step.batch_lookup`)."""
-        return bool(self.processor_factories) and all(
-            getattr(f, "grammar", False) for f in self.processor_factories) and not any(
-            v for k, v in self._processor_kwargs().items() if k != "repetition_context_size")
+    def verifiable(self) -> bool:
+        """Whether a batch row's verify step can process its later positions as single steps:
+        its processors are grammars (structured outputs, forced tool calls:
+        `engine.constrained.GrammarFactory`, masks computed ahead) and the built-in penalties
+        and logit bias (pure functions of the context), no other factory."""
+        return all(getattr(f, "grammar", False) for f in self.processor_factories)
 
-    def looks_up(self, grammars: bool = False) -> bool:
+    def looks_up(self, processors: bool = False) -> bool:
         """Whether prompt-lookup speculation runs for this (resolved) request: asked for,
-        greedy, no logits processors (penalties, bias, grammars; `grammars`: grammars allowed,
-        the batch rows' case)."""
+        greedy, no logits processors (`processors`: `verifiable` ones allowed, the batch
+        rows' case)."""
         return bool(self.prompt_lookup and not self.temperature and (
-            not self.has_processors() or (grammars and self.only_grammars())))
+            not self.has_processors() or (processors and self.verifiable())))
 
-    def drafts(self, grammars: bool = False) -> bool:
+    def drafts(self, processors: bool = False) -> bool:
         """Whether this request speculates with the engine's draft model (when it has one):
-        not turned off, no prompt lookup, no logits processors (`grammars`: as `looks_up`);
-        greedy or sampled."""
+        not turned off, no prompt lookup, no logits processors (`processors`: as
+        `looks_up`); greedy or sampled."""
         return self.use_draft and not self.prompt_lookup and (
-            not self.has_processors() or (grammars and self.only_grammars()))
+            not self.has_processors() or (processors and self.verifiable()))
 
     def sampler_key(self) -> tuple:
         """What makes two requests' samplers the same (resolved params)."""

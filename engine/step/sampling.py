@@ -411,4 +411,6 @@ def make_logits_processors(
         _check_real("frequency_penalty", frequency_penalty)
         if frequency_penalty != 0:
             procs.append(_frequency(frequency_penalty, freq_n))
+    for p in procs:          # (pure functions of (tokens, logits): speculation may call them
+        p.pure = True        # at a row's later verify positions, engine.step.batch_lookup)
     return procs

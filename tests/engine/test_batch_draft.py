@@ -241,7 +241,7 @@ def test_the_scheduler_frees_a_rows_draft_caches_when_it_leaves(pair):
             assert mine[-1].caches[0].offset == len(p) + n
     with pytest.raises(ValueError, match="no draft_model"):
         BatchScheduler(m).submit(BatchRequest(REPEATS, draft=RowDraft(2)))
-    with pytest.raises(ValueError, match="logits processors are not grammars"):
+    with pytest.raises(ValueError, match="neither grammars nor built-in"):
         sched.submit(BatchRequest(REPEATS, draft=RowDraft(2),
                                   logits_processors=[lambda toks, lg: lg]))
 

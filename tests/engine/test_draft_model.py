@@ -53,13 +53,19 @@ def test_greedy_with_a_draft_model_equals_without(llama, max_batch):
 
 
 def test_requests_that_do_not_speculate(llama):
-    """use_draft=False, or logits processors: no drafts, and a batching engine batches them."""
+    """use_draft=False: no drafts, and a batching engine batches it. Logits processors
+    (penalties): alone (max_batch 1) no drafts; as a batch row they draft since 0.5.3, each
+    verify position processed as a single step (tests/engine/test_grammar_speculation.py),
+    the same tokens."""
     m, tok, d = llama
-    for kw in ({"use_draft": False}, {"repetition_penalty": 1.2}):
-        ref, _, _ = _run(m, tok, PROMPT, max_batch=4, **kw)
-        got, _, eng = _run(m, tok, PROMPT, d, max_batch=4, **kw)
-        assert got == ref and eng.stats()["speculation"]["drafted"] == 0
-        assert eng.stats()["lanes"] == {"batch": 1, "solo": 0}
+    for kw, batch, drafts in (({"use_draft": False}, 4, False),
+                              ({"repetition_penalty": 1.2}, 1, False),
+                              ({"repetition_penalty": 1.2}, 4, True)):
+        ref, _, _ = _run(m, tok, PROMPT, max_batch=batch, **kw)
+        got, _, eng = _run(m, tok, PROMPT, d, max_batch=batch, **kw)
+        assert got == ref and (eng.stats()["speculation"]["drafted"] > 0) == drafts
+        assert eng.stats()["lanes"] == ({"batch": 1, "solo": 0} if batch > 1
+                                        else {"batch": 0, "solo": 1})
 
 
 class _Keeping(Engine):

@@ -1,9 +1,10 @@
-"""Speculation with structured outputs: a grammar-constrained request (`response_format`,
-forced tool calls) speculates as a row of the batch, prompt lookup or draft model, and the
-grammar masks every verify position as a single step would (engine.step.batch_lookup
-`grammar_positions`, `GrammarProcessor.masks_ahead`): on the CPU every row's tokens and
-logprob vectors equal those of the same batch without speculation, drafts are kept, and the
-output follows the schema. Negative control: the verify positions left unmasked change the
+"""Speculation with logits processors: a grammar-constrained request (`response_format`,
+forced tool calls) or one with penalties and logit bias speculates as a row of the batch,
+prompt lookup or draft model, and every verify position is processed as a single step would
+be (engine.step.batch_lookup `processed_positions`: a grammar's masks computed ahead,
+`GrammarProcessor.masks_ahead`; a penalty called with the drafts' context): on the CPU every
+row's tokens and logprob vectors equal those of the same batch without speculation, drafts are
+kept, and the output follows the schema. Negative control: the verify positions left unmasked change the
 logprob vectors. Alone (max_batch 1) a grammar request still decodes without speculation."""
 
 from __future__ import annotations
@@ -75,8 +76,12 @@ def _plain_and_spec(m, tok, d, source, errors=None):
                      draft_model=d if source == "draft" else None)
         spec = ({"prompt_lookup": 2 if on else 0, "num_draft_tokens": 4} if source == "lookup"
                 else {"use_draft": on, "num_draft_tokens": 3})
+        pen = dict(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.5,
+                   logit_bias={5: -2.0, 7: 1.5})
         rows = [_params(tok, **spec), _params(tok, **spec),
-                SamplingParams(max_tokens=20, temperature=0.0, **spec)]
+                SamplingParams(max_tokens=20, temperature=0.0, **spec),
+                SamplingParams(max_tokens=30, temperature=0.0, **pen, **spec),   # penalties
+                _params(tok, **pen, **spec)]                           # penalties + grammar
         if source == "draft":     # a seeded sampled grammar row too (mlx-lm's exact scheme)
             rows.append(SamplingParams(max_tokens=30, temperature=0.7, seed=5, **spec,
                                        processor_factories=(_factory(tok),)))
@@ -85,12 +90,12 @@ def _plain_and_spec(m, tok, d, source, errors=None):
 
 
 @pytest.mark.parametrize("source", ["lookup", "draft"])
-def test_grammar_rows_speculate_with_the_logits_of_plain_decoding(models, source):
+def test_processed_rows_speculate_with_the_logits_of_plain_decoding(models, source):
     m, tok, d = models
     (plain, _), (spec, counts) = _plain_and_spec(m, tok, d, source)
     for a, b in zip(plain, spec):
         assert _same(a, b)
-    for text, _, _ in spec[:2] + spec[3:]:
+    for text, _, _ in spec[:2] + spec[4:]:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert counts[source]["drafted"] > 0 and counts[source]["accepted"] > 0
 
@@ -99,7 +104,7 @@ def test_unmasked_verify_positions_are_caught(models, monkeypatch):
     m, tok, d = models
     """The verify positions after the first left unmasked: drafts the grammar forbids are
     kept (the grammar then fails the row) or the logprob vectors differ."""
-    monkeypatch.setattr(batch_lookup, "grammar_positions", lambda lp, *a: lp)
+    monkeypatch.setattr(batch_lookup, "processed_positions", lambda lp, *a: lp)
     errors = []
     (plain, _), (spec, _) = _plain_and_spec(m, tok, d, "draft", errors)
     assert errors or not all(_same(a, b) for a, b in zip(plain[:2], spec[:2]))
