@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import pytest
 
@@ -110,3 +111,33 @@ def test_unusable_schema_is_400_naming_the_field(oai):
             "type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {
                 "a": {"$ref": "#/$defs/missing"}}}}})
     assert e.value.body["param"].startswith("text.format")
+
+
+def test_structured_outputs_speculate_as_batch_rows(qwen_dir):
+    """A server with --prompt-lookup: greedy json_schema requests (a repetitive example in the
+    prompt for the lookup to find) are speculating batch rows; their answers equal the same
+    server's without lookup and follow the schema; /stats counts the drafts."""
+    from openai import OpenAI
+    example = json.dumps({"ids": [7, 7, 7], "color": "red"}) * 4
+    answers, stats = [], None
+    for lookup in (0, 2):
+        s = start_server(qwen_dir, batch=4, prompt_cache_bytes=0, max_tokens=64,
+                         prompt_lookup=lookup)
+        try:
+            oai = OpenAI(base_url=s.v1, api_key="x", max_retries=0, timeout=120)
+
+            def one(i):
+                r = oai.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": f"{i} {example}"}],
+                    max_tokens=60, temperature=0.0, response_format={
+                        "type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMA}})
+                return r.choices[0].message.content
+            with ThreadPoolExecutor(3) as ex:
+                answers.append(list(ex.map(one, range(3))))
+            stats = httpx.get(s.url + "/stats", timeout=30).json()["speculation"]["lookup"]
+        finally:
+            stop_server(s)
+    assert answers[0] == answers[1]
+    for text in answers[1]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert stats["drafted"] > 0
