@@ -16,6 +16,7 @@
 # checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K, through HTTP: the speculation speed targets).
+# rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -108,6 +109,11 @@ if has spec; then
   stage spec
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
     --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --tag h100 --work /tmp/specwork --out "$OUT/spec" 2>&1 | grep -v '"step"' | tail -12
+fi
+if has rounds; then
+  stage rounds
+  timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} \
+    --gen ${GEN:-128} --tag h100 --out "$OUT/rounds" 2>&1 | grep -v '"step"' | tail -8
 fi
 if has agent; then
   for m in ${AGENT_MODELS:-8b-q4 1b}; do

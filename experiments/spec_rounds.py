@@ -1,0 +1,137 @@
+"""Where a speculation round's time goes, in process (the cost model behind spec_bench's ratios).
+
+On the target and draft `spec_bench.py` trained (its `--work` directory; trained there when
+missing), one greedy request at a time on an `Engine` (max_batch 4, as served), three ways:
+plain decoding, prompt lookup, draft model. Per way: tokens a second, tokens a step, and the
+mean wall time of an engine step; then, with the device synchronised around each part (which
+removes their overlap, so the parts add up to more than a step), the draft model's K forwards
+(`DraftBatch.propose`) and the verify forward with its host reads (`LookupSteps._lookup_step`
+minus the draft). A plain step that costs s and a round that costs r handing out t tokens
+break even at t = r / s.
+
+    python experiments/spec_rounds.py --work /tmp/specwork [--k 4] [--gen 128]   # GPU
+    python experiments/spec_rounds.py --quick                                     # CPU check
+
+Prints one JSON line a way and writes `--out` (default reports/spec_rounds/<version>/<tag>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments._common import dump_json, machine, report_dir  # noqa: E402
+from experiments.presets import PRESETS  # noqa: E402
+from experiments.spec_bench import DRAFT, prompts, trained  # noqa: E402
+from experiments.trained_gate import SMALL  # noqa: E402
+
+
+def _timed(cls, name: str, spent: dict):
+    """Wrap cls.name so its calls' wall time (device synchronised) adds up in spent[name]."""
+    import mlx.core as mx
+    real = getattr(cls, name)
+
+    def wrapper(self, *a, **kw):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = real(self, *a, **kw)
+        mx.synchronize()
+        spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return out
+    setattr(cls, name, wrapper)
+    return real
+
+
+def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts: bool) -> dict:
+    import mlx.core as mx
+
+    from engine import Engine, SamplingParams
+    from engine.step.batch_draft import DraftBatch
+    from engine.step.batch_lookup import LookupSteps
+    eng = Engine(target, tok, max_batch=4, prompt_cache=None,
+                 draft_model=draft if mode == "draft" else None)
+    params = SamplingParams(max_tokens=gen, temperature=0.0, num_draft_tokens=k,
+                            prompt_lookup=3 if mode == "lookup" else 0,
+                            use_draft=mode == "draft")
+    spent: dict = {}
+    saved = []
+    if parts:
+        saved = [(DraftBatch, "propose", _timed(DraftBatch, "propose", spent)),
+                 (LookupSteps, "_lookup_step", _timed(LookupSteps, "_lookup_step", spent))]
+    try:
+        steps, toks, wall = 0, 0, 0.0
+        for i, p in enumerate(prompts(n + 1, gen, 7)):
+            if i == 1:
+                spent.clear()                 # (parts of the measured requests only)
+            eng.submit(p, params)
+            mx.synchronize()
+            t0 = time.perf_counter()
+            while eng.has_unfinished():
+                got = sum(len(o.token_ids) for o in eng.step())
+                if i:                         # (the first request warms up)
+                    steps, toks = steps + 1, toks + got
+            if i:
+                wall += time.perf_counter() - t0
+    finally:
+        for cls, name, real in saved:
+            setattr(cls, name, real)
+    row = {"mode": mode, "parts": parts, "tok_s": round(toks / wall, 1),
+           "tokens_a_step": round(toks / max(steps, 1), 2),
+           "step_ms": round(1000 * wall / max(steps, 1), 3)}
+    if parts:
+        per = max(steps, 1)
+        draft_ms = 1000 * spent.get("propose", 0.0) / per
+        row["draft_ms_a_step"] = round(draft_ms, 3)
+        row["verify_ms_a_step"] = round(1000 * spent.get("_lookup_step", 0.0) / per - draft_ms, 3)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default=None, help="spec_bench's trained models (made if missing)")
+    ap.add_argument("--target", default="1b")
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="CPU check: small shapes, few steps")
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import engine
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="spec_rounds_"))
+    lr, batch, length = 3e-4, 16, 256
+    if a.quick:
+        PRESETS["spec-target"] = SMALL
+        PRESETS["spec-draft"] = dict(SMALL, hidden_size=128, num_hidden_layers=2,
+                                     intermediate_size=256, num_attention_heads=2,
+                                     num_key_value_heads=2)
+        a.target, a.steps, lr, batch, length = "spec-target", min(a.steps, 10), 2e-3, 8, 128
+        a.gen, a.requests = min(a.gen, 24), 1
+    else:
+        PRESETS["spec-draft"] = dict(DRAFT, vocab_size=PRESETS[a.target]["vocab_size"])
+    tdir = trained(a.target, work, a.steps, lr, batch, length)
+    ddir = trained("spec-draft", work, a.steps, lr * (1 if a.quick else 3), batch, length)
+    target, tok = engine.load(str(tdir))
+    draft, _ = engine.load(str(ddir))
+    rows = []
+    for mode in ("plain", "lookup", "draft"):
+        for parts in ((False,) if mode == "plain" else (False, True)):
+            rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts))
+            print(json.dumps(rows[-1]), flush=True)
+    out = Path(a.out) if a.out else report_dir("spec_rounds", a.tag)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = "python experiments/spec_rounds.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    dump_json(out / "run.json", {"command": cmd.strip(), "machine": machine(), "rows": rows})
+    print(out / "run.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
