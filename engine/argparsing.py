@@ -120,8 +120,9 @@ def add_speculation_flags(a) -> None:
       "with the same tokenizer): it drafts K tokens, the model verifies them in one forward "
       "(greedy and sampled requests; docs/generation.md)")
     a("--prompt-lookup", type=int, default=0, metavar="N",
-      help="prompt-lookup speculative decoding for greedy requests: draft the tokens that "
-      "followed the latest earlier match of the last N tokens (0: off; docs/generation.md)")
+      help="prompt-lookup speculative decoding (greedy requests; in a batch sampled and "
+      "constrained ones too): draft the tokens that followed the latest earlier match of the "
+      "last N tokens (0: off; docs/generation.md)")
     a("--num-draft-tokens", type=int, default=None, metavar="K",
       help="draft tokens a step: 3 with --draft-model (mlx-lm's), 4 with --prompt-lookup")
     a("--spec-sampling", choices=("exact", "rejection"), default="exact",

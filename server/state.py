@@ -43,7 +43,7 @@ class ServerConfig:
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     max_tokens: Optional[int] = None   # None: no cap (the context left, bounded by admission)
-    prompt_lookup: int = 0             # prompt-lookup speculation for greedy requests (0: off)
+    prompt_lookup: int = 0             # prompt-lookup speculation (0: off; engine.step.batch_lookup)
     num_draft_tokens: int = 4
     draft_model: Optional[str] = None  # a draft model (directory or repo id) for speculation
     spec_sampling: str = "exact"       # sampled drafts: exact (mlx-lm's) | rejection (engine.step.rejection)

@@ -124,12 +124,10 @@ class BatchScheduler(LookupSteps):
         for name, spec in (("prompt lookup", req.lookup), ("a draft model", req.draft)):
             if spec is None:
                 continue
-            greedy_only = req.lookup is not None      # (draft-model rows may sample)
             why = ("it needs the L1 batch runner" if self.decoder is not None or self.deterministic
                    else "its logits processors are neither grammars nor built-in" if any(
                        not (hasattr(p, "masks_ahead") or getattr(p, "pure", False))
                        for p in req.logits_processors)
-                   else "it is greedy" if greedy_only and req.sampler not in (None, greedy)
                    else lookup_unsupported(self.model)
                    or ("the scheduler has no draft_model" if req.draft is not None
                        and self._decode.draft is None else None)

@@ -2,8 +2,10 @@
 the verify step that draft-model rows share (`engine.step.batch_draft`: their drafts come from
 the draft model, batched, before the verify forward; its caches are rewound after it).
 
-A row that asks for it (`BatchRequest(lookup=RowLookup(ngram, draft_tokens))`, greedy,
-without logits processors) drafts from its own prompt and output at each decode step, as
+A row that asks for it (`BatchRequest(lookup=RowLookup(ngram, draft_tokens))`; greedy, or
+sampled since 0.5.3: a draft kept when the row's own draw equals it, as a draft-model row's;
+its logits processors processed at every position, `processed_positions`) drafts from its own
+prompt and output at each decode step, as
 `engine.step.lookup` does for a request running alone: up to K tokens that followed the latest
 earlier occurrence of its last `ngram` tokens. When any row of the decode group has a draft,
 the step is one verify forward over [B, K + 1] (K the longest draft this step): each row's

@@ -40,7 +40,7 @@ class BatchLane:
         p = req.params
         caches = None if req.whole else self._fetch(req)
         lookup = draft = None
-        if p.looks_up(processors=self.lookup_rows):   # (only where `lookup_rows`: else alone)
+        if p.looks_up(batch_row=self.lookup_rows):   # (only where `lookup_rows`: else alone)
             req.spec = self.spec.for_request("lookup")
             lookup = RowLookup(p.prompt_lookup, p.num_draft_tokens, limit=p.max_tokens,
                                stats=req.spec)

@@ -173,17 +173,20 @@ class SamplingParams:
         and logit bias (pure functions of the context), no other factory."""
         return all(getattr(f, "grammar", False) for f in self.processor_factories)
 
-    def looks_up(self, processors: bool = False) -> bool:
+    def looks_up(self, batch_row: bool = False) -> bool:
         """Whether prompt-lookup speculation runs for this (resolved) request: asked for,
-        greedy, no logits processors (`processors`: `verifiable` ones allowed, the batch
-        rows' case)."""
-        return bool(self.prompt_lookup and not self.temperature and (
-            not self.has_processors() or (processors and self.verifiable())))
+        greedy, no logits processors; as a batch row (`batch_row`) sampled too (a draft kept
+        when the row's own draw equals it) and with `verifiable` processors."""
+        if not self.prompt_lookup:
+            return False
+        if batch_row:
+            return not self.has_processors() or self.verifiable()
+        return not self.temperature and not self.has_processors()
 
     def drafts(self, processors: bool = False) -> bool:
         """Whether this request speculates with the engine's draft model (when it has one):
-        not turned off, no prompt lookup, no logits processors (`processors`: as
-        `looks_up`); greedy or sampled."""
+        not turned off, no prompt lookup, no logits processors (`processors`: `verifiable`
+        ones allowed, the batch rows' case); greedy or sampled."""
         return self.use_draft and not self.prompt_lookup and (
             not self.has_processors() or (processors and self.verifiable()))
 

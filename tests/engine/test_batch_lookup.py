@@ -1,6 +1,6 @@
 """Prompt-lookup speculation as rows of the continuous batch (engine.step.batch_lookup).
 
-A greedy request with prompt lookup is a batch row (not a request running alone): each
+A request with prompt lookup (greedy, or sampled since 0.5.3) is a batch row (not a request running alone): each
 decode step it drafts from its own prompt and output, and one forward over [B, K + 1] verifies
 every row's draft while the rows without speculation (greedy or sampled) take their one token
 from position 0 of the same forward; the rejected and padded columns are then taken back from
@@ -189,9 +189,11 @@ def test_the_scheduler_alone_stops_rows_and_trims_their_kv(model):
         assert len(toks[b]) == 9 and last[b].finish_reason == "length"
         for u, p in ((a, REPEATS), (b, list(range(20, 50)))):
             assert last[u].caches[0].offset == len(p) + len(toks[u])
-    with pytest.raises(ValueError, match="greedy"):
-        BatchScheduler(m).submit(BatchRequest(REPEATS, lookup=RowLookup(1),
-                                              sampler=lambda lp, key=None: lp.argmax(-1)))
+    # a lookup row with a sampler of its own is taken since 0.5.3 (refused before: "greedy")
+    s2 = BatchScheduler(m)
+    u = s2.submit(BatchRequest(REPEATS, max_tokens=5, lookup=RowLookup(1),
+                               sampler=lambda lp, key=None: lp.argmax(-1)))
+    assert len([e for e in s2.run() if e.uid == u]) == 5
 
 
 def test_lookup_runs_alone_where_the_batch_cannot_take_it(model):
@@ -206,3 +208,32 @@ def test_lookup_runs_alone_where_the_batch_cannot_take_it(model):
             eng.step()
         assert eng.stats()["solo_reasons"] == {"prompt_lookup": 1}
     assert Engine(m, tok, max_batch=4).lookup_rows
+
+
+def test_seeded_sampled_lookup_rows_keep_their_tokens(model):
+    """Sampled requests with prompt lookup are batch rows too (0.5.3): a draft is kept when the
+    row's own draw at its position equals it, each later position drawn with the row's key
+    only once the draft before was kept, so a seeded row's tokens and logprob vectors equal
+    the same batch without lookup; drafts are kept (low temperature on repetitive prompts)."""
+    m, tok = model
+
+    def run(lookup):
+        eng = Engine(m, tok, max_batch=len(PROMPTS), keep_logprob_arrays=True)
+        rids = [eng.submit(p, SamplingParams(
+            max_tokens=30, temperature=(0.2, 0.6, 1.0, 0.0, 0.3)[i], seed=11 + i,
+            prompt_lookup=(1 if lookup else 0) if i != 3 else 0, num_draft_tokens=4))
+            for i, p in enumerate(PROMPTS)]
+        out = {r: ([], []) for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                assert o.error is None, o.error
+                out[o.request_id][0].extend(o.token_ids)
+                out[o.request_id][1].extend(o.logprob_arrays)
+        return [out[r] for r in rids], eng.stats()
+    ref, _ = run(False)
+    got, st = run(True)
+    for (t, lp), (rt, rlp) in zip(got, ref):
+        assert t == rt and len(t) == 30
+        assert all(mx.array_equal(x, y).item() for x, y in zip(lp, rlp))
+    assert st["lanes"] == {"batch": 5, "solo": 0}
+    assert st["speculation"]["lookup"]["accepted"] > 0
