@@ -74,6 +74,23 @@ def trained(name: str, out: Path, steps: int, lr: float, batch: int, length: int
     return save_trained(model, src, out / name)
 
 
+def trained_pair(target: str, work: Path, steps: int, draft_steps: int, quick: bool) -> tuple:
+    """(target dir, draft dir): preset `target` and the draft (`DRAFT` over its vocabulary, 3×
+    its learning rate) trained on the language in `work` (kept from an earlier run there);
+    `quick`: both small (`SMALL` shapes), for a CPU check."""
+    lr, batch, length = 3e-4, 16, 256
+    if quick:
+        PRESETS["spec-target"] = SMALL
+        PRESETS["spec-draft"] = dict(SMALL, hidden_size=128, num_hidden_layers=2,
+                                     intermediate_size=256, num_attention_heads=2,
+                                     num_key_value_heads=2)
+        target, lr, batch, length = "spec-target", 2e-3, 8, 128
+    else:
+        PRESETS["spec-draft"] = dict(DRAFT, vocab_size=PRESETS[target]["vocab_size"])
+    return (trained(target, work, steps, lr, batch, length),
+            trained("spec-draft", work, draft_steps, lr * (1 if quick else 3), batch, length))
+
+
 def prompts(n: int, gen: int, seed: int) -> list:
     """n token-id prompts: a walk of gen + 16 tokens, then the first 8 of its copy."""
     lang = language(seed + 1)
@@ -145,21 +162,12 @@ def main(argv=None) -> int:
                     help="where the trained models go (kept: a second run there reuses them)")
     a = ap.parse_args(argv)
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="spec_bench_"))
-    lr, batch, length = 3e-4, 16, 256
     if a.quick:
-        PRESETS["spec-target"] = SMALL
-        PRESETS["spec-draft"] = dict(SMALL, hidden_size=128, num_hidden_layers=2,
-                                     intermediate_size=256, num_attention_heads=2,
-                                     num_key_value_heads=2)
-        a.target, a.steps, lr, batch, length = "spec-target", min(a.steps, 80), 2e-3, 8, 128
+        a.target, a.steps = "spec-target", min(a.steps, 80)
         a.draft_steps = min(a.draft_steps or 40, 40)
         a.gen, a.trials, a.levels = min(a.gen, 32), min(a.trials, 1), "1,4"
-    else:
-        PRESETS["spec-draft"] = dict(DRAFT, vocab_size=PRESETS[a.target]["vocab_size"])
     t0 = time.perf_counter()
-    target = trained(a.target, work, a.steps, lr, batch, length)
-    draft = trained("spec-draft", work, a.draft_steps or a.steps, lr * (1 if a.quick else 3),
-                    batch, length)
+    target, draft = trained_pair(a.target, work, a.steps, a.draft_steps or a.steps, a.quick)
     train_s = time.perf_counter() - t0
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf")

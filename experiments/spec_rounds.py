@@ -27,9 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments._common import dump_json, machine, report_dir  # noqa: E402
-from experiments.presets import PRESETS  # noqa: E402
-from experiments.spec_bench import DRAFT, prompts, trained  # noqa: E402
-from experiments.trained_gate import SMALL  # noqa: E402
+from experiments.spec_bench import prompts, trained_pair  # noqa: E402
 
 
 def _timed(cls, name: str, spent: dict):
@@ -106,18 +104,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import engine
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="spec_rounds_"))
-    lr, batch, length = 3e-4, 16, 256
     if a.quick:
-        PRESETS["spec-target"] = SMALL
-        PRESETS["spec-draft"] = dict(SMALL, hidden_size=128, num_hidden_layers=2,
-                                     intermediate_size=256, num_attention_heads=2,
-                                     num_key_value_heads=2)
-        a.target, a.steps, lr, batch, length = "spec-target", min(a.steps, 10), 2e-3, 8, 128
-        a.gen, a.requests = min(a.gen, 24), 1
-    else:
-        PRESETS["spec-draft"] = dict(DRAFT, vocab_size=PRESETS[a.target]["vocab_size"])
-    tdir = trained(a.target, work, a.steps, lr, batch, length)
-    ddir = trained("spec-draft", work, a.steps, lr * (1 if a.quick else 3), batch, length)
+        a.steps, a.gen, a.requests = min(a.steps, 10), min(a.gen, 24), 1
+    tdir, ddir = trained_pair(a.target, work, a.steps, a.steps, a.quick)
     target, tok = engine.load(str(tdir))
     draft, _ = engine.load(str(ddir))
     rows = []

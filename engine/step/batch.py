@@ -29,6 +29,7 @@ BatchGenerator's schedule, so the same inserts give the same forwards):
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
@@ -399,7 +400,7 @@ class BatchScheduler(LookupSteps):
         rows = len(self._prefill.rows)
         widest = max((min(len(r.pending), step) for r in self._prefill.rows), default=0)
         take = 0
-        for r in list(self._queue)[:n]:
+        for r in islice(self._queue, n):       # (not a copy of the whole queue a step)
             w = max(widest, min(len(r.pending), step), 1)
             if rows + take and (rows + take + 1) * w > self.prefill_budget:
                 break

@@ -1,5 +1,6 @@
 """Shared by the speculating-row tests (test_batch_lookup.py, test_batch_draft.py): run one
-request as a row of an Engine's batch, beside a plain greedy row, and watch its steps."""
+request as a row of an Engine's batch, beside a plain greedy row, and watch its steps; step an
+Engine to the end collecting each request's tokens and logprob arrays."""
 
 from engine import SamplingParams
 
@@ -32,3 +33,15 @@ def run_row(eng, prompt, params, filler=None):
                 toks += o.token_ids
                 reason = o.finish_reason or reason
     return toks, reason, dropped.get(0, 0), [n for n in runs if n]
+
+
+def drive(eng, rids) -> list:
+    """Step `eng` (made with keep_logprob_arrays) until it is done: per request id of `rids`,
+    (its tokens, its logprob arrays); an output with an error fails the test."""
+    out = {r: ([], []) for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.error is None, o.error
+            out[o.request_id][0].extend(o.token_ids)
+            out[o.request_id][1].extend(o.logprob_arrays)
+    return [out[r] for r in rids]

@@ -29,7 +29,7 @@ from engine.levers import parse_spec
 from engine.step.batch import BatchRequest, BatchScheduler
 from engine.step.batch_lookup import RowLookup
 from parity.fixtures.models import ensure_fixture
-from spec_rows import run_row
+from spec_rows import drive, run_row
 
 REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
 PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
@@ -223,13 +223,7 @@ def test_seeded_sampled_lookup_rows_keep_their_tokens(model):
             max_tokens=30, temperature=(0.2, 0.6, 1.0, 0.0, 0.3)[i], seed=11 + i,
             prompt_lookup=(1 if lookup else 0) if i != 3 else 0, num_draft_tokens=4))
             for i, p in enumerate(PROMPTS)]
-        out = {r: ([], []) for r in rids}
-        while eng.has_unfinished():
-            for o in eng.step():
-                assert o.error is None, o.error
-                out[o.request_id][0].extend(o.token_ids)
-                out[o.request_id][1].extend(o.logprob_arrays)
-        return [out[r] for r in rids], eng.stats()
+        return drive(eng, rids), eng.stats()
     ref, _ = run(False)
     got, st = run(True)
     for (t, lp), (rt, rlp) in zip(got, ref):
