@@ -17,6 +17,7 @@
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K, through HTTP: the speculation speed targets).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process).
+# phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -123,6 +124,15 @@ if has agent; then
       --prefix-tokens ${AGENT_PREFIX:-16000} --turns ${AGENT_TURNS:-10} --phases ${AGENT_PHASES:-default,l3} \
       --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
     mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
+  done
+fi
+if has phases; then
+  for m in ${PHASE_MODELS:-1b 8b-q4}; do
+    stage "phases $m"
+    case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
+    timeout ${PHASES_S:-200} python3 experiments/ttft_phases.py --model /tmp/m/$m --prefix-tokens ${AGENT_PREFIX:-16000} \
+      --turns ${PHASE_TURNS:-6} --server-args "${PHASE_ARGS:-}" --out "$OUT/phases-$m.md" --csv "$OUT/phases-$m.csv" \
+      ${PHASE_PROFILE:+--profile $PHASE_PROFILE} 2>&1 | tail -${PHASE_TAIL:-40}
   done
 fi
 stage done

@@ -39,7 +39,7 @@ class AloneRunner:
         processors = p.make_processors()
         if p.seed is not None:
             mx.random.seed(p.seed)
-        caches = None if req.whole else self._fetch(req)
+        caches = self._fetch(req)
         if caches is not None:
             self.policy.apply(caches)
         else:
@@ -132,7 +132,7 @@ class AloneRunner:
             req.steps.close()
         if req.spec is not None:
             self.spec.finished(req.rid, req.spec)
-        if store and not req.whole:
+        if store:
             self._store(req, req.caches)
         req.steps = req.caches = req.prompt = req.start_decode = req.embeds = None
         self._solo = None

@@ -15,8 +15,9 @@ A request whose images the decoder attends to both ways (`req.whole`: Gemma 4's
 `use_bidirectional_attention: "vision"`) has its whole prompt run in one forward from empty
 caches before it joins (`_whole_prefill`: the forward in which the model lets each image's
 tokens attend to each other, as the request alone and mlx-vlm run it); it joins with those caches
-and graduates on that forward's last logits (`BatchRequest.first_logits`), outside the prompt
-cache (neither fetched nor stored, as alone)."""
+and graduates on that forward's last logits (`BatchRequest.first_logits`). Its KV goes to the
+prompt cache when it ends; a later request with the same images reuses it where every image
+token is in the reused prefix (`engine.step.reuse`), as alone."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class BatchLane:
         if self.adapters is not None:
             self.adapters.activate(())
         p = req.params
-        caches = None if req.whole else self._fetch(req)
+        caches = self._fetch(req)
         lookup = draft = None
         if p.looks_up(batch_row=self.lookup_rows):   # (only where `lookup_rows`: else alone)
             req.spec = self.spec.for_request("lookup")
@@ -70,8 +71,7 @@ class BatchLane:
             caches=caches, history=req.ids[:req.reused + skip], lookup=lookup, draft=draft,
             embeddings=embeds, positions=self.image_positions(req),
             on_prefilled=snapshot, adapters=req.adapters, first_logits=first,
-            return_cache=not req.whole and (self.prompt_cache is not None
-                                            or self.disk_cache is not None)))
+            return_cache=self.prompt_cache is not None or self.disk_cache is not None))
         self._rows[req.uid] = req
 
     def _whole_prefill(self, req: RequestState, embeds) -> tuple:

@@ -1,6 +1,13 @@
 """The Engine's prefix reuse: a request's starting caches from the prompt cache in RAM
 (`engine.kv.prompt_cache`) or, when longer, on disk (`engine.kv.disk_cache`), and a
-finished request's caches stored in both."""
+finished request's caches stored in both.
+
+A request whose images the decoder attends to both ways (`req.whole`) takes a hit only when
+every image token of its prompt is inside the reused prefix: the cached KV came from a whole
+forward of a prompt with the same images (the namespace holds their digest) and the rest of
+the prompt is text, prefilled on the cache as any suffix is (the request then no longer runs
+whole). A hit that leaves image tokens to prefill is dropped: those tokens must attend to
+their whole image, which only a forward from empty caches does (mlx-vlm's)."""
 
 from __future__ import annotations
 
@@ -21,6 +28,11 @@ class PrefixReuse:
                 hit = Hit(*got)
         if hit is None:
             return None
+        if req.whole:
+            blocks = set(self.model.language_model.image_blocks)
+            if any(t in blocks for t in req.ids[hit.reused:]):
+                return None
+            req.whole = False
         req.reused = hit.reused
         return hit.caches
 

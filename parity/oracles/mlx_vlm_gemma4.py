@@ -115,3 +115,30 @@ def generate_with_types(model, ids: mx.array, pixels, max_tokens: int, **kw) -> 
         if len(out) == max_tokens:
             break
     return out
+
+
+def whole_then_cached(model, ids: mx.array, pixels, fed: list, suffix: list, steps: int,
+                      **kw) -> tuple:
+    """A prompt-cache hit's schedule on mlx-vlm's model: `whole_forward_logits`' forward of
+    `ids` (with the token types), the tokens `fed` one a forward (the cache then holds what a
+    finished request leaves), then a text `suffix` on that cache as mlx-vlm prefills any
+    prompt (all but its last token in one forward, the last token), then `steps` greedy
+    tokens: (logprobs [V] from the suffix's last token on, tokens)."""
+    lm = model.language_model
+    cache = lm.make_cache()
+    feats = model.get_input_embeddings(ids, pixels, **kw)
+    extra = {"mm_token_type_ids": token_types(model, ids)}
+    lm(ids, inputs_embeds=feats.inputs_embeds, cache=cache,
+       per_layer_inputs=feats.per_layer_inputs, logits_to_keep=1, **extra)
+    for tok in fed:
+        lm(mx.array([[tok]]), cache=cache, **extra)
+    if len(suffix) > 1:
+        lm(mx.array([suffix[:-1]]), cache=cache)
+    out = lm(mx.array([suffix[-1:]]), cache=cache).logits[0, -1]
+    lps, tokens = [], []
+    for i in range(steps):
+        lps.append(out - mx.logsumexp(out, axis=-1, keepdims=True))
+        tokens.append(mx.argmax(out).item())
+        if i + 1 < steps:
+            out = lm(mx.array([[tokens[-1]]]), cache=cache).logits[0, -1]
+    return lps, tokens

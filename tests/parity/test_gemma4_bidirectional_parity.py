@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine import Engine, SamplingParams
+from engine import Engine, PromptCache, SamplingParams
+from engine.step.core import BASE_NAMESPACE
 from engine.loader import load_model
 from engine.text.tokenizer import load_tokenizer
 from engine.vision import preprocessor_for
@@ -123,7 +124,7 @@ def test_engine_matches_mlx_vlm_generate_step(setup, max_batch):
     eng = Engine(ours, tok, keep_logprob_arrays=True, max_batch=max_batch)
     eng.image_preprocess = preprocessor_for(ours, path)
     eng.eos = set()
-    for _ in range(2):              # the second: no prompt-cache hit (none is stored)
+    for _ in range(2):              # the second: the same (no prompt cache on this engine)
         rid = eng.submit(ids, SamplingParams(max_tokens=STEPS, temperature=0.0), vision=vision)
         toks, lps = [], []
         while eng.has_unfinished():
@@ -179,3 +180,78 @@ def test_image_request_beside_text_rows_and_text_unchanged(setup):
         assert mx.array_equal(with_blocks, ours(mx.array([text]))).item()
     finally:
         ours.language_model.set_image_blocks(blocks)
+
+
+def _drain(eng, rid) -> tuple:
+    toks, lps, out = [], [], None
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.request_id == rid and o.error is None
+            toks += o.token_ids
+            lps += o.logprob_arrays
+            out = o
+    return toks, lps, out
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_prompt_cache_hit_past_the_images(setup, max_batch):
+    """The next turn of a conversation with the same images (the whole first prompt, the answer
+    and more text) reuses the first request's KV: its tokens and logprobs equal mlx-vlm's
+    model run on that schedule (the whole forward, the answer's tokens, the new text on the
+    cache), and the vision tower does not run again."""
+    path, ref, _, ours, tok = setup
+    ids, vision, pixels, kw = _prompt(setup)
+    eng = Engine(ours, tok, keep_logprob_arrays=True, max_batch=max_batch,
+                 prompt_cache=PromptCache(1 << 28))
+    eng.image_preprocess = preprocessor_for(ours, path)
+    eng.eos = set()
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0)
+    first, _, out = _drain(eng, eng.submit(ids, params, vision=vision))
+    assert out.cached_tokens == 0
+    more = list(range(40, 52))
+    tower = type(ours).image_features
+    calls = []
+    type(ours).image_features = lambda self, *a: calls.append(1) or tower(self, *a)
+    try:
+        toks, lps, out = _drain(eng, eng.submit(ids + first + more, params, vision=vision))
+    finally:
+        type(ours).image_features = tower
+    # (the answer's tokens fed: all but the last on a batch row, all alone: generate_step's)
+    reused = out.cached_tokens
+    assert len(ids) + STEPS - 1 <= reused <= len(ids) + STEPS and calls == []
+    turn = ids + first + more
+    want_lps, want = vlm.whole_then_cached(ref, mx.array([ids]), pixels, turn[len(ids):reused],
+                                           turn[reused:], STEPS, **kw)
+    assert toks == want
+    for i, (a, b) in enumerate(zip(lps, want_lps)):
+        assert mx.array_equal(a, b).item(), f"step {i}: max|diff| {mx.abs(a - b).max().item()}"
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_hit_inside_an_image_is_not_taken(setup, max_batch):
+    """A cached prefix that ends inside an image (here stored by hand, holding the causal
+    forward's KV) would leave image tokens to prefill on a cache, where they cannot attend to
+    their whole image: the engine drops that hit (the cache offers it) and runs the prompt
+    whole, equal to mlx-vlm."""
+    path, ref, _, ours, tok = setup
+    ids, vision, pixels, kw = _prompt(setup)
+    cache = PromptCache(1 << 28)
+    eng = Engine(ours, tok, keep_logprob_arrays=True, max_batch=max_batch, prompt_cache=cache)
+    eng.image_preprocess = preprocessor_for(ours, path)
+    eng.eos = set()
+    image = ours.vision.image_token_id
+    cut = max(i for i, t in enumerate(ids) if t == image)       # inside the last image
+    assert ids[cut - 1] == image
+    caches = ours.make_cache()
+    emb = ours.embed_prompt(ids, vision.pixels, vision.grids)[:, :cut]
+    ours(mx.array([ids[:cut]]), cache=caches, input_embeddings=emb)
+    ns = f"{BASE_NAMESPACE}:images:{vision.digest}"
+    cache.store(ns, ids[:cut], caches)
+    assert cache.fetch(ns, ids).reused == cut                  # offered...
+    toks, lps, out = _drain(eng, eng.submit(ids, SamplingParams(max_tokens=STEPS,
+                                                                temperature=0.0), vision=vision))
+    assert out.cached_tokens == 0                             # ...and not taken
+    want = vlm.generate_with_types(ref, mx.array([ids]), pixels, STEPS, **kw)
+    assert toks == [t for t, _ in want]
+    for i, (a, (_, b)) in enumerate(zip(lps, want)):
+        assert mx.array_equal(a, b).item(), f"step {i}"
