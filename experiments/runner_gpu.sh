@@ -109,11 +109,12 @@ fi
 if has spec; then
   stage spec
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
-    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --tag h100 --work /tmp/specwork --out "$OUT/spec" 2>&1 | grep -v '"step"' | tail -12
+    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} --modes ${SPEC_MODES:-draft,lookup} \
+    --tag h100 --work /tmp/specwork --out "$OUT/spec${SPEC_DRAFT_LAYERS:-}" 2>&1 | grep -v '"step"' | tail -12
 fi
 if has rounds; then
   stage rounds
-  timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} \
+  timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} \
     --gen ${GEN:-128} --tag h100 --out "$OUT/rounds" 2>&1 | grep -v '"step"' | tail -8
 fi
 if has agent; then

@@ -74,10 +74,11 @@ def trained(name: str, out: Path, steps: int, lr: float, batch: int, length: int
     return save_trained(model, src, out / name)
 
 
-def trained_pair(target: str, work: Path, steps: int, draft_steps: int, quick: bool) -> tuple:
-    """(target dir, draft dir): preset `target` and the draft (`DRAFT` over its vocabulary, 3×
-    its learning rate) trained on the language in `work` (kept from an earlier run there);
-    `quick`: both small (`SMALL` shapes), for a CPU check."""
+def trained_pair(target: str, work: Path, steps: int, draft_steps: int, quick: bool,
+                 draft_layers: int = 4) -> tuple:
+    """(target dir, draft dir): preset `target` and the draft (`DRAFT` over its vocabulary with
+    `draft_layers` layers, 3× its learning rate) trained on the language in `work` (kept from
+    an earlier run there); `quick`: both small (`SMALL` shapes), for a CPU check."""
     lr, batch, length = 3e-4, 16, 256
     if quick:
         PRESETS["spec-target"] = SMALL
@@ -86,9 +87,12 @@ def trained_pair(target: str, work: Path, steps: int, draft_steps: int, quick: b
                                      num_key_value_heads=2)
         target, lr, batch, length = "spec-target", 2e-3, 8, 128
     else:
-        PRESETS["spec-draft"] = dict(DRAFT, vocab_size=PRESETS[target]["vocab_size"])
+        PRESETS["spec-draft"] = dict(DRAFT, vocab_size=PRESETS[target]["vocab_size"],
+                                     num_hidden_layers=draft_layers)
+    name = "spec-draft" if quick or draft_layers == 4 else f"spec-draft-{draft_layers}l"
+    PRESETS[name] = PRESETS["spec-draft"]
     return (trained(target, work, steps, lr, batch, length),
-            trained("spec-draft", work, draft_steps, lr * (1 if quick else 3), batch, length))
+            trained(name, work, draft_steps, lr * (1 if quick else 3), batch, length))
 
 
 def prompts(n: int, gen: int, seed: int) -> list:
@@ -109,22 +113,23 @@ def spec_counts(url: str) -> tuple:
             sum(s.get(k, {}).get("drafted", 0) for k in ("draft", "lookup")))
 
 
-def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngram: int, hf_cache):
+def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngram: int, hf_cache,
+          modes=MODES):
     bias: dict = {}                  # (none: see `language`)
     batch = max(levels)
     extra = {"plain": [], "draft": ["--draft-model", str(draft), "--num-draft-tokens", str(k)],
              "lookup": ["--prompt-lookup", str(ngram), "--num-draft-tokens", str(k)]}
-    servers = {m: start(target, hf_cache, batch, "ours", extra[m]) for m in MODES}
+    servers = {m: start(target, hf_cache, batch, "ours", extra[m]) for m in modes}
     rows = []
     try:
         for c in levels:
             for s in servers.values():      # untimed warm-up at this concurrency
                 level(s.url, prompts(c, 8, 99), 8, bias)
-            res = {m: [] for m in MODES}
+            res = {m: [] for m in modes}
             counts0 = {m: spec_counts(s.url) for m, s in servers.items()}
             for t in range(trials):
                 ps = prompts(c, gen, t)
-                for m in (MODES if t % 2 == 0 else MODES[::-1]):
+                for m in (modes if t % 2 == 0 else modes[::-1]):
                     res[m].append(level(servers[m].url, ps, gen, bias))
             plain_agg = statistics.median(r["agg"] for r in res["plain"])
             plain_tps = statistics.median(x for r in res["plain"] for x in r["tps"] or [0.0])
@@ -156,6 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="draft tokens a step (both sources)")
     ap.add_argument("--ngram", type=int, default=3, help="--prompt-lookup N")
+    ap.add_argument("--draft-layers", type=int, default=4, help="the draft model's layers")
+    ap.add_argument("--modes", default=",".join(MODES), help="plain (always) and which of "
+                    "draft, lookup")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--work", default=None,
@@ -167,17 +175,19 @@ def main(argv=None) -> int:
         a.draft_steps = min(a.draft_steps or 40, 40)
         a.gen, a.trials, a.levels = min(a.gen, 32), min(a.trials, 1), "1,4"
     t0 = time.perf_counter()
-    target, draft = trained_pair(a.target, work, a.steps, a.draft_steps or a.steps, a.quick)
+    modes = ("plain",) + tuple(m for m in MODES[1:] if m in a.modes.split(","))
+    target, draft = trained_pair(a.target, work, a.steps, a.draft_steps or a.steps, a.quick,
+                                 a.draft_layers)
     train_s = time.perf_counter() - t0
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
-    rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf")
+    rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes)
     out = Path(a.out) if a.out else report_dir("spec_bench", a.tag)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "spec_bench.csv", rows, FIELDS)
     cmd = "python experiments/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "spec_bench.md").write_text(
         "# Speculative decoding through HTTP (engine-serve: plain, --draft-model, --prompt-lookup)\n\n"
-        f"Machine: {machine()}. Target `{a.target}` and draft `spec-draft` trained on the synthetic "
+        f"Machine: {machine()}. Target `{a.target}` and draft `{draft.name}` ({a.draft_layers} layers) trained on the synthetic "
         f"language ({a.steps} / {a.draft_steps or a.steps} steps, {train_s:.0f} s, last losses "
         f"{LAST_LOSS or 'kept from an earlier run'}); greedy, "
         f"{a.gen} tokens a request, K {a.k}, n-gram {a.ngram}, median of {a.trials}; ratio = tok/s "

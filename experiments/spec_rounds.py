@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="1b")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft-layers", type=int, default=4, help="spec_bench's --draft-layers")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="CPU check: small shapes, few steps")
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="spec_rounds_"))
     if a.quick:
         a.steps, a.gen, a.requests = min(a.steps, 10), min(a.gen, 24), 1
-    tdir, ddir = trained_pair(a.target, work, a.steps, a.steps, a.quick)
+    tdir, ddir = trained_pair(a.target, work, a.steps, a.steps, a.quick, a.draft_layers)
     target, tok = engine.load(str(tdir))
     draft, _ = engine.load(str(ddir))
     rows = []
