@@ -1,8 +1,8 @@
 """Prompt-lookup speculative decoding for a request that runs alone (the exact runner).
 
 No second model: at each step the draft is the tokens that followed the latest earlier
-occurrence of the last `ngram` tokens of the request's own prompt and output
-(`NgramIndex.propose`, up to `draft_tokens`); one forward over [last token, draft...] verifies
+occurrence of the last `ngram` tokens of the request's own prompt and output, repeated on where
+they run into the newest tokens (`NgramIndex.propose`, up to `draft_tokens`); one forward over [last token, draft...] verifies
 them all. Greedy only: the accepted drafts are the ones equal to the argmax of the logits
 before them, then the argmax after the last accepted one comes free. The rejected drafts'
 keys and values are trimmed from the caches, so the caches hold exactly what
@@ -42,13 +42,20 @@ class NgramIndex:
             self.last[tuple(self.tokens[i:i + self.n])] = i
 
     def propose(self, k: int) -> list:
-        """Up to k tokens that followed the latest earlier occurrence of the last n tokens."""
+        """Up to k tokens that followed the latest earlier occurrence of the last n tokens.
+        Where that continuation runs into the newest tokens (the text since the occurrence
+        repeats itself: a run of one token, a repeated line), it goes on repeating with the
+        same period, as copying on from the occurrence would: k tokens, not the few left."""
         if k <= 0 or len(self.tokens) <= self.n:
             return []
         i = self.last.get(tuple(self.tokens[-self.n:]))
         if i is None:
             return []
-        return self.tokens[i + self.n:i + self.n + k]
+        out = self.tokens[i + self.n:i + self.n + k]
+        period = len(self.tokens) - self.n - i
+        while len(out) < k:
+            out.append(out[len(out) - period])
+        return out
 
 
 def lookup_unsupported(model):

@@ -40,7 +40,12 @@ def test_the_index_proposes_what_followed_the_latest_match():
     idx.append(3)
     assert idx.propose(2) == [7, 1]             # "2 3" last seen before 7
     assert NgramIndex([4, 5], 2).propose(3) == [] and idx.propose(0) == []
-    assert NgramIndex([1, 2, 6, 1, 2], 2).propose(9) == [6, 1, 2]
+    # a continuation that runs into the newest tokens repeats with their period (it stopped
+    # at the end of the list before 0.5.4: [6, 1, 2])
+    assert NgramIndex([1, 2, 6, 1, 2], 2).propose(9) == [6, 1, 2] * 3
+    assert NgramIndex([5, 7, 7, 7, 7], 3).propose(4) == [7, 7, 7, 7]
+    assert NgramIndex([1, 2, 3, 1, 2, 3, 1], 1).propose(5) == [2, 3, 1, 2, 3]
+    assert NgramIndex([1, 2, 3, 9, 1, 2], 2).propose(2) == [3, 9]     # (k within: unchanged)
 
 
 def test_several_positions_in_one_forward_equal_single_steps_on_the_cpu(model):
