@@ -18,6 +18,7 @@
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K, through HTTP: the speculation speed targets).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE).
+# sdpa (experiments/sdpa_plan_probe.py: a new K/V length's cost to a multi-token query, exact vs padded+masked vs composed).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -126,6 +127,12 @@ if has agent; then
       --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
     mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
   done
+fi
+if has sdpa; then
+  stage sdpa
+  timeout 120 python3 experiments/sdpa_plan_probe.py --out "$OUT/sdpa-q400.json" 2>&1 | tail -3
+  timeout 120 python3 experiments/sdpa_plan_probe.py --q 5 --start 300 --step 5 --turns 12 --bucket 256 \
+    --out "$OUT/sdpa-q5.json" 2>&1 | tail -2
 fi
 if has phases; then
   for m in ${PHASE_MODELS:-1b 8b-q4}; do
