@@ -85,6 +85,7 @@ _LAZY = {
     "SHUTDOWN_GRACE_S": "engine.distributed",
     # engine.embeddings
     "EmbeddingInputError": "engine.embeddings",
+    "EmbedJob": "engine.embeddings",
     "POOLINGS": "engine.embeddings",
     "checkpoint_pooling": "engine.embeddings",
     "embed": "engine.embeddings",

@@ -34,6 +34,7 @@ from .step.request import model_context, model_vocab_size
 
 POOLINGS = ("last", "mean")
 MAX_INPUTS = 2048          # inputs per call (OpenAI's limit per request)
+MAX_TOTAL_TOKENS = 300_000  # tokens of all inputs together per call (OpenAI's limit)
 BATCH_TOKENS = 8192        # padded tokens per forward
 MIN_FILL = 0.75            # a row is batched with longer ones down to 3/4 of their length
 NORM_EPS = 1e-9
@@ -144,35 +145,65 @@ def group_inputs(lengths: list, batch_tokens: int, min_fill: float) -> list:
     return groups + [cur] if cur else groups
 
 
+class EmbedJob:
+    """An `embed` call in parts: made (the inputs tokenized and checked, then grouped) away
+    from the model's thread; `run(i)` computes group i's vectors (one forward of at most
+    `batch_tokens` padded tokens, or one input alone where it is longer); `result()` the
+    `Embeddings` once every group ran. A server runs one group between two decode steps, so a
+    large request never holds the batch for more than one forward."""
+
+    def __init__(self, model, tokenizer, inputs: Inputs, pooling: str = "last",
+                 normalize: bool = True, dimensions: Optional[int] = None,
+                 max_tokens: Optional[int] = None, batch_tokens: int = BATCH_TOKENS,
+                 min_fill: float = MIN_FILL):
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+        hidden = getattr(getattr(model, "args", None), "hidden_size", None)
+        if dimensions is not None and (not _is_id(dimensions) or dimensions < 1 or (
+                hidden and dimensions > hidden)):
+            raise EmbeddingInputError(f"dimensions must be an integer from 1 to {hidden}, not "
+                                      f"{dimensions!r}", "dimensions")
+        self.model, self.pooling, self.normalize, self.dimensions = (model, pooling, normalize,
+                                                                     dimensions)
+        self.seqs = tokenize(tokenizer, inputs, model_vocab_size(model),
+                             max_tokens or model_context(model))
+        total = sum(len(s) for s in self.seqs)
+        if total > MAX_TOTAL_TOKENS:
+            raise EmbeddingInputError(f"the inputs have {total:,} tokens together; the limit "
+                                      f"is {MAX_TOTAL_TOKENS:,} a request")
+        self.groups = group_inputs([len(s) for s in self.seqs], max(1, batch_tokens), min_fill)
+        self.rows: list = [None] * len(self.seqs)
+
+    def run(self, i: int) -> None:
+        group, seqs = self.groups[i], self.seqs
+        width = len(seqs[group[0]])
+        batch = mx.array([seqs[j] + [0] * (width - len(seqs[j])) for j in group])
+        h = hidden_states(self.model, batch)
+        for r, j in enumerate(group):
+            self.rows[j] = pool(h[r], len(seqs[j]), self.pooling)
+        mx.eval([self.rows[j] for j in group])
+
+    def result(self) -> Embeddings:
+        vectors = mx.stack(self.rows)
+        if self.dimensions is not None:
+            vectors = vectors[:, :self.dimensions]
+        if self.normalize:
+            vectors = l2_normalize(vectors)
+        mx.eval(vectors)
+        return Embeddings(vectors, tuple(len(s) for s in self.seqs), self.pooling)
+
+
 def embed(model, tokenizer, inputs: Inputs, pooling: str = "last", normalize: bool = True,
           dimensions: Optional[int] = None, max_tokens: Optional[int] = None,
           batch_tokens: int = BATCH_TOKENS, min_fill: float = MIN_FILL) -> Embeddings:
     """Embed `inputs` (see the module docstring); `max_tokens` defaults to the model's
     context; `dimensions` keeps the first d components (then renormalises); `batch_tokens`
     and `min_fill` shape the batches (`min_fill=0`: any lengths together)."""
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
-    hidden = getattr(getattr(model, "args", None), "hidden_size", None)
-    if dimensions is not None and (not _is_id(dimensions) or dimensions < 1 or (
-            hidden and dimensions > hidden)):
-        raise EmbeddingInputError(f"dimensions must be an integer from 1 to {hidden}, not "
-                                  f"{dimensions!r}", "dimensions")
-    seqs = tokenize(tokenizer, inputs, model_vocab_size(model), max_tokens or model_context(model))
-    rows: list = [None] * len(seqs)
-    for group in group_inputs([len(s) for s in seqs], max(1, batch_tokens), min_fill):
-        width = len(seqs[group[0]])
-        batch = mx.array([seqs[i] + [0] * (width - len(seqs[i])) for i in group])
-        h = hidden_states(model, batch)
-        for r, i in enumerate(group):
-            rows[i] = pool(h[r], len(seqs[i]), pooling)
-        mx.eval([rows[i] for i in group])
-    vectors = mx.stack(rows)
-    if dimensions is not None:
-        vectors = vectors[:, :dimensions]
-    if normalize:
-        vectors = l2_normalize(vectors)
-    mx.eval(vectors)
-    return Embeddings(vectors, tuple(len(s) for s in seqs), pooling)
+    job = EmbedJob(model, tokenizer, inputs, pooling, normalize, dimensions, max_tokens,
+                   batch_tokens, min_fill)
+    for i in range(len(job.groups)):
+        job.run(i)
+    return job.result()
 
 
 def checkpoint_pooling(model_dir) -> Optional[str]:

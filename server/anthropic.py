@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode, sampling_from, start,
+from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode_async, sampling_from, start,
                    template_kwargs_from)
 from .images import collect, image_part
 from .messages import normalize_tools, parse_arguments, plain, shallow
@@ -344,4 +344,4 @@ async def messages(request: Request, validated: MessagesRequest):
 async def count_tokens(request: Request, validated: CountTokensRequest):
     state = await state_for(request, validated.model)
     call = parse_messages(validated, state)
-    return JSONResponse({"input_tokens": len(encode(state, call))})
+    return JSONResponse({"input_tokens": len(await encode_async(state, call))})

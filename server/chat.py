@@ -372,6 +372,19 @@ class Generation:
 INLINE_ENCODE_CHARS = 8192
 
 
+async def encode_async(state, call: Call) -> list:
+    """`encode` without stalling the event loop: a long prompt or one with images on a thread
+    (a short one inline: the thread hand-off and back costs more than the encode: TTFT); image
+    URLs fetched first on the image-URL pool (`server.images.fetch_urls`), so slow URLs never
+    hold the threads other requests encode on."""
+    if call.images:
+        from .images import fetch_urls
+        await fetch_urls(call.images, state.config)
+    if _input_chars(call) <= INLINE_ENCODE_CHARS and not call.images:
+        return encode(state, call)
+    return await asyncio.to_thread(encode, state, call)
+
+
 def _input_chars(call: Call) -> int:
     if call.messages is None:
         return len(call.prompt) if isinstance(call.prompt, (str, list)) else 0
@@ -389,12 +402,7 @@ async def start(state, call: Call, request=None) -> Generation:
     except ValueError as e:
         raise from_exception(e) from None
     await check_tool_schemas(call.tools)
-    # tokenizing a long prompt must not stall the stream being served; a short one is
-    # encoded inline (the thread hand-off and back costs more than the encode: TTFT)
-    if _input_chars(call) <= INLINE_ENCODE_CHARS and not call.images:
-        ids = encode(state, call)
-    else:
-        ids = await asyncio.to_thread(encode, state, call)
+    ids = await encode_async(state, call)
     if uncapped(state, call):
         params = dataclasses.replace(params, max_tokens=context_left(state, len(ids)))
     # context length, then memory admission, before queueing (the engine re-checks both)

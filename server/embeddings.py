@@ -1,15 +1,18 @@
 """OpenAI embeddings: `POST /v1/embeddings`.
 
-The input is tokenized, checked (a 400 naming `input[i]` for an empty string, a token id
-outside the vocabulary, an input over the context) and run on the worker thread between
-two engine steps (`Gateway.between_steps`:
-generations keep running, an embeddings request does not wait for them to finish),
-with no adapter active. Pooling is the server's (`--embeddings-pooling`, else the
+The input is tokenized and checked on a thread of its own (a 400 naming `input[i]` for an
+empty string, a token id outside the vocabulary, an input over the context; 300,000 tokens
+at most together) and grouped (`engine.EmbedJob`: at most `prefill_step_size` padded tokens a
+group, a longer input alone); each group runs on the worker thread between two engine steps
+(`Gateway.between_steps`: generations keep running, a large request never holds them for
+more than one forward, and it does not wait for them to finish), with no adapter active; a
+client that leaves stops it between groups. Pooling is the server's (`--embeddings-pooling`, else the
 checkpoint's `1_Pooling/config.json`, else last-token); vectors are L2-normalised.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import numpy as np
@@ -34,7 +37,7 @@ def encode_vector(v: np.ndarray, fmt: str):
 
 
 async def embeddings(request: Request, validated: EmbeddingRequest):
-    from engine import EmbeddingInputError, embed
+    from engine import EmbedJob, EmbeddingInputError
 
     state = await state_for(request, validated.model)
     if state.config.tensor_parallel:
@@ -45,16 +48,25 @@ async def embeddings(request: Request, validated: EmbeddingRequest):
         raise bad_request(f"dimensions must be at most {hidden} (this model's hidden size), "
                           f"got {dims}", param="dimensions")
 
-    def run():
-        with state.adapters.base_model():
-            return embed(state.model, state.tokenizer, validated.input,
-                         pooling=state.embeddings_pooling, dimensions=dims,
-                         max_tokens=limit)
     limit = min((n for n in (state.ceiling, state.max_position) if n), default=None)
+
+    def plan():       # tokenized and grouped away from the event loop and the model's thread
+        return EmbedJob(state.model, state.tokenizer, validated.input,
+                        pooling=state.embeddings_pooling, dimensions=dims, max_tokens=limit,
+                        batch_tokens=state.engine.prefill_step_size)
     try:
-        out = await state.gateway.between_steps(run)
+        job = await asyncio.to_thread(plan)
     except EmbeddingInputError as e:
         raise _refused(e) from None
+
+    def run(i):      # one group's forward between two decode steps (the last: the result)
+        with state.adapters.base_model():
+            job.run(i)
+            return job.result() if i == len(job.groups) - 1 else None
+    for i in range(len(job.groups)):
+        if i and await request.is_disconnected():
+            raise bad_request("the client left")
+        out = await state.gateway.between_steps(run, i)
     fmt = validated.encoding_format or "float"
     vectors = np.array(out.vectors, copy=False)
     data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, fmt)}

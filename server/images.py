@@ -6,9 +6,10 @@
   (or `{"type": "url", "url"}`);
 - OpenAI Responses: `{"type": "input_image", "image_url": ...}`.
 
-`data:` URLs (base64) always; http(s) URLs only with `--allow-image-urls`, fetched with a
-size cap and a timeout, never from loopback, link-local, private or reserved addresses
-unless `--allow-private-image-urls`. While a protocol's messages are normalized
+`data:` URLs (base64) always; http(s) URLs only with `--allow-image-urls`, fetched on a pool
+of their own with a size cap and a deadline (`--image-url-timeout` for the whole fetch), from
+the address checked when the host was resolved, never from a non-global address (loopback,
+link-local, private, shared, reserved) unless `--allow-private-image-urls`. While a protocol's messages are normalized
 (`collect`), each image part becomes the marker U+FFFC in the message's text; `as_parts`
 turns the markers into the templates' `{"type": "image"}` parts."""
 
@@ -17,10 +18,13 @@ from __future__ import annotations
 import base64
 import binascii
 import contextvars
+import http.client
 import ipaddress
 import socket
+import ssl
+import threading
 import urllib.parse
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -83,7 +87,9 @@ def _data_url(url: str, where: str) -> bytes:
 
 
 def _b64(payload, where: str) -> bytes:
-    if not isinstance(payload, str) or not payload:
+    if not isinstance(payload, str):
+        raise bad_request(f"{where}: the image data must be a base64 string")
+    if not payload:
         raise bad_request(f"{where}: the image data is empty")
     try:
         return base64.b64decode(payload, validate=True)
@@ -96,7 +102,12 @@ def _from_url(url, where: str) -> ImageRef:
         raise bad_request(f"{where}: the image needs a URL (a data: URL or http(s))")
     if url.startswith("data:"):
         return ImageRef(data=_data_url(url, where), where=where)
-    if urllib.parse.urlsplit(url).scheme.lower() in ("http", "https"):
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+    except ValueError:
+        scheme = None
+    if scheme in ("http", "https"):
+        _split(url)                  # (a malformed host or port: a 400 now)
         return ImageRef(url=url, where=where)
     raise bad_request(f"{where}: image URLs must be data: or http(s) URLs")
 
@@ -154,45 +165,129 @@ def as_parts(messages: list, count: int) -> list:
     return out
 
 
-def _check_host(url: str, allow_private: bool) -> None:
-    host = urllib.parse.urlsplit(url).hostname
-    if not host:
-        raise bad_request(f"{url!r}: no host")
+def _split(url: str):
+    """(scheme, host, port, path with query) of an http(s) URL; a 400 when it is malformed."""
     try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError as e:
+        u = urllib.parse.urlsplit(url)
+        host, port = u.hostname, u.port
+    except ValueError as e:          # a bad bracketed host, a port that is not a number
+        raise bad_request(f"the image URL is malformed ({e})") from None
+    if not host:
+        raise bad_request("the image URL has no host")
+    scheme = u.scheme.lower()
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    return scheme, host, port or (443 if scheme == "https" else 80), path
+
+
+def _resolve(host: str, port: int, allow_private: bool) -> str:
+    """The address to connect to: the host resolved once (the connection goes to this very
+    address, so a name cannot answer a public address here and a private one to the
+    connection); a 400 when any of its addresses is not a global one (loopback, link-local,
+    private, shared, reserved...) unless private addresses are allowed."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
         raise bad_request(f"image URL host {host!r} does not resolve ({e})") from None
     for info in infos:
         ip = ipaddress.ip_address(info[4][0].split("%")[0])
-        if not allow_private and (ip.is_loopback or ip.is_link_local or ip.is_private
-                                  or ip.is_reserved or ip.is_multicast or ip.is_unspecified):
-            raise bad_request(f"image URL host {host!r} is a loopback, link-local or private "
-                              "address (--allow-private-image-urls to allow)")
+        if not allow_private and (not ip.is_global or ip.is_multicast):
+            raise bad_request(f"image URL host {host!r} is a loopback, link-local, private or "
+                              "other non-global address (--allow-private-image-urls to allow)")
+    return infos[0][4][0]
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *a, **k):    # a redirect could point anywhere: not followed
-        return None
+class _Pinned(http.client.HTTPSConnection):
+    """HTTPS to an address resolved beforehand, the certificate checked for the URL's host."""
+
+    def __init__(self, host: str, port: int, address: str, timeout: float):
+        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+        self._address = address
+
+    def connect(self):
+        sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
 
 
 def fetch(url: str, max_bytes: int, timeout: float, allow_private: bool) -> bytes:
-    _check_host(url, allow_private)
-    opener = urllib.request.build_opener(_NoRedirect)
+    """The body of a GET of `url` (redirects not followed: one could point anywhere), at most
+    `max_bytes`, within `timeout` seconds in all (a deadline, not a limit on each read)."""
+    scheme, host, port, path = _split(url)
+    address = _resolve(host, port, allow_private)
+    if scheme == "https":
+        conn = _Pinned(host, port, address, timeout)
+    else:
+        conn = http.client.HTTPConnection(address, port, timeout=timeout)
+    expired, held = threading.Event(), []
+
+    def expire():           # the deadline: the socket shut, any read in progress ends
+        expired.set()
+        sock = held[0] if held else conn.sock   # (the response owns it once headers are read)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
     try:
-        with opener.open(urllib.request.Request(url, headers={"User-Agent": "mlx-parity"}),
-                         timeout=timeout) as r:
-            if r.status != 200:
-                raise bad_request(f"image URL answered HTTP {r.status}")
-            data = r.read(max_bytes + 1)
-    except OSError as e:
-        raise bad_request(f"image URL could not be fetched ({e})") from None
+        netloc = host if ":" not in host else f"[{host}]"
+        conn.request("GET", path, headers={
+            "Host": netloc if port in (80, 443) else f"{netloc}:{port}",
+            "User-Agent": "mlx-parity"})
+        held.append(conn.sock)
+        if expired.is_set():
+            expire()
+        r = conn.getresponse()
+        if r.status != 200:
+            raise bad_request(f"image URL answered HTTP {r.status}")
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = r.read(min(65536, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        if expired.is_set():
+            raise bad_request(f"image URL timed out (the fetch took over {timeout:g} s)") from None
+        raise bad_request(f"image URL could not be fetched ({type(e).__name__})") from None
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():
+        raise bad_request(f"image URL timed out (the fetch took over {timeout:g} s)")
     if len(data) > max_bytes:
         raise bad_request(f"image at URL is over {max_bytes:,} bytes")
     return data
 
 
+_FETCH_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="image-url")
+
+
+async def fetch_urls(refs: list, config) -> None:
+    """Fetch the http(s) images of `refs` (their `data` set) on a pool of their own: a slow
+    URL waits there, never on the threads other requests encode on (each fetch ends by its
+    deadline). A 400 when URLs are off on this server or a fetch fails."""
+    import asyncio
+
+    urls = [r for r in refs if r.data is None]
+    if not urls:
+        return
+    if not getattr(config, "allow_image_urls", False):
+        raise bad_request(f"{urls[0].where}: http(s) image URLs are off on this server "
+                          "(--allow-image-urls); send the image as a data: URL")
+    loop = asyncio.get_running_loop()
+    cap = getattr(config, "max_image_bytes", DEFAULT_MAX_IMAGE_BYTES)
+    timeout = getattr(config, "image_url_timeout", DEFAULT_URL_TIMEOUT_S)
+    private = getattr(config, "allow_private_image_urls", False)
+    for ref in urls:
+        ref.data = await loop.run_in_executor(_FETCH_POOL, fetch, ref.url, cap, timeout, private)
+
+
 def fetch_all(refs: list, config) -> list:
-    """The images' bytes (URLs fetched when allowed); runs on a worker thread."""
+    """The images' bytes (URLs fetched when allowed, where `fetch_urls` did not already)."""
     out = []
     cap = getattr(config, "max_image_bytes", DEFAULT_MAX_IMAGE_BYTES)
     for ref in refs:

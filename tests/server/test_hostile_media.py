@@ -9,8 +9,8 @@ Servers: the gemma3_vision fixture (most cases), Gemma 4 with `use_bidirectional
 "vision"` and Qwen2.5-VL (odd images, the same image twice), and the qwen3 text fixture
 (`srv` of conftest: image parts on a text-only model, embeddings).
 
-Tests marked `xfail(strict=True, reason="finding: ...")` assert the correct behaviour of a
-finding of the probe (a bug today); they pass once it is fixed (then drop the mark)."""
+The tests under "findings" assert the correct behaviour where the probe found a bug (each
+fixed in 0.5.4; the comment above each says what it was)."""
 
 from __future__ import annotations
 
@@ -528,10 +528,10 @@ def test_client_disconnect_mid_image_request(vsrv):
     alive(vsrv)
 
 
-# --- findings (xfail until fixed) --------------------------------------------------------
+# --- findings (fixed in 0.5.4) --------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding: a malformed bracketed host in an image URL "
-                   "(urllib.parse.urlsplit raises ValueError) is a 500, on the default server")
+# (a finding of the probe, fixed in 0.5.4: a malformed bracketed host in an image URL
+# (urllib.parse.urlsplit raises ValueError) is a 500, on the default server)
 @pytest.mark.parametrize("url", ["http://[zz]/a.png", "http://[::1/a.png", "http://a]b/x.png",
                                  "http://[127.0.0.1]/a.png"])
 def test_malformed_url_host_is_a_400(vsrv, url):
@@ -543,25 +543,25 @@ def test_malformed_url_host_is_a_400(vsrv, url):
     alive(vsrv)
 
 
-@pytest.mark.xfail(strict=True, reason="finding: a non-numeric port in a fetched image URL "
-                   "(http.client.InvalidURL, not an OSError) is a 500")
+# (a finding of the probe, fixed in 0.5.4: a non-numeric port in a fetched image URL
+# (http.client.InvalidURL, not an OSError) is a 500)
 def test_bad_port_in_fetched_url_is_a_400(vsrv, web):
     with config(vsrv, allow_image_urls=True, allow_private_image_urls=True):
         refused(post(vsrv, "chat", body("chat", url="http://127.0.0.1:abc/a.png")), "chat")
 
 
-@pytest.mark.xfail(strict=True, reason="finding: the URL guard lets carrier-grade NAT "
-                   "addresses (100.64.0.0/10: ipaddress says neither private nor global; "
-                   "Alibaba Cloud's metadata is 100.100.100.200) through; is_global is the test")
+# (a finding of the probe, fixed in 0.5.4: the URL guard lets carrier-grade NAT addresses
+# (100.64.0.0/10: ipaddress says neither private nor global; Alibaba Cloud's metadata is
+# 100.100.100.200) through; is_global is the test)
 def test_url_guard_refuses_shared_address_space(vsrv, no_egress):
     with config(vsrv, allow_image_urls=True, image_url_timeout=1.0):
         msg = refused(post(vsrv, "chat", body("chat", url="http://100.64.0.1/x.png")), "chat")
         assert "--allow-private-image-urls" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="finding: the URL guard resolves the host, then urllib "
-                   "resolves it again to connect (DNS rebinding): a name that answers a public "
-                   "address first and 127.0.0.1 next reads the server's own loopback")
+# (a finding of the probe, fixed in 0.5.4: the URL guard resolves the host, then urllib resolves
+# it again to connect (DNS rebinding): a name that answers a public address first and 127.0.0.1
+# next reads the server's own loopback)
 def test_url_guard_is_not_rebound(vsrv, web, monkeypatch):
     port = int(web.rsplit(":", 1)[1])
     real_gai, real_conn = socket.getaddrinfo, socket.create_connection
@@ -585,9 +585,9 @@ def test_url_guard_is_not_rebound(vsrv, web, monkeypatch):
     refused(r, "chat")
 
 
-@pytest.mark.xfail(strict=True, reason="finding: --image-url-timeout is a per-read socket "
-                   "timeout, not a deadline: a server sending a byte every 0.3 s holds the fetch "
-                   "(and a worker thread) for as long as it likes")
+# (a finding of the probe, fixed in 0.5.4: --image-url-timeout is a per-read socket timeout, not
+# a deadline: a server sending a byte every 0.3 s holds the fetch (and a worker thread) for as
+# long as it likes)
 def test_image_url_timeout_is_a_deadline(vsrv, web):
     with config(vsrv, allow_image_urls=True, allow_private_image_urls=True,
                 image_url_timeout=0.8):
@@ -596,9 +596,9 @@ def test_image_url_timeout_is_a_deadline(vsrv, web):
         assert time.monotonic() - t0 < 2.0
 
 
-@pytest.mark.xfail(strict=True, reason="finding: image URL fetches run on asyncio's default "
-                   "executor (min(32, cpus + 4) threads); that many slow URLs hold every other "
-                   "request's image decoding (a data: image) until they time out")
+# (a finding of the probe, fixed in 0.5.4: image URL fetches run on asyncio's default executor
+# (min(32, cpus + 4) threads); that many slow URLs hold every other request's image decoding (a
+# data: image) until they time out)
 def test_slow_image_urls_do_not_hold_other_image_requests(vsrv, web):
     n = min(32, (os.cpu_count() or 1) + 4) + 1
     with config(vsrv, allow_image_urls=True, allow_private_image_urls=True,
@@ -614,9 +614,9 @@ def test_slow_image_urls_do_not_hold_other_image_requests(vsrv, web):
     assert r.status_code == 200 and took < 1.0, took
 
 
-@pytest.mark.xfail(strict=True, reason="finding: /v1/messages/count_tokens fetches, decodes and "
-                   "preprocesses images on the event loop (encode() inline): every other "
-                   "request, /health included, waits for it")
+# (a finding of the probe, fixed in 0.5.4: /v1/messages/count_tokens fetches, decodes and
+# preprocesses images on the event loop (encode() inline): every other request, /health
+# included, waits for it)
 def test_count_tokens_with_images_does_not_block_the_server(vsrv, web):
     with config(vsrv, allow_image_urls=True, allow_private_image_urls=True,
                 image_url_timeout=1.5):
@@ -771,9 +771,9 @@ def test_concurrent_embeddings_beside_a_stream(srv):
     assert gaps and max(gaps) < 5, max(gaps)
 
 
-@pytest.mark.xfail(strict=True, reason="finding: an embeddings request runs all its forwards in "
-                   "one worker call between two decode steps: every generation stalls for its "
-                   "whole duration (2048 inputs of 4000 token ids, a 16 MB body: hours)")
+# (a finding of the probe, fixed in 0.5.4: an embeddings request runs all its forwards in one
+# worker call between two decode steps: every generation stalls for its whole duration (2048
+# inputs of 4000 token ids, a 16 MB body: hours))
 def test_a_long_embeddings_request_does_not_stall_a_stream(srv):
     with innocent_stream(srv, NO_EOS) as gaps:
         r = post(srv, "emb", {"input": [[7] * 256] * 192}, timeout=300)
