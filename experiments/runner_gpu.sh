@@ -17,7 +17,8 @@
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K, through HTTP: the speculation speed targets).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process).
-# phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE).
+# phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
+#   once per PHASE_VARIANTS entry: - or an env assignment such as MLXP_BUCKETED_SDPA=1).
 # sdpa (experiments/sdpa_plan_probe.py: a new K/V length's cost to a multi-token query, exact vs padded+masked vs composed).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
@@ -138,9 +139,13 @@ if has phases; then
   for m in ${PHASE_MODELS:-1b 8b-q4}; do
     stage "phases $m"
     case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
-    timeout ${PHASES_S:-200} python3 experiments/ttft_phases.py --model /tmp/m/$m --prefix-tokens ${AGENT_PREFIX:-16000} \
-      --turns ${PHASE_TURNS:-6} --server-args "${PHASE_ARGS:-}" --out "$OUT/phases-$m.md" --csv "$OUT/phases-$m.csv" \
-      ${PHASE_PROFILE:+--profile $PHASE_PROFILE} 2>&1 | tail -${PHASE_TAIL:-40}
+    for var in ${PHASE_VARIANTS:--}; do        # "-": as is; else an env assignment (A=1)
+      echo "variant $var"
+      env $([ "$var" = - ] || echo "$var") timeout ${PHASES_S:-200} python3 experiments/ttft_phases.py \
+        --model /tmp/m/$m --prefix-tokens ${AGENT_PREFIX:-16000} --turns ${PHASE_TURNS:-6} --server-args "${PHASE_ARGS:-}" \
+        --out "$OUT/phases-$m-${var//=/_}.md" --csv "$OUT/phases-$m-${var//=/_}.csv" \
+        ${PHASE_PROFILE:+--profile $PHASE_PROFILE} 2>&1 | tail -${PHASE_TAIL:-24}
+    done
   done
 fi
 stage done

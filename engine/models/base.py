@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import engine.kv.dequant_attention as kv_dequant_attention
-from engine.models import composed_sdpa
+from engine.models import bucketed_sdpa, composed_sdpa
 from engine.kv.masks import causal_mask
 
 
@@ -152,6 +152,8 @@ def attention(q, k, v, cache, scale: float, mask):
         return _quantized_attention(q, k, v, scale, mask, cache.group_size, cache.bits)
     if composed_sdpa.takes(q):      # (speculation's forwards: engine.models.composed_sdpa)
         return composed_sdpa.sdpa(q, k, v, scale, mask)
+    if bucketed_sdpa.takes(q):      # (an experiment, CUDA only: engine.models.bucketed_sdpa)
+        return bucketed_sdpa.sdpa(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
