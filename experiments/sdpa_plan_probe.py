@@ -12,9 +12,12 @@ timed with the device synchronised:
     padded    K/V sliced to the length rounded up to `--bucket` columns (the cache buffer's
               tail beyond the real length zeroed), a boolean mask: causal over the real
               columns, False over the padding (one plan a bucket)
-    composed  engine/models/composed_sdpa.py (no cuDNN: the scores materialised)
+    composed  MLX's fallback ops (the scores materialised, no cuDNN; what 0.5.3 ran for
+              speculation's forwards)
+    bucketed  engine/models/bucketed_sdpa.py (0.5.4: query and K/V padded to buckets, an
+              additive mask built once: what the engine runs on CUDA)
 
-and whether `padded` and `composed` equal `exact` bit for bit (`mx.array_equal`) per turn.
+and whether `padded`, `composed` and `bucketed` equal `exact` bit for bit (`mx.array_equal`).
 
     python experiments/sdpa_plan_probe.py [--q 400] [--start 17000] [--turns 8] [--out FILE]
 """
@@ -34,7 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     import mlx.core as mx
 
-    from engine.models.composed_sdpa import sdpa as composed
+    from engine.models.bucketed_sdpa import sdpa as bucketed
+
+    def composed(q, k, v, scale, mask):       # MLX's fallback chain (0.5.3's composed_sdpa)
+        B, H, T, D = q.shape
+        rep = H // k.shape[1]
+        qs = (q * scale).reshape(B, k.shape[1], rep, T, D)
+        s = qs @ mx.expand_dims(k, 2).swapaxes(-1, -2)
+        L = k.shape[2]
+        keep = mx.arange(L)[None] <= mx.arange(L - T, L)[:, None]
+        s = mx.where(keep, s, mx.finfo(s.dtype).min)
+        p = mx.softmax(s, axis=-1, precise=True)
+        return (p @ mx.expand_dims(v, 2)).reshape(B, H, T, D)
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--q", type=int, default=400, help="query tokens (the chunk)")
@@ -84,9 +98,12 @@ def main(argv=None) -> int:
         mx.eval(kp, vp, mask)
         padded, t_pad = timed(lambda: mx.fast.scaled_dot_product_attention(q, kp, vp, scale=scale,
                                                                           mask=mask))
-        comp, t_comp = timed(lambda: composed(q, k, v, scale=scale, mask="causal"))
+        comp, t_comp = timed(lambda: composed(q, k, v, scale, "causal"))
+        buck, t_buck = timed(lambda: bucketed(q, k, v, scale, "causal"))
         row = dict(turn=t, kv=L, bucket=Lb, exact_ms=round(t_exact, 2), same_ms=round(t_same, 2),
                    padded_ms=round(t_pad, 2), composed_ms=round(t_comp, 2),
+                   bucketed_ms=round(t_buck, 2),
+                   bucketed_equal=bool(mx.array_equal(buck, exact).item()),
                    padded_equal=bool(mx.array_equal(padded, exact).item()),
                    composed_equal=bool(mx.array_equal(comp, exact).item()),
                    padded_maxdiff=float(mx.abs(padded.astype(mx.float32)
@@ -95,10 +112,11 @@ def main(argv=None) -> int:
             rows.append(row)
         print(json.dumps(row), flush=True)
     med = {k: round(statistics.median(r[k] for r in rows), 2)
-           for k in ("exact_ms", "same_ms", "padded_ms", "composed_ms")}
+           for k in ("exact_ms", "same_ms", "padded_ms", "composed_ms", "bucketed_ms")}
     summary = dict(device=str(mx.default_device()), mlx=mx.__version__, q=a.q, heads=a.heads,
                    kv_heads=a.kv_heads, dim=a.dim, dtype=a.dtype, bucket=a.bucket, median=med,
                    padded_all_equal=all(r["padded_equal"] for r in rows),
+                   bucketed_all_equal=all(r["bucketed_equal"] for r in rows),
                    composed_all_equal=all(r["composed_equal"] for r in rows))
     print(json.dumps(summary), flush=True)
     if a.out:

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import engine.kv.dequant_attention as kv_dequant_attention
-from engine.models import bucketed_sdpa, composed_sdpa
+from engine.models import bucketed_sdpa
 from engine.kv.masks import causal_mask
 
 
@@ -142,17 +142,15 @@ def rope_and_cache(rope, q, k, v, cache):
 
 
 def attention(q, k, v, cache, scale: float, mask):
-    """SDPA, dispatching to the quantized path when the cache holds quantized K/V, and to
-    MLX's composed ops for speculation's short multi-token forwards."""
+    """SDPA, dispatching to the quantized path when the cache holds quantized K/V, and on
+    CUDA a multi-token query to padded shapes (`engine.models.bucketed_sdpa`)."""
     if cache is not None and getattr(cache, "bits", None):
         if kv_dequant_attention.enabled():   # L3, off by default (see that module)
             k = mx.dequantize(*k, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
             v = mx.dequantize(*v, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return _quantized_attention(q, k, v, scale, mask, cache.group_size, cache.bits)
-    if composed_sdpa.takes(q):      # (speculation's forwards: engine.models.composed_sdpa)
-        return composed_sdpa.sdpa(q, k, v, scale, mask)
-    if bucketed_sdpa.takes(q):      # (an experiment, CUDA only: engine.models.bucketed_sdpa)
+    if bucketed_sdpa.takes(q, mask):    # (multi-token queries on CUDA: recurring cuDNN plans)
         return bucketed_sdpa.sdpa(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 

@@ -38,7 +38,6 @@ from engine.adapters.rows import selected
 from engine.kv.batch_cache import batch_caches
 from engine.kv.batch_quant import batch_caches_q, quantize_group
 from engine.kv.cache import temporal_caches
-from engine.models.composed_sdpa import speculating
 from engine.step.batch_types import BatchRequest, RowEvent
 from engine.step.batch_draft import DraftBatch
 from engine.step.batch_lookup import LookupSteps
@@ -262,8 +261,7 @@ class BatchScheduler(LookupSteps):
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
         if any(r.spec is not None for r in g.rows):    # rows speculate (batch_lookup/_draft)
-            with speculating():                         # (engine.models.composed_sdpa)
-                events = self._lookup_step(g)
+            events = self._lookup_step(g)
             if events is not None:
                 return events
         inputs, cur_lp = g.next_tokens, g.next_logprobs

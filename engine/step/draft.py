@@ -30,7 +30,6 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from engine.kv.quant import KVPolicy
-from engine.models.composed_sdpa import speculating
 from engine.step.rejection import rejection_rule
 from engine.step.speculation import SpecStats
 from engine.step.stepper import greedy, prefill
@@ -96,8 +95,7 @@ def _propose(draft_model, caches: list, inputs: mx.array, k: int, draw,
     gives (token [1], its distribution [1, V] or None)."""
     tokens, dists = [], []
     for _ in range(k):
-        with speculating():          # (its few tokens: engine.models.composed_sdpa)
-            logits = draft_model(inputs[None], cache=caches)[:, -1:, :].squeeze(0)    # [1, V]
+        logits = draft_model(inputs[None], cache=caches)[:, -1:, :].squeeze(0)    # [1, V]
         policy.apply(caches)
         inputs, q = draw(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         mx.async_eval(inputs)
@@ -140,8 +138,7 @@ def draft_generate_step(prompt: mx.array, model, draft_model, *, max_tokens: int
     while handed < max_tokens:
         k = min(num_draft_tokens, max_tokens - handed)
         draft, dists = _propose(draft_model, draft_caches, draft_inputs, k, draw, KVPolicy())
-        with speculating():
-            logits = model(mx.concatenate([last, draft])[None], cache=caches)[0]   # [k + 1, V]
+        logits = model(mx.concatenate([last, draft])[None], cache=caches)[0]   # [k + 1, V]
         policy.apply(caches)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if rule is not None:         # chosen[:ok]: the accepted drafts; then the residual draw

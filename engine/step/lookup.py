@@ -22,7 +22,6 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from engine.kv.quant import KVPolicy
-from engine.models.composed_sdpa import speculating
 from engine.step.speculation import SpecStats
 from engine.step.stepper import prefill
 
@@ -85,8 +84,7 @@ def lookup_generate_step(prompt: mx.array, model, *, max_tokens: int, caches: li
     n = 0
     while n < max_tokens:
         draft = index.propose(min(draft_tokens, max_tokens - n - 1))
-        with speculating():          # (the verify forward: engine.models.composed_sdpa)
-            logits = model(mx.array([[y] + draft]), cache=caches)[0]
+        logits = model(mx.array([[y] + draft]), cache=caches)[0]
         policy.apply(caches)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         toks = mx.argmax(logprobs, axis=-1).tolist()

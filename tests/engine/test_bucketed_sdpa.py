@@ -1,0 +1,73 @@
+"""engine.models.bucketed_sdpa: on CUDA, a multi-token query's attention over padded shapes
+(query rows and key columns to buckets, an additive mask) so cuDNN's plans recur. On the
+H100 it equals the exact call bit for bit (experiments/sdpa_plan_probe.py,
+reports/sdpa_plan/0.5.4); here, on the CPU (MLX's fallback ops), the same padded call is run by
+forcing the route on and must equal the exact call too: the padding adds exact zeros. Also:
+the buckets, the mask (real block, padded columns, padded rows) and the route (CUDA only,
+multi-token queries, boolean or no mask)."""
+
+import mlx.core as mx
+import pytest
+
+from engine.models import base
+from engine.models import bucketed_sdpa as B
+
+CASES = [(5, 300, "causal"), (400, 3000, "causal"), (3, 40, None), (7, 513, "bool"),
+         (16, 16, "causal"), (33, 1000, "prefix"), (2, 257, "causal")]
+
+
+@pytest.mark.parametrize("T,L,kind", CASES)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_padded_call_equals_the_exact_call(T, L, kind, dtype, monkeypatch):
+    mx.random.seed(T * 1000 + L)
+    q = mx.random.normal((2, 4, T, 16)).astype(dtype)
+    k = mx.random.normal((2, 2, L, 16)).astype(dtype)
+    v = mx.random.normal((2, 2, L, 16)).astype(dtype)
+    if kind == "bool":
+        mask = (mx.random.uniform(shape=(2, 1, T, L)) > 0.3) | (mx.arange(L) == 0)
+    elif kind == "prefix":
+        mask = (mx.arange(L)[None] <= mx.arange(L - T, L)[:, None])[None, None]
+    else:
+        mask = kind
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    monkeypatch.setattr(B, "on_cuda", lambda: True)
+    assert B.takes(q, mask)
+    got = base.attention(q, k, v, None, 0.25, mask)
+    assert got.shape == want.shape
+    assert mx.array_equal(got, want).item(), mx.abs(got - want).max().item()
+    # control: a mask that also keeps the padding is not the exact call
+    Tb, Lb = B.bucket(T, 16), B.bucket(L, 256)
+    if Lb > L:
+        loose = mx.zeros((1, 1, Tb, Lb), dtype=dtype)
+        pad = mx.zeros((2, 2, Lb - L, 16), dtype=dtype)
+        qp = mx.concatenate([q, mx.zeros((2, 4, Tb - T, 16), dtype=dtype)], axis=2)
+        bad = mx.fast.scaled_dot_product_attention(
+            qp, mx.concatenate([k, pad], axis=2), mx.concatenate([v, pad], axis=2),
+            scale=0.25, mask=loose)[:, :, :T]
+        assert not mx.array_equal(bad, want).item()
+
+
+def test_buckets_and_the_mask():
+    assert [B.bucket(n, 256) for n in (1, 256, 257, 1000, 17000, 17400, 20480, 20481)] == \
+        [256, 256, 512, 1024, 20480, 20480, 20480, 24576]
+    assert B.bucket(400, 16) == 448 and B.bucket(5, 16) == 16
+    m = B.padded_mask("causal", 3, 5, 4, 7, mx.float32)[0, 0]
+    inf = float("inf")
+    assert m.tolist() == [[0, 0, 0, -inf, -inf, -inf, -inf],
+                          [0, 0, 0, 0, -inf, -inf, -inf],
+                          [0, 0, 0, 0, 0, -inf, -inf],
+                          [0, 0, 0, 0, 0, -inf, -inf]]
+
+
+def test_route():
+    q1, q2 = mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 2, 8))
+    assert not B.takes(q2, "causal")            # the CPU: never
+    B_on = B.on_cuda
+    try:
+        B.on_cuda = lambda: True
+        assert B.takes(q2, None) and B.takes(q2, "causal")
+        assert B.takes(q2, mx.ones((2, 4), dtype=mx.bool_))
+        assert not B.takes(q1, "causal")                        # one token: MLX's decoding path
+        assert not B.takes(q2, mx.zeros((2, 4)))                # an additive mask: as given
+    finally:
+        B.on_cuda = B_on
