@@ -150,7 +150,7 @@ def attention(q, k, v, cache, scale: float, mask):
             v = mx.dequantize(*v, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return _quantized_attention(q, k, v, scale, mask, cache.group_size, cache.bits)
-    if bucketed_sdpa.takes(q, mask):    # (multi-token queries on CUDA: recurring cuDNN plans)
+    if bucketed_sdpa.takes(q, k, mask):    # (multi-token queries on CUDA: recurring cuDNN plans)
         return bucketed_sdpa.sdpa(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 

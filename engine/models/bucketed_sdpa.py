@@ -12,7 +12,9 @@ call's mask does (causal, or the given boolean mask) and none of the padding; th
 query rows are dropped. A bucket's plan then serves every call whose lengths fall in it (at
 most 8 buckets an octave). The mask is additive because MLX turns a boolean mask into an
 additive one of the full [B, H, T, L] shape at every call; an additive [.., T, L] mask is read
-as a broadcast view. It is built once per forward (every layer's call shares it).
+as a broadcast view. It is built once per forward (every layer's call shares it), and only
+while it stays under MAX_MASK_BYTES (64 MiB: a 2048-token chunk over 16K keys): past that the
+chunk's own work dwarfs a plan's build, and the mask's memory would grow with the context.
 
 On an H100 the padded call's output equals the exact call's bit for bit (every probed shape:
 a 400-token chunk over 17-20K keys, a 5-token verify over 300-360; the padding adds exact
@@ -27,6 +29,7 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
+MAX_MASK_BYTES = 64 << 20      # the padded additive mask's size at most
 _CUDA: Optional[bool] = None
 _LAST = threading.local()       # the last mask built: (key, the mask object it came from, mask)
 
@@ -48,11 +51,18 @@ def bucket(n: int, floor: int) -> int:
     return -(-n // step) * step
 
 
-def takes(q: mx.array, mask) -> bool:
-    """Whether attention of queries q [B, H, T, D] with this mask runs `sdpa`: on CUDA, T > 1,
-    the mask None, "causal" or boolean."""
-    return (q.shape[2] > 1 and on_cuda()
-            and (mask is None or isinstance(mask, str) or mask.dtype == mx.bool_))
+def takes(q: mx.array, k: mx.array, mask) -> bool:
+    """Whether attention of queries q [B, H, T, D] over keys k [B, Hkv, L, D] with this mask
+    runs `sdpa`: on CUDA, T > 1, the mask None, "causal" or boolean, and the padded mask at
+    most MAX_MASK_BYTES (a long prompt's big chunks: their own work dwarfs a plan's build)."""
+    if q.shape[2] < 2 or not on_cuda():
+        return False
+    if not (mask is None or isinstance(mask, str) or mask.dtype == mx.bool_):
+        return False
+    rows = 1 if mask is None or isinstance(mask, str) else max(1, mask.size // (
+        mask.shape[-1] * mask.shape[-2]))
+    size = rows * bucket(q.shape[2], 16) * bucket(k.shape[2], 256) * q.dtype.size
+    return size <= MAX_MASK_BYTES
 
 
 def padded_mask(mask, T: int, L: int, Tb: int, Lb: int, dtype) -> mx.array:

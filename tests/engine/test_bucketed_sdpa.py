@@ -31,7 +31,7 @@ def test_padded_call_equals_the_exact_call(T, L, kind, dtype, monkeypatch):
         mask = kind
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     monkeypatch.setattr(B, "on_cuda", lambda: True)
-    assert B.takes(q, mask)
+    assert B.takes(q, k, mask)
     got = base.attention(q, k, v, None, 0.25, mask)
     assert got.shape == want.shape
     assert mx.array_equal(got, want).item(), mx.abs(got - want).max().item()
@@ -60,14 +60,21 @@ def test_buckets_and_the_mask():
 
 
 def test_route():
-    q1, q2 = mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 2, 8))
-    assert not B.takes(q2, "causal")            # the CPU: never
+    q1, q2, k = mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 2, 8)), mx.zeros((1, 1, 4, 8))
+    assert not B.takes(q2, k, "causal")            # the CPU: never
     B_on = B.on_cuda
     try:
         B.on_cuda = lambda: True
-        assert B.takes(q2, None) and B.takes(q2, "causal")
-        assert B.takes(q2, mx.ones((2, 4), dtype=mx.bool_))
-        assert not B.takes(q1, "causal")                        # one token: MLX's decoding path
-        assert not B.takes(q2, mx.zeros((2, 4)))                # an additive mask: as given
+        assert B.takes(q2, k, None) and B.takes(q2, k, "causal")
+        assert B.takes(q2, k, mx.ones((2, 4), dtype=mx.bool_))
+        assert not B.takes(q1, k, "causal")                     # one token: MLX's decoding path
+        assert not B.takes(q2, k, mx.zeros((2, 4)))             # an additive mask: as given
+        # the padded mask past MAX_MASK_BYTES (bf16: 2048 rows over 16K keys is the bound)
+        qb = mx.zeros((1, 2, 2048, 8), dtype=mx.bfloat16)
+        assert B.takes(qb, mx.zeros((1, 1, 16384, 8)), "causal")
+        assert not B.takes(qb, mx.zeros((1, 1, 16385, 8)), "causal")
+        rows = mx.ones((8, 1, 2048, 4096), dtype=mx.bool_)      # 8 rows' masks: 128 MiB padded
+        assert not B.takes(qb, mx.zeros((8, 1, 4096, 8)), rows)
+        assert B.takes(qb, mx.zeros((8, 1, 4096, 8)), rows[:2])
     finally:
         B.on_cuda = B_on
