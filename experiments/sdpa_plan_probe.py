@@ -14,8 +14,9 @@ timed with the device synchronised:
               columns, False over the padding (one plan a bucket)
     composed  MLX's fallback ops (the scores materialised, no cuDNN; what 0.5.3 ran for
               speculation's forwards)
-    bucketed  engine/models/bucketed_sdpa.py (0.5.4: query and K/V padded to buckets, an
-              additive mask built once: what the engine runs on CUDA)
+    bucketed  engine/models/bucketed_sdpa.py (0.5.4: query and K/V padded to buckets, the
+              additive mask MLX makes of `padded`'s boolean one, built once: what the engine
+              runs on CUDA)
 
 and whether `padded`, `composed` and `bucketed` equal `exact` bit for bit (`mx.array_equal`).
 

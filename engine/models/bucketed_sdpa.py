@@ -7,19 +7,18 @@ verify forward and a draft model's catch-up each come with a new query or key le
 each new shape builds a plan: ~38 ms on an H100, against 0.33 ms for the attention itself
 (reports/sdpa_plan/0.5.4/h100). Here, on CUDA, such a call runs over padded shapes: the query
 padded to `bucket(T, 16)` rows, the keys and values to `bucket(L, 256)` columns (zeros), with
-an additive mask in the query's dtype that keeps the real columns exactly as the unpadded
-call's mask does (causal, or the given boolean mask) and none of the padding; the padded
-query rows are dropped. A bucket's plan then serves every call whose lengths fall in it (at
-most 8 buckets an octave). The mask is additive because MLX turns a boolean mask into an
-additive one of the full [B, H, T, L] shape at every call; an additive [.., T, L] mask is read
-as a broadcast view. It is built once per forward (every layer's call shares it), and only
-while it stays under MAX_MASK_BYTES (64 MiB: a 2048-token chunk over 16K keys): past that the
-chunk's own work dwarfs a plan's build, and the mask's memory would grow with the context.
+a mask that keeps the real columns exactly as the unpadded call's mask does (causal, or the
+given boolean mask) and none of the padding; the padded query rows are dropped. A bucket's
+plan then serves every call whose lengths fall in it (at most 8 buckets an octave).
 
-On an H100 the padded call's output equals the exact call's bit for bit (every probed shape:
-a 400-token chunk over 17-20K keys, a 5-token verify over 300-360; the padding adds exact
-zeros) at a fraction of a plan's cost: L1 is unchanged. Elsewhere (the CPU, Metal) attention
-is left as it is: no plans there.
+The mask handed over is the additive one MLX itself would make of that boolean mask (0 kept,
+-inf not, in the query's dtype, materialised at the full [B, H, Tb, Lb] shape: what MLX's CUDA
+path builds from a boolean mask at every call), built once per forward and shared by every
+layer's call, so cuDNN gets the inputs it got in the measured variant (a boolean mask: on the
+H100 bit for bit the exact call's output at 1.75 ms against 38 ms, every probed shape: a
+400-token chunk over 17-20K keys, a 5-token verify over 300-360). It is used only while that
+mask stays under MAX_MASK_BYTES (a long prompt's big chunks keep the exact call: their own
+work dwarfs a plan's build). Elsewhere (the CPU, Metal) attention is left as it is.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-MAX_MASK_BYTES = 64 << 20      # the padded additive mask's size at most
+MAX_MASK_BYTES = 1 << 30       # the padded mask's size at most ([B, H, Tb, Lb] in q's dtype)
 _CUDA: Optional[bool] = None
 _LAST = threading.local()       # the last mask built: (key, the mask object it came from, mask)
 
@@ -53,15 +52,14 @@ def bucket(n: int, floor: int) -> int:
 
 def takes(q: mx.array, k: mx.array, mask) -> bool:
     """Whether attention of queries q [B, H, T, D] over keys k [B, Hkv, L, D] with this mask
-    runs `sdpa`: on CUDA, T > 1, the mask None, "causal" or boolean, and the padded mask at
-    most MAX_MASK_BYTES (a long prompt's big chunks: their own work dwarfs a plan's build)."""
+    runs `sdpa`: on CUDA, T > 1, the mask None, "causal" or boolean, and the padded mask
+    [B, H, Tb, Lb] at most MAX_MASK_BYTES."""
     if q.shape[2] < 2 or not on_cuda():
         return False
     if not (mask is None or isinstance(mask, str) or mask.dtype == mx.bool_):
         return False
-    rows = 1 if mask is None or isinstance(mask, str) else max(1, mask.size // (
-        mask.shape[-1] * mask.shape[-2]))
-    size = rows * bucket(q.shape[2], 16) * bucket(k.shape[2], 256) * q.dtype.size
+    size = q.shape[0] * q.shape[1] * bucket(q.shape[2], 16) * bucket(k.shape[2], 256)
+    size *= q.dtype.size
     return size <= MAX_MASK_BYTES
 
 
@@ -93,12 +91,13 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
     B, H, T, D = q.shape
     L = k.shape[2]
     Tb, Lb = bucket(T, 16), bucket(L, 256)
-    key = (mask if isinstance(mask, str) or mask is None else id(mask), T, L, q.dtype)
+    key = (mask if isinstance(mask, str) or mask is None else id(mask), B, H, T, L, q.dtype)
     last = getattr(_LAST, "v", None)
     if last is not None and last[0] == key and (isinstance(mask, str) or last[1] is mask):
         bias = last[2]
     else:
-        bias = padded_mask(mask, T, L, Tb, Lb, q.dtype)
+        bias = mx.contiguous(mx.broadcast_to(padded_mask(mask, T, L, Tb, Lb, q.dtype),
+                                             (B, H, Tb, Lb)))
         _LAST.v = (key, mask, bias)
     if Lb > L:
         pad = mx.zeros((B, k.shape[1], Lb - L, D), dtype=k.dtype)

@@ -69,12 +69,14 @@ def test_route():
         assert B.takes(q2, k, mx.ones((2, 4), dtype=mx.bool_))
         assert not B.takes(q1, k, "causal")                     # one token: MLX's decoding path
         assert not B.takes(q2, k, mx.zeros((2, 4)))             # an additive mask: as given
-        # the padded mask past MAX_MASK_BYTES (bf16: 2048 rows over 16K keys is the bound)
-        qb = mx.zeros((1, 2, 2048, 8), dtype=mx.bfloat16)
-        assert B.takes(qb, mx.zeros((1, 1, 16384, 8)), "causal")
-        assert not B.takes(qb, mx.zeros((1, 1, 16385, 8)), "causal")
-        rows = mx.ones((8, 1, 2048, 4096), dtype=mx.bool_)      # 8 rows' masks: 128 MiB padded
-        assert not B.takes(qb, mx.zeros((8, 1, 4096, 8)), rows)
-        assert B.takes(qb, mx.zeros((8, 1, 4096, 8)), rows[:2])
+        # the padded mask [B, H, Tb, Lb] past MAX_MASK_BYTES (1 GiB): 32 heads, bf16, one
+        # row: 2048 queries over 8K keys is the bound; 4 rows: 2K keys
+        qb = mx.zeros((1, 32, 2048, 8), dtype=mx.bfloat16)
+        assert B.takes(qb, mx.zeros((1, 8, 8192, 8)), "causal")
+        assert not B.takes(qb, mx.zeros((1, 8, 8193, 8)), "causal")
+        q4 = mx.zeros((4, 32, 2048, 8), dtype=mx.bfloat16)
+        rows = mx.ones((4, 1, 2048, 2048), dtype=mx.bool_)
+        assert B.takes(q4, mx.zeros((4, 8, 2048, 8)), rows)
+        assert not B.takes(q4, mx.zeros((4, 8, 2049, 8)), rows)
     finally:
         B.on_cuda = B_on
