@@ -44,6 +44,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from engine.adapters.lora import adapter_config, adapter_weights, apply_lora, save_adapter
+from engine.models.bucketed_sdpa import exact_shapes
 
 from .data import BatchIterator, Dataset, rng_state, set_rng_state
 from .distributed import DataParallel, data_parallel, silent
@@ -129,7 +130,17 @@ def make_optimizer(cfg: TrainConfig):
 
 
 def loss_and_grad_fn(model, cfg: TrainConfig) -> Callable:
-    """(model, batch, lengths) -> ((loss, ntoks), grads) for the configured mode."""
+    """(model, batch, lengths) -> ((loss, ntoks), grads) for the configured mode; attention
+    at exact shapes (`engine.models.bucketed_sdpa.exact_shapes`: mlx-lm's kernels on CUDA)."""
+    fn = _loss_and_grad_fn(model, cfg)
+
+    def exact(m, b, l):
+        with exact_shapes():
+            return fn(m, b, l)
+    return exact
+
+
+def _loss_and_grad_fn(model, cfg: TrainConfig) -> Callable:
     if cfg.segment_size:
         return lambda m, b, l: segmented_value_and_grad(
             m, b, l, cfg.segment_size, head=cfg.loss_head, chunk_size=cfg.chunk_size,
@@ -160,7 +171,8 @@ def evaluate(model, dataset: Dataset, batch_size: int, num_batches: int, max_seq
             batch, lengths = next(it)
         except StopIteration:
             break
-        loss, toks = sft_loss(model, batch, lengths, head=head, chunk_size=chunk_size)
+        with exact_shapes():
+            loss, toks = sft_loss(model, batch, lengths, head=head, chunk_size=chunk_size)
         total = total + loss * toks
         ntok = ntok + toks
         mx.eval(total, ntok)

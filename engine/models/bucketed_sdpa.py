@@ -24,6 +24,7 @@ work dwarfs a plan's build). Elsewhere (the CPU, Metal) attention is left as it 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -31,6 +32,7 @@ import mlx.core as mx
 MAX_MASK_BYTES = 1 << 30       # the padded mask's size at most ([B, H, Tb, Lb] in q's dtype)
 _CUDA: Optional[bool] = None
 _LAST = threading.local()       # the last mask built: (key, the mask object it came from, mask)
+_OFF = threading.local()        # on: `exact_shapes()`
 
 
 def on_cuda() -> bool:
@@ -50,11 +52,24 @@ def bucket(n: int, floor: int) -> int:
     return -(-n // step) * step
 
 
+@contextmanager
+def exact_shapes():
+    """Within (this thread): attention at the exact shapes, as MLX runs it (the trainer: a
+    gradient's backward through padded shapes could take another kernel, and its sequence
+    lengths do not change from step to step the way an agent's turns do)."""
+    before = getattr(_OFF, "on", False)
+    _OFF.on = True
+    try:
+        yield
+    finally:
+        _OFF.on = before
+
+
 def takes(q: mx.array, k: mx.array, mask) -> bool:
     """Whether attention of queries q [B, H, T, D] over keys k [B, Hkv, L, D] with this mask
     runs `sdpa`: on CUDA, T > 1, the mask None, "causal" or boolean, and the padded mask
     [B, H, Tb, Lb] at most MAX_MASK_BYTES."""
-    if q.shape[2] < 2 or not on_cuda():
+    if q.shape[2] < 2 or not on_cuda() or getattr(_OFF, "on", False):
         return False
     if not (mask is None or isinstance(mask, str) or mask.dtype == mx.bool_):
         return False

@@ -68,6 +68,9 @@ def test_route():
         assert B.takes(q2, k, None) and B.takes(q2, k, "causal")
         assert B.takes(q2, k, mx.ones((2, 4), dtype=mx.bool_))
         assert not B.takes(q1, k, "causal")                     # one token: MLX's decoding path
+        with B.exact_shapes():                                  # (the trainer's steps)
+            assert not B.takes(q2, k, "causal")
+        assert B.takes(q2, k, "causal")
         assert not B.takes(q2, k, mx.zeros((2, 4)))             # an additive mask: as given
         # the padded mask [B, H, Tb, Lb] past MAX_MASK_BYTES (1 GiB): 32 heads, bf16, one
         # row: 2048 queries over 8K keys is the bound; 4 rows: 2K keys
