@@ -14,7 +14,8 @@ plan then serves every call whose lengths fall in it (at most 8 buckets an octav
 The mask handed over is the additive one MLX itself would make of that boolean mask (0 kept,
 -inf not, in the query's dtype, materialised at the full [B, H, Tb, Lb] shape: what MLX's CUDA
 path builds from a boolean mask at every call), built once per forward and shared by every
-layer's call, so cuDNN gets the inputs it got in the measured variant (a boolean mask: on the
+layer's call while it is at most KEEP_MASK_BYTES (a bigger one is built per call, as MLX would),
+so cuDNN gets the inputs it got in the measured variant (a boolean mask: on the
 H100 bit for bit the exact call's output at 1.75 ms against 38 ms, every probed shape: a
 400-token chunk over 17-20K keys, a 5-token verify over 300-360). It is used only while that
 mask stays under MAX_MASK_BYTES (a long prompt's big chunks keep the exact call: their own
@@ -30,6 +31,7 @@ from typing import Optional, Union
 import mlx.core as mx
 
 MAX_MASK_BYTES = 1 << 30       # the padded mask's size at most ([B, H, Tb, Lb] in q's dtype)
+KEEP_MASK_BYTES = 64 << 20     # a mask this small is built once for all layers (else per call)
 _CUDA: Optional[bool] = None
 _LAST = threading.local()       # the last mask built: (key, the mask object it came from, mask)
 _OFF = threading.local()        # on: `exact_shapes()`
@@ -113,7 +115,8 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
     else:
         bias = mx.contiguous(mx.broadcast_to(padded_mask(mask, T, L, Tb, Lb, q.dtype),
                                              (B, H, Tb, Lb)))
-        _LAST.v = (key, mask, bias)
+        # kept for the next layers' calls only while small: it outlives the forward
+        _LAST.v = (key, mask, bias) if bias.nbytes <= KEEP_MASK_BYTES else None
     if Lb > L:
         pad = mx.zeros((B, k.shape[1], Lb - L, D), dtype=k.dtype)
         k = mx.concatenate([k, pad], axis=2)

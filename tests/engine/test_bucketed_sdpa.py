@@ -83,3 +83,15 @@ def test_route():
         assert not B.takes(q4, mx.zeros((4, 8, 2049, 8)), rows)
     finally:
         B.on_cuda = B_on
+
+
+def test_a_big_mask_is_not_kept(monkeypatch):
+    """The mask shared by a forward's layers outlives the forward: only a small one is kept."""
+    monkeypatch.setattr(B, "on_cuda", lambda: True)
+    q, k = mx.zeros((1, 2, 3, 8)), mx.zeros((1, 1, 300, 8))
+    B.sdpa(q, k, k, 0.5, "causal")
+    assert B._LAST.v is not None and B._LAST.v[2].shape == (1, 2, 16, 512)
+    monkeypatch.setattr(B, "KEEP_MASK_BYTES", 1024)
+    k2 = mx.zeros((1, 1, 301, 8))                      # (another shape: a new mask)
+    B.sdpa(q, k2, k2, 0.5, "causal")
+    assert B._LAST.v is None
