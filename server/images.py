@@ -42,7 +42,7 @@ MAX_IMAGES = 16
 @dataclass
 class ImageRef:
     data: Optional[bytes] = None      # decoded data: URL / base64 source
-    url: Optional[str] = None         # an http(s) URL, fetched by `fetch_all`
+    url: Optional[str] = None         # an http(s) URL, fetched by `fetch_urls`
     where: str = "image"
 
 
@@ -286,23 +286,16 @@ async def fetch_urls(refs: list, config) -> None:
         ref.data = await loop.run_in_executor(_FETCH_POOL, fetch, ref.url, cap, timeout, private)
 
 
-def fetch_all(refs: list, config) -> list:
-    """The images' bytes (URLs fetched when allowed, where `fetch_urls` did not already)."""
-    out = []
+def image_bytes(refs: list, config) -> list:
+    """The images' bytes, each within the size cap (http(s) images: fetched by `fetch_urls`
+    before the encode, which every route awaits)."""
     cap = getattr(config, "max_image_bytes", DEFAULT_MAX_IMAGE_BYTES)
     for ref in refs:
-        if ref.data is not None:
-            data = ref.data
-        elif not getattr(config, "allow_image_urls", False):
-            raise bad_request(f"{ref.where}: http(s) image URLs are off on this server "
-                              "(--allow-image-urls); send the image as a data: URL")
-        else:
-            data = fetch(ref.url, cap, getattr(config, "image_url_timeout", DEFAULT_URL_TIMEOUT_S),
-                         getattr(config, "allow_private_image_urls", False))
-        if len(data) > cap:
+        if ref.data is None:
+            raise RuntimeError("image URLs are fetched by fetch_urls before the encode")
+        if len(ref.data) > cap:
             raise bad_request(f"{ref.where}: the image is over {cap:,} bytes")
-        out.append(data)
-    return out
+    return [ref.data for ref in refs]
 
 
 def vision_encode(state, call) -> tuple:
@@ -311,7 +304,7 @@ def vision_encode(state, call) -> tuple:
 
     if getattr(state.config, "tensor_parallel", False):
         raise bad_request("images are not supported on a tensor-parallel server")
-    data = fetch_all(call.images, state.config)
+    data = image_bytes(call.images, state.config)
     messages = as_parts(call.messages, len(data))
     try:
         return state.engine.vision_prompt(messages, data, tools=call.tools,

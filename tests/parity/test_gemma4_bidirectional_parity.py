@@ -7,8 +7,6 @@ prompt's `mm_token_type_ids`, as `mlx_vlm.generate` passes the processor's), wit
 `mx.array_equal`; a negative control: without the overlay mlx-vlm's logits differ."""
 
 import io
-import json
-import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -50,14 +48,8 @@ TWO = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": 
 def setup(request, tmp_path_factory):
     family, *args = request.param
     fixtures = gemma4_vision if family == "gemma4" else gemma4_unified_vision
-    src = fixtures.ensure_fixture(*args)
-    path = tmp_path_factory.mktemp("g4bi")
-    for f in src.iterdir():
-        if f.is_file():
-            shutil.copy(f, path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.setdefault("text_config", {})["use_bidirectional_attention"] = "vision"
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = gemma4_vision.bidirectional_copy(fixtures.ensure_fixture(*args),
+                                            tmp_path_factory.mktemp("g4bi"))
     ref, processor = (vlm if family == "gemma4" else vlm_unified).load(path)
     assert ref.language_model.config.use_bidirectional_attention == "vision"
     ours, _ = load_model(path)

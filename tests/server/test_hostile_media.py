@@ -19,7 +19,6 @@ import io
 import json
 import os
 import re
-import shutil
 import socket
 import struct
 import threading
@@ -638,14 +637,8 @@ def msrv(request, tmp_path_factory):
     if request.param == "qwen2_5_vl":
         path = qwen2_5_vl.ensure_fixture("float32")
     else:
-        src = gemma4_vision.ensure_fixture("float32")
-        path = tmp_path_factory.mktemp("g4bi")
-        for f in src.iterdir():
-            if f.is_file():
-                shutil.copy(f, path)
-        cfg = json.loads((path / "config.json").read_text())
-        cfg.setdefault("text_config", {})["use_bidirectional_attention"] = "vision"
-        (path / "config.json").write_text(json.dumps(cfg))
+        path = gemma4_vision.bidirectional_copy(gemma4_vision.ensure_fixture("float32"),
+                                                tmp_path_factory.mktemp("g4bi"))
     s = start_server(path, prompt_cache_bytes=64 << 20, batch=4)
     if request.param != "qwen2_5_vl":
         assert s.model.whole_image_prompts
