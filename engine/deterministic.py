@@ -27,11 +27,13 @@ checks each property on its own and end to end):
 With max_batch 1 the Engine runs every request on the batch runner (one row) in this
 mode, so one code path serves every batch size.
 
-Not here yet (the GPU part of #41): batch-invariant kernels for the fast runner (L3) and
-for MLX's GPU matmuls and attention, whose reduction split depends on the number of rows.
-Their switch is `engine.fast.config.FastConfig.deterministic`, which `check` sets and the
-fast runner (`engine.fast.apply.fast_step_for`) refuses until they exist; `check` refuses a
-GPU default device for the same reason.
+On CUDA (MLX's CUDA backend) the stock kernels are not invariant: the matmuls pick their
+kernel and reduction split by the number of rows, and attention decodes with one kernel and
+prefills with another (cuDNN), each splitting the keys by the call's lengths. There `prepare`
+makes the model run `engine.fast.invariant`'s batch-invariant forms (every matmul on blocks of
+a fixed number of rows, attention through a kernel whose order depends on the row alone), for
+the full-attention dense models it covers (`engine.fast.invariant.SUPPORTED`), with float KV
+and without adapters. Metal and the fast runner (`--tier l3`) are refused: no invariant kernels.
 """
 
 from __future__ import annotations
@@ -41,33 +43,72 @@ from typing import Optional
 
 import mlx.core as mx
 
-__all__ = ["DeterministicUnsupported", "check", "why_not_deterministic"]
+from engine.fast import invariant
+
+__all__ = ["DeterministicUnsupported", "check", "prepare", "why_not_deterministic"]
 
 
 class DeterministicUnsupported(ValueError):
     """Deterministic mode asked for where it is not built (the message says why)."""
 
 
-def why_not_deterministic(levers=None, device=None) -> Optional[str]:
-    """Why deterministic mode cannot run with these levers on this device (None: it can)."""
+def on_cuda(device=None) -> bool:
+    """Whether `device` (default: the default device) is a GPU of MLX's CUDA backend."""
+    device = device if device is not None else mx.default_device()
+    return device.type == mx.gpu and not mx.metal.is_available()
+
+
+def why_not_deterministic(levers=None, device=None, model=None, kv_quantized: bool = False) -> Optional[str]:
+    """Why deterministic mode cannot run with these levers on this device, for this model
+    (None: it can). kv_quantized: the engine stores K/V quantized."""
     if levers is not None and levers.fast_decode:
         return ("--deterministic does not run with the fast runner (--tier l3 or a fast "
                 "lever: compiled_decode, perf_kernel, fused_sdpa) yet: its batch-invariant "
                 "kernels are not built; use --tier l1")
     device = device if device is not None else mx.default_device()
-    if device.type != mx.cpu:
-        return ("--deterministic is built for the CPU backend only: on a GPU the stock "
+    if device.type == mx.cpu:
+        return None
+    if not on_cuda(device):
+        return ("--deterministic is built for the CPU and CUDA backends: on Metal the stock "
                 "matmul and attention kernels split their reductions by the number of rows, "
-                "and batch-invariant ones are not built yet")
+                "and batch-invariant ones are not built there")
+    if kv_quantized:
+        return ("--deterministic on a GPU keeps K/V in the model's dtype: quantized KV "
+                "(--kv-bits, --kv-config) has no batch-invariant attention yet")
+    if model is not None:
+        return invariant.why_unsupported(model)
     return None
 
 
-def check(levers=None, device=None):
+def check(levers=None, device=None, model=None, kv_quantized: bool = False):
     """The levers to run deterministic mode with (their fast config marked deterministic),
     or `DeterministicUnsupported`."""
-    why = why_not_deterministic(levers, device)
+    why = why_not_deterministic(levers, device, model, kv_quantized)
     if why is not None:
         raise DeterministicUnsupported(why)
     if levers is None:
         return None
     return replace(levers, fast=replace(levers.fast, deterministic=True))
+
+
+def refuses_adapters() -> bool:
+    """Whether requests with adapters are refused (deterministic mode on CUDA: their low-rank
+    matmuls have no batch-invariant form yet)."""
+    return invariant.enabled()
+
+
+def prepare(*models, device=None) -> bool:
+    """On CUDA: the models' matmuls on fixed row blocks and every attention through the
+    batch-invariant kernel (`engine.fast.invariant`). Elsewhere nothing (the CPU's stock
+    kernels are invariant). Returns whether anything was changed."""
+    if not on_cuda(device):
+        return False
+    for model in models:
+        why = invariant.why_unsupported(model) if model is not None else None
+        if why is not None:
+            raise DeterministicUnsupported(why)
+    for model in models:
+        if model is not None:
+            invariant.apply(model)
+    invariant.enable()
+    return True

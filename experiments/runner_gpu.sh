@@ -19,6 +19,7 @@
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
 #   once per PHASE_VARIANTS entry: - or an env assignment such as MLXP_BUCKETED_SDPA=1).
+# det (experiments/deterministic_gpu.py: the batch-invariant kernels op by op, the needle on 1b bf16 and 4-bit, controls, cost).
 # sdpa (experiments/sdpa_plan_probe.py: a new K/V length's cost to a multi-token query, exact vs padded+masked vs composed).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
@@ -128,6 +129,12 @@ if has agent; then
       --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
     mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
   done
+fi
+if has det; then
+  stage det
+  [ -d /tmp/m/1b-q4 ] || python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4
+  timeout ${DET_S:-300} python3 experiments/deterministic_gpu.py --model /tmp/m/1b --quant-model /tmp/m/1b-q4 \
+    --out "$OUT/det" ${DET_ARGS:-} 2>&1 | tail -${DET_TAIL:-12}
 fi
 if has sdpa; then
   stage sdpa

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import engine.kv.dequant_attention as kv_dequant_attention
+from engine.fast import invariant
 from engine.models import bucketed_sdpa
 from engine.kv.masks import causal_mask
 
@@ -142,7 +143,8 @@ def rope_and_cache(rope, q, k, v, cache):
 
 
 def attention(q, k, v, cache, scale: float, mask):
-    """SDPA, dispatching to the quantized path when the cache holds quantized K/V, and on
+    """SDPA, dispatching to the quantized path when the cache holds quantized K/V, in
+    deterministic mode on CUDA to the batch-invariant kernel (`engine.fast.invariant`), and on
     CUDA a multi-token query to padded shapes (`engine.models.bucketed_sdpa`)."""
     if cache is not None and getattr(cache, "bits", None):
         if kv_dequant_attention.enabled():   # L3, off by default (see that module)
@@ -150,6 +152,8 @@ def attention(q, k, v, cache, scale: float, mask):
             v = mx.dequantize(*v, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return _quantized_attention(q, k, v, scale, mask, cache.group_size, cache.bits)
+    if invariant.enabled():    # (deterministic mode on CUDA: a query's result its own)
+        return invariant.attention(q, k, v, scale, mask, cache)
     if bucketed_sdpa.takes(q, k, mask):    # (multi-token queries on CUDA: recurring cuDNN plans)
         return bucketed_sdpa.sdpa(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

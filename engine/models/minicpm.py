@@ -48,7 +48,7 @@ class Model(llama.Model):
     def head(self, h):
         h = self.model.norm(h)
         if self.args.tie_word_embeddings:
-            return h @ self.model.embed_tokens.weight.T
+            return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h / (self.args.hidden_size / self.args.dim_model_base))
 
     def sanitize(self, weights: dict) -> dict:

@@ -43,7 +43,7 @@ import time
 from collections import deque
 from typing import Optional
 
-from engine.deterministic import check as deterministic_levers
+from engine import deterministic as determinism
 from engine.step.batch import BatchScheduler, RowEvent
 from engine.kv.quant import make_policy
 from engine.step.request import (PromptError, RequestOutput, RequestState, SamplingParams,
@@ -95,7 +95,9 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.deterministic = bool(deterministic)
         if self.deterministic:    # (DeterministicUnsupported where it is not built)
-            levers = deterministic_levers(levers)
+            levers = determinism.check(levers, model=model,
+                                       kv_quantized=kv_bits is not None or kv_config is not None)
+            determinism.prepare(model, draft_model)   # (CUDA: engine.fast.invariant)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.prompt_cache = prompt_cache
@@ -269,6 +271,9 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         adapter = tuple(adapter or ())
         if adapter and self.adapters is None:
             raise ValueError("this engine has no adapter registry")
+        if adapter and self.deterministic and determinism.refuses_adapters():
+            raise ValueError("--deterministic on a GPU does not run adapters yet (their low-rank "
+                             "matmuls have no batch-invariant form); run without adapters or on the CPU")
         if cache_namespace is None:
             cache_namespace = (self.adapters.namespace(adapter) if self.adapters is not None
                                else BASE_NAMESPACE)

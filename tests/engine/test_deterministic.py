@@ -22,10 +22,11 @@ from engine import Engine, SamplingParams
 from engine.deterministic import DeterministicUnsupported, why_not_deterministic
 from engine.kv.prompt_cache import PromptCache
 from engine.levers import parse_spec
+from parity.needle import GREEDY, drive, ids, needle, same
 from starter.models import ensure_fixture
 
-GREEDY = SamplingParams(max_tokens=14, temperature=0.0)
 _models: dict = {}
+_ids, _drive, _same = ids, drive, same
 
 
 def _load(family, dtype="float32"):
@@ -34,69 +35,18 @@ def _load(family, dtype="float32"):
     return _models[(family, dtype)]
 
 
-def _ids(rng, lo, hi):
-    return [rng.randrange(4, 1000) for _ in range(rng.randint(lo, hi))]
-
-
-def _drive(eng, plan, abort_at=None):
-    """plan: [(step, prompt, params)] submitted at that step, in list order. abort_at:
-    (step, plan index) aborted then. Returns per plan entry (tokens, logprob vectors)."""
-    rids, out, step = {}, {}, 0
-    last = max(p[0] for p in plan)
-    while step <= last or eng.has_unfinished():
-        for k, (at, prompt, params) in enumerate(plan):
-            if at == step:
-                rids[k] = eng.submit(prompt, params)
-                out[rids[k]] = ([], [])
-        if abort_at is not None and abort_at[0] == step and abort_at[1] in rids:
-            eng.abort(rids[abort_at[1]])
-        for o in eng.step():
-            assert o.error is None, o.error
-            out[o.request_id][0].extend(o.token_ids)
-            out[o.request_id][1].extend(o.logprob_arrays)
-        step += 1
-    return [out[rids[k]] for k in range(len(plan))]
-
-
 def _engine(model, tok, **kw):
     kw.setdefault("max_batch", 32)
     return Engine(model, tok, keep_logprob_arrays=True, **kw)
-
-
-def _same(a, b) -> bool:
-    return (a[0] == b[0] and len(a[1]) == len(b[1]) == len(a[0])
-            and all(mx.array_equal(x, y).item() for x, y in zip(a[1], b[1])))
-
-
-def _crowd(rng, target, others):
-    """The target among `others` rows: random prompt lengths (1..60 tokens), join steps
-    (0..12), max_tokens (1..30), the target joining at step 2 at a random place among the
-    rows joining then; returns (plan, the target's index, a row to abort mid-flight)."""
-    plan = [(rng.randint(0, 12), _ids(rng, 1, 60),
-             SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0))
-            for _ in range(others)]
-    at = rng.randint(0, len(plan))
-    plan.insert(at, (2, target, GREEDY))
-    plan.sort(key=lambda p: p[0])           # (stable: the target keeps its place)
-    t = next(i for i, p in enumerate(plan) if p[1] is target)
-    victim = (rng.randint(3, 10), (t + 1) % len(plan)) if others > 1 else None
-    return plan, t, victim
 
 
 def _needle(model, tok, deterministic, seed=0):
     """[(others, same tokens and logprobs as alone)] for 1, 7 and 31 other rows."""
     rng = random.Random(seed)
     target = _ids(rng, 20, 45)
-    alone = _drive(_engine(model, tok, max_batch=1, deterministic=deterministic)
-                   if deterministic else _engine(model, tok, max_batch=2),
-                   [(0, target, GREEDY)])[0]
-    assert len(alone[0]) > 0
-    result = []
-    for others in (1, 7, 31):
-        plan, t, victim = _crowd(rng, target, others)
-        got = _drive(_engine(model, tok, deterministic=deterministic), plan, victim)[t]
-        result.append((others, _same(got, alone)))
-    return result
+    alone = (_engine(model, tok, max_batch=1, deterministic=deterministic)
+             if deterministic else _engine(model, tok, max_batch=2))
+    return needle(lambda: _engine(model, tok, deterministic=deterministic), alone, target, rng)
 
 
 @pytest.mark.parametrize("family,dtype", [
@@ -267,12 +217,19 @@ def test_stats_and_max_batch_one():
     assert Engine(model, tok, max_batch=1).stats()["deterministic"] is False
 
 
-def test_refused_with_the_fast_runner_and_on_a_gpu():
+def test_refused_with_the_fast_runner_on_metal_and_where_cuda_has_no_kernels(monkeypatch):
     model, tok = _load("llama")
     with pytest.raises(DeterministicUnsupported, match="fast runner"):
         Engine(model, tok, max_batch=4, deterministic=True, levers=parse_spec("l3"))
-    assert "CPU backend only" in why_not_deterministic(None, mx.Device(mx.gpu))
+    gpu = mx.Device(mx.gpu)
     assert why_not_deterministic(parse_spec("l1"), mx.Device(mx.cpu)) is None
+    # CUDA (a GPU device where Metal is not): dense full-attention models, float KV
+    assert why_not_deterministic(parse_spec("l1"), gpu, model) is None
+    assert "quantized KV" in why_not_deterministic(None, gpu, model, kv_quantized=True)
+    gemma, _ = _load("gemma3_text")
+    assert "full-attention dense models" in why_not_deterministic(None, gpu, gemma)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    assert "on Metal" in why_not_deterministic(None, gpu, model)
     # the fast path's own switch: refused where it would run, until its kernels exist
     from dataclasses import replace
 
