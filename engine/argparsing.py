@@ -109,7 +109,7 @@ def add_deterministic_flag(a) -> None:
     a("--deterministic", action="store_true",
       help="batch-invariant logits: a request's logprobs and greedy or seeded tokens do not "
       "depend on the other requests in the batch, the prefill chunking or a prompt-cache hit "
-      "(CPU, --tier l1; docs/deterministic.md)")
+      "(CPU, or CUDA for dense full-attention models; --tier l1; docs/deterministic.md)")
 
 
 def add_speculation_flags(a) -> None:

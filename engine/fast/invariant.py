@@ -41,7 +41,7 @@ CH = 256                  # an attention chunk's keys
 PARTIAL_BYTES = 256 << 20  # the pass-1 partials of one call at most (longer queries: several calls)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
 _ON = False
-_LAST: dict = {}          # the row ranges of the last mask seen (shared by a forward's layers)
+_LAST: dict = {}          # per kind, the last (key, value) built: a forward's layers share them
 
 
 def enable(on: bool = True) -> None:
@@ -67,14 +67,28 @@ def why_unsupported(model) -> Optional[str]:
 
 # --- matmuls ---------------------------------------------------------------------------
 
+def _last(kind: str, key, make):
+    """make(), or what it made last time for this kind when `key` is the same (`key` holds
+    the arrays it depends on, compared by identity and kept, so none is freed and its id
+    reused; other entries compared by value)."""
+    hit = _LAST.get(kind)
+    if hit is not None and len(hit[0]) == len(key) and all(
+            a is b or (not isinstance(a, mx.array) and not isinstance(b, mx.array) and a == b)
+            for a, b in zip(hit[0], key)):
+        return hit[1]
+    out = make()
+    _LAST[kind] = (key, out)
+    return out
+
+
 def blocked(fn, x: mx.array) -> mx.array:
-    """fn (a row-wise matmul) over x's rows in blocks of exactly ROWS rows (zero padded)."""
+    """fn (a row-wise matmul) over x's rows in blocks of exactly ROWS rows (zero padded; the
+    padded input is kept for the next call on the same x: q/k/v, gate/up)."""
     lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    n = rows.shape[0]
+    n = x.size // k
     pad = -n % ROWS
-    if pad:
-        rows = mx.concatenate([rows, mx.zeros((pad, k), rows.dtype)])
+    rows = _last("rows", (x,), lambda: mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))) if pad
+                 else x.reshape(-1, k))
     outs = [fn(rows[i:i + ROWS]) for i in range(0, n + pad, ROWS)]
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return out[:n].reshape(*lead, out.shape[-1])
@@ -147,16 +161,10 @@ def _ranges(mask, B: int, T: int, L: int):
 
 
 def ranges(mask, B: int, T: int, L: int):
-    """`_ranges`, kept for the last mask object seen (a forward's layers share one mask)."""
+    """`_ranges`, kept for the last mask seen (a forward's layers share one mask)."""
     if mask is None or isinstance(mask, str):
-        return _ranges(mask, B, T, L)
-    key = (B, T, L)
-    hit = _LAST.get("mask")
-    if hit is not None and hit[0] is mask and hit[1] == key:
-        return hit[2]
-    out = _ranges(mask, B, T, L)
-    _LAST["mask"] = (mask, key, out)
-    return out
+        return _last("ranges", (mask, B, T, L), lambda: _ranges(mask, B, T, L))
+    return _last("mask", (mask, B, T, L), lambda: _ranges(mask, B, T, L))
 
 
 def reference(q, k, v, scale: float, mask) -> mx.array:
@@ -170,6 +178,15 @@ def reference(q, k, v, scale: float, mask) -> mx.array:
     if m is not None:
         keep = keep & m
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep[:, None])
+
+
+_CONST: dict = {}
+
+
+def _const(key, make):
+    if key not in _CONST:
+        _CONST[key] = make()
+    return _CONST[key]
 
 
 def buffers(cache, k: mx.array, v: mx.array):
@@ -203,8 +220,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, cache=N
     qt = 1024 // D
     per_query = B * H * nc * (D + 2) * 4
     step = max(qt, PARTIAL_BYTES // per_query // qt * qt)
-    sc = mx.array([scale], mx.float32)
-    mk = m if m is not None else mx.zeros((1,), mx.bool_)
+    sc = _const(("scale", scale), lambda: mx.array([scale], mx.float32))
+    mk = m if m is not None else _const("nomask", lambda: mx.zeros((1,), mx.bool_))
     part = cuda_kernel("mlxp_attn_rows", ["q", "keys", "values", "lo_row", "hi_q", "mask", "scale", "dims"],
                        ["partial"], source("attn_rows.cu"))
     comb = cuda_kernel("mlxp_attn_rows_combine", ["partial", "dims"], ["out"], source("attn_rows_combine.cu"))
@@ -213,7 +230,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, cache=N
     outs = []
     for t0 in range(0, T, step):
         tq = min(step, T - t0)
-        dims = mx.array([tq, nc, cap, t0, T, L, int(m is not None)], mx.int32)
+        shape = (tq, nc, cap, t0, T, L, int(m is not None))
+        dims = _last(f"dims{t0}", shape, lambda: mx.array(shape, mx.int32))
         qs = q if tq == T else q[:, :, t0:t0 + tq]
         nt = -(-tq // qt)
         (partial,) = part(inputs=[qs, keys, values, lo, hi, mk, sc, dims], template=tmpl,
