@@ -17,8 +17,10 @@ timed with the device synchronised:
     bucketed  engine/models/bucketed_sdpa.py (0.5.4: query and K/V padded to buckets, the
               additive mask MLX makes of `padded`'s boolean one, built once: what the engine
               runs on CUDA)
+    bcast     the bucketed shapes with the additive mask at [1, 1, Tb, Lb], not materialised
+              over the heads (built before the call, as a forward's layers would share it)
 
-and whether `padded`, `composed` and `bucketed` equal `exact` bit for bit (`mx.array_equal`).
+and whether `padded`, `composed`, `bucketed` and `bcast` equal `exact` bit for bit (`mx.array_equal`).
 
     python experiments/sdpa_plan_probe.py [--q 400] [--start 17000] [--turns 8] [--out FILE]
 """
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     import mlx.core as mx
 
+    from engine.models.bucketed_sdpa import bucket, padded_mask
     from engine.models.bucketed_sdpa import sdpa as bucketed
 
     def composed(q, k, v, scale, mask):       # MLX's fallback chain (0.5.3's composed_sdpa)
@@ -101,9 +104,20 @@ def main(argv=None) -> int:
                                                                           mask=mask))
         comp, t_comp = timed(lambda: composed(q, k, v, scale, "causal"))
         buck, t_buck = timed(lambda: bucketed(q, k, v, scale, "causal"))
+        # bcast: the bucketed shapes with the additive mask left at [1, 1, Tb, Lb] (built once
+        # a forward, outside the timing; not materialised over the heads)
+        Tb, Lb2 = bucket(a.q, 16), bucket(L, 256)
+        bias = padded_mask("causal", a.q, L, Tb, Lb2, dt)
+        qb = mx.concatenate([q, mx.zeros((1, a.heads, Tb - a.q, a.dim), dt)], axis=2)
+        kb = mx.concatenate([k, mx.zeros((1, a.kv_heads, Lb2 - L, a.dim), dt)], axis=2)
+        vb = mx.concatenate([v, mx.zeros((1, a.kv_heads, Lb2 - L, a.dim), dt)], axis=2)
+        mx.eval(bias, qb, kb, vb)
+        bc, t_bc = timed(lambda: mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale,
+                                                                     mask=bias)[:, :, :a.q])
         row = dict(turn=t, kv=L, bucket=Lb, exact_ms=round(t_exact, 2), same_ms=round(t_same, 2),
                    padded_ms=round(t_pad, 2), composed_ms=round(t_comp, 2),
-                   bucketed_ms=round(t_buck, 2),
+                   bucketed_ms=round(t_buck, 2), bcast_ms=round(t_bc, 2),
+                   bcast_equal=bool(mx.array_equal(bc, exact).item()),
                    bucketed_equal=bool(mx.array_equal(buck, exact).item()),
                    padded_equal=bool(mx.array_equal(padded, exact).item()),
                    composed_equal=bool(mx.array_equal(comp, exact).item()),
@@ -113,11 +127,12 @@ def main(argv=None) -> int:
             rows.append(row)
         print(json.dumps(row), flush=True)
     med = {k: round(statistics.median(r[k] for r in rows), 2)
-           for k in ("exact_ms", "same_ms", "padded_ms", "composed_ms", "bucketed_ms")}
+           for k in ("exact_ms", "same_ms", "padded_ms", "composed_ms", "bucketed_ms", "bcast_ms")}
     summary = dict(device=str(mx.default_device()), mlx=mx.__version__, q=a.q, heads=a.heads,
                    kv_heads=a.kv_heads, dim=a.dim, dtype=a.dtype, bucket=a.bucket, median=med,
                    padded_all_equal=all(r["padded_equal"] for r in rows),
                    bucketed_all_equal=all(r["bucketed_equal"] for r in rows),
+                   bcast_all_equal=all(r["bcast_equal"] for r in rows),
                    composed_all_equal=all(r["composed_equal"] for r in rows))
     print(json.dumps(summary), flush=True)
     if a.out:
