@@ -43,8 +43,6 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.fast import invariant
-
 __all__ = ["DeterministicUnsupported", "check", "prepare", "why_not_deterministic"]
 
 
@@ -76,6 +74,7 @@ def why_not_deterministic(levers=None, device=None, model=None, kv_quantized: bo
         return ("--deterministic on a GPU keeps K/V in the model's dtype: quantized KV "
                 "(--kv-bits, --kv-config) has no batch-invariant attention yet")
     if model is not None:
+        from engine.fast import invariant   # (the kernels' module: only where they may run)
         return invariant.why_unsupported(model)
     return None
 
@@ -94,7 +93,8 @@ def check(levers=None, device=None, model=None, kv_quantized: bool = False):
 def refuses_adapters() -> bool:
     """Whether requests with adapters are refused (deterministic mode on CUDA: their low-rank
     matmuls have no batch-invariant form yet)."""
-    return invariant.enabled()
+    from engine.models.base import attention_overridden
+    return attention_overridden()
 
 
 def prepare(*models, device=None) -> bool:
@@ -103,6 +103,7 @@ def prepare(*models, device=None) -> bool:
     kernels are invariant). Returns whether anything was changed."""
     if not on_cuda(device):
         return False
+    from engine.fast import invariant
     for model in models:
         why = invariant.why_unsupported(model) if model is not None else None
         if why is not None:

@@ -42,6 +42,13 @@ SPECS = {
                     dict(H=32, HKV=8, D=64, NS=1, CAP=512, SCALE_NUM=125000000, USE_START=0, ROWLEN=1)),
     "attn_combine": (inc("attn_combine.cu"), [("partial", "float")], [("out", "T")],
                      dict(H=32, HKV=8, D=64, NS=9)),
+    # deterministic mode's batch-invariant attention (engine/fast/invariant.py)
+    "attn_rows": (inc("attn_rows.cu"), [("q", "T"), ("keys", "T"), ("values", "T"), ("lo_row", "int32_t"),
+                                        ("hi_q", "int32_t"), ("mask", "bool"), ("scale", "float"),
+                                        ("dims", "int32_t")], [("partial", "float")],
+                  dict(H=32, HKV=8, D=64, QT=16, CH=256)),
+    "attn_rows_combine": (inc("attn_rows_combine.cu"), [("partial", "float"), ("dims", "int32_t")],
+                          [("out", "T")], dict(D=64)),
 }
 _GEMV_IO = ([("W", "T"), ("x", "T"), ("norm_w", "T"), ("residual", "T")], [("out", "T")])
 for _name, _t in {"gemv_norm": dict(K=2048, NOUT=3072, B=1, R=1, NORM=1, EPI=0, ROPE_D=0, EPS_NUM=10**7),

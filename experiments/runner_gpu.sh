@@ -4,6 +4,7 @@
 # STAGES: a comma list of gate (trained 1b, L3 gate solo + rows joining/leaving at GATE_BATCH,
 # 4-bit too), inproc (Engine API decode at 1/8/32 rows, l1 vs l3, vs mlx-lm), served (HTTP:
 # engine-serve vs mlx_lm.server at LEVELS clients, SERVED_ARGS), served8b (8B 4-bit, l3),
+# serveddet (the same as servedl1 with --deterministic: its served cost, beside servedl1 in one run),
 # servedl1 (the default engine-serve, --batch L1_BATCH (32, the default), L1, vs mlx_lm.server), served8bf (8B bf16, l3,
 # one client: the weight-read roofline target), qmm (experiments/qmm_probe.py: the 4-bit
 # tensor-core projections against MLX's quantized matmul), rows8b (8B 4-bit in-process at ROWS8 rows, l1
@@ -60,6 +61,12 @@ if has servedl1; then
   timeout ${SERVEDL1_S:-200} python3 experiments/bench_batching.py --model /tmp/m/1b --levels ${LEVELS:-1,8,32} \
     --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-batch ${L1_BATCH:-32} --tag ${TAGL1:-h100-1b-l1-default} \
     --out "$OUT/servedl1" 2>&1 | tail -20
+fi
+if has serveddet; then
+  stage serveddet
+  timeout ${SERVEDDET_S:-300} python3 experiments/bench_batching.py --model /tmp/m/1b --levels ${LEVELS:-1,8,32} \
+    --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-batch ${L1_BATCH:-32} --ours-args "--deterministic" \
+    --tag ${TAGDET:-h100-1b-deterministic} --out "$OUT/serveddet" 2>&1 | tail -20
 fi
 if has served8bf; then
   stage served8bf

@@ -250,7 +250,8 @@ def fetch(url: str, max_bytes: int, timeout: float, allow_private: bool) -> byte
             size += len(chunk)
         data = b"".join(chunks)
     except (OSError, http.client.HTTPException, ValueError) as e:
-        if expired.is_set():
+        if expired.is_set() or isinstance(e, TimeoutError):   # (the socket's own timeout can
+            # fire a moment before the deadline's timer: the same limit)
             raise bad_request(f"image URL timed out (the fetch took over {timeout:g} s)") from None
         raise bad_request(f"image URL could not be fetched ({type(e).__name__})") from None
     finally:

@@ -33,6 +33,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.base import set_attention_override
+
 from .kernels import cuda_kernel
 from .sources import source
 
@@ -49,6 +51,11 @@ def enable(on: bool = True) -> None:
     Engine in deterministic mode on a GPU sets it; so would a second one)."""
     global _ON
     _ON = bool(on)
+    set_attention_override(_route if _ON else None)
+
+
+def _route(q, k, v, scale, mask, cache):
+    return attention(q, k, v, scale, mask, cache)
 
 
 def enabled() -> bool:

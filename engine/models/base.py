@@ -19,7 +19,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import engine.kv.dequant_attention as kv_dequant_attention
-from engine.fast import invariant
 from engine.models import bucketed_sdpa
 from engine.kv.masks import causal_mask
 
@@ -142,9 +141,25 @@ def rope_and_cache(rope, q, k, v, cache):
     return q, k, v
 
 
+_OVERRIDE = None     # set by engine.fast.invariant.enable: every attention through it
+
+
+def set_attention_override(fn) -> None:
+    """Route every `attention` call through fn(q, k, v, scale, mask, cache) (None: off).
+    engine.fast.invariant sets it for deterministic mode on CUDA; kept here so that importing
+    the models imports no kernel code."""
+    global _OVERRIDE
+    _OVERRIDE = fn
+
+
+def attention_overridden() -> bool:
+    """Whether `set_attention_override` has routed attention elsewhere."""
+    return _OVERRIDE is not None
+
+
 def attention(q, k, v, cache, scale: float, mask):
     """SDPA, dispatching to the quantized path when the cache holds quantized K/V, in
-    deterministic mode on CUDA to the batch-invariant kernel (`engine.fast.invariant`), and on
+    deterministic mode on CUDA to the batch-invariant kernel (`set_attention_override`), and on
     CUDA a multi-token query to padded shapes (`engine.models.bucketed_sdpa`)."""
     if cache is not None and getattr(cache, "bits", None):
         if kv_dequant_attention.enabled():   # L3, off by default (see that module)
@@ -152,8 +167,8 @@ def attention(q, k, v, cache, scale: float, mask):
             v = mx.dequantize(*v, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return _quantized_attention(q, k, v, scale, mask, cache.group_size, cache.bits)
-    if invariant.enabled():    # (deterministic mode on CUDA: a query's result its own)
-        return invariant.attention(q, k, v, scale, mask, cache)
+    if _OVERRIDE is not None:    # (deterministic mode on CUDA: engine.fast.invariant)
+        return _OVERRIDE(q, k, v, scale, mask, cache)
     if bucketed_sdpa.takes(q, k, mask):    # (multi-token queries on CUDA: recurring cuDNN plans)
         return bucketed_sdpa.sdpa(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
