@@ -13,7 +13,8 @@
 3. the needle (parity.needle): a prompt alone, then among 1, 7, 31 other rows joining and
    leaving -> same tokens and logprob vectors; control: the default mode on the same inputs.
    Prefill chunk sizes 2048 / 16 / 7 -> the same logprobs; a prompt-cache hit -> a cold run's.
-4. cost in process: decode tok/s at 1, 8, 32 rows with and without --deterministic.
+4. cost in process: prefill and decode tok/s at 1, 8, 32 rows (512-token prompts) with and
+   without --deterministic.
 Writes deterministic_gpu.json to --out; prints one JSON line last.
 """
 
@@ -141,14 +142,20 @@ def engine_checks(model, tok, det: bool):
     return res
 
 
-def decode_cost(model, tok, det: bool, rows=(1, 8, 32), tokens=64):
+def decode_cost(model, tok, det: bool, rows=(1, 8, 32), tokens=64, prompt=512):
+    """{rows: (prefill tok/s, decode tok/s)}: N requests of `prompt` random tokens submitted
+    together; prefill = their prompt tokens / the time to every row's first token, decode =
+    the tokens after that / the time after it (a warm-up round first)."""
     out = {}
     for n in rows:
         eng = Engine(model, tok, max_batch=n, deterministic=det)
         rng = random.Random(n)
         params = SamplingParams(max_tokens=tokens, temperature=0.0)
         for warm in (True, False):
-            rids = [eng.submit(ids(rng, 128, 128), params) for _ in range(n)]
+            mx.synchronize()
+            t_sub = time.perf_counter()
+            for _ in range(n):
+                eng.submit(ids(rng, prompt, prompt), params)
             first, t0, count = None, None, 0
             while eng.has_unfinished():
                 for o in eng.step():
@@ -158,8 +165,8 @@ def decode_cost(model, tok, det: bool, rows=(1, 8, 32), tokens=64):
                     first, t0 = count, time.perf_counter()
             mx.synchronize()
             if not warm:
-                out[n] = round((count - first) / (time.perf_counter() - t0), 1)
-            del rids
+                out[n] = (round(n * prompt / (t0 - t_sub), 1),
+                          round((count - first) / (time.perf_counter() - t0), 1))
     return out
 
 
