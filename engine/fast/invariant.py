@@ -19,7 +19,7 @@ row alone:
 - RMSNorm, RoPE, the activations, the residual adds and the logits' softmax are per row
   already (MLX's kernels reduce a row by itself).
 
-What it covers: full-attention dense models (`supported`), float or 4/8-bit weights, float
+What it covers: full-attention dense models (`SUPPORTED`), float or 4/8-bit weights, float
 KV. On the CPU deterministic mode needs none of this (MLX's CPU kernels are invariant
 already: engine.deterministic), and `attention(..., use_kernel=False)` is the same math in
 stock MLX (its masks from the same row ranges), which the CPU tests check against MLX's own
