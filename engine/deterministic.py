@@ -97,6 +97,21 @@ def refuses_adapters() -> bool:
     return attention_overridden()
 
 
+def check_adapters() -> None:
+    """A ValueError (a 400 on the server) where requests with adapters are refused."""
+    if refuses_adapters():
+        raise ValueError("--deterministic on a GPU does not run adapters yet (their low-rank "
+                         "matmuls have no batch-invariant form); run without adapters or on the CPU")
+
+
+def setup(levers, model, draft_model=None, kv_quantized: bool = False):
+    """An Engine's deterministic mode: `check` (the levers to run with, or
+    DeterministicUnsupported), then `prepare` on the target and draft models."""
+    levers = check(levers, model=model, kv_quantized=kv_quantized)
+    prepare(model, draft_model)
+    return levers
+
+
 def prepare(*models, device=None) -> bool:
     """On CUDA: the models' matmuls on fixed row blocks and every attention through the
     batch-invariant kernel (`engine.fast.invariant`). Elsewhere nothing (the CPU's stock

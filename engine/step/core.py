@@ -95,9 +95,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.deterministic = bool(deterministic)
         if self.deterministic:    # (DeterministicUnsupported where it is not built)
-            levers = determinism.check(levers, model=model,
-                                       kv_quantized=kv_bits is not None or kv_config is not None)
-            determinism.prepare(model, draft_model)   # (CUDA: engine.fast.invariant)
+            levers = determinism.setup(levers, model, draft_model, kv_bits is not None or kv_config is not None)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.prompt_cache = prompt_cache
@@ -271,9 +269,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         adapter = tuple(adapter or ())
         if adapter and self.adapters is None:
             raise ValueError("this engine has no adapter registry")
-        if adapter and self.deterministic and determinism.refuses_adapters():
-            raise ValueError("--deterministic on a GPU does not run adapters yet (their low-rank "
-                             "matmuls have no batch-invariant form); run without adapters or on the CPU")
+        if adapter and self.deterministic:
+            determinism.check_adapters()
         if cache_namespace is None:
             cache_namespace = (self.adapters.namespace(adapter) if self.adapters is not None
                                else BASE_NAMESPACE)
