@@ -52,3 +52,24 @@ def test_stats_shows_the_mode_and_crowded_requests_match_alone(deterministic):
         assert httpx.get(s.url + "/stats").json()["batch"]["peak_rows"] > 1
     finally:
         stop_server(s)
+
+
+def test_an_adapter_request_is_a_400_where_the_gpu_kernels_run(llama_dir, tmp_path, monkeypatch):
+    """On CUDA deterministic mode has no batch-invariant form of the adapters' low-rank
+    matmuls: the request is refused with the reason (a 400, nothing generated), and the same
+    server still answers without the adapter. (CUDA is simulated: the refusal's switch.)"""
+    from engine import deterministic
+    from tests.server.srv_helpers import make_adapter
+    s = start_server(llama_dir, deterministic=True, batch=4, prompt_cache_bytes=0)
+    try:
+        path = make_adapter(llama_dir, tmp_path / "A", seed=1)
+        r = httpx.post(s.v1 + "/adapters", json={"id": "A", "path": str(path)})
+        assert r.status_code == 200, r.text
+        monkeypatch.setattr(deterministic, "refuses_adapters", lambda: True)
+        body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(s.v1 + "/completions", json={**body, "adapter": "A"}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "does not run adapters" in r.json()["error"]["message"]
+        assert httpx.post(s.v1 + "/completions", json=body, timeout=60).status_code == 200
+    finally:
+        stop_server(s)
