@@ -43,17 +43,13 @@ from typing import Optional
 
 import mlx.core as mx
 
+from engine.models.bucketed_sdpa import on_cuda
+
 __all__ = ["DeterministicUnsupported", "check", "prepare", "why_not_deterministic"]
 
 
 class DeterministicUnsupported(ValueError):
     """Deterministic mode asked for where it is not built (the message says why)."""
-
-
-def on_cuda(device=None) -> bool:
-    """Whether `device` (default: the default device) is a GPU of MLX's CUDA backend."""
-    device = device if device is not None else mx.default_device()
-    return device.type == mx.gpu and not mx.metal.is_available()
 
 
 def why_not_deterministic(levers=None, device=None, model=None, kv_quantized: bool = False) -> Optional[str]:

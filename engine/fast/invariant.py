@@ -33,7 +33,9 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models.base import set_attention_override
+from engine.kv.batch_cache import BatchKVCache
+from engine.kv.cache import KVCache
+from engine.models.base import attention_overridden, set_attention_override
 
 from .kernels import cuda_kernel
 from .sources import source
@@ -42,16 +44,13 @@ ROWS = 64                 # a matmul's rows per call
 CH = 256                  # an attention chunk's keys
 PARTIAL_BYTES = 256 << 20  # the pass-1 partials of one call at most (longer queries: several calls)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "minicpm")
-_ON = False
 _LAST: dict = {}          # per kind, the last (key, value) built: a forward's layers share them
 
 
 def enable(on: bool = True) -> None:
     """Route every model's attention through the batch-invariant kernel (process-wide: an
     Engine in deterministic mode on a GPU sets it; so would a second one)."""
-    global _ON
-    _ON = bool(on)
-    set_attention_override(_route if _ON else None)
+    set_attention_override(_route if on else None)
 
 
 def _route(q, k, v, scale, mask, cache):
@@ -59,7 +58,7 @@ def _route(q, k, v, scale, mask, cache):
 
 
 def enabled() -> bool:
-    return _ON
+    return attention_overridden()
 
 
 def why_unsupported(model) -> Optional[str]:
@@ -169,9 +168,7 @@ def _ranges(mask, B: int, T: int, L: int):
 
 def ranges(mask, B: int, T: int, L: int):
     """`_ranges`, kept for the last mask seen (a forward's layers share one mask)."""
-    if mask is None or isinstance(mask, str):
-        return _last("ranges", (mask, B, T, L), lambda: _ranges(mask, B, T, L))
-    return _last("mask", (mask, B, T, L), lambda: _ranges(mask, B, T, L))
+    return _last("ranges", (mask, B, T, L), lambda: _ranges(mask, B, T, L))
 
 
 def reference(q, k, v, scale: float, mask) -> mx.array:
@@ -199,8 +196,6 @@ def _const(key, make):
 def buffers(cache, k: mx.array, v: mx.array):
     """The cache's whole K/V buffers when k, v are their first columns (the kernel then reads
     them in place; a sliced view would be copied every layer), else k, v."""
-    from engine.kv.batch_cache import BatchKVCache
-    from engine.kv.cache import KVCache
     if type(cache) not in (KVCache, BatchKVCache):
         return k, v
     kb, vb = cache.keys, cache.values

@@ -37,12 +37,13 @@ _LAST = threading.local()       # the last mask built: (key, the mask object it 
 _OFF = threading.local()        # on: `exact_shapes()`
 
 
-def on_cuda() -> bool:
-    """Whether the default device is a GPU that is not Metal (MLX's CUDA backend)."""
+def on_cuda(device=None) -> bool:
+    """Whether `device` (default: the default device) is a GPU that is not Metal (MLX's CUDA
+    backend)."""
     global _CUDA
     if _CUDA is None:
         _CUDA = not mx.metal.is_available()
-    return _CUDA and mx.default_device().type == mx.gpu
+    return _CUDA and (device if device is not None else mx.default_device()).type == mx.gpu
 
 
 def bucket(n: int, floor: int) -> int:

@@ -22,11 +22,11 @@ from engine import Engine, SamplingParams
 from engine.deterministic import DeterministicUnsupported, why_not_deterministic
 from engine.kv.prompt_cache import PromptCache
 from engine.levers import parse_spec
+from engine.models import bucketed_sdpa
 from parity.needle import GREEDY, drive, ids, needle, same
 from starter.models import ensure_fixture
 
 _models: dict = {}
-_ids, _drive, _same = ids, drive, same
 
 
 def _load(family, dtype="float32"):
@@ -43,7 +43,7 @@ def _engine(model, tok, **kw):
 def _needle(model, tok, deterministic, seed=0):
     """[(others, same tokens and logprobs as alone)] for 1, 7 and 31 other rows."""
     rng = random.Random(seed)
-    target = _ids(rng, 20, 45)
+    target = ids(rng, 20, 45)
     alone = (_engine(model, tok, max_batch=1, deterministic=deterministic)
              if deterministic else _engine(model, tok, max_batch=2))
     return needle(lambda: _engine(model, tok, deterministic=deterministic), alone, target, rng)
@@ -77,25 +77,25 @@ def test_needle_negative_control_default_mode_differs():
 @pytest.mark.parametrize("family", ["gemma3_text", "llama"])
 def test_prefill_chunking_does_not_change_the_logits(family):
     model, tok = _load(family)
-    prompt = _ids(random.Random(3), 50, 50)
-    runs = [_drive(_engine(model, tok, max_batch=4, deterministic=True, prefill_step_size=n),
+    prompt = ids(random.Random(3), 50, 50)
+    runs = [drive(_engine(model, tok, max_batch=4, deterministic=True, prefill_step_size=n),
                    [(0, prompt, GREEDY)])[0] for n in (2048, 16, 7, 3)]
-    assert all(_same(r, runs[0]) for r in runs[1:])
+    assert all(same(r, runs[0]) for r in runs[1:])
 
 
 def _cached_vs_cold(model, tok, deterministic):
     """A chat turn continuing an earlier one: the prefix (prompt and decoded tokens, 41) comes
     from the prompt cache (prefilled in chunks of 8) or is prefilled cold in one chunk."""
     rng = random.Random(1)
-    a = _ids(rng, 29, 29)
+    a = ids(rng, 29, 29)
     eng = _engine(model, tok, max_batch=4, deterministic=deterministic,
                   prompt_cache=PromptCache(1 << 30), prefill_step_size=8)
-    first = _drive(eng, [(0, a, SamplingParams(max_tokens=12, temperature=0.0))])[0]
-    b = a + first[0] + _ids(rng, 5, 5)
-    warm = _drive(eng, [(0, b, GREEDY)])[0]
+    first = drive(eng, [(0, a, SamplingParams(max_tokens=12, temperature=0.0))])[0]
+    b = a + first[0] + ids(rng, 5, 5)
+    warm = drive(eng, [(0, b, GREEDY)])[0]
     assert eng.prompt_cache.stats()["tokens_reused"] == len(a) + 12
-    cold = _drive(_engine(model, tok, max_batch=4, deterministic=deterministic), [(0, b, GREEDY)])[0]
-    return _same(warm, cold)
+    cold = drive(_engine(model, tok, max_batch=4, deterministic=deterministic), [(0, b, GREEDY)])[0]
+    return same(warm, cold)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "llama"])
@@ -142,28 +142,28 @@ def test_structured_output_and_tool_call_rows_are_batch_invariant():
     for make in makers:
         params = SamplingParams(max_tokens=40, temperature=0.9, seed=11,
                                 processor_factories=(make,))
-        target = _ids(rng, 10, 30)
-        alone = _drive(_engine(model, tok, max_batch=1, deterministic=True),
-                       [(0, target, params)])[0]
-        plan = [(rng.randint(0, 4), _ids(rng, 1, 40),
+        target = ids(rng, 10, 30)
+        alone = drive(_engine(model, tok, max_batch=1, deterministic=True),
+                      [(0, target, params)])[0]
+        plan = [(rng.randint(0, 4), ids(rng, 1, 40),
                  SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0))
                 for _ in range(7)] + [(1, target, params)]
         plan.sort(key=lambda p: p[0])
         t = next(i for i, p in enumerate(plan) if p[1] is target)
-        got = _drive(_engine(model, tok, max_batch=8, deterministic=True), plan)[t]
-        assert len(alone[0]) > 3 and _same(got, alone)
+        got = drive(_engine(model, tok, max_batch=8, deterministic=True), plan)[t]
+        assert len(alone[0]) > 3 and same(got, alone)
 
 
 def _lookup_vs_plain(model, tok, deterministic, seed):
     """A repetitive prompt decoded with prompt-lookup speculation (drafts verified several
     tokens a forward) and without: (same tokens and logprobs, drafts accepted)."""
-    prompt = (_ids(random.Random(seed), 5, 5) * 9)[:44]
+    prompt = (ids(random.Random(seed), 5, 5) * 9)[:44]
     runs = []
     for lookup in (0, 2):
         eng = _engine(model, tok, max_batch=4, deterministic=deterministic)
-        runs.append(_drive(eng, [(0, prompt, SamplingParams(
+        runs.append(drive(eng, [(0, prompt, SamplingParams(
             max_tokens=40, temperature=0.0, prompt_lookup=lookup, num_draft_tokens=4))])[0])
-    return _same(*runs), eng.stats()["speculation"]["accepted"]
+    return same(*runs), eng.stats()["speculation"]["accepted"]
 
 
 @pytest.mark.parametrize("family,seed", [("gemma3_text", 0), ("gemma3_text", 4), ("llama", 0)])
@@ -188,7 +188,7 @@ def test_a_request_running_alone_gives_the_batch_rows_logits():
     from engine.kv.cache import temporal_caches
     model, tok = _load("gemma3_text")
     rng = random.Random(7)
-    prefix, rest = _ids(rng, 30, 30), _ids(rng, 9, 9)
+    prefix, rest = ids(rng, 30, 30), ids(rng, 9, 9)
     caches = temporal_caches(model.make_cache())
     model(mx.array([prefix]), cache=caches)
     eng = _engine(model, tok, max_batch=4, deterministic=True)
@@ -201,9 +201,9 @@ def test_a_request_running_alone_gives_the_batch_rows_logits():
                 solo[1].extend(o.logprob_arrays)
     assert eng.stats()["solo_reasons"] == {"prefix_caches": 1}
     for n in (1, 20, 47):      # beside a shorter and a longer row
-        row = _drive(_engine(model, tok, max_batch=4, deterministic=True),
-                     [(0, _ids(rng, n, n), GREEDY), (0, prefix + rest, GREEDY)])[1]
-        assert _same(solo, row), n
+        row = drive(_engine(model, tok, max_batch=4, deterministic=True),
+                    [(0, ids(rng, n, n), GREEDY), (0, prefix + rest, GREEDY)])[1]
+        assert same(solo, row), n
 
 
 def test_stats_and_max_batch_one():
@@ -229,6 +229,7 @@ def test_refused_with_the_fast_runner_on_metal_and_where_cuda_has_no_kernels(mon
     gemma, _ = _load("gemma3_text")
     assert "full-attention dense models" in why_not_deterministic(None, gpu, gemma)
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(bucketed_sdpa, "_CUDA", None)     # (its cached answer, asked again)
     assert "on Metal" in why_not_deterministic(None, gpu, model)
     # the fast path's own switch: refused where it would run, until its kernels exist
     from dataclasses import replace
@@ -254,10 +255,10 @@ def test_engine_generate_deterministic_runs(capsys):
     assert main(argv + ["--deterministic"]) == 0
     det = capsys.readouterr().out
     model, tok = _load("gemma3_text")
-    ids = tok.encode("hello there", add_special_tokens=True)
-    ref = _drive(_engine(model, tok, max_batch=3, deterministic=True),
-                 [(0, _ids(random.Random(2), 20, 20), GREEDY),
-                  (0, ids, SamplingParams(max_tokens=6, temperature=0.0))])[1]
+    prompt = tok.encode("hello there", add_special_tokens=True)
+    ref = drive(_engine(model, tok, max_batch=3, deterministic=True),
+                [(0, ids(random.Random(2), 20, 20), GREEDY),
+                 (0, prompt, SamplingParams(max_tokens=6, temperature=0.0))])[1]
     assert det == tok.decode(ref[0]) + "\n"
 
 
@@ -311,23 +312,23 @@ def test_a_draft_models_requests_keep_their_logits_among_any_rows():
     model, tok = _load("llama")
     draft, _ = _load("llama", "q4")
     rng = random.Random(5)
-    target = (_ids(rng, 5, 5) * 9)[:44]
-    plain = _drive(_engine(model, tok, max_batch=1, deterministic=True), [(0, target, GREEDY)])[0]
+    target = (ids(rng, 5, 5) * 9)[:44]
+    plain = drive(_engine(model, tok, max_batch=1, deterministic=True), [(0, target, GREEDY)])[0]
     greedy = SamplingParams(max_tokens=14, temperature=0.0, num_draft_tokens=3)
     sampled = SamplingParams(max_tokens=14, temperature=0.8, seed=3, num_draft_tokens=3,
                              spec_sampling="rejection")
     runs = []
     for others in (0, 7, 7):
-        plan = [(rng.randint(0, 6), _ids(rng, 1, 60),      # (batch rows: no drafts)
+        plan = [(rng.randint(0, 6), ids(rng, 1, 60),      # (batch rows: no drafts)
                  SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0, use_draft=False))
                 for _ in range(others)] + [(2, target, greedy), (3, target, sampled)]
         plan.sort(key=lambda p: p[0])
         eng = _engine(model, tok, max_batch=8, deterministic=True, draft_model=draft)
-        got = _drive(eng, plan)
+        got = drive(eng, plan)
         g = next(i for i, p in enumerate(plan) if p[2] is greedy)
         s = next(i for i, p in enumerate(plan) if p[2] is sampled)
-        assert _same(got[g], plain)
+        assert same(got[g], plain)
         runs.append(got[s])
         assert eng.stats()["solo_reasons"].get("draft_model") == 2
         assert eng.stats()["speculation"]["draft"]["accepted"] > 0
-    assert len(runs[0][0]) == 14 and _same(runs[0], runs[1]) and _same(runs[1], runs[2])
+    assert len(runs[0][0]) == 14 and same(runs[0], runs[1]) and same(runs[1], runs[2])
