@@ -21,6 +21,8 @@ Writes deterministic_gpu.json to --out; prints one JSON line last.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import json
 import random
 import sys
@@ -142,10 +144,11 @@ def engine_checks(model, tok, det: bool):
     return res
 
 
-def decode_cost(model, tok, det: bool, rows=(1, 8, 32), tokens=64, prompt=512):
+def decode_cost(model, tok, det: bool, rows=(1, 8, 32), tokens=128, prompt=512, profile=None):
     """{rows: (prefill tok/s, decode tok/s)}: N requests of `prompt` random tokens submitted
-    together; prefill = their prompt tokens / the time to every row's first token, decode =
-    the tokens after that / the time after it (a warm-up round first)."""
+    together; prefill = their prompt tokens / the time until every row has its first token,
+    decode = the tokens after that / the time after it (a warm-up round first). `profile`: a
+    cProfile.Profile run over the measured decode steps of the last row count."""
     out = {}
     for n in rows:
         eng = Engine(model, tok, max_batch=n, deterministic=det)
@@ -154,19 +157,25 @@ def decode_cost(model, tok, det: bool, rows=(1, 8, 32), tokens=64, prompt=512):
         for warm in (True, False):
             mx.synchronize()
             t_sub = time.perf_counter()
-            for _ in range(n):
-                eng.submit(ids(rng, prompt, prompt), params)
-            first, t0, count = None, None, 0
+            rids = {eng.submit(ids(rng, prompt, prompt), params) for _ in range(n)}
+            started, t0, count = set(), None, 0
             while eng.has_unfinished():
-                for o in eng.step():
-                    count += len(o.token_ids)
-                if first is None and count >= n:
+                outs = eng.step()
+                if t0 is not None:
+                    count += sum(len(o.token_ids) for o in outs)
+                    continue
+                started.update(o.request_id for o in outs if o.token_ids)
+                if started >= rids:
                     mx.synchronize()
-                    first, t0 = count, time.perf_counter()
+                    t0 = time.perf_counter()
+                    if profile is not None and not warm and n == rows[-1]:
+                        profile.enable()
             mx.synchronize()
+            if profile is not None:
+                profile.disable()
             if not warm:
                 out[n] = (round(n * prompt / (t0 - t_sub), 1),
-                          round((count - first) / (time.perf_counter() - t0), 1))
+                          round(count / (time.perf_counter() - t0), 1))
     return out
 
 
@@ -177,6 +186,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--cost-only", action="store_true", help="only part 4 (the bf16 model)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the host functions taking most time in decode steps (largest row count)")
     a = ap.parse_args(argv)
     res = {"device": str(mx.default_device()), "mlx": mx.__version__}
     if not a.cost_only:
@@ -194,11 +205,17 @@ def main(argv=None):
             res[f"det_{label}"] = engine_checks(model, tok, True)   # (applies the kernels)
             print(json.dumps({f"det_{label}": res[f"det_{label}"]}), flush=True)
         if not a.skip_cost and label == "bf16":
-            res["cost_det"] = decode_cost(model, tok, True)
+            prof = cProfile.Profile() if a.profile else None
+            res["cost_det"] = decode_cost(model, tok, True, profile=prof)
             invariant.enable(False)
             # (the loaded model's matmuls stay blocked: the default mode runs a fresh load)
             model2, tok2 = engine.load(path)
-            res["cost_default"] = decode_cost(model2, tok2, False)
+            prof2 = cProfile.Profile() if a.profile else None
+            res["cost_default"] = decode_cost(model2, tok2, False, profile=prof2)
+            for name, pr in (("det", prof), ("default", prof2)):
+                if pr is not None:
+                    print(f"--- profile {name}")
+                    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
             print(json.dumps({"cost_det": res["cost_det"], "cost_default": res["cost_default"]}), flush=True)
         invariant.enable(False)
     out = Path(a.out)

@@ -65,7 +65,7 @@ fi
 if has serveddet; then
   stage serveddet
   timeout ${SERVEDDET_S:-300} python3 experiments/bench_batching.py --model /tmp/m/1b --levels ${LEVELS:-1,8,32} \
-    --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-batch ${L1_BATCH:-32} --ours-args "--deterministic" \
+    --gen ${GEN:-128} --trials ${TRIALS:-1} --ours-batch ${L1_BATCH:-32} --ours-args=--deterministic \
     --tag ${TAGDET:-h100-1b-deterministic} --out "$OUT/serveddet" 2>&1 | tail -20
 fi
 if has served8bf; then

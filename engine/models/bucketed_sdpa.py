@@ -12,14 +12,14 @@ given boolean mask) and none of the padding; the padded query rows are dropped. 
 plan then serves every call whose lengths fall in it (at most 8 buckets an octave).
 
 The mask handed over is the additive one MLX itself would make of that boolean mask (0 kept,
--inf not, in the query's dtype, materialised at the full [B, H, Tb, Lb] shape: what MLX's CUDA
-path builds from a boolean mask at every call), built once per forward and shared by every
-layer's call while it is at most KEEP_MASK_BYTES (a bigger one is built per call, as MLX would),
-so cuDNN gets the inputs it got in the measured variant (a boolean mask: on the
-H100 bit for bit the exact call's output at 1.75 ms against 38 ms, every probed shape: a
-400-token chunk over 17-20K keys, a 5-token verify over 300-360). It is used only while that
-mask stays under MAX_MASK_BYTES (a long prompt's big chunks keep the exact call: their own
-work dwarfs a plan's build). Elsewhere (the CPU, Metal) attention is left as it is.
+-inf not, in the query's dtype) at [1 or B, 1, Tb, Lb]: one mask for every head, not materialised
+over them (on the H100 bit for bit the exact call's output in every probed call, 0.61 ms against
+1.44 ms for the mask materialised at [B, H, Tb, Lb] and 67 ms for the exact call: a 400-token chunk
+over 17-20K keys; reports/sdpa_plan/0.5.5/h100-bcast). It is built once per forward and shared by
+every layer's call while it is at most KEEP_MASK_BYTES (a bigger one is built per call). Padded
+shapes are used only while the padded scores [B, H, Tb, Lb] stay under MAX_MASK_BYTES of the
+query's dtype (a long prompt's big chunks keep the exact call: their own work dwarfs a plan's
+build). Elsewhere (the CPU, Metal) attention is left as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-MAX_MASK_BYTES = 1 << 30       # the padded mask's size at most ([B, H, Tb, Lb] in q's dtype)
+MAX_MASK_BYTES = 1 << 30       # the padded scores' size at most ([B, H, Tb, Lb] in q's dtype)
 KEEP_MASK_BYTES = 64 << 20     # a mask this small is built once for all layers (else per call)
 _CUDA: Optional[bool] = None
 _LAST = threading.local()       # the last mask built: (key, the mask object it came from, mask)
@@ -70,7 +70,7 @@ def exact_shapes():
 
 def takes(q: mx.array, k: mx.array, mask) -> bool:
     """Whether attention of queries q [B, H, T, D] over keys k [B, Hkv, L, D] with this mask
-    runs `sdpa`: on CUDA, T > 1, the mask None, "causal" or boolean, and the padded mask
+    runs `sdpa`: on CUDA, T > 1, the mask None, "causal" or boolean, and the padded scores
     [B, H, Tb, Lb] at most MAX_MASK_BYTES."""
     if q.shape[2] < 2 or not on_cuda() or getattr(_OFF, "on", False):
         return False
@@ -114,8 +114,9 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
     if last is not None and last[0] == key and (isinstance(mask, str) or last[1] is mask):
         bias = last[2]
     else:
-        bias = mx.contiguous(mx.broadcast_to(padded_mask(mask, T, L, Tb, Lb, q.dtype),
-                                             (B, H, Tb, Lb)))
+        bias = padded_mask(mask, T, L, Tb, Lb, q.dtype)    # [1 or B, 1, Tb, Lb]: every head's
+        if bias.shape[0] not in (1, B) or bias.shape[1] != 1:
+            bias = mx.contiguous(mx.broadcast_to(bias, (B, H, Tb, Lb)))   # (a per-head mask)
         # kept for the next layers' calls only while small: it outlives the forward
         _LAST.v = (key, mask, bias) if bias.nbytes <= KEEP_MASK_BYTES else None
     if Lb > L:
