@@ -95,9 +95,11 @@ def blocked(fn, x: mx.array) -> mx.array:
     pad = -n % ROWS
     rows = _last("rows", (x,), lambda: mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))) if pad
                  else x.reshape(-1, k))
-    outs = [fn(rows[i:i + ROWS]) for i in range(0, n + pad, ROWS)]
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
-    return out[:n].reshape(*lead, out.shape[-1])
+    if n + pad == ROWS:          # one block (every decode step up to ROWS rows)
+        out = fn(rows)
+    else:
+        out = mx.concatenate([fn(rows[i:i + ROWS]) for i in range(0, n + pad, ROWS)])
+    return (out[:n] if pad else out).reshape(*lead, out.shape[-1])
 
 
 class _Linear(nn.Linear):
