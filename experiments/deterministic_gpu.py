@@ -104,7 +104,7 @@ def matmul_checks(seed=0):
     for name, module, stock in (("bf16", lin, nn.Linear), ("q4", qlin, nn.QuantizedLinear)):
         row = mx.random.normal((1, 2048)).astype(mx.bfloat16)
         ins = {}
-        for n, at in ((5, 3), (64, 40), (200, 130)):
+        for n, at in ((5, 3), (64, 40), (200, 130), (2048, 1500)):
             x = mx.random.normal((n, 2048)).astype(mx.bfloat16)
             x[at:at + 1] = row
             ins[n] = (x, at)

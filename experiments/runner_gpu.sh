@@ -21,6 +21,7 @@
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
 #   once per PHASE_VARIANTS entry: - or an env assignment such as MLXP_BUCKETED_SDPA=1).
 # det (experiments/deterministic_gpu.py: the batch-invariant kernels op by op, the needle on 1b bf16 and 4-bit, controls, cost).
+# detops (experiments/det_ops_probe.py: deterministic mode's ops one by one against the stock ones).
 # sdpa (experiments/sdpa_plan_probe.py: a new K/V length's cost to a multi-token query, exact vs padded+masked vs composed).
 # GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
 set -u
@@ -142,6 +143,10 @@ if has det; then
   [ -d /tmp/m/1b-q4 ] || python3 -m experiments.presets 1b /tmp/m/1b-q4 --bits 4
   timeout ${DET_S:-300} python3 experiments/deterministic_gpu.py --model /tmp/m/1b --quant-model /tmp/m/1b-q4 \
     --out "$OUT/det" ${DET_ARGS:-} 2>&1 | tail -${DET_TAIL:-12}
+fi
+if has detops; then
+  stage detops
+  timeout 200 python3 experiments/det_ops_probe.py --rows ${DETOPS_ROWS:-1,8,32} --out "$OUT/det_ops.json" 2>&1 | tail -5
 fi
 if has sdpa; then
   stage sdpa

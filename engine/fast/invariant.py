@@ -8,9 +8,10 @@ splitting the keys by the call's own lengths. Here, with `enable()` (the Engine 
 row alone:
 
 - **matmuls**: every projection, MLP matmul and output head runs on blocks of exactly
-  `ROWS` rows (the rows padded with zeros, one call per block), so one kernel with one
-  reduction order serves a lone decode row, a batch of 32 and a 2048-token prefill chunk
-  (`apply(model)`: the model's `Linear`, `QuantizedLinear` and tied-embedding heads);
+  `ROWS` rows (the rows padded with zeros), so one kernel with one reduction order serves a
+  lone decode row, a batch of 32 and a 2048-token prefill chunk (`apply(model)`: the model's
+  `Linear`, `QuantizedLinear` and tied-embedding heads). A float weight takes every block in
+  one `mx.gather_mm` call (`gathered`), a quantized one a call per block (`blocked`);
 - **attention**: `attention()` runs engine/fast/cuda/attn_rows.cu and attn_rows_combine.cu:
   a query's keys are read in chunks of `CH` counted from its row's first key, each chunk by
   8 warps in a fixed interleave, the chunks combined in order, so the result is the same for a
@@ -36,6 +37,7 @@ import mlx.nn as nn
 from engine.kv.batch_cache import BatchKVCache
 from engine.kv.cache import KVCache
 from engine.models.base import attention_overridden, set_attention_override
+from engine.models.bucketed_sdpa import on_cuda
 
 from .kernels import cuda_kernel
 from .sources import source
@@ -73,6 +75,16 @@ def why_unsupported(model) -> Optional[str]:
 
 # --- matmuls ---------------------------------------------------------------------------
 
+_CONST: dict = {}
+
+
+def _const(key, make):
+    """make(), made once per key (constants: scales, block indices)."""
+    if key not in _CONST:
+        _CONST[key] = make()
+    return _CONST[key]
+
+
 def _last(kind: str, key, make):
     """make(), or what it made last time for this kind when `key` is the same (`key` holds
     the arrays it depends on, compared by identity and kept, so none is freed and its id
@@ -102,9 +114,31 @@ def blocked(fn, x: mx.array) -> mx.array:
     return (out[:n] if pad else out).reshape(*lead, out.shape[-1])
 
 
+def gathered(w: mx.array, x: mx.array) -> mx.array:
+    """x @ w.T (w [N, K], a float weight) with x's rows in blocks of exactly ROWS rows, every
+    block in ONE call: `mx.gather_mm` over [blocks, ROWS, K] with each block's own index and the
+    one weight. On CUDA that is MLX's own GEMM kernel, its tile chosen by the rows of a block
+    (ROWS, always) and no split of K, so a row's sums run in one order whatever the number of
+    blocks; and it skips cuBLASLt, whose algorithm MLX 0.32 looks up on the host at every call
+    (tens of microseconds, ~113 times a 1B decode step). On the CPU it takes float32 only."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = x.size // k
+    pad = -n % ROWS
+    nb = (n + pad) // ROWS
+    rows = _last("rows", (x,), lambda: mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))) if pad
+                 else x.reshape(-1, k))
+    lhs, rhs = _const(("blocks", nb), lambda: (mx.arange(nb, dtype=mx.uint32),
+                                                mx.zeros((nb,), mx.uint32)))
+    out = mx.gather_mm(rows.reshape(nb, ROWS, k), w.T[None], lhs, rhs).reshape(nb * ROWS, -1)
+    return (out[:n] if pad else out).reshape(*lead, out.shape[-1])
+
+
 class _Linear(nn.Linear):
     def __call__(self, x):
-        return blocked(super().__call__, x)
+        if not on_cuda():
+            return blocked(super().__call__, x)
+        out = gathered(self["weight"], x)
+        return out + self["bias"] if "bias" in self else out
 
 
 class _QuantizedLinear(nn.QuantizedLinear):
@@ -114,7 +148,9 @@ class _QuantizedLinear(nn.QuantizedLinear):
 
 class _Embedding(nn.Embedding):
     def as_linear(self, x):
-        return blocked(super().as_linear, x)
+        if not on_cuda():
+            return blocked(super().as_linear, x)
+        return gathered(self.weight, x)
 
 
 class _QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -184,15 +220,6 @@ def reference(q, k, v, scale: float, mask) -> mx.array:
     if m is not None:
         keep = keep & m
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep[:, None])
-
-
-_CONST: dict = {}
-
-
-def _const(key, make):
-    if key not in _CONST:
-        _CONST[key] = make()
-    return _CONST[key]
 
 
 def buffers(cache, k: mx.array, v: mx.array):

@@ -45,6 +45,34 @@ def test_row_blocks_give_the_stock_matmuls_bits(rows):
         module.__class__ = stock
 
 
+def test_float_weights_take_every_block_in_one_gather_call(monkeypatch):
+    """On CUDA a float weight's blocks go through one mx.gather_mm (no cuBLASLt lookup per
+    call): a row gives the same bits alone and at any place among 5 / 64 / 65 / 200 rows (here
+    float32 on the CPU, the dtype its gather_mm takes), the stock matmul's bits without a
+    bias, and one gather call however many blocks."""
+    monkeypatch.setattr(invariant, "on_cuda", lambda device=None: True)
+    mx.random.seed(3)
+    lin, bare, emb = nn.Linear(96, 80, bias=True), nn.Linear(96, 80, bias=False), nn.Embedding(50, 96)
+    row = mx.random.normal((1, 96))
+    for m in (lin, bare, emb):
+        invariant.apply(m)
+    calls = []
+    real = mx.gather_mm
+    monkeypatch.setattr(invariant.mx, "gather_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for m, f in ((lin, lin), (bare, bare), (emb, emb.as_linear)):
+        alone = f(row)
+        for n, at in ((5, 3), (64, 63), (65, 64), (200, 130)):
+            x = mx.random.normal((n, 96))
+            x[at:at + 1] = row
+            calls.clear()
+            got = f(x.reshape(1, n, 96))
+            assert len(calls) == 1 and got.shape[:2] == (1, n)
+            assert mx.array_equal(got[0, at:at + 1], alone).item(), (type(m).__name__, n)
+            if m is not lin:
+                w = m.weight
+                assert mx.array_equal(got[0], x @ w.T).item()
+
+
 def test_the_swap_keeps_the_parameters_and_is_done_once():
     model, _ = engine.load(str(ensure_fixture("llama")))
     before = {k: v for k, v in tree_flatten(model.parameters())}
