@@ -248,7 +248,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, cache=N
     keys, values = buffers(cache, k, v)
     cap = keys.shape[2]
     nc = max(1, -(-L // CH))
-    qt = 1024 // D
+    # queries of a row sharing a block's key loads: one when decoding (a tile of 16 would hold
+    # 16 queries' registers and shared memory for one and cut the blocks an SM runs: 3x slower
+    # at 32 rows, reports/deterministic/0.5.6); a query's own arithmetic is the same either way
+    qt = 1 if T == 1 else 1024 // D
     per_query = B * H * nc * (D + 2) * 4
     step = max(qt, PARTIAL_BYTES // per_query // qt * qt)
     sc = _const(("scale", scale), lambda: mx.array([scale], mx.float32))
