@@ -6,7 +6,8 @@ attention (boolean left-padding mask, as a batch decode step has), each blocked 
 against the stock one, and a whole layer's worth of each. Two timings per op: `lat_us` (one
 call, then wait: what a step that waits pays) and `thr_us` (20 calls queued, then wait: the
 GPU's own time per call). `_det`: a cuBLAS call per 64-row block; `_gather`: every block in one
-`mx.gather_mm` (engine.fast.invariant.gathered).
+`mx.gather_mm` (engine.fast.invariant.gathered). `attn_det_tile1`: the kernel with one query
+a block (`tile=1`), and whether it gives the default tile's bits.
 
     python experiments/det_ops_probe.py [--rows 1,8,32] [--keys 640] [--out FILE]
 """
@@ -69,6 +70,9 @@ def main(argv=None):
         res = {"rows": B, "keys": L}
         invariant._LAST.clear()
         res["attn_det"] = timed(lambda: invariant.attention(q, k, v, scale, mask))
+        res["attn_det_tile1"] = timed(lambda: invariant.attention(q, k, v, scale, mask, tile=1))
+        res["attn_tile1_equal"] = bool(mx.array_equal(invariant.attention(q, k, v, scale, mask, tile=1),
+                                                      invariant.attention(q, k, v, scale, mask)).item())
         res["attn_stock"] = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
                                                                                 mask=mask))
         for name, m in lin.items():

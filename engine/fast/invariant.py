@@ -234,9 +234,12 @@ def buffers(cache, k: mx.array, v: mx.array):
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, cache=None,
-              use_kernel: bool = True) -> mx.array:
+              use_kernel: bool = True, tile: Optional[int] = None) -> mx.array:
     """Attention of q [B, H, T, D] over k, v [B, Hkv, L, D] under `mask` (None, "causal" or
-    boolean), every query computed by itself (module docstring)."""
+    boolean), every query computed by itself (module docstring). `tile`: the queries of a row
+    that share a block's key loads (default 1024 // D; experiments/det_ops_probe.py times 1 for
+    decoding, which the GPU run has yet to show gives the same bits: see
+    reports/deterministic/JOURNAL.md)."""
     if not use_kernel:
         return reference(q, k, v, scale, mask)
     B, H, T, D = q.shape
@@ -248,10 +251,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, cache=N
     keys, values = buffers(cache, k, v)
     cap = keys.shape[2]
     nc = max(1, -(-L // CH))
-    # queries of a row sharing a block's key loads: one when decoding (a tile of 16 would hold
-    # 16 queries' registers and shared memory for one and cut the blocks an SM runs: 3x slower
-    # at 32 rows, reports/deterministic/0.5.6); a query's own arithmetic is the same either way
-    qt = 1 if T == 1 else 1024 // D
+    qt = tile or 1024 // D
     per_query = B * H * nc * (D + 2) * 4
     step = max(qt, PARTIAL_BYTES // per_query // qt * qt)
     sc = _const(("scale", scale), lambda: mx.array([scale], mx.float32))
