@@ -114,11 +114,18 @@ def spec_counts(url: str) -> tuple:
 
 
 def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngram: int, hf_cache,
-          modes=MODES):
+          modes=MODES, lookup_k=None):
+    """`lookup_k`: the lookup server's draft tokens, one server per value (modes `lookup-kK`
+    where there are several; default: k)."""
     bias: dict = {}                  # (none: see `language`)
     batch = max(levels)
-    extra = {"plain": [], "draft": ["--draft-model", str(draft), "--num-draft-tokens", str(k)],
-             "lookup": ["--prompt-lookup", str(ngram), "--num-draft-tokens", str(k)]}
+    extra = {"plain": [], "draft": ["--draft-model", str(draft), "--num-draft-tokens", str(k)]}
+    ks = list(lookup_k or [k])
+    if "lookup" in modes:
+        names = ["lookup"] if len(ks) == 1 else [f"lookup-k{x}" for x in ks]
+        for name, x in zip(names, ks):
+            extra[name] = ["--prompt-lookup", str(ngram), "--num-draft-tokens", str(x)]
+        modes = tuple(m for m in modes if m != "lookup") + tuple(names)
     servers = {m: start(target, hf_cache, batch, "ours", extra[m]) for m in modes}
     rows = []
     try:
@@ -161,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="draft tokens a step (both sources)")
     ap.add_argument("--ngram", type=int, default=3, help="--prompt-lookup N")
+    ap.add_argument("--lookup-k", default=None,
+                    help="the lookup server's draft tokens, comma list: one server each (default --k)")
     ap.add_argument("--draft-layers", type=int, default=4, help="the draft model's layers")
     ap.add_argument("--modes", default=",".join(MODES), help="plain (always) and which of "
                     "draft, lookup")
@@ -180,7 +189,8 @@ def main(argv=None) -> int:
                                  a.draft_layers)
     train_s = time.perf_counter() - t0
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
-    rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes)
+    lookup_k = [int(x) for x in a.lookup_k.split(",")] if a.lookup_k else None
+    rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes, lookup_k)
     out = Path(a.out) if a.out else report_dir("spec_bench", a.tag)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "spec_bench.csv", rows, FIELDS)
