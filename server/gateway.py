@@ -297,6 +297,8 @@ class Gateway:
                 except Exception as e:
                     outs = self._fail_all(e)
                 self._deliver(outs)
+                if not self._busy() and self._q.empty():   # idle now, nothing waiting:
+                    self.engine.idle()  # (CUDA: the next turn's attention shape, Engine.idle)
             self._trimmer.maybe()     # freed heap pages back to the OS (server.memory)
         for rid in list(self._jobs):          # stopping: end whatever still runs
             self.engine.abort(rid)

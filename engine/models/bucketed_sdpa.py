@@ -35,6 +35,8 @@ KEEP_MASK_BYTES = 64 << 20     # a mask this small is built once for all layers 
 _CUDA: Optional[bool] = None
 _LAST = threading.local()       # the last mask built: (key, the mask object it came from, mask)
 _OFF = threading.local()        # on: `exact_shapes()`
+_SEEN: set = set()              # the padded call shapes run so far (their cuDNN plans built)
+_CALL: Optional[tuple] = None   # the last call's (B, H, Hkv, D, dtype, T, mask kind)
 
 
 def on_cuda(device=None) -> bool:
@@ -106,9 +108,13 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
          mask: Optional[Union[str, mx.array]]) -> mx.array:
     """`mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)` over padded
     shapes (`takes` says where)."""
+    global _CALL
     B, H, T, D = q.shape
     L = k.shape[2]
     Tb, Lb = bucket(T, 16), bucket(L, 256)
+    kind = mask if isinstance(mask, str) or mask is None else ("array",) + mask.shape[:-2]
+    _CALL = (B, H, k.shape[1], D, q.dtype, T, kind)
+    _SEEN.add((B, H, k.shape[1], D, q.dtype, Tb, Lb, kind))
     key = (mask if isinstance(mask, str) or mask is None else id(mask), B, H, T, L, q.dtype)
     last = getattr(_LAST, "v", None)
     if last is not None and last[0] == key and (isinstance(mask, str) or last[1] is mask):
@@ -126,3 +132,27 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
     if Tb > T:
         q = mx.concatenate([q, mx.zeros((B, H, Tb - T, D), dtype=q.dtype)], axis=2)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias)[:, :, :T]
+
+
+def warm_next(length: int) -> bool:
+    """Run once, on zeros, the call the next turn of a conversation that ended at `length`
+    tokens would make: the last call's queries over `length` + that many keys. A turn whose
+    keys cross into a new bucket otherwise builds its cuDNN plan on its first token (~70 ms on
+    an H100, reports/prompt_cache_disk/0.5.5); the Engine calls this while idle
+    (`Engine.idle`). Returns whether it ran (not: no call yet, that shape already run, or
+    one `takes` would not pad)."""
+    if _CALL is None or not on_cuda():
+        return False
+    B, H, Hkv, D, dtype, T, kind = _CALL
+    L = length + T
+    if (B, H, Hkv, D, dtype, bucket(T, 16), bucket(L, 256), kind) in _SEEN:
+        return False
+    q, k = mx.zeros((B, H, T, D), dtype), mx.zeros((B, Hkv, L, D), dtype)
+    mask = kind
+    if isinstance(kind, tuple):          # a boolean mask of the same leading shape, causal
+        causal = mx.arange(L)[None] <= mx.arange(L - T, L)[:, None]
+        mask = mx.broadcast_to(causal, kind[1:] + (T, L))
+    if not takes(q, k, mask):
+        return False
+    mx.eval(sdpa(q, k, k, 1.0, mask))
+    return True

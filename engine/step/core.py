@@ -8,22 +8,21 @@
 
 Each `step()` is one scheduler step (schedule -> execute -> update):
 
-1. **schedule** — waiting requests start in arrival order within their lane. A request is
-   a row of the continuous batch (`engine.step.batch.BatchScheduler`: the *batch* runner,
-   or with a fast lever the *fast* runner, its decode on `engine.fast`) or runs alone (the
-   *exact* runner: `engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`):
-   alone when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects
-   adapters (the batch runs the base weights), brings its own prefix caches or speculates
-   with a draft model (`engine.step.draft`) or with prompt lookup where the batch cannot take
-   it (`engine.step.lookup`; on the L1 batch runner a lookup request and a draft-model one
-   are speculating rows, `engine.step.batch_lookup`, `engine.step.batch_draft`; a request
-   with images is a row of the L1 batch runner, `engine.step.batch_vision`, and runs alone
-   on the fast runner or in deterministic mode); `stats()["solo_reasons"]` counts why. Rows join the batch while the aggregate memory
-   estimate fits (a lone row always runs: its own check passed at submit) and at most
-   `max_batch` rows are in the batch (the rest wait, `stats()["waiting"]`). A request
-   running alone runs beside the batch (one at a time); one that samples from a seed
-   waits for the batch to drain and holds later batch requests back, so its draws are
-   its own.
+1. **schedule** — waiting requests start in arrival order within their lane. A request is a
+   row of the continuous batch (`engine.step.batch.BatchScheduler`: the *batch* runner, or
+   with a fast lever the *fast* runner, its decode on `engine.fast`) or runs alone (the *exact*
+   runner: `engine.step.stepper.generate_step`, the token loop of `mlx_lm.generate`): alone
+   when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects adapters (the
+   batch runs the base weights), brings its own prefix caches or speculates with a draft model
+   (`engine.step.draft`) or with prompt lookup where the batch cannot take it
+   (`engine.step.lookup`; on the L1 batch runner lookup and draft-model requests are
+   speculating rows, `engine.step.batch_lookup`, `batch_draft`; a request with images is a
+   row of the L1 batch runner, `batch_vision`, and runs alone on the fast runner or in
+   deterministic mode); `stats()["solo_reasons"]` counts why. Rows join while the aggregate
+   memory estimate fits (a lone row always runs) and at most `max_batch` are in the batch
+   (the rest wait, `stats()["waiting"]`). A request running alone runs beside the batch (one
+   at a time); one that samples from a seed waits for the batch to drain and holds later batch
+   requests back, so its draws are its own.
 2. **execute** — one unit of the request running alone (a prefill chunk or a token) and
    one batch step, side by side.
 3. **update** — one function for every runner (`_token`): EOS, length, stop strings,
@@ -44,6 +43,7 @@ from collections import deque
 from typing import Optional
 
 from engine import deterministic as determinism
+from engine.models.bucketed_sdpa import warm_next
 from engine.step.batch import BatchScheduler, RowEvent
 from engine.kv.quant import make_policy
 from engine.step.request import (PromptError, RequestOutput, RequestState, SamplingParams,
@@ -153,6 +153,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         self._rows: dict = {}            # batch uid -> RequestState
         self._solo: Optional[RequestState] = None
         self._done_now: list = []        # outputs to hand out with the next step
+        self._ended_len = 0              # the last ended request's tokens (`idle`)
         self._samplers: dict = {}
         self.steps = 0
         self.peak_rows = 0               # most rows that ran one decode forward together
@@ -186,25 +187,21 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         """Load a model directory; memory admission on (budget: 75% of RAM by default).
 
         prompt_cache_bytes: the prompt cache's cap (0: none; None: what the server takes by
-        default, `Admission.prompt_cache_bytes()`, a share of the budget left after the
-        weights).
-        `tensor_parallel=True` (under `mlx.launch`): every rank loads its shard (see
-        `engine.load`) and builds the same Engine (rank 0's memory budget). On rank 0
-        this returns an `engine.distributed.Leader` with the Engine's interface, which
-        makes every call on every rank; on the other ranks it does not return: they
-        replay rank 0's calls until rank 0 closes it (or exits), then the process ends
-        (`engine.distributed.coordinate`). `tp_timeout`: seconds a step may take on
-        rank 0 before the ranks are given up (None: no limit).
-        prompt_cache_dir: keep prefixes' KV as files there too, read back after a restart
-        (`engine.kv.disk_cache`), at most `prompt_cache_disk_gb` GB (10^9 bytes).
-        draft_model: a model directory or repo id drafting for speculative decoding
-        (`engine.step.draft`; the same tokenizer vocabulary, else `DraftModelError`)."""
-        from engine.step.admission import Admission, default_budget
-        from engine.loader import load, resolve_model_path
-        from engine.kv.prompt_cache import PromptCache
-
+        default, `Admission.prompt_cache_bytes()`, a share of the budget left after the weights).
+        `tensor_parallel=True` (under `mlx.launch`): every rank loads its shard (`engine.load`)
+        and builds the same Engine (rank 0's memory budget). On rank 0 this returns an
+        `engine.distributed.Leader` with the Engine's interface, which makes every call on every
+        rank; the other ranks replay rank 0's calls until rank 0 closes it (or exits), then the
+        process ends (`engine.distributed.coordinate`). `tp_timeout`: seconds a step may take on
+        rank 0 before the ranks are given up (None: no limit). prompt_cache_dir: keep prefixes'
+        KV as files there too, read back after a restart (`engine.kv.disk_cache`), at most
+        `prompt_cache_disk_gb` GB (10^9 bytes). draft_model: a model directory or repo id
+        drafting for speculative decoding (`engine.step.draft`; the same tokenizer vocabulary,
+        else `DraftModelError`)."""
         from engine.adapters.registry import AdapterRegistry
-
+        from engine.kv.prompt_cache import PromptCache
+        from engine.loader import load, resolve_model_path
+        from engine.step.admission import Admission, default_budget
         model, tokenizer = load(path, adapter_path=adapter_path, tensor_parallel=tensor_parallel)
         if draft_model is not None:
             from engine.step.draft import DraftModelError, load_draft
@@ -342,6 +339,12 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
     def has_unfinished(self) -> bool:
         return bool(self._live or self._done_now)
 
+    def idle(self) -> bool:
+        """Between requests (engine-serve calls it): on CUDA, run the attention shape the next
+        turn of the request that ended last would take (`bucketed_sdpa.warm_next`)."""
+        n, self._ended_len = self._ended_len, 0
+        return bool(n) and not self.has_unfinished() and warm_next(n)
+
     def stats(self) -> dict:
         """Counters (safe to read from another thread than the one stepping). active_rows:
         requests handed to the batch (queued in it, prefilling or decoding); rows_now: rows
@@ -395,6 +398,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                     self._row_ended(r)
                     outs.append(self._fail(r, e))
         self.steps += 1
+        self._ended_len = next((o.prompt_tokens + o.generation_tokens for o in outs if o.finished
+                                and o.started), self._ended_len)
         self.peak_rows = max(self.peak_rows, decoded)
         self.rows_now = ((1 if self._solo is not None and self._solo.steps is not None else 0)
                          + (self._sched.decoding if self._sched is not None else 0))

@@ -51,6 +51,10 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
 
+    def idle(self):
+        self.idles = getattr(self, "idles", 0) + 1
+        return False
+
     def step(self) -> list:
         self.steps += 1
         if self.hang.is_set():

@@ -95,3 +95,53 @@ def test_a_big_mask_is_not_kept(monkeypatch):
     k2 = mx.zeros((1, 1, 301, 8))                      # (another shape: a new mask)
     B.sdpa(q, k2, k2, 0.5, "causal")
     assert B._LAST.v is None
+
+
+def test_warm_next_runs_the_next_turns_shape_once(monkeypatch):
+    """While idle, the call the next turn would make runs once on zeros (its cuDNN plan built
+    then, not on that turn's first token): the last call's queries over the ended length plus
+    as many keys; not when that bucket has run already, nor twice."""
+    monkeypatch.setattr(B, "on_cuda", lambda device=None: True)
+    monkeypatch.setattr(B, "_SEEN", set())
+    monkeypatch.setattr(B, "_CALL", None)
+    assert not B.warm_next(100)                              # no call yet
+    q, k = mx.zeros((1, 2, 40, 8)), mx.zeros((1, 1, 300, 8))
+    B.sdpa(q, k, k, 0.5, "causal")                           # 40 queries, 300 keys: 48 x 512
+    assert not B.warm_next(400)                              # 440 keys: bucket 512, run already
+    calls = []
+    real = B.sdpa
+    monkeypatch.setattr(B, "sdpa", lambda *a: calls.append(a) or real(*a))
+    assert B.warm_next(500)                                  # 540 keys: bucket 768, new
+    (wq, wk, _, _, wmask), = calls
+    assert wq.shape == (1, 2, 40, 8) and wk.shape == (1, 1, 540, 8) and wmask == "causal"
+    assert (1, 2, 1, 8, mx.float32, 48, 768, "causal") in B._SEEN
+    assert not B.warm_next(500)                              # once
+    # a boolean mask: the warm call's mask has the same leading shape (the same plan key)
+    real(q, k, k, 0.5, mx.ones((1, 1, 40, 300), dtype=mx.bool_))
+    calls.clear()
+    assert B.warm_next(1000)
+    m = calls[0][4]
+    assert m.dtype == mx.bool_ and m.shape == (1, 1, 40, 1040)
+    monkeypatch.setattr(B, "on_cuda", lambda device=None: False)
+    assert not B.warm_next(5000)                             # elsewhere: nothing
+
+
+def test_engine_idle_warms_for_the_request_that_ended(monkeypatch):
+    """Engine.idle passes the ended request's length (prompt + generated) once, and only when
+    nothing runs."""
+    from engine import Engine, SamplingParams
+    import engine
+    import engine.step.core as core
+    from starter.models import ensure_fixture
+    seen = []
+    monkeypatch.setattr(core, "warm_next", lambda n: seen.append(n) or True)
+    model, tok = engine.load(str(ensure_fixture("llama")))
+    eng = Engine(model, tok, max_batch=4)
+    assert not eng.idle() and seen == []                     # nothing ended yet
+    eng.submit([5, 6, 7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0))
+    eng.submit([5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0))
+    while eng.has_unfinished():
+        eng.step()
+        assert eng.has_unfinished() or seen == []
+    assert eng.idle() and seen == [3 + 30]                   # the last one to end
+    assert not eng.idle() and seen == [33]                   # once

@@ -30,6 +30,10 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.queue or self.cur or self.done_now)
 
+    def idle(self):
+        self.idles = getattr(self, "idles", 0) + 1
+        return False
+
     def abort(self, rid):
         for r in self.queue:
             if r[0] == rid:
@@ -258,3 +262,23 @@ def test_coalescing_holds_batches_but_never_the_end():
     # the end is not held back for the interval (0.2 s): it arrives soon after it was put,
     # measured from the worker's own clock so a slow machine's late sleeps do not count
     assert times[-1] - ended[0] < 0.15
+
+
+def test_the_engine_works_while_idle_not_while_busy():
+    """Between requests the worker gives the engine its idle moment (Engine.idle: on CUDA the
+    next turn's attention shape); never while a request runs."""
+    gw = Gateway()
+    eng = FakeEngine()
+    gw.engine = eng
+    busy = []
+    real = eng.idle
+    eng.idle = lambda: busy.append(eng.has_unfinished()) or real()
+
+    async def main():
+        await _drain(gw.submit(GenerationJob(asyncio.get_running_loop(), "a")))
+    asyncio.run(main())
+    deadline = time.time() + 5
+    while not busy and time.time() < deadline:
+        time.sleep(0.01)
+    gw.close()
+    assert busy and not any(busy)

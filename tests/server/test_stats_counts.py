@@ -126,6 +126,10 @@ class Scripted:
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.done_now)
 
+    def idle(self):
+        self.idles = getattr(self, "idles", 0) + 1
+        return False
+
     def abort(self, rid):
         if self.running is not None and self.running[0] == rid:
             self.running = None
