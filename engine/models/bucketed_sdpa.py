@@ -147,7 +147,8 @@ def warm_next(length: int) -> bool:
     L = length + T
     if (B, H, Hkv, D, dtype, bucket(T, 16), bucket(L, 256), kind) in _SEEN:
         return False
-    q, k = mx.zeros((B, H, T, D), dtype), mx.zeros((B, Hkv, L, D), dtype)
+    # (q laid out as a model's: heads transposed out of [B, T, H, D])
+    q, k = mx.zeros((B, T, H, D), dtype).transpose(0, 2, 1, 3), mx.zeros((B, Hkv, L, D), dtype)
     mask = kind
     if isinstance(kind, tuple):          # a boolean mask of the same leading shape, causal
         causal = mx.arange(L)[None] <= mx.arange(L - T, L)[:, None]
