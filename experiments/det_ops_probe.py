@@ -46,6 +46,39 @@ def timed(fn, reps: int = 20):
     return round(sorted(lat)[2] * 1e6, 1), round(thr * 1e6, 1)
 
 
+def quantized_gather(bits: int = 4, group: int = 64) -> dict:
+    """A candidate for 4-bit weights (not in the engine): every 64-row block in one
+    `mx.gather_qmm` call instead of a quantized matmul per block. Whether a row gives the same
+    bits alone and among 5 / 200 / 2048 rows, and its time against the per-block form at 2048."""
+    lin = nn.QuantizedLinear.from_linear(nn.Linear(2048, 8192, bias=False), group_size=group, bits=bits)
+    lin.set_dtype(mx.bfloat16)
+
+    def gq(x):
+        k = x.shape[-1]
+        n = x.size // k
+        pad = -n % invariant.ROWS
+        nb = (n + pad) // invariant.ROWS
+        rows = mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))).reshape(nb, invariant.ROWS, k)
+        out = mx.gather_qmm(rows, lin.weight[None], lin.scales[None], lin.biases[None],
+                            mx.arange(nb, dtype=mx.uint32), mx.zeros((nb,), mx.uint32),
+                            transpose=True, group_size=group, bits=bits)
+        return out.reshape(nb * invariant.ROWS, -1)[:n]
+    row = mx.random.normal((1, 2048)).astype(mx.bfloat16)
+    res = {"q4_gather": {}}
+    alone = gq(row)
+    for n, at in ((5, 3), (200, 130), (2048, 1500)):
+        x = mx.random.normal((n, 2048)).astype(mx.bfloat16)
+        x[at:at + 1] = row
+        res["q4_gather"][f"equal_{n}"] = bool(mx.array_equal(gq(x)[at:at + 1], alone).item())
+    x = mx.random.normal((2048, 2048)).astype(mx.bfloat16)
+    mx.eval(x)
+    res["q4_gather"]["gather_2048"] = timed(lambda: gq(x), reps=5)
+    res["q4_gather"]["blocked_2048"] = timed(lambda: invariant.blocked(lin, x), reps=5)
+    res["q4_gather"]["stock_2048"] = timed(lambda: lin(x), reps=5)
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32")
@@ -96,6 +129,10 @@ def main(argv=None):
         pre[f"{name}_gather"] = timed(lambda: invariant.gathered(m.weight, x), reps=5)
     print(json.dumps(pre), flush=True)
     rows_out.append(pre)
+    try:
+        rows_out.append(quantized_gather())
+    except Exception as e:          # (a candidate: its failure is a finding, not the run's end)
+        print(json.dumps({"q4_gather": f"failed: {type(e).__name__}: {e}"}), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"device": str(mx.default_device()), "rows": rows_out}, indent=1))
     return 0
