@@ -129,8 +129,8 @@ def gathered(w: mx.array, x: mx.array) -> mx.array:
                  else x.reshape(-1, k))
     lhs, rhs = _const(("blocks", nb), lambda: (mx.arange(nb, dtype=mx.uint32),
                                                 mx.zeros((nb,), mx.uint32)))
-    out = mx.gather_mm(rows.reshape(nb, ROWS, k), w.T[None], lhs, rhs).reshape(nb * ROWS, -1)
-    return (out[:n] if pad else out).reshape(*lead, out.shape[-1])
+    out = mx.gather_mm(rows.reshape(nb, ROWS, k), w.T[None], lhs, rhs).reshape(nb * ROWS, w.shape[0])
+    return (out[:n] if pad else out).reshape(*lead, w.shape[0])
 
 
 class _Linear(nn.Linear):
