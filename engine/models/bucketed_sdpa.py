@@ -139,9 +139,10 @@ def warm_next(length: int) -> bool:
     tokens would make: the last call's queries over `length` + that many keys. A turn whose
     keys cross into a new bucket otherwise builds its cuDNN plan on its first token (~70 ms on
     an H100, reports/prompt_cache_disk/0.5.5); the Engine calls this while idle
-    (`Engine.idle`). Returns whether it ran (not: no call yet, that shape already run, or
-    one `takes` would not pad)."""
-    if _CALL is None or not on_cuda():
+    (`Engine.idle`). Returns whether it ran (not: no call yet, the last one of several rows
+    (a batch's shapes do not repeat turn after turn), that shape already run, or one `takes`
+    would not pad)."""
+    if _CALL is None or _CALL[0] != 1 or not on_cuda():
         return False
     B, H, Hkv, D, dtype, T, kind = _CALL
     L = length + T

@@ -122,6 +122,9 @@ def test_warm_next_runs_the_next_turns_shape_once(monkeypatch):
     assert B.warm_next(1000)
     m = calls[0][4]
     assert m.dtype == mx.bool_ and m.shape == (1, 1, 40, 1040)
+    real(mx.zeros((2, 2, 40, 8)), mx.zeros((2, 1, 300, 8)), mx.zeros((2, 1, 300, 8)), 0.5, "causal")
+    assert not B.warm_next(2000)                             # after a call of several rows: no
+    real(q, k, k, 0.5, "causal")
     monkeypatch.setattr(B, "on_cuda", lambda device=None: False)
     assert not B.warm_next(5000)                             # elsewhere: nothing
 
