@@ -99,19 +99,26 @@ def _last(kind: str, key, make):
     return out
 
 
-def blocked(fn, x: mx.array) -> mx.array:
-    """fn (a row-wise matmul) over x's rows in blocks of exactly ROWS rows (zero padded; the
-    padded input is kept for the next call on the same x: q/k/v, gate/up)."""
-    lead, k = x.shape[:-1], x.shape[-1]
+def _rows(x: mx.array):
+    """(n, pad, rows): x's n rows zero-padded by `pad` to a multiple of ROWS, [n + pad, K]
+    (kept for the next call on the same x: q/k/v, gate/up)."""
+    k = x.shape[-1]
     n = x.size // k
     pad = -n % ROWS
     rows = _last("rows", (x,), lambda: mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))) if pad
                  else x.reshape(-1, k))
+    return n, pad, rows
+
+
+def blocked(fn, x: mx.array) -> mx.array:
+    """fn (a row-wise matmul) over x's rows in blocks of exactly ROWS rows (`_rows`), a call
+    per block."""
+    n, pad, rows = _rows(x)
     if n + pad == ROWS:          # one block (every decode step up to ROWS rows)
         out = fn(rows)
     else:
         out = mx.concatenate([fn(rows[i:i + ROWS]) for i in range(0, n + pad, ROWS)])
-    return (out[:n] if pad else out).reshape(*lead, out.shape[-1])
+    return (out[:n] if pad else out).reshape(*x.shape[:-1], out.shape[-1])
 
 
 def gathered(w: mx.array, x: mx.array) -> mx.array:
@@ -121,16 +128,12 @@ def gathered(w: mx.array, x: mx.array) -> mx.array:
     (ROWS, always) and no split of K, so a row's sums run in one order whatever the number of
     blocks; and it skips cuBLASLt, whose algorithm MLX 0.32 looks up on the host at every call
     (tens of microseconds, ~113 times a 1B decode step). On the CPU it takes float32 only."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = x.size // k
-    pad = -n % ROWS
-    nb = (n + pad) // ROWS
-    rows = _last("rows", (x,), lambda: mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))) if pad
-                 else x.reshape(-1, k))
+    n, pad, rows = _rows(x)
+    nb, k = (n + pad) // ROWS, x.shape[-1]
     lhs, rhs = _const(("blocks", nb), lambda: (mx.arange(nb, dtype=mx.uint32),
                                                 mx.zeros((nb,), mx.uint32)))
     out = mx.gather_mm(rows.reshape(nb, ROWS, k), w.T[None], lhs, rhs).reshape(nb * ROWS, w.shape[0])
-    return (out[:n] if pad else out).reshape(*lead, w.shape[0])
+    return (out[:n] if pad else out).reshape(*x.shape[:-1], w.shape[0])
 
 
 class _Linear(nn.Linear):
