@@ -92,7 +92,8 @@ def trained_pair(target: str, work: Path, steps: int, draft_steps: int, quick: b
     name = "spec-draft" if quick or draft_layers == 4 else f"spec-draft-{draft_layers}l"
     PRESETS[name] = PRESETS["spec-draft"]
     return (trained(target, work, steps, lr, batch, length),
-            trained(name, work, draft_steps, lr * (1 if quick else 3), batch, length))
+            trained(name, work, draft_steps, lr * (1 if quick else 3), batch, length)
+            if draft_steps else None)
 
 
 def prompts(n: int, gen: int, seed: int) -> list:
@@ -185,8 +186,8 @@ def main(argv=None) -> int:
         a.gen, a.trials, a.levels = min(a.gen, 32), min(a.trials, 1), "1,4"
     t0 = time.perf_counter()
     modes = ("plain",) + tuple(m for m in MODES[1:] if m in a.modes.split(","))
-    target, draft = trained_pair(a.target, work, a.steps, a.draft_steps or a.steps, a.quick,
-                                 a.draft_layers)
+    draft_steps = (a.draft_steps or a.steps) if "draft" in modes else 0  # no draft: none trained
+    target, draft = trained_pair(a.target, work, a.steps, draft_steps, a.quick, a.draft_layers)
     train_s = time.perf_counter() - t0
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     lookup_k = [int(x) for x in a.lookup_k.split(",")] if a.lookup_k else None
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     cmd = "python experiments/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "spec_bench.md").write_text(
         "# Speculative decoding through HTTP (engine-serve: plain, --draft-model, --prompt-lookup)\n\n"
-        f"Machine: {machine()}. Target `{a.target}` and draft `{draft.name}` ({a.draft_layers} layers) trained on the synthetic "
+        f"Machine: {machine()}. Target `{a.target}` and draft `{draft.name if draft else '-'}` ({a.draft_layers} layers) trained on the synthetic "
         f"language ({a.steps} / {a.draft_steps or a.steps} steps, {train_s:.0f} s, last losses "
         f"{LAST_LOSS or 'kept from an earlier run'}); greedy, "
         f"{a.gen} tokens a request, K {a.k}, n-gram {a.ngram}, median of {a.trials}; ratio = tok/s "
