@@ -6,8 +6,7 @@ attention (boolean left-padding mask, as a batch decode step has), each blocked 
 against the stock one, and a whole layer's worth of each. Two timings per op: `lat_us` (one
 call, then wait: what a step that waits pays) and `thr_us` (20 calls queued, then wait: the
 GPU's own time per call). `_det`: a cuBLAS call per 64-row block; `_gather`: every block in one
-`mx.gather_mm` (engine.fast.invariant.gathered). `attn_det_tile1`: the kernel with one query
-a block (`tile=1`), and whether it gives the default tile's bits.
+`mx.gather_mm` (engine.fast.invariant.gathered).
 
     python experiments/det_ops_probe.py [--rows 1,8,32] [--keys 640] [--out FILE]
 """
@@ -47,22 +46,14 @@ def timed(fn, reps: int = 20):
 
 
 def quantized_gather(bits: int = 4, group: int = 64) -> dict:
-    """A candidate for 4-bit weights (not in the engine): every 64-row block in one
+    """4-bit weights as the engine runs them (invariant.gathered_quantized): every 64-row block in one
     `mx.gather_qmm` call instead of a quantized matmul per block. Whether a row gives the same
     bits alone and among 5 / 200 / 2048 rows, and its time against the per-block form at 2048."""
     lin = nn.QuantizedLinear.from_linear(nn.Linear(2048, 8192, bias=False), group_size=group, bits=bits)
     lin.set_dtype(mx.bfloat16)
 
     def gq(x):
-        k = x.shape[-1]
-        n = x.size // k
-        pad = -n % invariant.ROWS
-        nb = (n + pad) // invariant.ROWS
-        rows = mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))).reshape(nb, invariant.ROWS, k)
-        out = mx.gather_qmm(rows, lin.weight[None], lin.scales[None], lin.biases[None],
-                            mx.arange(nb, dtype=mx.uint32), mx.zeros((nb,), mx.uint32),
-                            transpose=True, group_size=group, bits=bits)
-        return out.reshape(nb * invariant.ROWS, -1)[:n]
+        return invariant.gathered_quantized(lin, x)
     row = mx.random.normal((1, 2048)).astype(mx.bfloat16)
     res = {"q4_gather": {}}
     alone = gq(row)
@@ -75,6 +66,12 @@ def quantized_gather(bits: int = 4, group: int = 64) -> dict:
     res["q4_gather"]["gather_2048"] = timed(lambda: gq(x), reps=5)
     res["q4_gather"]["blocked_2048"] = timed(lambda: invariant.blocked(lin, x), reps=5)
     res["q4_gather"]["stock_2048"] = timed(lambda: lin(x), reps=5)
+    for n in (1, 32):                 # decode rows: one block either way
+        x = mx.random.normal((n, 2048)).astype(mx.bfloat16)
+        mx.eval(x)
+        res["q4_gather"][f"gather_{n}"] = timed(lambda: gq(x))
+        res["q4_gather"][f"blocked_{n}"] = timed(lambda: invariant.blocked(lin, x))
+        res["q4_gather"][f"stock_{n}"] = timed(lambda: lin(x))
     print(json.dumps(res), flush=True)
     return res
 
@@ -103,9 +100,6 @@ def main(argv=None):
         res = {"rows": B, "keys": L}
         invariant._LAST.clear()
         res["attn_det"] = timed(lambda: invariant.attention(q, k, v, scale, mask))
-        res["attn_det_tile1"] = timed(lambda: invariant.attention(q, k, v, scale, mask, tile=1))
-        res["attn_tile1_equal"] = bool(mx.array_equal(invariant.attention(q, k, v, scale, mask, tile=1),
-                                                      invariant.attention(q, k, v, scale, mask)).item())
         res["attn_stock"] = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
                                                                                 mask=mask))
         for name, m in lin.items():

@@ -10,8 +10,9 @@ row alone:
 - **matmuls**: every projection, MLP matmul and output head runs on blocks of exactly
   `ROWS` rows (the rows padded with zeros), so one kernel with one reduction order serves a
   lone decode row, a batch of 32 and a 2048-token prefill chunk (`apply(model)`: the model's
-  `Linear`, `QuantizedLinear` and tied-embedding heads). A float weight takes every block in
-  one `mx.gather_mm` call (`gathered`), a quantized one a call per block (`blocked`);
+  `Linear`, `QuantizedLinear` and tied-embedding heads). On CUDA every block of a weight goes
+  through one call (`mx.gather_mm`: `gathered`; `mx.gather_qmm`: `gathered_quantized`); on
+  the CPU a call per block (`blocked`);
 - **attention**: `attention()` runs engine/fast/cuda/attn_rows.cu and attn_rows_combine.cu:
   a query's keys are read in chunks of `CH` counted from its row's first key, each chunk by
   8 warps in a fixed interleave, the chunks combined in order, so the result is the same for a
@@ -136,6 +137,24 @@ def gathered(w: mx.array, x: mx.array) -> mx.array:
     return (out[:n] if pad else out).reshape(*x.shape[:-1], w.shape[0])
 
 
+def gathered_quantized(m, x: mx.array) -> mx.array:
+    """x @ dequantize(m's weight).T for a quantized module `m` (its weight, scales, biases,
+    group size, bits and mode), the rows in blocks of exactly ROWS rows, every block in ONE
+    `mx.gather_qmm` call (as `gathered` does for a float weight: one kernel and one reduction
+    order whatever the number of blocks, instead of a quantized matmul per block)."""
+    n, pad, rows = _rows(x)
+    nb, k = (n + pad) // ROWS, x.shape[-1]
+    lhs, rhs = _const(("blocks", nb), lambda: (mx.arange(nb, dtype=mx.uint32),
+                                                mx.zeros((nb,), mx.uint32)))
+    w = m["weight"]
+    biases = m.get("biases")
+    out = mx.gather_qmm(rows.reshape(nb, ROWS, k), w[None], m["scales"][None],
+                        None if biases is None else biases[None], lhs, rhs, transpose=True,
+                        group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine"))
+    out = out.reshape(nb * ROWS, out.shape[-1])
+    return (out[:n] if pad else out).reshape(*x.shape[:-1], out.shape[-1])
+
+
 class _Linear(nn.Linear):
     def __call__(self, x):
         if not on_cuda():
@@ -146,7 +165,10 @@ class _Linear(nn.Linear):
 
 class _QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
-        return blocked(super().__call__, x)
+        if not on_cuda():
+            return blocked(super().__call__, x)
+        out = gathered_quantized(self, x)
+        return out + self["bias"] if "bias" in self else out
 
 
 class _Embedding(nn.Embedding):
@@ -158,7 +180,9 @@ class _Embedding(nn.Embedding):
 
 class _QuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
-        return blocked(super().as_linear, x)
+        if not on_cuda():
+            return blocked(super().as_linear, x)
+        return gathered_quantized(self, x)
 
 
 _BLOCKED = {nn.Linear: _Linear, nn.QuantizedLinear: _QuantizedLinear,
@@ -237,12 +261,11 @@ def buffers(cache, k: mx.array, v: mx.array):
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, cache=None,
-              use_kernel: bool = True, tile: Optional[int] = None) -> mx.array:
+              use_kernel: bool = True) -> mx.array:
     """Attention of q [B, H, T, D] over k, v [B, Hkv, L, D] under `mask` (None, "causal" or
-    boolean), every query computed by itself (module docstring). `tile`: the queries of a row
-    that share a block's key loads (default 1024 // D; experiments/det_ops_probe.py times 1 for
-    decoding, which the GPU run has yet to show gives the same bits: see
-    reports/deterministic/JOURNAL.md)."""
+    boolean), every query computed by itself (module docstring). A block serves one query of
+    a row when T is 1 (decoding) and 1024 // D queries of it otherwise (they share the key
+    loads; each query's arithmetic is the same either way: reports/deterministic/JOURNAL.md)."""
     if not use_kernel:
         return reference(q, k, v, scale, mask)
     B, H, T, D = q.shape
@@ -254,7 +277,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, cache=N
     keys, values = buffers(cache, k, v)
     cap = keys.shape[2]
     nc = max(1, -(-L // CH))
-    qt = tile or 1024 // D
+    qt = 1 if T == 1 else 1024 // D
     per_query = B * H * nc * (D + 2) * 4
     step = max(qt, PARTIAL_BYTES // per_query // qt * qt)
     sc = _const(("scale", scale), lambda: mx.array([scale], mx.float32))
