@@ -124,13 +124,22 @@ def add_speculation_flags(a) -> None:
       "constrained ones too): draft the tokens that followed the latest earlier match of the "
       "last N tokens (0: off; docs/generation.md)")
     a("--num-draft-tokens", type=int, default=None, metavar="K",
-      help="draft tokens a step: 3 with --draft-model (mlx-lm's), 4 with --prompt-lookup")
+      help="draft tokens a step: 3 with --draft-model (mlx-lm's); with --prompt-lookup 15 on "
+      "CUDA (a verify is padded to 16 positions there anyway), 4 elsewhere")
     a("--spec-sampling", choices=("exact", "rejection"), default="exact",
       help="with --draft-model, how sampled requests keep drafts: exact (mlx-lm's scheme: a "
       "draft kept when the model's own draw equals it; alone, mlx-lm's tokens bit for bit, as "
       "a batch row the tokens it samples without speculation) or rejection (speculative "
       "sampling: the model's distribution, more drafts kept; no XTC, runs alone); greedy is "
       "the same under both (docs/generation.md)")
+
+
+def lookup_draft_tokens() -> int:
+    """--prompt-lookup's default K: 15 on CUDA, where a verify's query is padded to 16
+    positions anyway (engine/models/bucketed_sdpa.py), so longer drafts cost about what 4 do
+    (H100: 2.65x plain at one client vs 1.62x with 4: reports/spec_bench/0.5.6/); 4 elsewhere."""
+    from engine.models.bucketed_sdpa import on_cuda
+    return 15 if on_cuda() else 4
 
 
 def speculation_settings(args) -> tuple:
@@ -145,7 +154,7 @@ def speculation_settings(args) -> tuple:
         raise ValueError(f"--prompt-lookup must be in [0, 64], got {args.prompt_lookup}")
     k = args.num_draft_tokens
     if k is None:
-        k = 3 if args.draft_model is not None else 4
+        k = 3 if args.draft_model is not None else lookup_draft_tokens()
     if not 1 <= k <= 64:
         raise ValueError(f"--num-draft-tokens must be in [1, 64], got {k}")
     return args.prompt_lookup, k

@@ -118,6 +118,23 @@ def test_bad_settings_name_the_field():
     assert SamplingParams(prompt_lookup=3, temperature=0.0).looks_up()
 
 
+def test_default_draft_tokens_follow_the_device(monkeypatch):
+    """--num-draft-tokens unset: 3 with --draft-model, and with --prompt-lookup 4 on the CPU
+    or Metal but 15 on CUDA (a verify's query is padded to 16 positions there anyway)."""
+    import argparse
+
+    from engine import argparsing
+    from engine.models import bucketed_sdpa
+    ap = argparse.ArgumentParser()
+    argparsing.add_speculation_flags(ap.add_argument)
+    assert argparsing.speculation_settings(ap.parse_args(["--prompt-lookup", "3"])) == (3, 4)
+    assert argparsing.speculation_settings(ap.parse_args(["--draft-model", "d"])) == (0, 3)
+    monkeypatch.setattr(bucketed_sdpa, "on_cuda", lambda device=None: True)
+    assert argparsing.speculation_settings(ap.parse_args(["--prompt-lookup", "3"])) == (3, 15)
+    assert argparsing.speculation_settings(ap.parse_args(["--draft-model", "d"])) == (0, 3)
+    assert argparsing.speculation_settings(
+        ap.parse_args(["--prompt-lookup", "3", "--num-draft-tokens", "6"])) == (3, 6)
+
 def test_served_with_prompt_lookup_answers_the_same_and_counts_drafts():
     """engine-serve --prompt-lookup 3: a greedy completion equals the server without it, and
     /stats counts the drafts; a bad value is a start-up error naming the flag."""
