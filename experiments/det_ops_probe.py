@@ -46,14 +46,22 @@ def timed(fn, reps: int = 20):
 
 
 def quantized_gather(bits: int = 4, group: int = 64) -> dict:
-    """4-bit weights as the engine runs them (invariant.gathered_quantized): every 64-row block in one
+    """A candidate for 4-bit weights (not in the engine): every 64-row block in one
     `mx.gather_qmm` call instead of a quantized matmul per block. Whether a row gives the same
     bits alone and among 5 / 200 / 2048 rows, and its time against the per-block form at 2048."""
     lin = nn.QuantizedLinear.from_linear(nn.Linear(2048, 8192, bias=False), group_size=group, bits=bits)
     lin.set_dtype(mx.bfloat16)
 
     def gq(x):
-        return invariant.gathered_quantized(lin, x)
+        k = x.shape[-1]
+        n = x.size // k
+        pad = -n % invariant.ROWS
+        nb = (n + pad) // invariant.ROWS
+        rows = mx.pad(x.reshape(-1, k), ((0, pad), (0, 0))).reshape(nb, invariant.ROWS, k)
+        out = mx.gather_qmm(rows, lin.weight[None], lin.scales[None], lin.biases[None],
+                            mx.arange(nb, dtype=mx.uint32), mx.zeros((nb,), mx.uint32),
+                            transpose=True, group_size=group, bits=bits)
+        return out.reshape(nb * invariant.ROWS, -1)[:n]
     row = mx.random.normal((1, 2048)).astype(mx.bfloat16)
     res = {"q4_gather": {}}
     alone = gq(row)

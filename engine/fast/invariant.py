@@ -10,9 +10,9 @@ row alone:
 - **matmuls**: every projection, MLP matmul and output head runs on blocks of exactly
   `ROWS` rows (the rows padded with zeros), so one kernel with one reduction order serves a
   lone decode row, a batch of 32 and a 2048-token prefill chunk (`apply(model)`: the model's
-  `Linear`, `QuantizedLinear` and tied-embedding heads). On CUDA every block of a weight goes
-  through one call (`mx.gather_mm`: `gathered`; `mx.gather_qmm`: `gathered_quantized`); on
-  the CPU a call per block (`blocked`);
+  `Linear`, `QuantizedLinear` and tied-embedding heads). On CUDA a float weight takes every
+  block in one `mx.gather_mm` call (`gathered`); a quantized one, and any on the CPU, a call
+  per block (`blocked`);
 - **attention**: `attention()` runs engine/fast/cuda/attn_rows.cu and attn_rows_combine.cu:
   a query's keys are read in chunks of `CH` counted from its row's first key, each chunk by
   8 warps in a fixed interleave, the chunks combined in order, so the result is the same for a
@@ -137,24 +137,6 @@ def gathered(w: mx.array, x: mx.array) -> mx.array:
     return (out[:n] if pad else out).reshape(*x.shape[:-1], w.shape[0])
 
 
-def gathered_quantized(m, x: mx.array) -> mx.array:
-    """x @ dequantize(m's weight).T for a quantized module `m` (its weight, scales, biases,
-    group size, bits and mode), the rows in blocks of exactly ROWS rows, every block in ONE
-    `mx.gather_qmm` call (as `gathered` does for a float weight: one kernel and one reduction
-    order whatever the number of blocks, instead of a quantized matmul per block)."""
-    n, pad, rows = _rows(x)
-    nb, k = (n + pad) // ROWS, x.shape[-1]
-    lhs, rhs = _const(("blocks", nb), lambda: (mx.arange(nb, dtype=mx.uint32),
-                                                mx.zeros((nb,), mx.uint32)))
-    w = m["weight"]
-    biases = m.get("biases")
-    out = mx.gather_qmm(rows.reshape(nb, ROWS, k), w[None], m["scales"][None],
-                        None if biases is None else biases[None], lhs, rhs, transpose=True,
-                        group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine"))
-    out = out.reshape(nb * ROWS, out.shape[-1])
-    return (out[:n] if pad else out).reshape(*x.shape[:-1], out.shape[-1])
-
-
 class _Linear(nn.Linear):
     def __call__(self, x):
         if not on_cuda():
@@ -165,10 +147,7 @@ class _Linear(nn.Linear):
 
 class _QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
-        if not on_cuda():
-            return blocked(super().__call__, x)
-        out = gathered_quantized(self, x)
-        return out + self["bias"] if "bias" in self else out
+        return blocked(super().__call__, x)
 
 
 class _Embedding(nn.Embedding):
@@ -180,9 +159,7 @@ class _Embedding(nn.Embedding):
 
 class _QuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
-        if not on_cuda():
-            return blocked(super().as_linear, x)
-        return gathered_quantized(self, x)
+        return blocked(super().as_linear, x)
 
 
 _BLOCKED = {nn.Linear: _Linear, nn.QuantizedLinear: _QuantizedLinear,

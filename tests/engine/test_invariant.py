@@ -73,32 +73,6 @@ def test_float_weights_take_every_block_in_one_gather_call(monkeypatch):
                 assert mx.array_equal(got[0], x @ w.T).item()
 
 
-def test_quantized_weights_take_every_block_in_one_gather_qmm_call(monkeypatch):
-    """On CUDA a quantized weight's blocks go through one mx.gather_qmm: a row gives the same
-    bits alone and at any place among 5 / 64 / 65 / 200 rows, the stock quantized matmul's
-    bits (and its bias), and one gather call however many blocks; a tied quantized head too."""
-    monkeypatch.setattr(invariant, "on_cuda", lambda device=None: True)
-    mx.random.seed(4)
-    lin = nn.QuantizedLinear.from_linear(nn.Linear(128, 80, bias=True), group_size=64, bits=4)
-    emb = nn.QuantizedEmbedding.from_embedding(nn.Embedding(50, 128), group_size=64, bits=8)
-    want_fns = {id(lin): nn.QuantizedLinear.__call__, id(emb): nn.QuantizedEmbedding.as_linear}
-    for m in (lin, emb):
-        invariant.apply(m)
-    calls = []
-    real = mx.gather_qmm
-    monkeypatch.setattr(invariant.mx, "gather_qmm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    row = mx.random.normal((1, 128))
-    for m, f in ((lin, lin), (emb, emb.as_linear)):
-        alone = f(row)
-        for n, at in ((5, 3), (64, 63), (65, 64), (200, 130)):
-            x = mx.random.normal((n, 128))
-            x[at:at + 1] = row
-            calls.clear()
-            got = f(x.reshape(1, n, 128))
-            assert len(calls) == 1 and got.shape[:2] == (1, n)
-            assert mx.array_equal(got[0, at:at + 1], alone).item(), (type(m).__name__, n)
-            assert mx.array_equal(got[0], want_fns[id(m)](m, x)).item()
-
 def test_the_swap_keeps_the_parameters_and_is_done_once():
     model, _ = engine.load(str(ensure_fixture("llama")))
     before = {k: v for k, v in tree_flatten(model.parameters())}
