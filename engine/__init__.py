@@ -110,6 +110,7 @@ _LAZY = {
     # engine.levers
     "LeverError": "engine.levers",
     "add_lever_args": "engine.levers",
+    "for_tier": "engine.levers",
     "levers_from_args": "engine.levers",
     # engine.loader
     "ModelLoadError": "engine.loader",

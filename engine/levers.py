@@ -121,6 +121,12 @@ def resolve(tier: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
     return lv
 
 
+def for_tier(tier: str) -> Levers:
+    """A tier preset's levers alone (no environment, no flags): a draft model's
+    (engine-serve --draft-tier)."""
+    return resolve(tier, env={})
+
+
 def add_lever_args(p: argparse.ArgumentParser) -> None:
     """--tier l1|l2|l3 (and --l1/--l2/--l3), plus one --X / --no-X switch per lever."""
     g = p.add_argument_group("performance levers")

@@ -40,7 +40,7 @@ from experiments.trained_gate import SMALL, Language, save_trained, train  # noq
 DRAFT = dict(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1536,
              num_attention_heads=8, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
              rope_theta=10000.0, max_position_embeddings=131072, tie_word_embeddings=False)
-MODES = ("plain", "draft", "lookup")
+MODES = ("plain", "draft", "fastdraft", "lookup")
 LAST_LOSS: dict = {}     # model -> its last training loss (in the report: how well it learned)
 FIELDS = ["mode", "clients", "agg_tps", "req_tps_p50", "ttft_p50_ms", "ratio", "stream_ratio",
           "accepted", "drafted", "lost"]
@@ -121,6 +121,7 @@ def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngra
     bias: dict = {}                  # (none: see `language`)
     batch = max(levels)
     extra = {"plain": [], "draft": ["--draft-model", str(draft), "--num-draft-tokens", str(k)]}
+    extra["fastdraft"] = extra["draft"] + ["--draft-tier", "l3"]   # (the draft's steps: fast runner)
     ks = list(lookup_k or [k])
     if "lookup" in modes:
         names = ["lookup"] if len(ks) == 1 else [f"lookup-k{x}" for x in ks]
@@ -172,8 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-k", default=None,
                     help="the lookup server's draft tokens, comma list: one server each (default --k)")
     ap.add_argument("--draft-layers", type=int, default=4, help="the draft model's layers")
-    ap.add_argument("--modes", default=",".join(MODES), help="plain (always) and which of "
-                    "draft, lookup")
+    ap.add_argument("--modes", default="draft,lookup", help="plain (always) and which of "
+                    "draft, fastdraft (--draft-tier l3), lookup")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--work", default=None,
@@ -186,7 +187,8 @@ def main(argv=None) -> int:
         a.gen, a.trials, a.levels = min(a.gen, 32), min(a.trials, 1), "1,4"
     t0 = time.perf_counter()
     modes = ("plain",) + tuple(m for m in MODES[1:] if m in a.modes.split(","))
-    draft_steps = (a.draft_steps or a.steps) if "draft" in modes else 0  # no draft: none trained
+    draft_steps = ((a.draft_steps or a.steps) if {"draft", "fastdraft"} & set(modes)
+                   else 0)                                                 # no draft: none trained
     target, draft = trained_pair(a.target, work, a.steps, draft_steps, a.quick, a.draft_layers)
     train_s = time.perf_counter() - t0
     levels = [int(x) for x in a.levels.split(",") if x.strip()]

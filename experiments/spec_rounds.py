@@ -1,8 +1,9 @@
 """Where a speculation round's time goes, in process (the cost model behind spec_bench's ratios).
 
 On the target and draft `spec_bench.py` trained (its `--work` directory; trained there when
-missing), one greedy request at a time on an `Engine` (max_batch 4, as served), three ways:
-plain decoding, prompt lookup, draft model. Per way: tokens a second, tokens a step, and the
+missing), one greedy request at a time on an `Engine` (max_batch 4, as served), four ways:
+plain decoding, prompt lookup, draft model, and the draft model's steps on the fast runner
+(`fastdraft`: `draft_levers=for_tier("l3")`, engine/step/fast_draft.py). Per way: tokens a second, tokens a step, and the
 mean wall time of an engine step; then, with the device synchronised around each part (which
 removes their overlap, so the parts add up to more than a step), the draft model's K forwards
 (`DraftBatch.propose`) and the verify forward with its host reads (`LookupSteps._lookup_step`
@@ -52,11 +53,14 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts: bool) ->
     from engine import Engine, SamplingParams
     from engine.step.batch_draft import DraftBatch
     from engine.step.batch_lookup import LookupSteps
+    from engine import for_tier
+    drafting = mode in ("draft", "fastdraft")
     eng = Engine(target, tok, max_batch=4, prompt_cache=None,
-                 draft_model=draft if mode == "draft" else None)
+                 draft_model=draft if drafting else None,
+                 draft_levers=for_tier("l3") if mode == "fastdraft" else None)
     params = SamplingParams(max_tokens=gen, temperature=0.0, num_draft_tokens=k,
                             prompt_lookup=3 if mode == "lookup" else 0,
-                            use_draft=mode == "draft")
+                            use_draft=drafting)
     spent: dict = {}
     saved = []
     if parts:
@@ -111,7 +115,7 @@ def main(argv=None) -> int:
     target, tok = engine.load(str(tdir))
     draft, _ = engine.load(str(ddir))
     rows = []
-    for mode in ("plain", "lookup", "draft"):
+    for mode in ("plain", "lookup", "draft", "fastdraft"):
         for parts in ((False,) if mode == "plain" else (False, True)):
             rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts))
             print(json.dumps(rows[-1]), flush=True)

@@ -88,6 +88,10 @@ def parser() -> argparse.ArgumentParser:
            "mlx_lm.generate's token loop (docs/server.md; with --tier l3, one fast row); "
            "quantized KV and per-request adapters run one at a time beside the batch")
     add_speculation_flags(a)
+    a("--draft-tier", choices=("l1", "l3"), default="l1",
+      help="with --draft-model, where the batch rows' draft steps run: l1 (the draft model's "
+           "own forward) or l3 (the fast runner's kernels; answers unchanged: the model "
+           "verifies every draft; docs/generation.md)")
     add_deterministic_flag(a)
     a("--warm-up", type=_bool, default=True, metavar="BOOL",
       help="with the fast runner (--tier l3): decode throw-away rows at every rows bucket up to "
@@ -250,6 +254,8 @@ def config_from_args(args):
         raise SystemExit(f"engine-serve: {e}") from None
     if args.draft_model is not None and getattr(args, "tensor_parallel", False):
         raise SystemExit("engine-serve: --draft-model is not supported with --tensor-parallel")
+    if args.draft_tier != "l1" and args.draft_model is None:
+        raise SystemExit("engine-serve: --draft-tier needs --draft-model")
     if args.max_queue is not None and args.max_queue < 0:
         raise SystemExit("engine-serve: --max-queue must be >= 0")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -280,7 +286,7 @@ def config_from_args(args):
         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
         prompt_lookup=lookup, num_draft_tokens=draft_tokens, draft_model=args.draft_model,
-        spec_sampling=args.spec_sampling,
+        spec_sampling=args.spec_sampling, draft_tier=args.draft_tier,
         api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_grammar_ms=args.max_grammar_ms, max_schema_nodes=args.max_schema_nodes,

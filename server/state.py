@@ -47,6 +47,7 @@ class ServerConfig:
     num_draft_tokens: int = 4
     draft_model: Optional[str] = None  # a draft model (directory or repo id) for speculation
     spec_sampling: str = "exact"       # sampled drafts: exact (mlx-lm's) | rejection (engine.step.rejection)
+    draft_tier: str = "l1"             # the batch rows' draft steps: l1 | l3 (engine.step.fast_draft)
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)
@@ -132,11 +133,13 @@ class ServerState:
         self.default_adapters: tuple = ()
         self.store = ResponseStore()
         self.warmed = None              # engine.step.warmup.WarmUp, once run
+        from engine import for_tier
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
                              prefill_step_size=config.prefill_step_size, adapters=self.adapters,
                              prefill_budget=config.prefill_budget,
                              levers=config.levers, draft_model=draft_model,
+                             draft_levers=for_tier(config.draft_tier) if config.draft_tier != "l1" else None,
                              deterministic=config.deterministic, **self.kv_options)
         if config.prompt_cache_dir:
             from engine import disk_cache_for

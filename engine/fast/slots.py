@@ -19,7 +19,8 @@ the others' KV and without a new shape:
 
 The pool stands where the batch scheduler's decode group keeps its per-layer caches
 (`engine.step.batch`): `extend` (graduating rows' `BatchKVCache` layers), `filter(keep)`,
-`extract(i)` (a row's KV as single-row `KVCache` layers, for the prompt cache), `nbytes`,
+`rewind(drop)` (a speculating draft's rejected tokens, engine.step.fast_draft), `extract(i)`
+(a row's KV as single-row `KVCache` layers, for the prompt cache), `nbytes`,
 and `__call__(tokens [B]) -> logits [B, V]` for the decode step, rows in the group's order.
 """
 
@@ -123,6 +124,13 @@ class SlotPool:
         self.slots = kept
         self._dev = None
         self._fit(*self._used_extent())
+
+    def rewind(self, drop: List[int]) -> None:
+        """The last drop[i] tokens leave row i's KV (their columns are written over next)."""
+        for slot, d in zip(self.slots, drop):
+            if d:
+                self.held[slot] -= d
+        self._dev = None
 
     def extract(self, i: int) -> list:
         """Row i's KV as single-row `KVCache` layers (its tokens only)."""

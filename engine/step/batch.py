@@ -66,6 +66,8 @@ class BatchScheduler(LookupSteps):
     A row with `lookup` speculates (`engine.step.batch_lookup`): L1, full-attention caches.
     draft_model: a model of the same vocabulary drafting for rows with `draft`
     (`engine.step.batch_draft`; L1 only: refused with a decoder or deterministic).
+    draft_decoder: the draft model's fast step, or None: with it the draft's steps run on the
+    fast runner (`engine.step.fast_draft`; the rows' tokens stay L1's: the model verifies).
     first_at_graduate: a row with no scheduler-side ending (no max_tokens, stop tokens or
     tokenizer: the Engine's rows) emits its first token when it graduates.
     kv_layers: a KV policy's quantized layers (cache index -> (bits, group size)), quantized
@@ -78,7 +80,7 @@ class BatchScheduler(LookupSteps):
     def __init__(self, model, *, tokenizer=None, eos_token_ids: Optional[Iterable[int]] = None,
                  completion_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, decoder=None, deterministic: bool = False,
-                 draft_model=None, prefill_budget: Optional[int] = None,
+                 draft_model=None, draft_decoder=None, prefill_budget: Optional[int] = None,
                  first_at_graduate: bool = False, kv_layers: Optional[dict] = None,
                  whole_chunks: bool = False):
         self.model = model
@@ -109,7 +111,11 @@ class BatchScheduler(LookupSteps):
         if draft_model is not None:
             if decoder is not None or deterministic:
                 raise ValueError("draft-model rows need the L1 batch runner")
-            self._decode.draft = DraftBatch(draft_model, prefill_step_size)
+            if draft_decoder is None:
+                self._decode.draft = DraftBatch(draft_model, prefill_step_size)
+            else:
+                from engine.step.fast_draft import FastDraftBatch   # (engine.fast: the models)
+                self._decode.draft = FastDraftBatch(draft_model, draft_decoder, prefill_step_size)
         self._uid = 0
         self._cancelled: List[RowEvent] = []
         self.steps = 0

@@ -133,8 +133,7 @@ class DraftBatch:
 
     @property
     def nbytes(self) -> int:
-        return (sum(c.nbytes for c in self.caches)
-                + sum(c.nbytes for j in self.joining.values() for c in j[1]))
+        return self.held_bytes() + sum(c.nbytes for j in self.joining.values() for c in j[1])
 
     def keep(self, rows) -> None:
         """Only `rows` (a group's rows after a filter) stay; the others' caches are freed."""
@@ -144,11 +143,41 @@ class DraftBatch:
         if len(idx) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in idx]
+        self.keep_kv(idx)
+
+    # -- where the drafting rows' KV lives (FastDraftBatch: a slot pool instead) ----------
+
+    def held_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def keep_kv(self, idx: List[int]) -> None:
+        """Only the KV of rows `idx` (in that order) stays."""
         if not idx:
             self.caches = []
             return
         for c in self.caches:
             c.filter(idx)
+
+    def join_kv(self, caches: list) -> None:
+        """Rows whose draft caches (a `KVCache` list each) hold all their tokens join."""
+        self.caches = extend_caches(self.caches, batch_caches(caches))
+
+    def first_logits(self, inputs: List[list]) -> mx.array:
+        """The draft's logits [B_d, V] after each row's own tokens `inputs` (its pending
+        tokens and y: one or more), fed in one forward with the shorter rows right-padded
+        (the padding taken back out of the caches)."""
+        P = max(len(x) for x in inputs)
+        logits = self.model(mx.array([x + [0] * (P - len(x)) for x in inputs]),
+                            cache=self.caches)
+        logits = logits[mx.arange(len(inputs)), mx.array([len(x) - 1 for x in inputs])]
+        if any(len(x) < P for x in inputs):      # the padding leaves the draft's caches
+            for c in self.caches:
+                c.rewind([P - len(x) for x in inputs])
+        return logits
+
+    def next_logits(self, tokens: mx.array) -> mx.array:
+        """The draft's logits [B_d, V] after one more token a row (tokens [B_d])."""
+        return self.model(tokens[:, None], cache=self.caches)[:, -1, :]
 
     def _catch_up(self, new: list) -> None:
         """Rows new to the draft start filling their caches; the joining rows (oldest first)
@@ -171,7 +200,7 @@ class DraftBatch:
                 r.spec.pending = []
                 ready.append((r, caches))
         if ready:
-            self.caches = extend_caches(self.caches, batch_caches([c for _, c in ready]))
+            self.join_kv([c for _, c in ready])
             self.rows += [r for r, _ in ready]
 
     def propose(self, rows: list, ys: List[int]) -> None:
@@ -194,19 +223,11 @@ class DraftBatch:
             self._catch_up(new)
         if not self.rows:
             return
-        inputs = [r.spec.pending + [y_of[id(r)]] for r in self.rows]
-        P = max(len(x) for x in inputs)
-        logits = self.model(mx.array([x + [0] * (P - len(x)) for x in inputs]),
-                            cache=self.caches)
-        logits = logits[mx.arange(len(inputs)), mx.array([len(x) - 1 for x in inputs])]
-        if any(len(x) < P for x in inputs):      # the padding leaves the draft's caches
-            for c in self.caches:
-                c.rewind([P - len(x) for x in inputs])
+        logits = self.first_logits([r.spec.pending + [y_of[id(r)]] for r in self.rows])
         wants = [want[id(r)] for r in self.rows]
         drafts = [self._choose(logits, 0, wants)]
         for i in range(1, K):
-            logits = self.model(drafts[-1][:, None], cache=self.caches)[:, -1, :]
-            drafts.append(self._choose(logits, i, wants))
+            drafts.append(self._choose(self.next_logits(drafts[-1]), i, wants))
         # [B_d, K] left on the device: the verify forward takes them from there (`placed`), so
         # the draft runs while the host builds that forward; read back with its results (`read`)
         self.tokens = mx.stack(drafts, axis=1).astype(mx.int32)

@@ -75,6 +75,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
     (`engine.fast.apply.prepare`). draft_model: a model of the same vocabulary
     drafting for speculative decoding (`engine.step.draft`; its tokenizer, when given as
     draft_tokenizer, is checked; `admission` should count it: `Admission.with_draft`).
+    draft_levers: the draft's own levers: with a fast-decode lever the batch rows' draft
+    steps run on the fast runner (`engine.step.fast_draft`; the outputs stay the model's).
     deterministic: every row's logits bit-identical whatever else is in the batch, every
     batchable request a batch row, max_batch 1 too (`engine.deterministic`). prefill_budget:
     prompt tokens a batch step prefills, shared by the rows prefilling (default:
@@ -89,7 +91,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
                  levers=None, max_context: Optional[int] = None,
                  max_kv_size: Optional[int] = None, disk_cache=None, draft_model=None,
-                 draft_tokenizer=None, deterministic: bool = False,
+                 draft_tokenizer=None, draft_levers=None, deterministic: bool = False,
                  prefill_budget: Optional[int] = -1):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
@@ -130,6 +132,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         from engine.fast.apply import fast_step_for   # (engine.fast imports the models)
         self._fast_step = fast_step_for(model, levers, self.policy)
         self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
+        # the draft's steps of batch rows on the fast runner (engine.step.fast_draft)
+        self.draft_step = fast_step_for(draft_model, draft_levers) if draft_model is not None else None
         batching = max_batch > 1 or self._fast_step is not None or self.deterministic
         # draft-model requests as rows of the batch (engine.step.batch_draft): the L1 batch
         # runner outside deterministic mode; elsewhere they run alone (engine.step.draft: in
@@ -172,6 +176,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               prefill_budget=self.prefill_budget, whole_chunks=self.whole_chunks,
                               decoder=self._fast_step, deterministic=self.deterministic,
                               draft_model=self.draft_model if self.draft_rows else None,
+                              draft_decoder=self.draft_step if self.draft_rows else None,
                               first_at_graduate=True, kv_layers=self.policy.layers)
 
     @property
@@ -305,7 +310,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                 "solo_active": self._solo is not None, "waiting": len(self._waiting),
                 "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
                 "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons),
-                "speculation": self.spec.stats(),
+                "speculation": dict(self.spec.stats(), draft_runner=(
+                    None if self.draft_model is None else "fast" if self.draft_step else "l1")),
                 # the fast runner's counters: traces (made only for shapes not seen before)
                 "fast": (dict(vars(self._fast_step.stats)) if self._fast_step is not None
                          else None)}

@@ -27,24 +27,14 @@ from engine.kv.batch_cache import BatchKVCache
 from engine.levers import parse_spec
 from engine.step.batch import BatchRequest, BatchScheduler
 from engine.step.batch_draft import DraftBatch, RowDraft
-from parity.fixtures.models import ensure_fixture
-from spec_rows import run_row
+from spec_rows import DRAFTS, draft_alone, draft_pair, run_row, spy_proposals
 
 REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
 PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
            list(range(100, 140)) * 2, REPEATS[5:] + [1, 2]]
-# (target, draft): llama's 4-bit copy; qwen3's 4-bit copies draft its answers all right, the
-# `long` bfloat16 variant (its EOS rows scaled) rejects some
-DRAFTS = {"llama": ("q4", ""), "qwen3": ("bfloat16", "long")}
-
-
 @pytest.fixture(scope="module", params=list(DRAFTS))
 def pair(request):
-    family = request.param
-    m, tok = engine.load(str(ensure_fixture(family, "float32")))
-    dtype, variant = DRAFTS[family]
-    d, _ = engine.load(str(ensure_fixture(family, dtype, variant=variant)))
-    return m, tok, d
+    return draft_pair(request.param)
 
 
 def _params(i, max_tokens=30):
@@ -110,39 +100,9 @@ def test_draft_rows_give_the_batch_tokens_and_logprobs_in_fewer_steps(pair):
     assert eng._sched._decode.draft.caches == []           # every row left: freed
 
 
-def _draft_alone(d, context, k):
-    """The draft model's greedy k tokens after `context`, alone (one row, fresh caches)."""
-    caches = d.make_cache()
-    logits = d(mx.array(context)[None], cache=caches)[:, -1, :]
-    out = []
-    for _ in range(k):
-        out.append(int(mx.argmax(logits, axis=-1).item()))
-        logits = d(mx.array([[out[-1]]]), cache=caches)[:, -1, :]
-    return out
-
-
-def _spy_proposals(monkeypatch) -> list:
-    """From now on every proposal of a batch's draft goes into the list returned: (the row's
-    tokens before it, its drafts)."""
-    seen, real, real_read, asked = [], DraftBatch.propose, DraftBatch.read, []
-
-    def spy(self, rows, ys):            # (the drafts stay on the device until `read`)
-        real(self, rows, ys)
-        asked[:] = [(r, list(r.tokens) + [y]) for r, y in zip(rows, ys)
-                    if r in self.rows and r.spec.proposed]
-
-    def spy_read(self):
-        real_read(self)
-        seen.extend((context, list(r.spec.proposed)) for r, context in asked)
-        asked.clear()
-    monkeypatch.setattr(DraftBatch, "propose", spy)
-    monkeypatch.setattr(DraftBatch, "read", spy_read)
-    return seen
-
-
 def _proposals(monkeypatch, m, tok, d):
     """Every proposal of the batch's draft: (the row's tokens before it, its drafts)."""
-    seen = _spy_proposals(monkeypatch)
+    seen = spy_proposals(monkeypatch)
     got, _, _, _, eng = _batch(m, tok, d)
     return got, seen, eng.stats()["speculation"]["draft"]
 
@@ -154,7 +114,7 @@ def test_the_batched_draft_proposes_what_the_draft_alone_does(pair, monkeypatch)
     _, seen, _ = _proposals(monkeypatch, m, tok, d)
     assert len(seen) > 20
     for context, drafts in seen:
-        assert drafts == _draft_alone(d, context, len(drafts))
+        assert drafts == draft_alone(d, context, len(drafts))
 
 
 def test_negative_controls_without_the_rewinds(pair, monkeypatch):
@@ -167,7 +127,7 @@ def test_negative_controls_without_the_rewinds(pair, monkeypatch):
         mp.setattr(DraftBatch, "take_back", lambda self, drop: None)
         got, seen, counts = _proposals(mp, m, tok, d)
     assert got == ref and counts["drafted"] > counts["accepted"]
-    assert any(drafts != _draft_alone(d, ctx, len(drafts)) for ctx, drafts in seen)
+    assert any(drafts != draft_alone(d, ctx, len(drafts)) for ctx, drafts in seen)
     monkeypatch.setattr(BatchKVCache, "rewind", lambda self, drop: None)
     got, _, _, _, _ = _batch(m, tok, d)
     assert got != ref
@@ -296,7 +256,7 @@ def test_a_long_prompts_draft_prefill_is_spread_over_steps(pair, monkeypatch):
                     self.model = model
                 fed.append(sum(calls))
             monkeypatch.setattr(DraftBatch, "_catch_up", catch)
-            seen = _spy_proposals(monkeypatch)
+            seen = spy_proposals(monkeypatch)
         spec = (lambda k: RowDraft(k)) if draft is not None else (lambda k: None)
         uids = [sched.submit(BatchRequest(PROMPTS[1], max_tokens=40, draft=spec(3))),
                 sched.submit(BatchRequest(PROMPTS[2], max_tokens=40)),
@@ -317,7 +277,7 @@ def test_a_long_prompts_draft_prefill_is_spread_over_steps(pair, monkeypatch):
     assert overlap >= 3                       # the long row filled up while the others decoded
     assert any(len(ctx) > len(long) for ctx, _ in seen)    # and then drafted
     for ctx, drafts in seen:
-        assert drafts == _draft_alone(d, ctx, len(drafts))
+        assert drafts == draft_alone(d, ctx, len(drafts))
     _, fed_all, _, _ = run(d, budget=10 ** 6)                # (one step feeds everything)
     assert max(fed_all) > step
 

@@ -189,14 +189,17 @@ def test_served_with_a_draft_model_answers_the_same_and_counts_drafts():
     path, draft = (str(ensure_fixture("llama", d)) for d in ("bfloat16", "q4"))
     body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0}
     outs = []
-    for dm in (None, draft):
-        s = start_server(path, draft_model=dm, num_draft_tokens=3, prompt_cache_bytes=0)
+    for dm, tier in ((None, "l1"), (draft, "l1"), (draft, "l3")):
+        s = start_server(path, draft_model=dm, num_draft_tokens=3, prompt_cache_bytes=0,
+                         draft_tier=tier)
         try:
             r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200
             outs.append(r.json()["choices"][0]["text"])
             spec = httpx.get(s.url + "/stats").json()["speculation"]
             assert (spec["draft"]["accepted"] > 0) == bool(dm) and spec["draft_model"] == dm
+            # --draft-tier l3: the batch rows' draft steps on the fast runner
+            assert spec["draft_runner"] == (None if dm is None else "fast" if tier == "l3" else "l1")
             # admission counts the draft's weights
             assert (s.state.admission.weights > weight_bytes(s.state.model)) == bool(dm)
             metrics = httpx.get(s.url + "/metrics").text
@@ -205,7 +208,9 @@ def test_served_with_a_draft_model_answers_the_same_and_counts_drafts():
             assert float(line.split()[1]) == spec["draft"]["accepted"]
         finally:
             stop_server(s)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
+    with pytest.raises(SystemExit, match="--draft-tier needs --draft-model"):
+        main(["--model", path, "--draft-tier", "l3"])
     with pytest.raises(SystemExit, match="--draft-model and --prompt-lookup"):
         main(["--model", path, "--draft-model", draft, "--prompt-lookup", "2"])
     with pytest.raises(SystemExit, match="--num-draft-tokens must be in"):

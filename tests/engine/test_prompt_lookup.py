@@ -135,6 +135,7 @@ def test_default_draft_tokens_follow_the_device(monkeypatch):
     assert argparsing.speculation_settings(
         ap.parse_args(["--prompt-lookup", "3", "--num-draft-tokens", "6"])) == (3, 6)
 
+
 def test_served_with_prompt_lookup_answers_the_same_and_counts_drafts():
     """engine-serve --prompt-lookup 3: a greedy completion equals the server without it, and
     /stats counts the drafts; a bad value is a start-up error naming the flag."""

@@ -1,0 +1,130 @@
+"""The draft model's steps on the fast runner (engine.step.fast_draft.FastDraftBatch).
+
+With `draft_levers` (a fast-decode tier) the batch rows' drafts come from the fast runner's
+step over a slot pool instead of the draft model's own forward over batched caches. The
+model still verifies every draft, so every row's tokens and logprob vectors equal those of
+the same batch without a draft model (here on the CPU, where the verify forward gives each
+position a single step's logits: see test_batch_draft.py). On the CPU the fast step is the
+same math in stock MLX, so its drafts are also the draft model's own: each proposal equals
+the draft model's greedy tokens after the row's context, alone, which holds only if the
+pool's KV is right after every rejected draft (`SlotPool.rewind`) and every row's catch-up;
+a negative control that leaves the rejected drafts in the pool proposes other tokens.
+"""
+
+import mlx.core as mx
+import pytest
+
+import engine
+from engine import Engine, SamplingParams
+from engine.fast.apply import fast_step_for
+from engine.fast.slots import SlotPool
+from engine.kv.batch_cache import batch_caches
+from engine.levers import resolve
+from engine.step.batch_draft import DraftBatch
+from engine.step.fast_draft import FastDraftBatch
+from parity.fixtures.models import ensure_fixture
+from spec_rows import DRAFTS, draft_alone, draft_pair, spy_proposals
+
+REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
+           list(range(100, 140)) * 2, REPEATS[5:] + [1, 2]]
+
+
+@pytest.fixture(scope="module", params=list(DRAFTS))
+def pair(request):
+    return (*draft_pair(request.param), request.param)
+
+
+def _params(i):
+    """Rows 0, 2, 3 greedy with the draft (K 3, 4, 2); row 1 sampled with a seed and row 4
+    greedy, both without it."""
+    if i == 1:
+        return SamplingParams(max_tokens=30, temperature=0.8, seed=7, use_draft=False)
+    return SamplingParams(max_tokens=30, temperature=0.0, use_draft=i != 4,
+                          num_draft_tokens={0: 3, 2: 4, 3: 2}.get(i, 3))
+
+
+def _run(m, tok, draft, draft_levers=None, stagger=False):
+    """Every prompt on one Engine (with `stagger`, the last two join 5 steps late): tokens
+    and logprob vectors per request, and the engine."""
+    eng = Engine(m, tok, max_batch=len(PROMPTS), keep_logprob_arrays=True, draft_model=draft,
+                 draft_levers=draft_levers)
+    late = PROMPTS[3:] if stagger else []
+    rids = [eng.submit(p, _params(i)) for i, p in enumerate(PROMPTS) if p not in late]
+    toks, lps, steps = {}, {}, 0
+    while eng.has_unfinished() or late:
+        if late and steps == 5:
+            rids += [eng.submit(p, _params(PROMPTS.index(p))) for p in late]
+            late = []
+        for o in eng.step():
+            assert o.error is None
+            toks[o.request_id] = toks.get(o.request_id, []) + o.token_ids
+            lps[o.request_id] = lps.get(o.request_id, []) + o.logprob_arrays
+        steps += 1
+    return [toks[r] for r in rids], [lps[r] for r in rids], eng
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_fast_drafts_keep_every_rows_tokens_and_logprobs(pair, stagger):
+    m, tok, d, family = pair
+    ref, ref_lp, _ = _run(m, tok, None, stagger=stagger)
+    got, got_lp, eng = _run(m, tok, d, resolve("l3"), stagger=stagger)
+    assert got == ref and all(len(t) == 30 for t in got)
+    assert all(mx.array_equal(x, y).item() for a, b in zip(got_lp, ref_lp) for x, y in zip(a, b))
+    assert isinstance(eng._sched._decode.draft, FastDraftBatch)
+    spec = eng.stats()["speculation"]
+    assert spec["draft_runner"] == "fast" and spec["draft"]["accepted"] > 0
+    assert eng._sched._decode.draft.pool.slots == []          # every row left: its slot freed
+
+
+def test_fast_drafts_are_the_draft_models_own_on_the_cpu(pair, monkeypatch):
+    """Each proposal equals the draft model's greedy tokens after the row's context, alone;
+    some drafts are rejected (qwen3's `long` draft), so the rewinds are exercised."""
+    m, tok, d, family = pair
+    seen = spy_proposals(monkeypatch)
+    _, _, eng = _run(m, tok, d, resolve("l3"), stagger=True)
+    assert len(seen) > 10
+    assert all(drafts == draft_alone(d, context, len(drafts)) for context, drafts in seen)
+    spec = eng.stats()["speculation"]["draft"]
+    if family == "qwen3":
+        assert 0 < spec["accepted"] < spec["drafted"]
+
+
+def test_negative_control_rejected_drafts_left_in_the_pool_change_the_drafts(monkeypatch):
+    m, tok = engine.load(str(ensure_fixture("qwen3", "float32")))
+    d, _ = engine.load(str(ensure_fixture("qwen3", "bfloat16", variant="long")))
+    seen = spy_proposals(monkeypatch)
+    monkeypatch.setattr(FastDraftBatch, "take_back", lambda self, drop: None)
+    _, _, eng = _run(m, tok, d, resolve("l3"))
+    spec = eng.stats()["speculation"]["draft"]
+    assert spec["accepted"] < spec["drafted"]                  # (there were drafts to take back)
+    assert any(drafts != draft_alone(d, context, len(drafts)) for context, drafts in seen)
+
+
+def test_without_fast_levers_or_draft_the_draft_runs_as_before(pair):
+    m, tok, d, family = pair
+    eng = Engine(m, tok, max_batch=2, draft_model=d)
+    assert type(eng._sched._decode.draft) is DraftBatch
+    assert eng.stats()["speculation"]["draft_runner"] == "l1"
+    assert Engine(m, tok, max_batch=2).stats()["speculation"]["draft_runner"] is None
+
+
+def test_slot_pool_rewind_moves_a_rows_column_back():
+    m, _ = engine.load(str(ensure_fixture("llama", "float32")))
+    pool = SlotPool(fast_step_for(m, resolve("l3")), m)
+    caches = m.make_cache()
+    m(mx.array([[1, 2, 3]]), cache=caches)
+    pool.extend(batch_caches([caches, _filled(m, [4, 5])]))
+    first = pool(mx.array([7, 8], dtype=mx.int32))
+    assert pool.held[:2] == [4, 3]
+    pool.rewind([1, 0])
+    assert pool.held[:2] == [3, 3]
+    again = pool(mx.array([7, 9], dtype=mx.int32))       # row 0 recomputes its column 3
+    assert mx.array_equal(again[0], first[0]).item()
+    assert pool.held[:2] == [4, 4]
+
+
+def _filled(m, tokens):
+    caches = m.make_cache()
+    m(mx.array([tokens]), cache=caches)
+    return caches
