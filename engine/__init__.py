@@ -62,6 +62,7 @@ _LAZY = {
     "json_dict": "engine.argparsing",
     "parse_bool": "engine.argparsing",
     "speculation_settings": "engine.argparsing",
+    "default_draft_tier": "engine.argparsing",
     # engine.cli
     "default_model_dir": "engine.cli",
     # engine.constrained

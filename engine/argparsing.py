@@ -142,6 +142,14 @@ def lookup_draft_tokens() -> int:
     return 15 if on_cuda() else 4
 
 
+def default_draft_tier() -> str:
+    """engine-serve --draft-tier's default: l3 on CUDA (the draft's steps on the fast runner:
+    H100 1.30x plain vs 0.88x on its own forward, reports/spec_bench/0.5.7/), l1 elsewhere
+    (on the CPU the fast step's stand-ins are the same ops)."""
+    from engine.models.bucketed_sdpa import on_cuda
+    return "l3" if on_cuda() else "l1"
+
+
 def speculation_settings(args) -> tuple:
     """(prompt_lookup, num_draft_tokens) from the flags of `add_speculation_flags`; raises
     ValueError naming the flag for values out of range or --draft-model with --prompt-lookup."""

@@ -120,8 +120,8 @@ def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngra
     where there are several; default: k)."""
     bias: dict = {}                  # (none: see `language`)
     batch = max(levels)
-    extra = {"plain": [], "draft": ["--draft-model", str(draft), "--num-draft-tokens", str(k)]}
-    extra["fastdraft"] = extra["draft"] + ["--draft-tier", "l3"]   # (the draft's steps: fast runner)
+    spec = ["--draft-model", str(draft), "--num-draft-tokens", str(k), "--draft-tier"]
+    extra = {"plain": [], "draft": spec + ["l1"], "fastdraft": spec + ["l3"]}   # (l3: fast runner)
     ks = list(lookup_k or [k])
     if "lookup" in modes:
         names = ["lookup"] if len(ks) == 1 else [f"lookup-k{x}" for x in ks]

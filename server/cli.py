@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from engine import CliParser, add_speculation_flags, json_dict as _json_dict, parse_bool as _bool
-from engine import add_deterministic_flag, speculation_settings
+from engine import add_deterministic_flag, default_draft_tier, speculation_settings
 
 from .listen import BackgroundServer, bind, uvicorn_server, url_of  # noqa: F401  (re-exported)
 from .security import is_loopback
@@ -88,10 +88,10 @@ def parser() -> argparse.ArgumentParser:
            "mlx_lm.generate's token loop (docs/server.md; with --tier l3, one fast row); "
            "quantized KV and per-request adapters run one at a time beside the batch")
     add_speculation_flags(a)
-    a("--draft-tier", choices=("l1", "l3"), default="l1",
+    a("--draft-tier", choices=("l1", "l3"), default=None,
       help="with --draft-model, where the batch rows' draft steps run: l1 (the draft model's "
            "own forward) or l3 (the fast runner's kernels; answers unchanged: the model "
-           "verifies every draft; docs/generation.md)")
+           "verifies every draft; docs/fast-draft.md); default l3 on CUDA, l1 elsewhere")
     add_deterministic_flag(a)
     a("--warm-up", type=_bool, default=True, metavar="BOOL",
       help="with the fast runner (--tier l3): decode throw-away rows at every rows bucket up to "
@@ -254,8 +254,10 @@ def config_from_args(args):
         raise SystemExit(f"engine-serve: {e}") from None
     if args.draft_model is not None and getattr(args, "tensor_parallel", False):
         raise SystemExit("engine-serve: --draft-model is not supported with --tensor-parallel")
-    if args.draft_tier != "l1" and args.draft_model is None:
+    if args.draft_tier is not None and args.draft_model is None:
         raise SystemExit("engine-serve: --draft-tier needs --draft-model")
+    if args.draft_tier is None:
+        args.draft_tier = default_draft_tier() if args.draft_model is not None else "l1"
     if args.max_queue is not None and args.max_queue < 0:
         raise SystemExit("engine-serve: --max-queue must be >= 0")
     if args.max_tokens is not None and args.max_tokens < 1:

@@ -215,3 +215,18 @@ def test_served_with_a_draft_model_answers_the_same_and_counts_drafts():
         main(["--model", path, "--draft-model", draft, "--prompt-lookup", "2"])
     with pytest.raises(SystemExit, match="--num-draft-tokens must be in"):
         main(["--model", path, "--draft-model", draft, "--num-draft-tokens", "99"])
+
+
+def test_the_draft_tier_defaults_to_the_fast_runner_on_cuda(monkeypatch):
+    """engine-serve --draft-model without --draft-tier: l3 on CUDA (the draft's steps on the
+    fast runner), l1 elsewhere; without a draft model it stays l1; an explicit tier wins."""
+    from engine.models import bucketed_sdpa
+    from server.cli import config_from_args, parser
+    path, draft = (str(ensure_fixture("llama", d)) for d in ("bfloat16", "q4"))
+
+    def tier(*argv):
+        return config_from_args(parser().parse_args(["--model", path, *argv])).draft_tier
+    assert tier("--draft-model", draft) == "l1" and tier() == "l1"
+    monkeypatch.setattr(bucketed_sdpa, "on_cuda", lambda device=None: True)
+    assert tier("--draft-model", draft) == "l3" and tier() == "l1"
+    assert tier("--draft-model", draft, "--draft-tier", "l1") == "l1"
