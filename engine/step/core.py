@@ -132,14 +132,14 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         from engine.fast.apply import fast_step_for   # (engine.fast imports the models)
         self._fast_step = fast_step_for(model, levers, self.policy)
         self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
-        # the draft's steps of batch rows on the fast runner (engine.step.fast_draft)
-        self.draft_step = fast_step_for(draft_model, draft_levers) if draft_model is not None else None
         batching = max_batch > 1 or self._fast_step is not None or self.deterministic
         # draft-model requests as rows of the batch (engine.step.batch_draft): the L1 batch
         # runner outside deterministic mode; elsewhere they run alone (engine.step.draft: in
         # deterministic mode so, their drafts never depend on other rows)
         self.draft_rows = (batching and draft_model is not None and self._fast_step is None
                            and not self.deterministic)
+        # the draft's steps of those rows on the fast runner (engine.step.fast_draft)
+        self.draft_step = fast_step_for(draft_model, draft_levers) if self.draft_rows else None
         self._sched = self._new_scheduler() if batching else None
         # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner
         # over full-attention caches; elsewhere a lookup request runs alone
@@ -176,7 +176,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               prefill_budget=self.prefill_budget, whole_chunks=self.whole_chunks,
                               decoder=self._fast_step, deterministic=self.deterministic,
                               draft_model=self.draft_model if self.draft_rows else None,
-                              draft_decoder=self.draft_step if self.draft_rows else None,
+                              draft_decoder=self.draft_step,
                               first_at_graduate=True, kv_layers=self.policy.layers)
 
     @property
