@@ -7,8 +7,9 @@ plain decoding, prompt lookup, draft model, and the draft model's steps on the f
 mean wall time of an engine step; then, with the device synchronised around each part (which
 removes their overlap, so the parts add up to more than a step), the draft model's K forwards
 (`DraftBatch.propose`) and the verify forward with its host reads (`LookupSteps._lookup_step`
-minus the draft). A plain step that costs s and a round that costs r handing out t tokens
-break even at t = r / s.
+minus the draft); and without synchronising, a round's host time in the draft's proposal,
+in building the verify forward, waiting for it (`mx.eval`) and the rest (`host_*_ms`). A
+plain step that costs s and a round that costs r handing out t tokens break even at t = r / s.
 
     python experiments/spec_rounds.py --work /tmp/specwork [--k 4] [--gen 128]   # GPU
     python experiments/spec_rounds.py --quick                                     # CPU check
@@ -47,13 +48,47 @@ def _timed(cls, name: str, spent: dict):
     return real
 
 
-def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts: bool) -> dict:
+def _host_timed(cls, name: str, spent: dict, key: str):
+    """Wrap cls.name so its calls' wall time (no synchronisation: the host's own time, and
+    any wait inside) adds up in spent[key]."""
+    real = getattr(cls, name)
+
+    def wrapper(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = real(self, *a, **kw)
+        spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+        return out
+    setattr(cls, name, wrapper)
+    return real
+
+
+class _WaitTimed:
+    """Stands for `mlx.core` in engine.step.batch_lookup: its `eval` (where a verify round
+    waits for the verify forward) timed into spent["wait"]."""
+
+    def __init__(self, real, spent: dict):
+        self._real, self._spent = real, spent
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def eval(self, *a):
+        t0 = time.perf_counter()
+        self._real.eval(*a)
+        self._spent["wait"] = self._spent.get("wait", 0.0) + time.perf_counter() - t0
+
+
+def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts) -> dict:
+    """parts: False (wall time only), True (each part with the device synchronised around
+    it) or "host" (no synchronisation: a round's host time in the draft's proposal, in
+    building the verify forward, waiting for it, and the rest)."""
     import mlx.core as mx
 
-    from engine import Engine, SamplingParams
+    from engine import Engine, SamplingParams, for_tier
+    from engine.step import batch_lookup
+    from engine.step.batch import BatchScheduler
     from engine.step.batch_draft import DraftBatch
     from engine.step.batch_lookup import LookupSteps
-    from engine import for_tier
     drafting = mode in ("draft", "fastdraft")
     eng = Engine(target, tok, max_batch=4, prompt_cache=None,
                  draft_model=draft if drafting else None,
@@ -63,7 +98,12 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts: bool) ->
                             use_draft=drafting)
     spent: dict = {}
     saved = []
-    if parts:
+    if parts == "host":
+        saved = [(DraftBatch, "propose", _host_timed(DraftBatch, "propose", spent, "propose")),
+                 (BatchScheduler, "_forward", _host_timed(BatchScheduler, "_forward", spent, "build")),
+                 (LookupSteps, "_lookup_step", _host_timed(LookupSteps, "_lookup_step", spent, "round"))]
+        batch_lookup.mx = _WaitTimed(mx, spent)
+    elif parts:
         saved = [(DraftBatch, "propose", _timed(DraftBatch, "propose", spent)),
                  (LookupSteps, "_lookup_step", _timed(LookupSteps, "_lookup_step", spent))]
     try:
@@ -83,10 +123,16 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts: bool) ->
     finally:
         for cls, name, real in saved:
             setattr(cls, name, real)
+        batch_lookup.mx = mx
     row = {"mode": mode, "parts": parts, "tok_s": round(toks / wall, 1),
            "tokens_a_step": round(toks / max(steps, 1), 2),
            "step_ms": round(1000 * wall / max(steps, 1), 3)}
-    if parts:
+    if parts == "host":
+        per = max(steps, 1)
+        ms = {key: 1000 * spent.get(key, 0.0) / per for key in ("propose", "build", "wait", "round")}
+        row.update({f"host_{key}_ms": round(v, 3) for key, v in ms.items()})
+        row["host_rest_ms"] = round(ms["round"] - ms["propose"] - ms["build"] - ms["wait"], 3)
+    elif parts:
         per = max(steps, 1)
         draft_ms = 1000 * spent.get("propose", 0.0) / per
         row["draft_ms_a_step"] = round(draft_ms, 3)
@@ -116,7 +162,7 @@ def main(argv=None) -> int:
     draft, _ = engine.load(str(ddir))
     rows = []
     for mode in ("plain", "lookup", "draft", "fastdraft"):
-        for parts in ((False,) if mode == "plain" else (False, True)):
+        for parts in ((False,) if mode == "plain" else (False, True, "host")):
             rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts))
             print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out) if a.out else report_dir("spec_rounds", a.tag)
