@@ -128,3 +128,34 @@ def _filled(m, tokens):
     caches = m.make_cache()
     m(mx.array([tokens]), cache=caches)
     return caches
+
+
+def _long_run(m, tok, d, draft_levers, abort_at=None):
+    """A 700-token prompt (the pool's columns grow past 512) drafting beside two short rows;
+    with `abort_at`, the second short row is aborted after that many steps."""
+    eng = Engine(m, tok, max_batch=4, keep_logprob_arrays=True, draft_model=d,
+                 draft_levers=draft_levers)
+    long = (list(range(3, 40)) * 20)[:700]
+    params = SamplingParams(max_tokens=24, temperature=0.0, num_draft_tokens=3)
+    rids = [eng.submit(long, params), eng.submit(REPEATS, params), eng.submit(PROMPTS[2], params)]
+    toks, lps, steps = {}, {}, 0
+    while eng.has_unfinished():
+        if steps == abort_at:
+            eng.abort(rids[2])
+        for o in eng.step():
+            toks[o.request_id] = toks.get(o.request_id, []) + o.token_ids
+            lps[o.request_id] = lps.get(o.request_id, []) + o.logprob_arrays
+        steps += 1
+    return [toks.get(r, []) for r in rids], [lps.get(r, []) for r in rids], eng
+
+
+def test_a_long_row_and_an_aborted_row(pair):
+    """The pool grows its columns for a 700-token row and frees an aborted row's slot; the
+    rows that finish give the tokens and logprobs of the draft's own forward (l1)."""
+    m, tok, d, _ = pair
+    ref, ref_lp, _ = _long_run(m, tok, d, None, abort_at=6)
+    got, got_lp, eng = _long_run(m, tok, d, resolve("l3"), abort_at=6)
+    assert got[:2] == ref[:2] and all(len(t) == 24 for t in got[:2]) and len(got[2]) < 24
+    assert all(mx.array_equal(x, y).item() for a, b in zip(got_lp[:2], ref_lp[:2]) for x, y in zip(a, b))
+    pool = eng._sched._decode.draft.pool
+    assert pool.capacity >= 1024 and pool.slots == []
