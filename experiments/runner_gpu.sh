@@ -17,7 +17,7 @@
 # checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP).
-# rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process).
+# rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
 #   once per PHASE_VARIANTS entry: - or an env assignment such as MLXP_BUCKETED_SDPA=1).
 # det (experiments/deterministic_gpu.py: the batch-invariant kernels op by op, the needle on 1b bf16 and 4-bit, controls, cost).
@@ -126,7 +126,7 @@ if has spec; then
 fi
 if has rounds; then
   stage rounds
-  timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} \
+  timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --rows ${ROUNDS_ROWS:-1} --draft-layers ${SPEC_DRAFT_LAYERS:-4} \
     --gen ${GEN:-128} --tag h100 --out "$OUT/rounds" 2>&1 | grep -v '"step"' | tail -8
 fi
 if has agent; then

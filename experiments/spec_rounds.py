@@ -1,9 +1,9 @@
 """Where a speculation round's time goes, in process (the cost model behind spec_bench's ratios).
 
 On the target and draft `spec_bench.py` trained (its `--work` directory; trained there when
-missing), one greedy request at a time on an `Engine` (max_batch 4, as served), four ways:
-plain decoding, prompt lookup, draft model, and the draft model's steps on the fast runner
-(`fastdraft`: `draft_levers=for_tier("l3")`, engine/step/fast_draft.py). Per way: tokens a second, tokens a step, and the
+missing), `--rows` greedy requests at a time (default one) on an `Engine` (max_batch 4 or
+`--rows`), four ways: plain decoding, prompt lookup, draft model, and the draft model's steps
+on the fast runner (`fastdraft`: `draft_levers=for_tier("l3")`, engine/step/fast_draft.py). Per way: tokens a second, tokens a step, and the
 mean wall time of an engine step; then, with the device synchronised around each part (which
 removes their overlap, so the parts add up to more than a step), the draft model's K forwards
 (`DraftBatch.propose`) and the verify forward with its host reads (`LookupSteps._lookup_step`
@@ -11,7 +11,7 @@ minus the draft); and without synchronising, a round's host time in the draft's 
 in building the verify forward, waiting for it (`mx.eval`) and the rest (`host_*_ms`). A
 plain step that costs s and a round that costs r handing out t tokens break even at t = r / s.
 
-    python experiments/spec_rounds.py --work /tmp/specwork [--k 4] [--gen 128]   # GPU
+    python experiments/spec_rounds.py --work /tmp/specwork [--k 4] [--gen 128] [--rows 1,8]   # GPU
     python experiments/spec_rounds.py --quick                                     # CPU check
 
 Prints one JSON line a way and writes `--out` (default reports/spec_rounds/<version>/<tag>/).
@@ -78,7 +78,7 @@ class _WaitTimed:
         self._spent["wait"] = self._spent.get("wait", 0.0) + time.perf_counter() - t0
 
 
-def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts) -> dict:
+def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts, rows: int = 1) -> dict:
     """parts: False (wall time only), True (each part with the device synchronised around
     it) or "host" (no synchronisation: a round's host time in the draft's proposal, in
     building the verify forward, waiting for it, and the rest)."""
@@ -90,7 +90,7 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts) -> dict:
     from engine.step.batch_draft import DraftBatch
     from engine.step.batch_lookup import LookupSteps
     drafting = mode in ("draft", "fastdraft")
-    eng = Engine(target, tok, max_batch=4, prompt_cache=None,
+    eng = Engine(target, tok, max_batch=max(4, rows), prompt_cache=None,
                  draft_model=draft if drafting else None,
                  draft_levers=for_tier("l3") if mode == "fastdraft" else None)
     params = SamplingParams(max_tokens=gen, temperature=0.0, num_draft_tokens=k,
@@ -108,10 +108,12 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts) -> dict:
                  (LookupSteps, "_lookup_step", _timed(LookupSteps, "_lookup_step", spent))]
     try:
         steps, toks, wall = 0, 0, 0.0
-        for i, p in enumerate(prompts(n + 1, gen, 7)):
+        ps = prompts((n + 1) * rows, gen, 7)
+        for i in range(n + 1):                # (`rows` requests at a time)
             if i == 1:
                 spent.clear()                 # (parts of the measured requests only)
-            eng.submit(p, params)
+            for p in ps[i * rows:(i + 1) * rows]:
+                eng.submit(p, params)
             mx.synchronize()
             t0 = time.perf_counter()
             while eng.has_unfinished():
@@ -124,7 +126,7 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts) -> dict:
         for cls, name, real in saved:
             setattr(cls, name, real)
         batch_lookup.mx = mx
-    row = {"mode": mode, "parts": parts, "tok_s": round(toks / wall, 1),
+    row = {"mode": mode, "parts": parts, "rows": rows, "tok_s": round(toks / wall, 1),
            "tokens_a_step": round(toks / max(steps, 1), 2),
            "step_ms": round(1000 * wall / max(steps, 1), 3)}
     if parts == "host":
@@ -149,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=4, help="spec_bench's --draft-layers")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--rows", default="1", help="requests decoding together, a comma list "
+                    "(each way runs at each; tokens a step count every row's)")
     ap.add_argument("--quick", action="store_true", help="CPU check: small shapes, few steps")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
@@ -161,10 +165,11 @@ def main(argv=None) -> int:
     target, tok = engine.load(str(tdir))
     draft, _ = engine.load(str(ddir))
     rows = []
-    for mode in ("plain", "lookup", "draft", "fastdraft"):
-        for parts in ((False,) if mode == "plain" else (False, True, "host")):
-            rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts))
-            print(json.dumps(rows[-1]), flush=True)
+    for n_rows in [int(x) for x in a.rows.split(",")]:
+        for mode in ("plain", "lookup", "draft", "fastdraft"):
+            for parts in ((False,) if mode == "plain" else (False, True, "host")):
+                rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts, n_rows))
+                print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out) if a.out else report_dir("spec_rounds", a.tag)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python experiments/spec_rounds.py " + " ".join(argv if argv is not None else sys.argv[1:])
