@@ -16,7 +16,8 @@
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
 # checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
-# --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP).
+# --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP;
+# SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
 #   once per PHASE_VARIANTS entry: - or an env assignment such as MLXP_BUCKETED_SDPA=1).
@@ -121,7 +122,7 @@ if has spec; then
   stage spec
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
     --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} --modes ${SPEC_MODES:-draft,lookup} \
-    ${SPEC_LOOKUP_K:+--lookup-k $SPEC_LOOKUP_K} \
+    ${SPEC_LOOKUP_K:+--lookup-k $SPEC_LOOKUP_K} ${SPEC_DRAFT_MAX_ROWS:+--draft-max-rows $SPEC_DRAFT_MAX_ROWS} \
     --tag h100 --work /tmp/specwork --out "$OUT/spec${SPEC_DRAFT_LAYERS:-}" 2>&1 | grep -v '"step"' | tail -12
 fi
 if has rounds; then

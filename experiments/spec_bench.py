@@ -115,12 +115,13 @@ def spec_counts(url: str) -> tuple:
 
 
 def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngram: int, hf_cache,
-          modes=MODES, lookup_k=None):
+          modes=MODES, lookup_k=None, draft_max_rows=None):
     """`lookup_k`: the lookup server's draft tokens, one server per value (modes `lookup-kK`
     where there are several; default: k)."""
     bias: dict = {}                  # (none: see `language`)
     batch = max(levels)
-    spec = ["--draft-model", str(draft), "--num-draft-tokens", str(k), "--draft-tier"]
+    spec = ["--draft-model", str(draft), "--num-draft-tokens", str(k)]
+    spec += (["--draft-max-rows", str(draft_max_rows)] if draft_max_rows else []) + ["--draft-tier"]
     extra = {"plain": [], "draft": spec + ["l1"], "fastdraft": spec + ["l3"]}   # (l3: fast runner)
     ks = list(lookup_k or [k])
     if "lookup" in modes:
@@ -173,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-k", default=None,
                     help="the lookup server's draft tokens, comma list: one server each (default --k)")
     ap.add_argument("--draft-layers", type=int, default=4, help="the draft model's layers")
+    ap.add_argument("--draft-max-rows", type=int, default=None,
+                    help="the draft servers' --draft-max-rows (default: none)")
     ap.add_argument("--modes", default="draft,lookup", help="plain (always) and which of "
                     "draft, fastdraft (--draft-tier l3), lookup")
     ap.add_argument("--tag", default="cpu")
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
     train_s = time.perf_counter() - t0
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     lookup_k = [int(x) for x in a.lookup_k.split(",")] if a.lookup_k else None
-    rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes, lookup_k)
+    rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes, lookup_k,
+                 a.draft_max_rows)
     out = Path(a.out) if a.out else report_dir("spec_bench", a.tag)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "spec_bench.csv", rows, FIELDS)

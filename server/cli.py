@@ -92,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
       help="with --draft-model, where the batch rows' draft steps run: l1 (the draft model's "
            "own forward) or l3 (the fast runner's kernels; answers unchanged: the model "
            "verifies every draft; docs/fast-draft.md); default l3 on CUDA, l1 elsewhere")
+    a("--draft-max-rows", type=int, default=None, metavar="N",
+      help="with --draft-model, drafting pauses while more than N rows decode (greedy and "
+           "exact-scheme rows; default: never; docs/fast-draft.md)")
     add_deterministic_flag(a)
     a("--warm-up", type=_bool, default=True, metavar="BOOL",
       help="with the fast runner (--tier l3): decode throw-away rows at every rows bucket up to "
@@ -254,8 +257,10 @@ def config_from_args(args):
         raise SystemExit(f"engine-serve: {e}") from None
     if args.draft_model is not None and getattr(args, "tensor_parallel", False):
         raise SystemExit("engine-serve: --draft-model is not supported with --tensor-parallel")
-    if args.draft_tier is not None and args.draft_model is None:
-        raise SystemExit("engine-serve: --draft-tier needs --draft-model")
+    if (args.draft_tier is not None or args.draft_max_rows is not None) and args.draft_model is None:
+        raise SystemExit("engine-serve: --draft-tier and --draft-max-rows need --draft-model")
+    if args.draft_max_rows is not None and args.draft_max_rows < 1:
+        raise SystemExit("engine-serve: --draft-max-rows must be >= 1")
     if args.draft_tier is None:
         args.draft_tier = default_draft_tier() if args.draft_model is not None else "l1"
     if args.max_queue is not None and args.max_queue < 0:
@@ -289,6 +294,7 @@ def config_from_args(args):
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, adapter=args.adapter,
         prompt_lookup=lookup, num_draft_tokens=draft_tokens, draft_model=args.draft_model,
         spec_sampling=args.spec_sampling, draft_tier=args.draft_tier,
+        draft_max_rows=args.draft_max_rows,
         api_key=args.api_key, batch=args.batch, max_queue=args.max_queue,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_grammar_ms=args.max_grammar_ms, max_schema_nodes=args.max_schema_nodes,

@@ -48,6 +48,7 @@ class ServerConfig:
     draft_model: Optional[str] = None  # a draft model (directory or repo id) for speculation
     spec_sampling: str = "exact"       # sampled drafts: exact (mlx-lm's) | rejection (engine.step.rejection)
     draft_tier: str = "l1"             # the batch rows' draft steps: l1 | l3 (engine.step.fast_draft)
+    draft_max_rows: Optional[int] = None   # drafting pauses above this many decoding rows
     adapter: Optional[str] = None
     api_key: Optional[str] = None
     batch: int = 8                      # rows decoding together (1: one request at a time)
@@ -140,6 +141,7 @@ class ServerState:
                              prefill_budget=config.prefill_budget,
                              levers=config.levers, draft_model=draft_model,
                              draft_levers=for_tier(config.draft_tier) if config.draft_tier != "l1" else None,
+                             draft_max_rows=config.draft_max_rows,
                              deterministic=config.deterministic, **self.kv_options)
         if config.prompt_cache_dir:
             from engine import disk_cache_for

@@ -20,7 +20,8 @@ the others' KV and without a new shape:
 The pool stands where the batch scheduler's decode group keeps its per-layer caches
 (`engine.step.batch`): `extend` (graduating rows' `BatchKVCache` layers), `filter(keep)`,
 `rewind(drop)` (a speculating draft's rejected tokens, engine.step.fast_draft), `extract(i)`
-(a row's KV as single-row `KVCache` layers, for the prompt cache), `nbytes`,
+(a row's KV as single-row `KVCache` layers, for the prompt cache; `replace(i, ...)` puts such
+layers back), `nbytes`,
 and `__call__(tokens [B]) -> logits [B, V]` for the decode step, rows in the group's order.
 """
 
@@ -103,18 +104,28 @@ class SlotPool:
         B = caches[0].batch_size
         for j in range(B):
             rows = [c.extract(j) for c in caches]
-            n = rows[0].offset
             free = [s for s, h in enumerate(self.held) if h < 0]
             slot = free[0] if free else self.rows
-            rows_needed, cols = self._used_extent()
-            self._fit(max(rows_needed, slot + 1), max(cols, n + 1))
-            for i, r in enumerate(rows):
-                self.keys[i][slot:slot + 1, :, :n] = r.keys
-                self.values[i][slot:slot + 1, :, :n] = r.values
-            self.held[slot] = n
+            self._put(slot, rows)
             self.slots.append(slot)
         self._dev = None
         return self
+
+    def _put(self, slot: int, rows: list) -> None:
+        """Slot `slot` holds `rows` (single-row `KVCache` layers, tokens from column 0)."""
+        n = rows[0].offset
+        rows_needed, cols = self._used_extent()
+        self._fit(max(rows_needed, slot + 1), max(cols, n + 1))
+        for i, r in enumerate(rows):
+            self.keys[i][slot:slot + 1, :, :n] = r.keys[:, :, :n]
+            self.values[i][slot:slot + 1, :, :n] = r.values[:, :, :n]
+        self.held[slot] = n
+
+    def replace(self, i: int, rows: list) -> None:
+        """Row i's KV becomes `rows`' (single-row `KVCache` layers from column 0: `extract(i)`
+        after more of the row's tokens went through the model)."""
+        self._put(self.slots[i], rows)
+        self._dev = None
 
     def filter(self, keep: List[int]) -> None:
         """Keep the group's rows `keep` (in that order); the others' slots are freed."""

@@ -68,6 +68,7 @@ class BatchScheduler(LookupSteps):
     (`engine.step.batch_draft`; L1 only: refused with a decoder or deterministic).
     draft_decoder: the draft model's fast step, or None: with it the draft's steps run on the
     fast runner (`engine.step.fast_draft`; the rows' tokens stay L1's: the model verifies).
+    draft_max_rows: drafting pauses while more rows decode (`LookupSteps.drafting_paused`).
     first_at_graduate: a row with no scheduler-side ending (no max_tokens, stop tokens or
     tokenizer: the Engine's rows) emits its first token when it graduates.
     kv_layers: a KV policy's quantized layers (cache index -> (bits, group size)), quantized
@@ -82,8 +83,8 @@ class BatchScheduler(LookupSteps):
                  prefill_step_size: int = 2048, decoder=None, deterministic: bool = False,
                  draft_model=None, draft_decoder=None, prefill_budget: Optional[int] = None,
                  first_at_graduate: bool = False, kv_layers: Optional[dict] = None,
-                 whole_chunks: bool = False):
-        self.model = model
+                 whole_chunks: bool = False, draft_max_rows: Optional[int] = None):
+        self.model, self.draft_max_rows = model, draft_max_rows
         self.kv_layers = kv_layers or {}
         self.first_at_graduate = first_at_graduate
         self.decoder = decoder
@@ -266,7 +267,7 @@ class BatchScheduler(LookupSteps):
 
     def _decode_step(self) -> List[RowEvent]:
         g = self._decode
-        if any(r.spec is not None for r in g.rows):    # rows speculate (batch_lookup/_draft)
+        if any(r.spec is not None for r in g.rows) and not self.drafting_paused(g):   # (speculating)
             events = self._lookup_step(g)
             if events is not None:
                 return events

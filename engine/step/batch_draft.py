@@ -87,6 +87,7 @@ class DraftRow:
         self.limit = draft.limit if draft.limit is not None else max_tokens
         self.stats = draft.stats if draft.stats is not None else SpecStats()
         self.pending: list = []      # tokens before y not yet in the draft's caches
+        self.paused_at = None        # len(row tokens) when drafting paused (`DraftBatch.pause`)
         self.proposed: list = []     # this step's drafts (set by DraftBatch.propose)
         self.fed = 0                 # drafts of this step in the draft's caches
         self.kept = 0                # of this step's drafts, accepted by the target
@@ -203,10 +204,22 @@ class DraftBatch:
             self.join_kv([c for _, c in ready])
             self.rows += [r for r, _ in ready]
 
+    def pause(self) -> None:
+        """A step without drafting (`LookupSteps.drafting_paused`): each drafting row notes
+        where its tokens stand, so the ones handed out meanwhile join its pending tokens when
+        drafting resumes (`propose`)."""
+        for r in self.rows:
+            if r.spec.paused_at is None:
+                r.spec.paused_at = len(r.tokens)
+
     def propose(self, rows: list, ys: List[int]) -> None:
         """Each drafting row's drafts after its current token y (`DraftRow.proposed`), from
         K greedy forwards of the draft over all of them (K the most any row wants)."""
         self.ran = False
+        for r in self.rows:          # (after a pause: what was handed out meanwhile)
+            if r.spec.paused_at is not None:
+                r.spec.pending += r.tokens[r.spec.paused_at:]
+                r.spec.paused_at = None
         y_of = {id(r): y for r, y in zip(rows, ys) if isinstance(r.spec, DraftRow)}
         have = {id(r) for r in self.rows} | set(self.joining)
         new = [r for r in rows if id(r) in y_of and id(r) not in have]

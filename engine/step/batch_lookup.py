@@ -145,6 +145,21 @@ class LookupSteps:
     group in which rows speculate (its rows' `spec`: a `LookupRow`, a
     `engine.step.batch_draft.DraftRow` or None; `g.draft`: the group's `DraftBatch` or None)."""
 
+    draft_max_rows: Optional[int] = None    # (BatchScheduler's: drafting pauses above it)
+
+    def drafting_paused(self, g) -> bool:
+        """Whether group g's step skips speculation: more rows than `draft_max_rows` decode and
+        every speculating row is a draft-model row whose tokens do not depend on its drafts
+        (greedy, or mlx-lm's exact scheme; not prompt lookup, not rejection sampling). The step
+        is then a plain one; the drafts catch up when drafting resumes (`DraftBatch.pause`)."""
+        if g.draft is None or self.draft_max_rows is None or len(g.rows) <= self.draft_max_rows:
+            return False
+        if any(r.spec is not None and (not isinstance(r.spec, DraftRow) or r.spec.rule is not None)
+               for r in g.rows):
+            return False
+        g.draft.pause()
+        return True
+
     def _lookup_step(self, g) -> Optional[List]:
         """One verify step of group g when a row has a draft (its events), else None (every
         speculating row counts a forward with no draft, and the plain step runs)."""

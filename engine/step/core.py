@@ -77,6 +77,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
     draft_tokenizer, is checked; `admission` should count it: `Admission.with_draft`).
     draft_levers: the draft's own levers: with a fast-decode lever the batch rows' draft
     steps run on the fast runner (`engine.step.fast_draft`; the outputs stay the model's).
+    draft_max_rows: drafting pauses while more rows decode (greedy and exact-scheme rows).
     deterministic: every row's logits bit-identical whatever else is in the batch, every
     batchable request a batch row, max_batch 1 too (`engine.deterministic`). prefill_budget:
     prompt tokens a batch step prefills, shared by the rows prefilling (default:
@@ -91,7 +92,8 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                  prefill_batch_size: int = 8, adapters=None, keep_logprob_arrays: bool = False,
                  levers=None, max_context: Optional[int] = None,
                  max_kv_size: Optional[int] = None, disk_cache=None, draft_model=None,
-                 draft_tokenizer=None, draft_levers=None, deterministic: bool = False,
+                 draft_tokenizer=None, draft_levers=None, draft_max_rows: Optional[int] = None,
+                 deterministic: bool = False,
                  prefill_budget: Optional[int] = -1):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
@@ -140,6 +142,9 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                            and not self.deterministic)
         # the draft's steps of those rows on the fast runner (engine.step.fast_draft)
         self.draft_step = fast_step_for(draft_model, draft_levers) if self.draft_rows else None
+        if draft_max_rows is not None and (not isinstance(draft_max_rows, int) or draft_max_rows < 1):
+            raise ValueError(f"draft_max_rows must be a positive integer, got {draft_max_rows!r}")
+        self.draft_max_rows = draft_max_rows
         self._sched = self._new_scheduler() if batching else None
         # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner
         # over full-attention caches; elsewhere a lookup request runs alone
@@ -176,7 +181,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                               prefill_budget=self.prefill_budget, whole_chunks=self.whole_chunks,
                               decoder=self._fast_step, deterministic=self.deterministic,
                               draft_model=self.draft_model if self.draft_rows else None,
-                              draft_decoder=self.draft_step,
+                              draft_decoder=self.draft_step, draft_max_rows=self.draft_max_rows,
                               first_at_graduate=True, kv_layers=self.policy.layers)
 
     @property

@@ -33,6 +33,9 @@ from engine.kv.batch_cache import batch_caches
 from engine.step.batch_draft import DraftBatch
 
 
+CATCH_UP = 2      # a row's tokens fed one fast step each (more: the draft's own forward first)
+
+
 class FastDraftBatch(DraftBatch):
     """`DraftBatch` over a `SlotPool` of the draft model's fast step `step`."""
 
@@ -52,7 +55,15 @@ class FastDraftBatch(DraftBatch):
     def first_logits(self, inputs: List[list]) -> mx.array:
         """The fast step once a token: a row with fewer tokens than the longest feeds its
         first one in the steps before its own start, each taken back after the step (so its
-        last token is fed in the last step, with everyone's)."""
+        last token is fed in the last step, with everyone's). A row with more than
+        `CATCH_UP` (drafting resumed after a pause) first takes all but its last through
+        the draft model's own forward over its KV, put back into its slot."""
+        for i, x in enumerate(inputs):
+            if len(x) > CATCH_UP:
+                caches = self.pool.extract(i)
+                self.model(mx.array(x[:-1])[None], cache=caches)
+                self.pool.replace(i, caches)
+                inputs = inputs[:i] + [x[-1:]] + inputs[i + 1:]
         P = max(len(x) for x in inputs)
         logits = None
         for j in range(P):

@@ -209,7 +209,7 @@ def test_served_with_a_draft_model_answers_the_same_and_counts_drafts():
         finally:
             stop_server(s)
     assert outs[0] == outs[1] == outs[2]
-    with pytest.raises(SystemExit, match="--draft-tier needs --draft-model"):
+    with pytest.raises(SystemExit, match="--draft-tier and --draft-max-rows need --draft-model"):
         main(["--model", path, "--draft-tier", "l3"])
     with pytest.raises(SystemExit, match="--draft-model and --prompt-lookup"):
         main(["--model", path, "--draft-model", draft, "--prompt-lookup", "2"])

@@ -159,3 +159,70 @@ def test_a_long_row_and_an_aborted_row(pair):
     assert all(mx.array_equal(x, y).item() for a, b in zip(got_lp[:2], ref_lp[:2]) for x, y in zip(a, b))
     pool = eng._sched._decode.draft.pool
     assert pool.capacity >= 1024 and pool.slots == []
+
+
+def _paused_run(m, tok, d, draft_levers, draft_max_rows, monkeypatch=None):
+    """Two drafting rows (40 tokens), three plain ones (8 tokens) joining after 4 steps: with
+    `draft_max_rows` 2 the two draft, drafting pauses while the five decode and resumes when
+    the plain ones are done, ~8 tokens behind. Tokens and logprobs per request, the rows count
+    of every step that drafted, and the engine."""
+    eng = Engine(m, tok, max_batch=5, keep_logprob_arrays=True, draft_model=d,
+                 draft_levers=draft_levers, draft_max_rows=draft_max_rows)
+    drafting = SamplingParams(max_tokens=40, temperature=0.0, num_draft_tokens=3)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, use_draft=False)
+    rids = {i: eng.submit(PROMPTS[i], drafting) for i in (0, 3)}
+    drafted_at = []
+    if monkeypatch is not None:             # (on top of spy_proposals' spy)
+        real = eng._sched._decode.draft.propose.__func__
+
+        def spy(self, rows, ys):
+            real(self, rows, ys)
+            if self.ran:
+                drafted_at.append(len(rows))
+        monkeypatch.setattr(type(eng._sched._decode.draft), "propose", spy)
+    toks, lps, steps = {}, {}, 0
+    while eng.has_unfinished():
+        if steps == 4:
+            rids.update({i: eng.submit(PROMPTS[i], plain) for i in (1, 2, 4)})
+        for o in eng.step():
+            toks[o.request_id] = toks.get(o.request_id, []) + o.token_ids
+            lps[o.request_id] = lps.get(o.request_id, []) + o.logprob_arrays
+        steps += 1
+    order = [rids[i] for i in range(5)]
+    return [toks[r] for r in order], [lps[r] for r in order], drafted_at, eng
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_drafting_pauses_while_more_rows_decode(pair, monkeypatch, fast):
+    """draft_max_rows 2: no drafts while five rows decode, drafts once two are left; every
+    row's tokens and logprobs as without a draft model, and every proposal (the first after
+    the pause included, its ~8 missed tokens caught up) the draft model's own greedy tokens."""
+    m, tok, d, _ = pair
+    levers = resolve("l3") if fast else None
+    ref, ref_lp, _, _ = _paused_run(m, tok, None, None, None)
+    seen = spy_proposals(monkeypatch)
+    got, got_lp, drafted_at, eng = _paused_run(m, tok, d, levers, 2, monkeypatch)
+    assert got == ref and [len(t) for t in got] == [40, 8, 8, 40, 8]
+    assert all(mx.array_equal(x, y).item() for a, b in zip(got_lp, ref_lp) for x, y in zip(a, b))
+    assert drafted_at and max(drafted_at) <= 2                  # no drafts beside the plain rows
+    assert seen and all(drafts == draft_alone(d, context, len(drafts)) for context, drafts in seen)
+    assert eng.stats()["speculation"]["draft"]["accepted"] > 0
+    with pytest.raises(ValueError, match="draft_max_rows"):
+        Engine(m, tok, max_batch=2, draft_model=d, draft_max_rows=0)
+
+
+def test_negative_control_a_pause_that_forgets_the_tokens_changes_the_drafts(pair, monkeypatch):
+    """Without `DraftBatch.pause` noting where each row stood, the draft resumes without the
+    tokens handed out meanwhile: its proposals are no longer the draft model's own. (The
+    fast draft catches those tokens up through the draft's own forward: `SlotPool.replace`.)"""
+    m, tok, d, _ = pair
+    replaced = []
+    real_replace = SlotPool.replace
+    monkeypatch.setattr(SlotPool, "replace", lambda self, i, rows: replaced.append(i) or real_replace(self, i, rows))
+    seen = spy_proposals(monkeypatch)
+    _paused_run(m, tok, d, resolve("l3"), 2)
+    assert replaced and all(drafts == draft_alone(d, c, len(drafts)) for c, drafts in seen)
+    seen.clear()
+    monkeypatch.setattr(DraftBatch, "pause", lambda self: None)
+    _paused_run(m, tok, d, resolve("l3"), 2)
+    assert any(drafts != draft_alone(d, c, len(drafts)) for c, drafts in seen)
