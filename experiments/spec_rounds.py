@@ -32,31 +32,20 @@ from experiments._common import dump_json, machine, report_dir  # noqa: E402
 from experiments.spec_bench import prompts, trained_pair  # noqa: E402
 
 
-def _timed(cls, name: str, spent: dict):
-    """Wrap cls.name so its calls' wall time (device synchronised) adds up in spent[name]."""
+def _timed(cls, name: str, spent: dict, key=None, sync: bool = True):
+    """Wrap cls.name so its calls' wall time adds up in spent[key or name]: with the device
+    synchronised around each call (`sync`), or not (the host's own time, and any wait inside)."""
     import mlx.core as mx
     real = getattr(cls, name)
 
     def wrapper(self, *a, **kw):
-        mx.synchronize()
+        if sync:
+            mx.synchronize()
         t0 = time.perf_counter()
         out = real(self, *a, **kw)
-        mx.synchronize()
-        spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        return out
-    setattr(cls, name, wrapper)
-    return real
-
-
-def _host_timed(cls, name: str, spent: dict, key: str):
-    """Wrap cls.name so its calls' wall time (no synchronisation: the host's own time, and
-    any wait inside) adds up in spent[key]."""
-    real = getattr(cls, name)
-
-    def wrapper(self, *a, **kw):
-        t0 = time.perf_counter()
-        out = real(self, *a, **kw)
-        spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+        if sync:
+            mx.synchronize()
+        spent[key or name] = spent.get(key or name, 0.0) + time.perf_counter() - t0
         return out
     setattr(cls, name, wrapper)
     return real
@@ -99,9 +88,9 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts, rows: in
     spent: dict = {}
     saved = []
     if parts == "host":
-        saved = [(DraftBatch, "propose", _host_timed(DraftBatch, "propose", spent, "propose")),
-                 (BatchScheduler, "_forward", _host_timed(BatchScheduler, "_forward", spent, "build")),
-                 (LookupSteps, "_lookup_step", _host_timed(LookupSteps, "_lookup_step", spent, "round"))]
+        saved = [(cls, name, _timed(cls, name, spent, key, sync=False)) for cls, name, key in
+                 ((DraftBatch, "propose", "propose"), (BatchScheduler, "_forward", "build"),
+                  (LookupSteps, "_lookup_step", "round"))]
         batch_lookup.mx = _WaitTimed(mx, spent)
     elif parts:
         saved = [(DraftBatch, "propose", _timed(DraftBatch, "propose", spent)),
