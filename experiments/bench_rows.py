@@ -70,7 +70,13 @@ def main(argv=None):
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--one-kernel-4bit", action="store_true",
+                    help="a 4-bit row takes the one kernel whatever its layers' size (the routing's "
+                         "bound engine.fast.decode.QMM_ONE_ROW_LAYER_BYTES lifted): to measure both routes")
     a = ap.parse_args(argv)
+    if a.one_kernel_4bit:
+        import engine.fast.decode as FD
+        FD.QMM_ONE_ROW_LAYER_BYTES = float("inf")
     rows_list = [int(x) for x in a.rows.split(",")]
     tiers = a.tiers.split(",")
     engines = {}

@@ -70,7 +70,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--one-kernel-4bit", action="store_true",
+                    help="a 4-bit row takes the one kernel whatever its layers' size (the routing's "
+                         "bound engine.fast.decode.QMM_ONE_ROW_LAYER_BYTES lifted): to measure both routes")
     a = ap.parse_args(argv)
+    if a.one_kernel_4bit:
+        import engine.fast.decode as FD
+        FD.QMM_ONE_ROW_LAYER_BYTES = float("inf")
     model = load_model(a.model)[0]
     vocab = model.args.vocab_size
     prompt = [(7 * i + 3) % (vocab - 1) + 1 for i in range(a.prompt)]

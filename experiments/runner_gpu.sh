@@ -15,6 +15,8 @@
 # equal tokens/logprobs), q4one (Q4ONE_PRESET, default 8b, 4-bit at 1 and 2 rows on the fast runner
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
 # checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
+# q4mma (the one kernel's 4-bit dot on 8B and 1B 4-bit: mega_check against L1 and the separate
+# kernels, 8B forced onto it; bench_rows at Q4MMA_ROWS rows as routed and forced onto the one kernel).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP;
 # SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows).
@@ -107,6 +109,23 @@ fi
 if has lone; then
   stage lone
   timeout ${LONE_S:-150} python3 experiments/lone_row.py --model /tmp/m/1b --batch 32 --gen 256 2>&1 | tail -5
+fi
+if has q4mma; then
+  # the one kernel's 4-bit dot: its logits against L1 and the separate kernels (8B forced onto
+  # the one kernel, 1B as routed), its phases; one row's speed on each route
+  stage q4mma
+  for P in 8b 1b; do [ -d /tmp/m/$P-q4 ] || python3 -m experiments.presets $P /tmp/m/$P-q4 --bits 4; done
+  MLXP_MEGA_PROF=1 timeout ${CHECK8_S:-200} python3 experiments/mega_check.py --model /tmp/m/8b-q4 --steps 16 \
+    --one-kernel-4bit --out "$OUT/check8b-q4.json" 2>&1 | tail -40
+  MLXP_MEGA_PROF=1 timeout 120 python3 experiments/mega_check.py --model /tmp/m/1b-q4 --steps 16 \
+    --out "$OUT/check1b-q4.json" 2>&1 | grep -A4 '"mega"' | head -12
+  q4rows() {   # preset, tag, extra bench_rows arguments (env assignments before it apply)
+    echo "$1-q4 $2"
+    timeout ${Q4ONE_S:-120} python3 experiments/bench_rows.py --model /tmp/m/$1-q4 --rows ${Q4MMA_ROWS:-1} --tiers l3 \
+      --gen 64 --trials 3 "${@:3}" --out "$OUT/q4mma-$1-$2" 2>&1 | tail -${Q4MMA_TAIL:-2}
+  }
+  q4rows 8b routed; q4rows 8b forced --one-kernel-4bit
+  q4rows 1b routed; MLXP_DISABLE_KERNELS=mega q4rows 1b no-mega
 fi
 if has q4one; then
   stage q4one

@@ -151,3 +151,49 @@ def mirror(words: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndar
         out[2 * q, g], out[2 * q + 1, g] = acc[lane, 0], acc[lane, 1]
         out[2 * q, g + 8], out[2 * q + 1, g + 8] = acc[lane, 2], acc[lane, 3]
     return out[:M]
+
+
+def diag_mirror(words: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndarray,
+                group_size: int, diag_lane=lambda g: g // 2) -> np.ndarray:
+    """What the one kernel's 4-bit dot (`mega_qdot4_mma`, cuda/mega_device.cuh) computes for
+    one pair of weight rows and one input row, lane by lane: words [2, K/8] uint32, scales /
+    biases [2, K/GS], x [K] -> [2]. Lane l dequantizes its 32 values of each row to the pairs
+    (8w + j, 8w + j + 4) and pairs its inputs the same way; each mma.m16n8k16 takes the lane's
+    pairs as its A fragment (row g: weight row 0, row g + 8: weight row 1) and B fragment
+    (column g), and after the last one the lane (g, diag_lane(g)) holds D[g][g] and
+    D[g + 8][g]: their sum over g is the dot (float64 here)."""
+    K = words.shape[1] * 8
+    c = np.zeros((32, 4))
+    for it in range(K // 1024):
+        frag_a = np.zeros((32, 2, 16, 2))     # lane, weight row, pair, (lo, hi)
+        frag_b = np.zeros((32, 16, 2))
+        for lane in range(32):
+            k0 = (it * 32 + lane) * 32
+            for w in range(4):
+                for j in range(4):
+                    e = k0 + 8 * w + j
+                    for r in range(2):
+                        word = int(words[r, e // 8]) >> (4 * j)
+                        sc, bi = scales[r, k0 // group_size], biases[r, k0 // group_size]
+                        frag_a[lane, r, 4 * w + j] = sc * (word & 0xF) + bi, sc * ((word >> 16) & 0xF) + bi
+                    frag_b[lane, 4 * w + j] = x[e], x[e + 4]
+        for i in range(8):                     # mma i: pairs 2i (columns 2q, 2q+1), 2i+1 (2q+8, 2q+9)
+            A = np.zeros((16, 16))
+            B = np.zeros((16, 8))
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                for r in range(2):
+                    A[g + 8 * r, 2 * q:2 * q + 2] = frag_a[lane, r, 2 * i]
+                    A[g + 8 * r, 2 * q + 8:2 * q + 10] = frag_a[lane, r, 2 * i + 1]
+                B[2 * q:2 * q + 2, g] = frag_b[lane, 2 * i]
+                B[2 * q + 8:2 * q + 10, g] = frag_b[lane, 2 * i + 1]
+            D = A @ B
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                c[lane] += [D[g, 2 * q], D[g, 2 * q + 1], D[g + 8, 2 * q], D[g + 8, 2 * q + 1]]
+    out = np.zeros(2)
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        if q == diag_lane(g):
+            out += [c[lane, g % 2], c[lane, 2 + g % 2]]
+    return out

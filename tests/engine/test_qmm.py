@@ -169,3 +169,27 @@ def test_4bit_rows_on_the_one_kernel_by_layer_size(monkeypatch):
     step._mega_freq = mx.ones((model.layers[0].self_attn.head_dim // 2,))
     assert step._fn(1, 512)[1] is False and step.stats.mega_reason == why
     assert [step.rows_for(n) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_diag_mirror_matches_dequantized_dot(group_size):
+    """The one kernel's 4-bit dot on the tensor cores (each lane's own weights and inputs on
+    the diagonal of the mma's product): two weight rows against one input row."""
+    lin = _quantized(2, 2048, group_size, seed=group_size)
+    w, s, b = _arrays(lin)
+    x = np.random.default_rng(group_size).standard_normal(2048)
+    want = _dequantized(lin, group_size) @ x
+    got = Q.diag_mirror(w, s, b, x, group_size)
+    assert np.abs(got - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_diag_mirror_sees_a_wrong_lane():
+    """Negative control: the sums read from lane (g, g % 4) instead of (g, g / 2) (an entry off
+    the diagonal for most g), or inputs paired in plain order, give another dot."""
+    lin = _quantized(2, 1024, 64)
+    w, s, b = _arrays(lin)
+    x = np.random.default_rng(1).standard_normal(1024)
+    want = _dequantized(lin, 64) @ x
+    assert np.abs(Q.diag_mirror(w, s, b, x, 64, diag_lane=lambda g: g % 4) - want).max() > 1e-2
+    perm = np.arange(1024).reshape(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(-1)
+    assert np.abs(Q.diag_mirror(w, s, b, x[perm], 64) - want).max() > 1e-2

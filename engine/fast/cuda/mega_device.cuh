@@ -6,7 +6,8 @@
 //   elements in one load, as floats or kept as they are);
 // - mega_dot: RL float weight rows dotted with RB input rows held in shared memory, a warp per
 //   unit, UN 16-byte loads in flight per lane, a shuffle reduction;
-// - mega_qdot: the same for affine-quantized rows, its inputs kept swizzled in shared memory
+// - mega_qdot: the same for affine-quantized rows (4-bit ones of a bf16 model on the tensor
+//   cores: mega_qdot4_mma), its inputs kept swizzled in shared memory
 //   (mega_sw) so that lanes reading 64-128 contiguous bytes each do not collide on banks;
 // - mega_ldx: inputs read from shared memory in 16-byte loads;
 // - mega_stage: a phase's input vector (floats other blocks wrote) into shared memory, each
@@ -278,6 +279,122 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 #pragma unroll
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
+// 4-bit rows on the tensor cores (mega_qdot's path for bf16 models): lane l still reads its
+// 16 bytes (32 values of one group) of each row per iteration, but dequantizes them to bf16
+// pairs — nibbles (j, j + 4) of a word come out of one mask as a bf16x2 (bits under the
+// exponent of 128, 128 taken off: exact), then scale * q + bias in one bf16x2 fma (the weight
+// MLX's dequantize gives, rounded to bf16) — and its inputs to the matching bf16 pairs, and
+// hands both to mma.m16n8k16 as the lane's own fragment: A row g (lane g = l / 4, q = l % 4)
+// holds row 2p's pairs, A row g + 8 row 2p + 1's, B column g the inputs. D[g][g] (and
+// D[g + 8][g]) then sums the products of lanes 4g .. 4g + 3 only, each with its own weights and
+// inputs (a dot does not see the order of its terms); the other entries are not used. After
+// the last iteration lane (g, g / 2) holds row 2p's D[g][g] in c[g % 2] and row 2p + 1's in
+// c[2 + g % 2], and a warp sum of those gives the dot (the lanes' arithmetic
+// it in numpy: engine.fast.qmm.diag_mirror). Float accumulation on the tensor cores; ~90 instructions a lane-iteration
+// where the scalar path takes ~200 (the 4-bit phases were bound by their issue rate).
+template <class A, class B> struct mega_same { static constexpr bool value = false; };
+template <class A> struct mega_same<A, A> { static constexpr bool value = true; };
+__device__ __forceinline__ unsigned int mega_deq2(unsigned int src, __nv_bfloat162 s, __nv_bfloat162 b) {
+  const unsigned int bits = (src & 0x000F000Fu) | 0x43004300u;
+  __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&bits), __floats2bfloat162_rn(128.f, 128.f));
+  v = __hfma2(v, s, b);
+  return *reinterpret_cast<const unsigned int*>(&v);
+}
+// the 16 bf16 pairs of a lane's 32 inputs (element k0 .. k0 + 31 of row-offset `base`, stored
+// swizzled): pair 4 w + j = (x[8 w + j], x[8 w + j + 4]), the order mega_deq2 gives the weights
+template <typename X>
+__device__ __forceinline__ void mega_xpairs(const X* xs, int base, unsigned int* xp) {
+  if constexpr (sizeof(X) == 4) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float4 lo = *reinterpret_cast<const float4*>(xs + mega_sw<X>(base + 8 * w));
+      const float4 hi = *reinterpret_cast<const float4*>(xs + mega_sw<X>(base + 8 * w + 4));
+      const float l4[4] = {lo.x, lo.y, lo.z, lo.w}, h4[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 p = __floats2bfloat162_rn(l4[j], h4[j]);
+        xp[4 * w + j] = *reinterpret_cast<const unsigned int*>(&p);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint4 v = *reinterpret_cast<const uint4*>(xs + mega_sw<X>(base + 8 * w));
+      xp[4 * w] = __byte_perm(v.x, v.z, 0x5410);
+      xp[4 * w + 1] = __byte_perm(v.x, v.z, 0x7632);
+      xp[4 * w + 2] = __byte_perm(v.y, v.w, 0x5410);
+      xp[4 * w + 3] = __byte_perm(v.y, v.w, 0x7632);
+    }
+  }
+}
+template <typename T, typename X, int K, int RL, int RB, int UN, int GS, int KT>
+__device__ __forceinline__ void mega_qdot4_mma(const unsigned int* const* rows, const T* const* sc,
+                                               const T* const* bi, const X* xs, int koff, int lane,
+                                               float* acc, unsigned long long pol) {
+  constexpr int EPL = 32, IT = K / (32 * EPL), RP = (RL + 1) / 2;
+  float c[RP][RB][4];
+#pragma unroll
+  for (int p = 0; p < RP; ++p)
+#pragma unroll
+    for (int b = 0; b < RB; ++b) c[p][b][0] = c[p][b][1] = c[p][b][2] = c[p][b][3] = 0.f;
+#pragma unroll 1
+  for (int i0 = 0; i0 < IT; i0 += UN) {
+    uint4 wv[UN][RL];
+    __nv_bfloat162 s[UN][RL], bb[UN][RL];
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u < IT) {
+        const int k0 = ((i0 + u) * 32 + lane) * EPL;
+#pragma unroll
+        for (int r = 0; r < RL; ++r) {
+          wv[u][r] = mega_ld_w(rows[r] + k0 / 8, pol);
+          const T s0 = sc[r][k0 / GS], b0 = bi[r][k0 / GS];
+          s[u][r] = __nv_bfloat162(s0, s0);
+          bb[u][r] = __nv_bfloat162(b0, b0);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      if (i0 + u >= IT) break;
+      const int k0 = ((i0 + u) * 32 + lane) * EPL;
+#pragma unroll
+      for (int p = 0; p < RP; ++p) {
+        const int r0 = 2 * p, r1 = 2 * p + 1;
+        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[u][r0]);
+        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[u][r1 < RL ? r1 : r0]);
+        unsigned int a0[16], a1[16];
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            a0[4 * w + j] = mega_deq2(w0[w] >> (4 * j), s[u][r0], bb[u][r0]);
+            a1[4 * w + j] = r1 < RL ? mega_deq2(w1[w] >> (4 * j), s[u][r1 < RL ? r1 : r0], bb[u][r1 < RL ? r1 : r0]) : 0u;
+          }
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+          unsigned int xp[16];
+          mega_xpairs<X>(xs, b * KT + koff + k0, xp);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                         : "+f"(c[p][b][0]), "+f"(c[p][b][1]), "+f"(c[p][b][2]), "+f"(c[p][b][3])
+                         : "r"(a0[2 * i]), "r"(a1[2 * i]), "r"(a0[2 * i + 1]), "r"(a1[2 * i + 1]),
+                           "r"(xp[2 * i]), "r"(xp[2 * i + 1]));
+        }
+      }
+    }
+  }
+  // the diagonal: lane (g, g / 2) holds D[g][g] (row 2p) and D[g + 8][g] (row 2p + 1)
+  const int g = lane >> 2;
+  const bool diag = (lane & 3) == (g >> 1);
+#pragma unroll
+  for (int r = 0; r < RL; ++r)
+#pragma unroll
+    for (int b = 0; b < RB; ++b)
+      acc[r * RB + b] = mega_warp_sum(diag ? c[r / 2][b][2 * (r % 2) + (g & 1)] : 0.f);
+}
 // rows idx[0..RL) of a weight matrix of KT columns, its columns koff .. koff + K: float
 // (QB 0: w is T*) or affine-quantized (QB bits: w packed words,
 // s / b the group scales and biases; koff a multiple of the group size; whole dots only)
@@ -300,6 +417,9 @@ __device__ __forceinline__ void mega_mat_dot(const void* w, const T* s, const T*
       sr[r] = s + (size_t)idx[r] * (KT / GS) + koff / GS;
       br[r] = b + (size_t)idx[r] * (KT / GS) + koff / GS;
     }
-    mega_qdot<T, X, K, RL, RB, UN, QB, GS, KT>(rows, sr, br, xs, koff, lane, acc, pol);
+    if constexpr (QB == 4 && mega_same<T, __nv_bfloat16>::value)
+      mega_qdot4_mma<T, X, K, RL, RB, UN, GS, KT>(rows, sr, br, xs, koff, lane, acc, pol);
+    else
+      mega_qdot<T, X, K, RL, RB, UN, QB, GS, KT>(rows, sr, br, xs, koff, lane, acc, pol);
   }
 }
