@@ -15,7 +15,6 @@
 # equal tokens/logprobs), q4one (Q4ONE_PRESET, default 8b, 4-bit at 1 and 2 rows on the fast runner
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
 # checks the one-row bound of engine/fast/decode.py:one_kernel_rows from below).
-# upf (UPF_MODELS x UPF_LIST: the one kernel with MLXP_MEGA_UPF, its phase clock and one row's decode).
 # q4mma (the one kernel's 4-bit dot on 8B and 1B 4-bit: mega_check against L1 and the separate
 # kernels, 8B forced onto it; bench_rows at Q4MMA_ROWS rows as routed and forced onto the one kernel).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
@@ -127,23 +126,6 @@ if has q4mma; then
   }
   q4rows 8b routed; q4rows 8b forced --one-kernel-4bit
   q4rows 1b routed; MLXP_DISABLE_KERNELS=mega q4rows 1b no-mega
-fi
-if has upf; then
-  # the one-kernel step with a warp's next unit asked into L2 UPF rounds ahead (MLXP_MEGA_UPF):
-  # its phase clock (mega_check) and one row's decode (bench_rows), per model and value
-  stage upf
-  [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4
-  [ -d /tmp/m/8b ] || python3 -m experiments.presets 8b /tmp/m/8b
-  for M in ${UPF_MODELS:-8b-q4 8b}; do
-    for u in ${UPF_LIST:-0 1 2}; do
-      MLXP_MEGA_UPF=$u MLXP_MEGA_PROF=1 timeout 200 python3 experiments/mega_check.py --model /tmp/m/$M --steps 8 \
-        --one-kernel-4bit --out "$OUT/upf-$M-$u.json" >/dev/null 2>&1
-      python3 -c "import json; d = json.load(open('$OUT/upf-$M-$u.json'))['mega']; p = d['stats'].get('profile_us') or {}; \
-print('$M UPF=$u', 'kl %.2e top1 %.3f' % (d['mean_kl_vs_l1'], d['top1_vs_l1']), {k: v for k, v in p.items() if k != 'arrive'})"
-      MLXP_MEGA_UPF=$u timeout 150 python3 experiments/bench_rows.py --model /tmp/m/$M --rows 1 --tiers l3 --gen 64 \
-        --trials 3 --one-kernel-4bit --out "$OUT/upf-$M-$u" 2>&1 | tail -1
-    done
-  done
 fi
 if has q4one; then
   stage q4one

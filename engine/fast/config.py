@@ -6,7 +6,6 @@ the `Levers` (engine.levers.resolve: preset < environment < flag) and carried by
 |---|---|---|---|
 | `prof` | `MLXP_MEGA_PROF` | 0/1 | the one-kernel step's phase timer (`FastDecoder.mega_profile`) |
 | `qk_norm` | `MLXP_MEGA_QKNORM` | 0/1 | qwen3 (per-head q/k norms) on the one-kernel step (0: off it) |
-| `unit_prefetch` | `MLXP_MEGA_UPF` | 0/1/2 | the one-kernel step asks a warp's unit that many rounds ahead into L2 (0: none; a probe: one value stays) |
 | `disabled` | `MLXP_DISABLE_KERNELS` | a comma list of `KERNELS` (add_rms, rope_qkv, attention, gemv, mega, qmm) | kernels switched off: their stock-MLX references run instead |
 | `deterministic` | (`--deterministic`) | bool | batch-invariant kernels (issue #41's GPU part): set by `engine.deterministic.check`; not built yet, so `engine.fast.apply.fast_step_for` refuses it |
 """
@@ -29,14 +28,11 @@ class FastConfig:
     qk_norm: bool = True
     disabled: frozenset = field(default_factory=frozenset)
     deterministic: bool = False        # batch-invariant kernels (not built yet: refused)
-    unit_prefetch: int = 1
 
     def __post_init__(self):
         for name in ("prof", "qk_norm", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise FastConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
-        if self.unit_prefetch not in (0, 1, 2):
-            raise FastConfigError(f"MLXP_MEGA_UPF (unit_prefetch) must be 0, 1 or 2, not {self.unit_prefetch!r}")
         object.__setattr__(self, "disabled", frozenset(self.disabled))
         bad = sorted(self.disabled - set(KERNELS))
         if bad:
@@ -57,9 +53,6 @@ class FastConfig:
                 raise FastConfigError(f"{name} must be 0 or 1, not {raw!r}")
             return None if raw == "" else raw == "1"
         qkn = switch("MLXP_MEGA_QKNORM")
-        upf = env.get("MLXP_MEGA_UPF", "1")
-        if upf not in ("0", "1", "2"):
-            raise FastConfigError(f"MLXP_MEGA_UPF must be 0, 1 or 2, not {upf!r}")
-        return cls(prof=bool(switch("MLXP_MEGA_PROF")), unit_prefetch=int(upf),
+        return cls(prof=bool(switch("MLXP_MEGA_PROF")),
                    qk_norm=qkn is not False,
                    disabled=frozenset(k for k in env.get("MLXP_DISABLE_KERNELS", "").split(",") if k))

@@ -199,8 +199,7 @@ class MegaStep:
             H=self.H, NQ=self.NQ, NKV=self.NKV, D=self.D, I=self.I, L=self.L, V=self.V,
             EPS_NUM=int(round(self.eps * 1e12)), SCALE_NUM=int(round(self.scale * 1e9)),
             QB=self.quant[0] if self.quant else 0, GS=self.quant[1] if self.quant else 32,
-            QKN=int(self.qkn), UN1=UN1, UN2=UN2, UNO=UN1, PROF=int(self.prof),
-            UPF=config.unit_prefetch)
+            QKN=int(self.qkn), UN1=UN1, UN2=UN2, UNO=UN1, PROF=int(self.prof))
 
     def _kernel(self, rows: int):
         smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows),

@@ -54,7 +54,6 @@ class MegaParams:
     UN1: int = 8            # 16-byte weight loads in flight per lane: one-row phases,
     UN2: int = 4            # paired-row phases,
     UNO: int = 8            # o_proj
-    UPF: int = 1            # a warp's unit that many rounds ahead asked into L2 (0: none)
     PROF: int = 0           # the phase timer
     MAXCH: int = MAXCH      # cache chunks per query head in the attention phase (at most)
     THREADS: int = THREADS  # threads a block

@@ -55,12 +55,6 @@ __device__ __forceinline__ void mega_grid_sync(unsigned int* ctr, unsigned int& 
   }
   MEGA_SYNC();
 }
-// `bytes` bytes from p asked into L2 (a lane a 128-byte line): a warp's next unit's rows while
-// this unit's dot runs (UPF)
-__device__ __forceinline__ void mega_prefetch_l2(const void* p, int bytes, int lane) {
-  for (int o = lane * 128; o < bytes; o += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(p) + o));
-}
 // the L2 eviction policy of the weight loads: evict-first (each weight is read once a step)
 __device__ __forceinline__ unsigned long long mega_policy() {
   unsigned long long p;

@@ -63,12 +63,6 @@
         const int r1 = (u / HALF) * D + u % HALF;
         const int idx[2] = {r1, r1 + HALF};
         float acc[2 * RB];
-        if (u0 + UPF * NW < NPAIR) {
-          const int un = flow ? (u0 + UPF * NW + NQ * HALF) % NPAIR : u0 + UPF * NW;
-          const int rn = (un / HALF) * D + un % HALF;
-          prefetch_row(WQKV[l], WQKV_S[l], WQKV_B[l], H, rn);
-          prefetch_row(WQKV[l], WQKV_S[l], WQKV_B[l], H, rn + HALF);
-        }
         mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WQKV[l], WQKV_S[l], WQKV_B[l], idx, xn, lane, acc, pol);
         qkv_out(u, acc);
         if (flow) head_done(u / HALF);

@@ -113,18 +113,6 @@
   MEGA_STAMP();
   MEGA_TABLES
   constexpr int WBITS = QB ? QB : 8 * (int)sizeof(T);     // bits a weight element takes
-  // UPF > 0: row `row` of a matrix of KK columns (its scale and bias rows too) asked into L2,
-  // for the unit UPF rounds ahead of the warp's current one
-  auto prefetch_row = [&](const void* w, const T* s_, const T* b_, int kk, int row) {
-    if constexpr (UPF > 0) {
-      const size_t rb = (size_t)kk * WBITS / 8;
-      mega_prefetch_l2(reinterpret_cast<const char*>(w) + row * rb, (int)rb, lane);
-      if constexpr (QB != 0) {
-        mega_prefetch_l2(s_ + (size_t)row * (kk / GS), kk / GS * (int)sizeof(T), lane);
-        mega_prefetch_l2(b_ + (size_t)row * (kk / GS), kk / GS * (int)sizeof(T), lane);
-      }
-    }
-  };
   // element k of the embedding row of token t (dequantized as MLX does, to T)
   auto emb_at = [&](int t, int k) -> float {
     if constexpr (QB == 0) {
@@ -197,7 +185,6 @@
       float acc[R1 * RB], hres = 0.f;
       // the residual this lane adds to, asked for before the dot so its latency is hidden
       if (lane < R1 * RB && n0 + lane / RB < H) hres = __ldcg(hbuf + (lane % RB) * H + n0 + lane / RB);
-      if (n0 + UPF * NW < H) prefetch_row(w, ws_, wb_, KK, n0 + UPF * NW);
       mega_mat_dot<T, T, KK, R1, RB, UNP, QB, GS>(w, ws_, wb_, idx, xt, lane, acc, pol);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
@@ -229,10 +216,6 @@
       for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
-        if (n + UPF * NW < I) {
-          prefetch_row(WGU[l], WGU_S[l], WGU_B[l], H, n + UPF * NW);
-          prefetch_row(WGU[l], WGU_S[l], WGU_B[l], H, I + n + UPF * NW);
-        }
         mega_mat_dot<T, XN, H, 2, RB, UN2, QB, GS>(WGU[l], WGU_S[l], WGU_B[l], idx, xn, lane, acc, pol);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
@@ -268,7 +251,6 @@
 #pragma unroll
       for (int r = 0; r < R1; ++r) idx[r] = min(n0 + r, V - 1);
       float acc[R1 * RB];
-      if (n0 + UPF * NW < V) prefetch_row(headw, HEAD_S, HEAD_B, H, n0 + UPF * NW);
       mega_mat_dot<T, XN, H, R1, RB, UN1, QB, GS>(headw, HEAD_S, HEAD_B, idx, xn, lane, acc, pol);
 #pragma unroll
       for (int r = 0; r < R1; ++r)
