@@ -221,6 +221,28 @@ __device__ __forceinline__ void mega_dot(const T* const* rows, const X* xs, int 
 #pragma unroll
   for (int r = 0; r < RL * RB; ++r) acc[r] = mega_warp_sum(acc[r]);
 }
+template <class A, class B> struct mega_same { static constexpr bool value = false; };
+template <class A> struct mega_same<A, A> { static constexpr bool value = true; };
+// a lane's loads for iterations i0 .. i0 + UN - 1 (those below IT) of RL quantized rows: the
+// 16-byte word of each row, and its group's scale and bias as S (float, or a bf16 pair of it)
+template <typename S, typename T, int UN, int RL, int IT, int EPL, int PER_WORD, int GS>
+__device__ __forceinline__ void mega_qload(const unsigned int* const* rows, const T* const* sc,
+                                           const T* const* bi, int i0, int lane, uint4 (&wv)[UN][RL],
+                                           S (&s)[UN][RL], S (&bb)[UN][RL], unsigned long long pol) {
+  auto as = [](T v) -> S { if constexpr (mega_same<S, float>::value) return static_cast<float>(v); else return S(v, v); };
+#pragma unroll
+  for (int u = 0; u < UN; ++u) {
+    if (i0 + u < IT) {
+      const int k0 = ((i0 + u) * 32 + lane) * EPL;
+#pragma unroll
+      for (int r = 0; r < RL; ++r) {
+        wv[u][r] = mega_ld_w(rows[r] + k0 / PER_WORD, pol);
+        s[u][r] = as(sc[r][k0 / GS]);
+        bb[u][r] = as(bi[r][k0 / GS]);
+      }
+    }
+  }
+}
 // The same for MLX's affine-quantized rows (BITS 4 or 8, groups of GS): row r's packed
 // words at rows[r], its group scales and biases at sc[r], bi[r]; lane l reads 16 bytes
 // (EPL elements, inside one group) per iteration and adds scale * sum(q x) + bias * sum(x),
@@ -237,18 +259,7 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
   for (int i0 = 0; i0 < IT; i0 += UN) {
     uint4 wv[UN][RL];
     float s[UN][RL], bb[UN][RL];
-#pragma unroll
-    for (int u = 0; u < UN; ++u) {
-      if (i0 + u < IT) {
-        const int k0 = ((i0 + u) * 32 + lane) * EPL;
-#pragma unroll
-        for (int r = 0; r < RL; ++r) {
-          wv[u][r] = mega_ld_w(rows[r] + k0 / PER_WORD, pol);
-          s[u][r] = static_cast<float>(sc[r][k0 / GS]);
-          bb[u][r] = static_cast<float>(bi[r][k0 / GS]);
-        }
-      }
-    }
+    mega_qload<float, T, UN, RL, IT, EPL, PER_WORD, GS>(rows, sc, bi, i0, lane, wv, s, bb, pol);
 #pragma unroll
     for (int u = 0; u < UN; ++u) {
       if (i0 + u >= IT) break;
@@ -292,8 +303,6 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 // c[2 + g % 2], and a warp sum of those gives the dot (the lanes' arithmetic
 // it in numpy: engine.fast.qmm.diag_mirror). Float accumulation on the tensor cores; ~90 instructions a lane-iteration
 // where the scalar path takes ~200 (the 4-bit phases were bound by their issue rate).
-template <class A, class B> struct mega_same { static constexpr bool value = false; };
-template <class A> struct mega_same<A, A> { static constexpr bool value = true; };
 __device__ __forceinline__ unsigned int mega_deq2(unsigned int src, __nv_bfloat162 s, __nv_bfloat162 b) {
   const unsigned int bits = (src & 0x000F000Fu) | 0x43004300u;
   __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&bits), __floats2bfloat162_rn(128.f, 128.f));
@@ -341,19 +350,7 @@ __device__ __forceinline__ void mega_qdot4_mma(const unsigned int* const* rows, 
   for (int i0 = 0; i0 < IT; i0 += UN) {
     uint4 wv[UN][RL];
     __nv_bfloat162 s[UN][RL], bb[UN][RL];
-#pragma unroll
-    for (int u = 0; u < UN; ++u) {
-      if (i0 + u < IT) {
-        const int k0 = ((i0 + u) * 32 + lane) * EPL;
-#pragma unroll
-        for (int r = 0; r < RL; ++r) {
-          wv[u][r] = mega_ld_w(rows[r] + k0 / 8, pol);
-          const T s0 = sc[r][k0 / GS], b0 = bi[r][k0 / GS];
-          s[u][r] = __nv_bfloat162(s0, s0);
-          bb[u][r] = __nv_bfloat162(b0, b0);
-        }
-      }
-    }
+    mega_qload<__nv_bfloat162, T, UN, RL, IT, EPL, 8, GS>(rows, sc, bi, i0, lane, wv, s, bb, pol);
 #pragma unroll
     for (int u = 0; u < UN; ++u) {
       if (i0 + u >= IT) break;
