@@ -108,14 +108,9 @@ def why_not(model, levers: Levers) -> Optional[str]:
               for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)}
     if len({p[0].eps for p in parts} | {p[3].eps for p in parts} | {norm.eps} | qk_eps) != 1:
         return "one RMSNorm eps for every norm"
-    if C.rows_per_call(H, a0.n_heads, D, inter, dt.size, _ring(qz, dt)) < 1:
+    if C.rows_per_call(H, a0.n_heads, D, inter, dt.size) < 1:
         return f"phase inputs larger than {C.SHARED_MAX} bytes of shared memory"
     return None
-
-
-def _ring(quant, dtype) -> int:
-    """Shared memory of the 4-bit weights' rings (engine.fast.mega_layout.ring_bytes)."""
-    return C.ring_bytes(quant[0] if quant else 0, dtype == mx.bfloat16)
 
 
 def _inter(parts) -> int:
@@ -153,9 +148,8 @@ def quantization(model) -> Optional[tuple]:
 def rows_per_call(model) -> int:
     """Rows one kernel call of this model's step takes (what its shared memory holds)."""
     a0 = model.layers[0].self_attn
-    dt = weight_dtype(model.model.embed_tokens)
     return C.rows_per_call(model.args.hidden_size, a0.n_heads, a0.head_dim, _inter(_parts(model)),
-                           dt.size, _ring(quantization(model), dt))
+                           weight_dtype(model.model.embed_tokens).size)
 
 
 def flow(rows: int) -> int:
@@ -188,8 +182,7 @@ class MegaStep:
         self.eps = norm.eps
         self.scale = a0.scale
         self.blocks = sm_count()
-        self.ring = _ring(self.quant, self.dtype)
-        self.max_rows = C.rows_per_call(self.H, self.NQ, self.D, self.I, self.dtype.size, self.ring)
+        self.max_rows = C.rows_per_call(self.H, self.NQ, self.D, self.I, self.dtype.size)
         self.inv_freq = inv_freq.astype(mx.float32)
         mat = ((lambda m: [m.weight, m.scales, m.biases]) if self.quant else (lambda m: [m.weight]))
         self.shared = [*mat(model.model.embed_tokens), self.inv_freq, norm.weight, *mat(head)]
@@ -209,7 +202,7 @@ class MegaStep:
             QKN=int(self.qkn), UN1=UN1, UN2=UN2, UNO=UN1, PROF=int(self.prof))
 
     def _kernel(self, rows: int):
-        smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows, self.ring),
+        smem = C.launch_shared(C.shared_bytes(self.H, self.NQ, self.D, self.I, self.dtype.size, rows),
                                C.static_bytes(self.D, rows))
         return K.cuda_kernel(C.build_name(self.params, rows, smem),
                              C.input_names(self.L, bool(self.quant), self.qkn), ["logits", "ws"],

@@ -23,7 +23,7 @@ MAXCH = L_.MAXCH
 workspace_floats, n_stamps, input_bytes = L_.workspace_floats, L_.n_stamps, L_.input_bytes
 shared_bytes, rows_per_call = L_.shared_bytes, L_.rows_per_call
 SHARED_MAX, MAX_ROWS = L_.SHARED_MAX, L_.MAX_ROWS
-static_bytes, launch_shared, ring_bytes = L_.static_bytes, L_.launch_shared, L_.ring_bytes
+static_bytes, launch_shared = L_.static_bytes, L_.launch_shared
 
 
 def header() -> str:

@@ -38,20 +38,9 @@ def input_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, 
     return (rows * max(4 * H, 4 * n_heads * head_dim, itemsize * inter) + 15) // 16 * 16
 
 
-RING_SLOTS = 3          # a warp's slots of 4-bit weights in flight (the kernel's MEGA_RING_SLOTS)
-RING_LANE_BYTES = 96    # a lane's bytes in a slot: 4 16-byte words, their scale and bias words
-
-
-def ring_bytes(quant_bits: int, bf16: bool) -> int:
-    """Shared memory of the warps' rings that 4-bit weights of a bf16 model stream through
-    (mega_qstream4; 144 KB at 16 warps), none otherwise."""
-    return WPB * RING_SLOTS * 32 * RING_LANE_BYTES if quant_bits == 4 and bf16 else 0
-
-
-def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1,
-                 ring: int = 0) -> int:
-    """Dynamic shared memory of the kernel of `rows` rows: the phase inputs, then `ring` bytes."""
-    return input_bytes(H, n_heads, head_dim, inter, itemsize, rows) + ring
+def shared_bytes(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, rows: int = 1) -> int:
+    """Dynamic shared memory of the kernel of `rows` rows: the phase inputs."""
+    return input_bytes(H, n_heads, head_dim, inter, itemsize, rows)
 
 
 def static_bytes(head_dim: int, rows: int = 1) -> int:
@@ -77,7 +66,7 @@ SHARED_MAX = 200 * 1024     # dynamic shared memory a block may ask for (H100/H2
 MAX_ROWS = 8                # rows per kernel call (more: several calls, one per group)
 
 
-def rows_per_call(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int, ring: int = 0) -> int:
-    """Rows one call takes: at most MAX_ROWS, and what SHARED_MAX holds beside `ring` bytes."""
+def rows_per_call(H: int, n_heads: int, head_dim: int, inter: int, itemsize: int) -> int:
+    """Rows one call takes: at most MAX_ROWS, and what SHARED_MAX holds."""
     per = input_bytes(H, n_heads, head_dim, inter, itemsize)
-    return max(0, min(MAX_ROWS, (SHARED_MAX - ring) // per))
+    return max(0, min(MAX_ROWS, SHARED_MAX // per))

@@ -8,8 +8,6 @@ place being made contiguous arrays of their own first.
 
 from dataclasses import replace
 
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 
@@ -31,24 +29,6 @@ def test_shared_memory_holds_the_phase_inputs():
     assert C.shared_bytes(4096, 32, 128, 14336, 2) == one
     assert C.shared_bytes(4096, 32, 128, 14336, 2, rows=2) == 2 * one
     assert C.rows_per_call(4096, 32, 128, 14336, 2) == 7
-
-
-def test_ring_of_4bit_weights_in_shared_memory():
-    """4-bit weights of a bf16 model stream through each warp's ring after the phase inputs:
-    its size is the kernel's (MEGA_RING_SLOTS slots of 32 lanes' MEGA_RING_LANE bytes, 16 warps),
-    only for 4-bit bf16, and it leaves fewer rows a call."""
-    import re
-    src = (Path(C.__file__).parent / "cuda" / "mega_device.cuh").read_text()
-    slots = int(re.search(r"constexpr int MEGA_RING_SLOTS = (\d+);", src).group(1))
-    words = int(re.search(r"constexpr int MEGA_RING_WORDS = (\d+);", src).group(1))
-    assert re.search(r"constexpr int MEGA_RING_LANE = MEGA_RING_WORDS \* 24;", src)
-    ring = C.ring_bytes(4, True)
-    assert ring == C.WPB * slots * 32 * words * 24 == 147456
-    assert C.ring_bytes(4, False) == C.ring_bytes(8, True) == C.ring_bytes(0, True) == 0
-    one = C.input_bytes(4096, 32, 128, 14336, 2)
-    assert C.shared_bytes(4096, 32, 128, 14336, 2, ring=ring) == one + ring
-    assert C.rows_per_call(4096, 32, 128, 14336, 2, ring) == 2     # (200 KB - 144 KB) / 28 KB
-    assert C.rows_per_call(2048, 32, 64, 8192, 2, ring) == 3
 
 
 def test_rows_per_call_fits_shared_memory():

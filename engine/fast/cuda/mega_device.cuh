@@ -336,57 +336,11 @@ __device__ __forceinline__ void mega_xpairs(const X* xs, int base, unsigned int*
     }
   }
 }
-// one 16-byte word of each of RL (1 or 2) rows, their group's scale and bias as bf16 pairs,
-// times the lane's inputs from element `base` of each of RB input rows (KT apart): one
-// iteration of mega_qdot4_mma, added into c
-template <typename X, int RL, int RB, int KT>
-__device__ __forceinline__ void mega_mma4(const uint4* wv, const __nv_bfloat162* s, const __nv_bfloat162* bb,
-                                          const X* xs, int base, float (&c)[(RL + 1) / 2][RB][4]) {
-#pragma unroll
-  for (int p = 0; p < (RL + 1) / 2; ++p) {
-    const int r0 = 2 * p, r1 = 2 * p + 1 < RL ? 2 * p + 1 : 2 * p;
-    const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[r0]);
-    const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[r1]);
-    unsigned int a0[16], a1[16];
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        a0[4 * w + j] = mega_deq2(w0[w] >> (4 * j), s[r0], bb[r0]);
-        a1[4 * w + j] = r1 != r0 ? mega_deq2(w1[w] >> (4 * j), s[r1], bb[r1]) : 0u;
-      }
-#pragma unroll
-    for (int b = 0; b < RB; ++b) {
-      unsigned int xp[16];
-      mega_xpairs<X>(xs, b * KT + base, xp);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(c[p][b][0]), "+f"(c[p][b][1]), "+f"(c[p][b][2]), "+f"(c[p][b][3])
-                     : "r"(a0[2 * i]), "r"(a1[2 * i]), "r"(a0[2 * i + 1]), "r"(a1[2 * i + 1]),
-                       "r"(xp[2 * i]), "r"(xp[2 * i + 1]));
-    }
-  }
-}
-// the dots out of the accumulators: lane (g, g / 2) holds D[g][g] (row 2p) and D[g + 8][g]
-// (row 2p + 1); every lane ends with acc[r * RB + b]
-template <int RL, int RB>
-__device__ __forceinline__ void mega_diag4(const float (&c)[(RL + 1) / 2][RB][4], int lane, float* acc) {
-  const int g = lane >> 2;
-  const bool diag = (lane & 3) == (g >> 1);
-#pragma unroll
-  for (int r = 0; r < RL; ++r)
-#pragma unroll
-    for (int b = 0; b < RB; ++b)
-      acc[r * RB + b] = mega_warp_sum(diag ? c[r / 2][b][2 * (r % 2) + (g & 1)] : 0.f);
-}
 template <typename T, typename X, int K, int RL, int RB, int UN, int GS, int KT>
 __device__ __forceinline__ void mega_qdot4_mma(const unsigned int* const* rows, const T* const* sc,
                                                const T* const* bi, const X* xs, int koff, int lane,
                                                float* acc, unsigned long long pol) {
   constexpr int EPL = 32, IT = K / (32 * EPL), RP = (RL + 1) / 2;
-  static_assert(RL <= 2, "one or two rows a unit");
   float c[RP][RB][4];
 #pragma unroll
   for (int p = 0; p < RP; ++p)
@@ -400,113 +354,43 @@ __device__ __forceinline__ void mega_qdot4_mma(const unsigned int* const* rows, 
 #pragma unroll
     for (int u = 0; u < UN; ++u) {
       if (i0 + u >= IT) break;
-      mega_mma4<X, RL, RB, KT>(wv[u], s[u], bb[u], xs, koff + ((i0 + u) * 32 + lane) * EPL, c);
-    }
-  }
-  mega_diag4<RL, RB>(c, lane, acc);
-}
-// A phase's 4-bit units streamed through a ring in shared memory (bf16 models, QB 4): a warp's
-// units first, first + stride, ... (< n) as one stream of batches of UNS iterations (16-byte
-// words of each of the unit's RL rows, with their scale and bias words), each batch copied by
-// cp.async into one of the warp's MEGA_RING_SLOTS slots, the next SLOTS - 1 batches in flight
-// while the lanes dequantize and multiply the oldest (mega_mma4). A lane copies and reads its
-// own bytes only, so no lane waits on another. rows_of(unit, idx) names a unit's rows, and
-// epi(unit, acc) takes its dots (every lane, as mega_mat_dot gives them). Full rows only
-// (K = KT); K a multiple of 1024 and KT / GS even (so a scale's 4-byte word is
-// element-aligned: half g % 2 of it).
-constexpr int MEGA_RING_SLOTS = 3;                  // (engine.fast.mega_layout.RING_SLOTS)
-constexpr int MEGA_RING_WORDS = 4;                  // 16-byte words a lane keeps in a slot
-constexpr int MEGA_RING_LANE = MEGA_RING_WORDS * 24;   // its bytes there: words, scale and bias words
-__device__ __forceinline__ void mega_cp16(void* dst, const void* src, unsigned long long pol) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-               :: "r"((unsigned int)__cvta_generic_to_shared(dst)), "l"(src), "l"(pol) : "memory");
-}
-__device__ __forceinline__ void mega_cp4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
-               :: "r"((unsigned int)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-template <typename T, typename X, int K, int RL, int RB, int GS, typename RowsOf, typename Epi>
-__device__ __forceinline__ void mega_qstream4(int first, int n, int stride, const void* w, const T* sc,
-                                              const T* bi, RowsOf rows_of, const X* xs, int lane,
-                                              unsigned char* ring, Epi epi, unsigned long long pol) {
-  static_assert(RL == 1 || RL == 2, "one or two rows a unit");
-  static_assert(K % 1024 == 0 && (K / GS) % 2 == 0, "rows of whole iterations and scale words");
-  constexpr int UNS = MEGA_RING_WORDS / RL, IT = K / 1024, NB = (IT + UNS - 1) / UNS;
-  constexpr int NS = MEGA_RING_SLOTS, SLOT = 32 * MEGA_RING_LANE, SOFF = 32 * 16 * MEGA_RING_WORDS;
-  const int units = first < n ? (n - 1 - first) / stride + 1 : 0;
-  const int total = units * NB;
-  const unsigned int* wq = reinterpret_cast<const unsigned int*>(w);
-  // batch t (unit t / NB, its iterations (t % NB) * UNS ..) into slot t % NS; a group committed
-  // for every t, empty past the end, so that the waits count alike
-  auto issue = [&](int t) {
-    if (t < total) {
-      const int u = first + (t / NB) * stride, j = t % NB;
-      int idx[RL];
-      rows_of(u, idx);
-      unsigned char* sl = ring + (t % NS) * SLOT;
+      const int k0 = ((i0 + u) * 32 + lane) * EPL;
 #pragma unroll
-      for (int uu = 0; uu < UNS; ++uu) {
-        const int it = j * UNS + uu;
-        if (it < IT) {
-          const int k0 = (it * 32 + lane) * 32;
+      for (int p = 0; p < RP; ++p) {
+        const int r0 = 2 * p, r1 = 2 * p + 1;
+        const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[u][r0]);
+        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[u][r1 < RL ? r1 : r0]);
+        unsigned int a0[16], a1[16];
 #pragma unroll
-          for (int r = 0; r < RL; ++r) {
-            const int wd = uu * RL + r;
-            const size_t g = (size_t)idx[r] * (K / GS) + k0 / GS;
-            mega_cp16(sl + (wd * 32 + lane) * 16, wq + (size_t)idx[r] * (K / 8) + k0 / 8, pol);
-            mega_cp4(sl + SOFF + (wd * 32 + lane) * 4, sc + (g & ~(size_t)1));
-            mega_cp4(sl + SOFF + 4 * 32 * MEGA_RING_WORDS + (wd * 32 + lane) * 4, bi + (g & ~(size_t)1));
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            a0[4 * w + j] = mega_deq2(w0[w] >> (4 * j), s[u][r0], bb[u][r0]);
+            a1[4 * w + j] = r1 < RL ? mega_deq2(w1[w] >> (4 * j), s[u][r1 < RL ? r1 : r0], bb[u][r1 < RL ? r1 : r0]) : 0u;
           }
+#pragma unroll
+        for (int b = 0; b < RB; ++b) {
+          unsigned int xp[16];
+          mega_xpairs<X>(xs, b * KT + koff + k0, xp);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                         : "+f"(c[p][b][0]), "+f"(c[p][b][1]), "+f"(c[p][b][2]), "+f"(c[p][b][3])
+                         : "r"(a0[2 * i]), "r"(a1[2 * i]), "r"(a0[2 * i + 1]), "r"(a1[2 * i + 1]),
+                           "r"(xp[2 * i]), "r"(xp[2 * i + 1]));
         }
       }
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  };
-#pragma unroll
-  for (int t = 0; t < NS - 1; ++t) issue(t);
-  float c[(RL + 1) / 2][RB][4];
-#pragma unroll 1
-  for (int t = 0; t < total; ++t) {
-    asm volatile("cp.async.wait_group %0;" :: "n"(NS - 2) : "memory");   // batch t is in
-    issue(t + NS - 1);                             // into the slot batch t - 1 was read from
-    const int j = t % NB;
-    if (j == 0) {
-#pragma unroll
-      for (int p = 0; p < (RL + 1) / 2; ++p)
-#pragma unroll
-        for (int b = 0; b < RB; ++b) c[p][b][0] = c[p][b][1] = c[p][b][2] = c[p][b][3] = 0.f;
-    }
-    const unsigned char* sl = ring + (t % NS) * SLOT;
-#pragma unroll
-    for (int uu = 0; uu < UNS; ++uu) {
-      const int it = j * UNS + uu;
-      if (it < IT) {
-        const int k0 = (it * 32 + lane) * 32;
-        const int half = (k0 / GS) & 1;
-        uint4 wv[RL];
-        __nv_bfloat162 s2[RL], b2[RL];
-#pragma unroll
-        for (int r = 0; r < RL; ++r) {
-          const int wd = uu * RL + r;
-          wv[r] = *reinterpret_cast<const uint4*>(sl + (wd * 32 + lane) * 16);
-          const unsigned int sw = *reinterpret_cast<const unsigned int*>(sl + SOFF + (wd * 32 + lane) * 4);
-          const unsigned int bw = *reinterpret_cast<const unsigned int*>(sl + SOFF + 4 * 32 * MEGA_RING_WORDS + (wd * 32 + lane) * 4);
-          const unsigned short sh = half ? (unsigned short)(sw >> 16) : (unsigned short)(sw & 0xFFFFu);
-          const unsigned short bh = half ? (unsigned short)(bw >> 16) : (unsigned short)(bw & 0xFFFFu);
-          const T st = *reinterpret_cast<const T*>(&sh), bt = *reinterpret_cast<const T*>(&bh);
-          s2[r] = __nv_bfloat162(st, st);
-          b2[r] = __nv_bfloat162(bt, bt);
-        }
-        mega_mma4<X, RL, RB, K>(wv, s2, b2, xs, k0, c);
-      }
-    }
-    if (j == NB - 1) {
-      float acc[RL * RB];
-      mega_diag4<RL, RB>(c, lane, acc);
-      epi(first + (t / NB) * stride, acc);
     }
   }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  // the diagonal: lane (g, g / 2) holds D[g][g] (row 2p) and D[g + 8][g] (row 2p + 1)
+  const int g = lane >> 2;
+  const bool diag = (lane & 3) == (g >> 1);
+#pragma unroll
+  for (int r = 0; r < RL; ++r)
+#pragma unroll
+    for (int b = 0; b < RB; ++b)
+      acc[r * RB + b] = mega_warp_sum(diag ? c[r / 2][b][2 * (r % 2) + (g & 1)] : 0.f);
 }
 // rows idx[0..RL) of a weight matrix of KT columns, its columns koff .. koff + K: float
 // (QB 0: w is T*) or affine-quantized (QB bits: w packed words,

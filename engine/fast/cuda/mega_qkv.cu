@@ -58,18 +58,6 @@
           asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(fcnt + l * (NQ + 2 * NKV) + t) : "memory");
         }
       };
-      if constexpr (RING) {
-        auto unit = [](int u0) { return flow ? (u0 + NQ * HALF) % NPAIR : u0; };
-        mega_qstream4<T, XN, H, 2, RB, GS>(gw, NPAIR, NW, WQKV[l], WQKV_S[l], WQKV_B[l], [&](int u0, int* idx) {
-          const int u = unit(u0);
-          idx[0] = (u / HALF) * D + u % HALF;
-          idx[1] = idx[0] + HALF;
-        }, xn, lane, ring, [&](int u0, const float* acc) {
-          const int u = unit(u0);
-          qkv_out(u, acc);
-          if (flow) head_done(u / HALF);
-        }, pol);
-      } else
       for (int u0 = gw; u0 < NPAIR; u0 += NW) {
         const int u = flow ? (u0 + NQ * HALF) % NPAIR : u0;   // FLOW: the keys and values first
         const int r1 = (u / HALF) * D + u % HALF;

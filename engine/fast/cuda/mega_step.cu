@@ -66,11 +66,6 @@
   __shared__ float sinv[RB];
   const unsigned long long pol = mega_policy();
   float* xf = reinterpret_cast<float*>(xraw);
-  // 4-bit weights of a bf16 model stream through each warp's ring of slots (mega_qstream4),
-  // after the phase inputs in dynamic shared memory (engine.fast.mega_layout.ring_bytes)
-  constexpr bool RING = QB == 4 && mega_same<T, __nv_bfloat16>::value;
-  constexpr int XBYTES = (RB * mega_cmax(4 * mega_cmax(H, QD), (int)sizeof(T) * I) + 15) / 16 * 16;
-  unsigned char* ring = xraw + XBYTES + warp * (MEGA_RING_SLOTS * 32 * MEGA_RING_LANE);
   // the normalised inputs (phases A, D and the head) are float, and o_proj, down_proj and
   // the head take one weight row per warp (bf16 inputs, 2 or 4 rows: measured no faster)
   using XN = float;
@@ -183,16 +178,6 @@
   auto proj_residual = [&](auto kk, auto un, const void* w, const T* ws_, const T* wb_) {
     constexpr int KK = decltype(kk)::value, UNP = decltype(un)::value;
     static_assert(R1 == 1, "a unit is one row");
-    if constexpr (RING) {
-      mega_qstream4<T, T, KK, 1, RB, GS>(gw, H, NW, w, ws_, wb_, [](int n0, int* idx) { idx[0] = n0; }, xt,
-                                         lane, ring, [&](int n0, const float* acc) {
-        if (lane < RB) {
-          const float hres = __ldcg(hbuf + lane * H + n0);
-          hbuf[lane * H + n0] = static_cast<float>(T(hres + static_cast<float>(T(acc[lane]))));
-        }
-      }, pol);
-      return;
-    }
     for (int n0 = gw; n0 < H; n0 += NW) {
       int idx[R1];
 #pragma unroll
@@ -227,20 +212,7 @@
     // --- D: norm -> gate/up -> SiLU(gate) * up (a warp per pair of rows)
     MEGA_BARRIER();
     load_normed(LN2[l], false, hbuf);
-    if constexpr (RING) {
-      mega_qstream4<T, XN, H, 2, RB, GS>(gw, I, NW, WGU[l], WGU_S[l], WGU_B[l],
-                                         [](int n, int* idx) { idx[0] = n; idx[1] = I + n; }, xn, lane, ring,
-                                         [&](int n, const float* acc) {
-        if (lane < RB) {
-          const int b = lane;
-          const float g = static_cast<float>(T(acc[b] * sinv[b]));
-          const float up = static_cast<float>(T(acc[RB + b] * sinv[b]));
-          const float s = static_cast<float>(T(g / (1.f + __expf(-g))));
-          abuf[b * I + n] = static_cast<float>(T(s * up));
-        }
-      }, pol);
-      MEGA_PREFETCH(WD[l], I, (H + R1 - 1) / R1, R1, 1, gw * (R1 - 1));
-    } else {
+    {
       for (int n = gw; n < I; n += NW) {
         const int idx[2] = {n, I + n};
         float acc[2 * RB];
@@ -274,12 +246,6 @@
   // --- the final norm and the output head (a warp per vocabulary row)
   {
     load_normed(fnorm, L == 0, hbuf);
-    if constexpr (RING)
-      mega_qstream4<T, XN, H, 1, RB, GS>(gw, V, NW, headw, HEAD_S, HEAD_B, [](int n0, int* idx) { idx[0] = n0; },
-                                         xn, lane, ring, [&](int n0, const float* acc) {
-        if (lane < RB) logits[(size_t)lane * V + n0] = T(acc[lane] * sinv[lane]);
-      }, pol);
-    else
     for (int n0 = gw; n0 < V; n0 += NW) {
       int idx[R1];
 #pragma unroll
