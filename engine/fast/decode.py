@@ -103,9 +103,10 @@ def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
 # A 4-bit model whose layers hold more than this (packed weights, scales, biases) decodes one
 # row faster on the step of separate kernels with the 4-bit tensor-core kernel (engine.fast.qmm)
 # than on the one kernel: there the weight read dominates, and qmm reads faster (H100, 8B, ~117
-# MiB a layer: 256 tok/s against 202). Below it the separate step is bound by its launches (1B,
-# ~33 MiB a layer: ~1,100 tok/s on the one kernel; the 1B step of separate kernels took 1.7 ms
-# with its kernels emptied, H200). reports/l3/JOURNAL.md, 0.5.2.
+# MiB a layer: 256 tok/s against 202 at 0.5.2; 247 against 227 with the one kernel's 4-bit dot
+# on the tensor cores, 0.5.8). Below it the separate step is bound by its launches (1B, ~33 MiB
+# a layer: 1,208 tok/s on the one kernel against 648, H100, 0.5.8; the 1B step of separate
+# kernels took 1.7 ms with its kernels emptied, H200). reports/l3/JOURNAL.md, 0.5.2 and 0.5.8.
 QMM_ONE_ROW_LAYER_BYTES = 80 * 2**20
 
 
