@@ -300,9 +300,10 @@ __device__ __forceinline__ void mega_qdot(const unsigned int* const* rows, const
 // D[g + 8][g]) then sums the products of lanes 4g .. 4g + 3 only, each with its own weights and
 // inputs (a dot does not see the order of its terms); the other entries are not used. After
 // the last iteration lane (g, g / 2) holds row 2p's D[g][g] in c[g % 2] and row 2p + 1's in
-// c[2 + g % 2], and a warp sum of those gives the dot (the lanes' arithmetic
-// it in numpy: engine.fast.qmm.diag_mirror). Float accumulation on the tensor cores; ~90 instructions a lane-iteration
-// where the scalar path takes ~200 (the 4-bit phases were bound by their issue rate).
+// c[2 + g % 2], and a warp sum of those gives the dot (engine.fast.qmm.diag_mirror follows the
+// lanes in numpy). Float accumulation on the tensor cores; ~90 instructions a lane-iteration
+// where the scalar path takes ~200 (H100, 8B 4-bit: the step 4,097 µs against 4,834; its phases
+// are then bound by memory latency more than by issue: reports/l3/JOURNAL.md, 0.5.8).
 __device__ __forceinline__ unsigned int mega_deq2(unsigned int src, __nv_bfloat162 s, __nv_bfloat162 b) {
   const unsigned int bits = (src & 0x000F000Fu) | 0x43004300u;
   __nv_bfloat162 v = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&bits), __floats2bfloat162_rn(128.f, 128.f));
