@@ -109,3 +109,17 @@ def build_pair(cfg: dict, dtype: str, side: str, seed: int = 0):
     del ours
     mx.eval(ref.parameters())
     return ref
+
+
+def add_one_kernel_flag(ap) -> None:
+    """`--one-kernel-4bit` (bench_rows, mega_check): see `apply_one_kernel_flag`."""
+    ap.add_argument("--one-kernel-4bit", action="store_true",
+                    help="a 4-bit row takes the one kernel whatever its layers' size (the routing's "
+                         "bound engine.fast.decode.QMM_ONE_ROW_LAYER_BYTES lifted): to measure both routes")
+
+
+def apply_one_kernel_flag(args) -> None:
+    """With `--one-kernel-4bit`, lift the one-row 4-bit routing's layer bound in this process."""
+    if args.one_kernel_4bit:
+        import engine.fast.decode as FD
+        FD.QMM_ONE_ROW_LAYER_BYTES = float("inf")

@@ -32,7 +32,7 @@ from engine.levers import resolve  # noqa: E402
 # levers themselves are not read from it (env={} above). Until 0.5.0 these were ignored too, so a
 # run with MLXP_DISABLE_KERNELS=qmm measured the kernel it meant to switch off.
 FAST_ENV = FastConfig.from_env(os.environ)
-from experiments._common import machine, write_csv  # noqa: E402
+from experiments._common import add_one_kernel_flag, apply_one_kernel_flag, machine, write_csv  # noqa: E402
 
 
 def submit_rows(eng, rows, prompt, gen, seed):
@@ -70,13 +70,9 @@ def main(argv=None):
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--one-kernel-4bit", action="store_true",
-                    help="a 4-bit row takes the one kernel whatever its layers' size (the routing's "
-                         "bound engine.fast.decode.QMM_ONE_ROW_LAYER_BYTES lifted): to measure both routes")
+    add_one_kernel_flag(ap)
     a = ap.parse_args(argv)
-    if a.one_kernel_4bit:
-        import engine.fast.decode as FD
-        FD.QMM_ONE_ROW_LAYER_BYTES = float("inf")
+    apply_one_kernel_flag(a)
     rows_list = [int(x) for x in a.rows.split(",")]
     tiers = a.tiers.split(",")
     engines = {}

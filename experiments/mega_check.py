@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.fast.decode import FastDecoder, FastStep  # noqa: E402
 from engine.levers import resolve, with_levers  # noqa: E402
 from engine.loader import load_model  # noqa: E402
+from experiments._common import add_one_kernel_flag, apply_one_kernel_flag  # noqa: E402
 
 
 def _rel(a, b) -> float:
@@ -70,13 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--one-kernel-4bit", action="store_true",
-                    help="a 4-bit row takes the one kernel whatever its layers' size (the routing's "
-                         "bound engine.fast.decode.QMM_ONE_ROW_LAYER_BYTES lifted): to measure both routes")
+    add_one_kernel_flag(ap)
     a = ap.parse_args(argv)
-    if a.one_kernel_4bit:
-        import engine.fast.decode as FD
-        FD.QMM_ONE_ROW_LAYER_BYTES = float("inf")
+    apply_one_kernel_flag(a)
     model = load_model(a.model)[0]
     vocab = model.args.vocab_size
     prompt = [(7 * i + 3) % (vocab - 1) + 1 for i in range(a.prompt)]
