@@ -358,16 +358,17 @@ __device__ __forceinline__ void mega_qdot4_mma(const unsigned int* const* rows, 
       const int k0 = ((i0 + u) * 32 + lane) * EPL;
 #pragma unroll
       for (int p = 0; p < RP; ++p) {
-        const int r0 = 2 * p, r1 = 2 * p + 1;
+        // (an odd last row: A's rows g + 8 are zeros)
+        const int r0 = 2 * p, r1 = 2 * p + 1 < RL ? 2 * p + 1 : 2 * p;
         const unsigned int* w0 = reinterpret_cast<const unsigned int*>(&wv[u][r0]);
-        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[u][r1 < RL ? r1 : r0]);
+        const unsigned int* w1 = reinterpret_cast<const unsigned int*>(&wv[u][r1]);
         unsigned int a0[16], a1[16];
 #pragma unroll
         for (int w = 0; w < 4; ++w)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             a0[4 * w + j] = mega_deq2(w0[w] >> (4 * j), s[u][r0], bb[u][r0]);
-            a1[4 * w + j] = r1 < RL ? mega_deq2(w1[w] >> (4 * j), s[u][r1 < RL ? r1 : r0], bb[u][r1 < RL ? r1 : r0]) : 0u;
+            a1[4 * w + j] = r1 != r0 ? mega_deq2(w1[w] >> (4 * j), s[u][r1], bb[u][r1]) : 0u;
           }
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
