@@ -20,6 +20,7 @@
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP;
 # SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows).
+# stalls (experiments/spec_stalls.py on spec's trained pair: staggered speculating rows, K STALLS_K, a stack for each slow step).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
 #   once per PHASE_VARIANTS entry: - or an env assignment such as MLXP_BUCKETED_SDPA=1).
@@ -148,6 +149,11 @@ if has rounds; then
   stage rounds
   timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --rows ${ROUNDS_ROWS:-1} --draft-layers ${SPEC_DRAFT_LAYERS:-4} \
     --gen ${GEN:-128} --tag h100 --out "$OUT/rounds" 2>&1 | grep -v '"step"' | tail -8
+fi
+if has stalls; then
+  stage stalls
+  timeout ${STALLS_S:-420} python3 experiments/spec_stalls.py --work /tmp/specwork --k ${STALLS_K:-4,8} --rows ${STALLS_ROWS:-8} \
+    --gap ${STALLS_GAP:-3} --tag h100 --out "$OUT/stalls" 2>&1 | grep -v '"step": [0-9]*, "loss"' | tail -${STALLS_TAIL:-70}
 fi
 if has agent; then
   for m in ${AGENT_MODELS:-8b-q4 1b}; do

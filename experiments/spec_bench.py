@@ -8,8 +8,9 @@ plain, `--draft-model DRAFT`, and `--prompt-lookup N`. Each level sends that man
 streaming greedy `/v1/completions` (token-id prompts: a walk and the first tokens of its copy,
 so the continuation is the copy, a repeat of the prompt: the copy-heavy workload prompt
 lookup is for; EOS banned), trials interleaved across the servers. Per level and mode:
-aggregate and per-stream tok/s, TTFT, `ratio` = tok/s over the plain server's in the same
-trials, and the drafts kept / drafted from the server's `/stats`.
+aggregate and per-stream tok/s, TTFT (median and slowest), `ratio` = tok/s over the plain
+server's in the same trials, the drafts kept / drafted and the draft's fast-runner traces made
+during the timed trials (`draft_traces`: a new shape mid-serving) from the server's `/stats`.
 
     python experiments/spec_bench.py --target 1b --steps 500 --levels 1,8 --tag h100   # GPU
     python experiments/spec_bench.py --quick --out DIR                                 # CPU dry run
@@ -43,7 +44,7 @@ DRAFT = dict(model_type="llama", hidden_size=512, num_hidden_layers=4, intermedi
 MODES = ("plain", "draft", "fastdraft", "lookup")
 LAST_LOSS: dict = {}     # model -> its last training loss (in the report: how well it learned)
 FIELDS = ["mode", "clients", "agg_tps", "req_tps_p50", "ttft_p50_ms", "ratio", "stream_ratio",
-          "accepted", "drafted", "lost"]
+          "accepted", "drafted", "lost", "ttft_max_ms", "draft_traces"]
 
 
 def language(seed: int = 0) -> Language:
@@ -107,11 +108,13 @@ def prompts(n: int, gen: int, seed: int) -> list:
 
 
 def spec_counts(url: str) -> tuple:
-    """(accepted, drafted) so far, both speculation sources together (`/stats`)."""
+    """(accepted, drafted, the draft's fast-runner traces) so far, both speculation sources
+    together (`/stats`; traces 0 without a fast draft runner)."""
     import httpx
     s = httpx.get(url + "/stats", timeout=30).json().get("speculation", {})
     return (sum(s.get(k, {}).get("accepted", 0) for k in ("draft", "lookup")),
-            sum(s.get(k, {}).get("drafted", 0) for k in ("draft", "lookup")))
+            sum(s.get(k, {}).get("drafted", 0) for k in ("draft", "lookup")),
+            (s.get("draft_fast") or {}).get("traces", 0))
 
 
 def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngram: int, hf_cache,
@@ -146,13 +149,15 @@ def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngra
             for m, rs in res.items():
                 agg = statistics.median(r["agg"] for r in rs)
                 tps = statistics.median(x for r in rs for x in r["tps"] or [0.0])
-                acc, dr = (a - b for a, b in zip(spec_counts(servers[m].url), counts0[m]))
+                acc, dr, tr = (a - b for a, b in zip(spec_counts(servers[m].url), counts0[m]))
                 ttfts = sorted(x for r in rs for x in r["ttfts"])
                 rows.append(dict(mode=m, clients=c, agg_tps=round(agg, 1), req_tps_p50=round(tps, 1),
                                  ttft_p50_ms=round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else 0.0,
                                  ratio=round(agg / plain_agg, 3) if plain_agg else 0.0,
                                  stream_ratio=round(tps / plain_tps, 3) if plain_tps else 0.0,
-                                 accepted=acc, drafted=dr, lost=sum(r["lost"] for r in rs)))
+                                 accepted=acc, drafted=dr, lost=sum(r["lost"] for r in rs),
+                                 ttft_max_ms=round(1000 * ttfts[-1], 1) if ttfts else 0.0,
+                                 draft_traces=tr))
                 print(rows[-1], flush=True)
     finally:
         for s in servers.values():

@@ -316,7 +316,9 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                 "steps": self.steps, "peak_rows": self.peak_rows, "rows_now": self.rows_now,
                 "lanes": dict(self.lanes), "solo_reasons": dict(self.solo_reasons),
                 "speculation": dict(self.spec.stats(), draft_runner=(
-                    None if self.draft_model is None else "fast" if self.draft_step else "l1")),
+                    None if self.draft_model is None else "fast" if self.draft_step else "l1"),
+                    # (the draft's fast runner: its traces, as "fast" counts the model's)
+                    draft_fast=dict(vars(self.draft_step.stats)) if self.draft_step else None),
                 # the fast runner's counters: traces (made only for shapes not seen before)
                 "fast": (dict(vars(self._fast_step.stats)) if self._fast_step is not None
                          else None)}

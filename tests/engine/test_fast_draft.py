@@ -74,6 +74,8 @@ def test_fast_drafts_keep_every_rows_tokens_and_logprobs(pair, stagger):
     assert isinstance(eng._sched._decode.draft, FastDraftBatch)
     spec = eng.stats()["speculation"]
     assert spec["draft_runner"] == "fast" and spec["draft"]["accepted"] > 0
+    # the draft's fast runner counts its own steps and traces (a served stall shows there)
+    assert spec["draft_fast"]["steps"] > 0 and spec["draft_fast"]["traces"] >= 1
     assert eng._sched._decode.draft.pool.slots == []          # every row left: its slot freed
 
 
@@ -106,6 +108,7 @@ def test_without_fast_levers_or_draft_the_draft_runs_as_before(pair):
     eng = Engine(m, tok, max_batch=2, draft_model=d)
     assert type(eng._sched._decode.draft) is DraftBatch
     assert eng.stats()["speculation"]["draft_runner"] == "l1"
+    assert eng.stats()["speculation"]["draft_fast"] is None
     assert Engine(m, tok, max_batch=2).stats()["speculation"]["draft_runner"] is None
 
 
