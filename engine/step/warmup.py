@@ -9,6 +9,15 @@ throw-away rows at each rows bucket up to `max_batch` through the Engine's own p
 `submit`/`step` (so every path a request takes is built: prefill, join, each bucket's step,
 the one kernel's builds) and puts the Engine's lane counters back as they were; engine-serve
 runs it before it says ready (`--warm-up`).
+
+An engine whose batch rows speculate with a draft model (`Engine(draft_model=...)`) also
+decodes throw-away speculating rows at each rows bucket of the draft's fast runner (or 1 and
+max_batch on L1), joining one step apart and leaving at different lengths, so that what a
+served burst meets first is built here: the draft's catch-up and slot moves, verify forwards
+of every row count, rewinds, rows leaving. Without it, on an H100 the first such steps of a
+fresh process took 2-7 s each (MLX compiling their kernels; reports/spec_stalls/0.5.9/) and a
+served burst of 8 speculating clients got a first token after 4.9 s (spec_bench's
+`ttft_max_ms`).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from engine.step.request import SamplingParams
+from engine.step.speculation import Speculation
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,7 @@ class WarmUp:
     buckets: tuple          # the rows buckets decoded
     seconds: float
     traces: int             # traces the fast runner made during the warm-up
+    draft_buckets: tuple = ()   # the speculating rows' counts decoded (a draft model's)
 
 
 def buckets_for(engine) -> tuple:
@@ -38,16 +49,37 @@ def buckets_for(engine) -> tuple:
     return tuple(sorted(top.values()))
 
 
-def warm_up(engine, prompt_len: int = 8, tokens: int = 3) -> WarmUp:
+def draft_buckets_for(engine) -> tuple:
+    """The speculating rows' counts the warm-up decodes: each rows bucket of the draft's fast
+    runner up to max_batch (its most rows), or 1 and max_batch where the draft runs on L1;
+    empty where the batch rows do not speculate with a draft model."""
+    if not engine.draft_rows:
+        return ()
+    step = engine.draft_step
+    if step is None:
+        return tuple(sorted({1, engine.max_batch}))
+    top: dict = {}
+    for n in range(1, engine.max_batch + 1):
+        top[step.rows_for(n)] = n
+    return tuple(sorted(top.values()))
+
+
+def _traces(engine) -> int:
+    return sum(s.stats.traces for s in (engine.fast_step, engine.draft_step) if s is not None)
+
+
+def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4) -> WarmUp:
     """Decode `tokens` tokens for n throw-away rows (greedy, prompts of `prompt_len` tokens)
-    for each n of `buckets_for(engine)`, one group after another; returns what was built.
-    Nothing to do (and nothing done) without a fast runner."""
-    rows = buckets_for(engine)
-    if not rows:
+    for each n of `buckets_for(engine)`, one group after another; then, with a draft model,
+    n speculating rows (`draft_tokens` drafts a step) for each n of `draft_buckets_for`,
+    joining one step apart; returns what was built. Nothing to do (and nothing done) without
+    a fast runner or a draft model's rows."""
+    rows, spec = buckets_for(engine), draft_buckets_for(engine)
+    if not rows and not spec:
         return WarmUp((), 0.0, 0)
-    step = engine.fast_step
-    t0, traces0 = time.perf_counter(), step.stats.traces
-    lanes, reasons = dict(engine.lanes), dict(engine.solo_reasons)
+    t0, traces0 = time.perf_counter(), _traces(engine)
+    lanes, reasons, spec_counts = dict(engine.lanes), dict(engine.solo_reasons), engine.spec
+    engine.spec = Speculation()
     # (the throw-away prompts are not kept in the prompt caches)
     caches = engine.prompt_cache, engine.disk_cache
     engine.prompt_cache = engine.disk_cache = None
@@ -56,10 +88,19 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3) -> WarmUp:
         for n in rows:
             for i in range(n):
                 ids = [(7 * i + 3 * j + 1) % vocab for j in range(prompt_len)]
-                engine.submit(ids, SamplingParams(max_tokens=tokens, temperature=0.0))
+                engine.submit(ids, SamplingParams(max_tokens=tokens, temperature=0.0, use_draft=False))
+            while engine.has_unfinished():
+                engine.step()
+        for n in spec:       # (rows join one step apart and leave at different lengths)
+            for i in range(n):
+                ids = [(5 * i + 3 * j + 2) % vocab for j in range(prompt_len + i)]
+                engine.submit(ids, SamplingParams(max_tokens=tokens + draft_tokens + 2 + i,
+                                                  temperature=0.0, num_draft_tokens=draft_tokens))
+                engine.step()
             while engine.has_unfinished():
                 engine.step()
     finally:
         engine.prompt_cache, engine.disk_cache = caches
         engine.lanes, engine.solo_reasons = lanes, reasons
-    return WarmUp(rows, time.perf_counter() - t0, step.stats.traces - traces0)
+        engine.spec = spec_counts      # (the throw-away rows' drafts: counted in a copy only)
+    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec)

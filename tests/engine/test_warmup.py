@@ -72,3 +72,47 @@ def test_engine_serve_warms_up_before_ready():
         if warmed:
             assert w["buckets"] == [1, 2, 4] and w["traces"] >= 3
             assert st.stats()["batch"]["lanes"] == {"batch": 0, "serial": 0}
+
+
+def _spec_engine():
+    from engine.levers import resolve
+    m, tok = engine.load(str(ensure_fixture("qwen3", "float32")))
+    d, _ = engine.load(str(ensure_fixture("qwen3", "bfloat16", variant="long")))
+    return Engine(m, tok, max_batch=8, prompt_cache=None, draft_model=d, draft_levers=resolve("l3"))
+
+
+def _spec_burst(eng, n, rng):
+    """n speculating requests arriving one step apart (as served clients do)."""
+    for _ in range(n):
+        eng.submit([rng.randrange(4, 900) for _ in range(rng.randrange(3, 40))],
+                   SamplingParams(max_tokens=rng.randrange(2, 12), temperature=0.0, num_draft_tokens=4))
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_the_warm_up_builds_the_speculating_rows_shapes():
+    """With a draft model on the fast runner (no fast runner for the model itself), the
+    warm-up decodes speculating rows at each of the draft's rows buckets; staggered
+    speculating traffic afterwards makes no trace of the draft's step."""
+    eng = _spec_engine()
+    assert buckets_for(eng) == () and eng.draft_step is not None
+    w = warm_up(eng)
+    assert w.draft_buckets == (1, 2, 4, 8) and w.traces >= 4
+    # the rows did speculate, on the draft's fast runner; the engine's counters left as they were
+    assert eng.draft_step.stats.steps > 0 and eng.stats()["speculation"]["drafted"] == 0
+    assert eng.lanes == {"batch": 0, "solo": 0} and not eng.has_unfinished()
+    before = eng.draft_step.stats.traces
+    rng = random.Random(1)
+    for n in (1, 3, 8, 5, 2, 7):
+        _spec_burst(eng, n, rng)
+    assert eng.draft_step.stats.traces == before
+
+
+def test_without_the_warm_up_speculating_bursts_trace():
+    """The control: the same traffic on a cold engine traces the draft's step."""
+    eng = _spec_engine()
+    rng = random.Random(1)
+    for n in (1, 3, 8, 5, 2, 7):
+        _spec_burst(eng, n, rng)
+    assert eng.draft_step.stats.traces >= 3
