@@ -19,7 +19,7 @@
 # kernels, 8B forced onto it; bench_rows at Q4MMA_ROWS rows as routed and forced onto the one kernel).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP;
-# SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows).
+# SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows; SPEC_INFLATE=8b: the trained target padded into the 8B shape, spec and rounds).
 # stalls (experiments/spec_stalls.py on spec's trained pair: staggered speculating rows, K STALLS_K, a stack for each slow step).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
@@ -142,12 +142,12 @@ if has spec; then
   stage spec
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
     --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} --modes ${SPEC_MODES:-draft,lookup} \
-    ${SPEC_LOOKUP_K:+--lookup-k $SPEC_LOOKUP_K} ${SPEC_DRAFT_MAX_ROWS:+--draft-max-rows $SPEC_DRAFT_MAX_ROWS} \
+    ${SPEC_LOOKUP_K:+--lookup-k $SPEC_LOOKUP_K} ${SPEC_DRAFT_MAX_ROWS:+--draft-max-rows $SPEC_DRAFT_MAX_ROWS} ${SPEC_INFLATE:+--inflate $SPEC_INFLATE} \
     --tag h100 --work /tmp/specwork --out "$OUT/spec${SPEC_DRAFT_LAYERS:-}" 2>&1 | grep -v '"step"' | tail -12
 fi
 if has rounds; then
   stage rounds
-  timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --rows ${ROUNDS_ROWS:-1} --draft-layers ${SPEC_DRAFT_LAYERS:-4} \
+  timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --rows ${ROUNDS_ROWS:-1} --draft-layers ${SPEC_DRAFT_LAYERS:-4} ${SPEC_INFLATE:+--inflate $SPEC_INFLATE} \
     --gen ${GEN:-128} --tag h100 --out "$OUT/rounds" 2>&1 | grep -v '"step"' | tail -8
 fi
 if has stalls; then

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -95,6 +96,19 @@ def trained_pair(target: str, work: Path, steps: int, draft_steps: int, quick: b
     return (trained(target, work, steps, lr, batch, length),
             trained(name, work, draft_steps, lr * (1 if quick else 3), batch, length)
             if draft_steps else None)
+
+
+def inflated(target: Path, shape: Optional[str], work: Path) -> Path:
+    """The trained target in preset `shape`'s dimensions (experiments/inflate.py: its function,
+    zero-padded, so a step costs what that shape's does; kept in `work`), or `target` itself."""
+    if not shape:
+        return target
+    from experiments.inflate import inflate
+    out = work / f"{target.name}-in-{shape}"
+    if not (out / "model.safetensors").exists():
+        inflate(target, out, shape)
+    print(json.dumps({"inflated": str(out), "shape": shape}), flush=True)
+    return out
 
 
 def prompts(n: int, gen: int, seed: int) -> list:
@@ -179,6 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-k", default=None,
                     help="the lookup server's draft tokens, comma list: one server each (default --k)")
     ap.add_argument("--draft-layers", type=int, default=4, help="the draft model's layers")
+    ap.add_argument("--inflate", default=None, choices=sorted(PRESETS),
+                    help="serve the trained target padded into this preset's shape (e.g. 8b: "
+                         "an 8B's step cost, the trained 1B's distributions; experiments/inflate.py)")
     ap.add_argument("--draft-max-rows", type=int, default=None,
                     help="the draft servers' --draft-max-rows (default: none)")
     ap.add_argument("--modes", default="draft,lookup", help="plain (always) and which of "
@@ -198,6 +215,7 @@ def main(argv=None) -> int:
     draft_steps = ((a.draft_steps or a.steps) if {"draft", "fastdraft"} & set(modes)
                    else 0)                                                 # no draft: none trained
     target, draft = trained_pair(a.target, work, a.steps, draft_steps, a.quick, a.draft_layers)
+    target = inflated(target, a.inflate, work)
     train_s = time.perf_counter() - t0
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     lookup_k = [int(x) for x in a.lookup_k.split(",")] if a.lookup_k else None
@@ -209,7 +227,7 @@ def main(argv=None) -> int:
     cmd = "python experiments/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "spec_bench.md").write_text(
         "# Speculative decoding through HTTP (engine-serve: plain, --draft-model, --prompt-lookup)\n\n"
-        f"Machine: {machine()}. Target `{a.target}` and draft `{draft.name if draft else '-'}` ({a.draft_layers} layers) trained on the synthetic "
+        f"Machine: {machine()}. Target `{a.target}`{' padded into the ' + a.inflate + ' shape' if a.inflate else ''} and draft `{draft.name if draft else '-'}` ({a.draft_layers} layers) trained on the synthetic "
         f"language ({a.steps} / {a.draft_steps or a.steps} steps, {train_s:.0f} s, last losses "
         f"{LAST_LOSS or 'kept from an earlier run'}); greedy, "
         f"{a.gen} tokens a request, K {a.k}, n-gram {a.ngram}, median of {a.trials}; ratio = tok/s "
