@@ -279,7 +279,8 @@ class ServerState:
             # the fast runner's shapes built before serving (--warm-up)
             "warm_up": (None if self.warmed is None else
                         {"buckets": list(self.warmed.buckets), "seconds": round(self.warmed.seconds, 3),
-                         "traces": self.warmed.traces, "draft_buckets": list(self.warmed.draft_buckets)}),
+                         "traces": self.warmed.traces, "draft_buckets": list(self.warmed.draft_buckets),
+                         "l1_rows": list(self.warmed.l1_rows)}),
             # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
             # forwards; summed, per source and per recent request
             "speculation": {**self.engine.stats()["speculation"],
@@ -344,7 +345,9 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
         state = ServerState(config, gateway, m, t, model_dir, draft_model=draft)
         if config.warm_up:              # (on this thread: the one that steps the engine)
             from engine import warm_up
-            state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens)
+            # (not the L1 burst under tensor parallelism: its followers step with the leader)
+            state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens,
+                                   l1=not config.tensor_parallel)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

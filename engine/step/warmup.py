@@ -18,6 +18,11 @@ of every row count, rewinds, rows leaving. Without it, on an H100 the first such
 fresh process took 2-7 s each (MLX compiling their kernels; reports/spec_stalls/0.5.9/) and a
 served burst of 8 speculating clients got a first token after 4.9 s (spec_bench's
 `ttft_max_ms`).
+
+An engine with neither (the L1 runners: engine-serve's default) decodes throw-away rows joining
+one step apart and leaving at different lengths, one row and `max_batch` rows, for the same
+reason: in that H100 process the first prefill took 6.2 s and the first row to leave the batch
+2.1 s (MLX compiling their kernels), costs a fresh server's first requests would otherwise pay.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class WarmUp:
     seconds: float
     traces: int             # traces the fast runner made during the warm-up
     draft_buckets: tuple = ()   # the speculating rows' counts decoded (a draft model's)
+    l1_rows: tuple = ()         # the L1 batch's row counts decoded (no fast runner, no draft rows)
 
 
 def buckets_for(engine) -> tuple:
@@ -64,21 +70,43 @@ def draft_buckets_for(engine) -> tuple:
     return tuple(sorted(top.values()))
 
 
+def l1_rows_for(engine, l1: bool = True) -> tuple:
+    """The row counts the warm-up decodes on the L1 runners: 1 and max_batch where there is
+    neither a fast runner nor a draft model's batch rows (those warm-ups cover the batch's
+    paths) and `l1`, else none."""
+    if not l1 or engine.fast_step is not None or engine.draft_rows:
+        return ()
+    return tuple(sorted({1, engine.max_batch}))
+
+
+def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: int, **kw) -> None:
+    """n throw-away greedy rows, each submitted one step after the one before and asking for
+    one more token, run to the end (rows join while others decode and leave one by one)."""
+    for i in range(n):
+        ids = [(5 * i + 3 * j + 2) % vocab for j in range(prompt_len + i)]
+        engine.submit(ids, SamplingParams(max_tokens=tokens + extra + i, temperature=0.0, **kw))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+
+
 def _traces(engine) -> int:
     return sum(s.stats.traces for s in (engine.fast_step, engine.draft_step) if s is not None)
 
 
-def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4) -> WarmUp:
+def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
+            l1: bool = True) -> WarmUp:
     """Decode `tokens` tokens for n throw-away rows (greedy, prompts of `prompt_len` tokens)
     for each n of `buckets_for(engine)`, one group after another; then, with a draft model,
     n speculating rows (`draft_tokens` drafts a step) for each n of `draft_buckets_for`,
-    joining one step apart; returns what was built. Nothing to do (and nothing done) without
-    a fast runner or a draft model's rows."""
-    rows, spec = buckets_for(engine), draft_buckets_for(engine)
-    if not rows and not spec:
+    joining one step apart; on the L1 runners alone (and `l1`), n rows joining one step apart
+    for each n of `l1_rows_for`. Returns what was built; the engine's counters are left as they were."""
+    rows, spec, l1 = buckets_for(engine), draft_buckets_for(engine), l1_rows_for(engine, l1)
+    if not rows and not spec and not l1:
         return WarmUp((), 0.0, 0)
     t0, traces0 = time.perf_counter(), _traces(engine)
     lanes, reasons, spec_counts = dict(engine.lanes), dict(engine.solo_reasons), engine.spec
+    steps, peak = engine.steps, engine.peak_rows
     engine.spec = Speculation()
     # (the throw-away prompts are not kept in the prompt caches)
     caches = engine.prompt_cache, engine.disk_cache
@@ -92,15 +120,13 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4)
             while engine.has_unfinished():
                 engine.step()
         for n in spec:       # (rows join one step apart and leave at different lengths)
-            for i in range(n):
-                ids = [(5 * i + 3 * j + 2) % vocab for j in range(prompt_len + i)]
-                engine.submit(ids, SamplingParams(max_tokens=tokens + draft_tokens + 2 + i,
-                                                  temperature=0.0, num_draft_tokens=draft_tokens))
-                engine.step()
-            while engine.has_unfinished():
-                engine.step()
+            _staggered(engine, n, vocab, prompt_len, tokens, 2 * n + draft_tokens + 2,
+                       num_draft_tokens=draft_tokens)
+        for n in l1:         # (2n more tokens: the first row is still decoding when the last joins)
+            _staggered(engine, n, vocab, prompt_len, tokens, 2 * n, use_draft=False)
     finally:
         engine.prompt_cache, engine.disk_cache = caches
         engine.lanes, engine.solo_reasons = lanes, reasons
         engine.spec = spec_counts      # (the throw-away rows' drafts: counted in a copy only)
-    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec)
+        engine.steps, engine.peak_rows = steps, peak
+    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, l1)
