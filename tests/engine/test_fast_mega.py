@@ -7,7 +7,6 @@ place being made contiguous arrays of their own first.
 """
 
 from dataclasses import replace
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
