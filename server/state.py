@@ -347,7 +347,7 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             from engine import warm_up
             # (not the L1 burst under tensor parallelism: its followers step with the leader)
             state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens,
-                                   l1=not config.tensor_parallel)
+                                   l1=False if config.tensor_parallel else None)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

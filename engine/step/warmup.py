@@ -19,9 +19,9 @@ fresh process took 2-7 s each (MLX compiling their kernels; reports/spec_stalls/
 served burst of 8 speculating clients got a first token after 4.9 s (spec_bench's
 `ttft_max_ms`).
 
-An engine with neither (the L1 runners: engine-serve's default) decodes throw-away rows joining
-one step apart and leaving at different lengths, one row and `max_batch` rows, for the same
-reason: in that H100 process the first prefill took 6.2 s and the first row to leave the batch
+On CUDA an engine with neither (the L1 runners: engine-serve's default) decodes throw-away rows
+joining one step apart and leaving at different lengths, one row and `max_batch` rows (at most
+L1_ROWS), for the same reason: in that H100 process the first prefill took 6.2 s and the first row to leave the batch
 2.1 s (MLX compiling their kernels), costs a fresh server's first requests would otherwise pay.
 """
 
@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
+
+from engine.models.bucketed_sdpa import on_cuda
 
 from engine.step.request import SamplingParams
 from engine.step.speculation import Speculation
@@ -55,28 +58,42 @@ def buckets_for(engine) -> tuple:
     return tuple(sorted(top.values()))
 
 
-def draft_buckets_for(engine) -> tuple:
+def draft_buckets_for(engine, l1: Optional[bool] = None) -> tuple:
     """The speculating rows' counts the warm-up decodes: each rows bucket of the draft's fast
-    runner up to max_batch (its most rows), or 1 and max_batch where the draft runs on L1;
-    empty where the batch rows do not speculate with a draft model."""
+    runner up to max_batch (its most rows), or, where the draft runs on L1 and `_jit(l1)`, 1
+    and max_batch (at most L1_ROWS); empty where the batch rows do not speculate with a draft
+    model."""
     if not engine.draft_rows:
         return ()
     step = engine.draft_step
     if step is None:
-        return tuple(sorted({1, engine.max_batch}))
+        return tuple(sorted({1, min(engine.max_batch, L1_ROWS)})) if _jit(l1) else ()
     top: dict = {}
     for n in range(1, engine.max_batch + 1):
         top[step.rows_for(n)] = n
     return tuple(sorted(top.values()))
 
 
-def l1_rows_for(engine, l1: bool = True) -> tuple:
-    """The row counts the warm-up decodes on the L1 runners: 1 and max_batch where there is
-    neither a fast runner nor a draft model's batch rows (those warm-ups cover the batch's
-    paths) and `l1`, else none."""
-    if not l1 or engine.fast_step is not None or engine.draft_rows:
+def _traces(engine) -> int:
+    return sum(s.stats.traces for s in (engine.fast_step, engine.draft_step) if s is not None)
+
+
+L1_ROWS = 8    # the L1 warm-up's most rows (a cap, so a large max_batch keeps the start short)
+
+
+def _jit(l1: Optional[bool]) -> bool:
+    """Whether the L1 paths' warm-up runs: `l1`, or by default on CUDA only (where MLX compiles
+    its kernels at first use; on the CPU it would only lengthen the start)."""
+    return on_cuda() if l1 is None else l1
+
+
+def l1_rows_for(engine, l1: Optional[bool] = None) -> tuple:
+    """The row counts the warm-up decodes on the L1 runners: 1 and max_batch (at most L1_ROWS)
+    where there is neither a fast runner nor a draft model's batch rows (those warm-ups cover
+    the batch's paths) and `_jit(l1)`, else none."""
+    if not _jit(l1) or engine.fast_step is not None or engine.draft_rows:
         return ()
-    return tuple(sorted({1, engine.max_batch}))
+    return tuple(sorted({1, min(engine.max_batch, L1_ROWS)}))
 
 
 def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: int, **kw) -> None:
@@ -90,18 +107,14 @@ def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: 
         engine.step()
 
 
-def _traces(engine) -> int:
-    return sum(s.stats.traces for s in (engine.fast_step, engine.draft_step) if s is not None)
-
-
 def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
-            l1: bool = True) -> WarmUp:
+            l1: Optional[bool] = None) -> WarmUp:
     """Decode `tokens` tokens for n throw-away rows (greedy, prompts of `prompt_len` tokens)
     for each n of `buckets_for(engine)`, one group after another; then, with a draft model,
     n speculating rows (`draft_tokens` drafts a step) for each n of `draft_buckets_for`,
-    joining one step apart; on the L1 runners alone (and `l1`), n rows joining one step apart
-    for each n of `l1_rows_for`. Returns what was built; the engine's counters are left as they were."""
-    rows, spec, l1 = buckets_for(engine), draft_buckets_for(engine), l1_rows_for(engine, l1)
+    joining one step apart; on the L1 runners alone, n rows joining one step apart for each n
+    of `l1_rows_for` (`l1`: the L1 paths' warm-ups on or off; default: on CUDA only). Returns what was built; the engine's counters are left as they were."""
+    rows, spec, l1 = buckets_for(engine), draft_buckets_for(engine, l1), l1_rows_for(engine, l1)
     if not rows and not spec and not l1:
         return WarmUp((), 0.0, 0)
     t0, traces0 = time.perf_counter(), _traces(engine)

@@ -46,8 +46,9 @@ def test_without_the_warm_up_the_first_bursts_trace():
 
 
 def test_on_the_l1_runners_rows_join_and_leave_and_the_counters_stay():
-    """Without a fast runner or draft rows: one row, then max_batch rows joining one step apart
-    (the batch's prefill, joins and leaves built); the engine's counters as they were."""
+    """Without a fast runner or draft rows (`l1=True`: the default is CUDA only): one row, then
+    max_batch rows joining one step apart (the batch's prefill, joins and leaves built); the
+    engine's counters as they were; on the CPU by default nothing."""
     from engine.step.warmup import l1_rows_for
     model, tok = engine.load(str(FIXTURE))
     eng = Engine(model, tok, max_batch=4)
@@ -59,13 +60,15 @@ def test_on_the_l1_runners_rows_join_and_leave_and_the_counters_stay():
         seen.append(eng.peak_rows)
         return out
     eng.step = step
-    w = warm_up(eng)
+    w = warm_up(eng, l1=True)
     assert buckets_for(eng) == () and w.buckets == () and w.l1_rows == (1, 4)
     assert max(seen) == 4                       # (four rows decoded together)
     assert eng.peak_rows == 0 and eng.steps == 0 and eng.lanes == {"batch": 0, "solo": 0}
     assert l1_rows_for(eng, l1=False) == () and warm_up(eng, l1=False).l1_rows == ()
+    assert l1_rows_for(eng) == () and warm_up(eng).l1_rows == ()       # (the CPU: off by default)
+    assert l1_rows_for(Engine(model, tok, max_batch=64), l1=True) == (1, 8)     # (capped)
     solo = Engine(model, tok, max_batch=1)
-    assert warm_up(solo).l1_rows == (1,) and not solo.has_unfinished()
+    assert warm_up(solo, l1=True).l1_rows == (1,) and not solo.has_unfinished()
 
 
 def test_the_warm_up_keeps_the_prompt_cache_empty():
