@@ -20,6 +20,11 @@
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP;
 # SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows; SPEC_INFLATE=8b: the trained target padded into the 8B shape, spec and rounds).
+# ab (two trees head to head in one call: this one and AB_DIR, a copy of another commit's engine/ and
+#   experiments/ carried beside it, made before the call with `mkdir abref && git archive REF engine
+#   experiments | tar -x -C abref`: bench_rows --tiers l3 on AB_MODELS (8b, 8b-q4, 1b, 1b-q4) at
+#   AB_ROWS rows from each tree in turn, AB_ROUNDS times, AB_ARGS added (e.g. --one-kernel-4bit);
+#   AB_CHECK=1: then mega_check with the phase timer in each (logits against L1, phases)).
 # stalls (experiments/spec_stalls.py on spec's trained pair: staggered speculating rows, K STALLS_K, a stack for each slow step).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
@@ -149,6 +154,22 @@ if has rounds; then
   stage rounds
   timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --rows ${ROUNDS_ROWS:-1} --draft-layers ${SPEC_DRAFT_LAYERS:-4} ${SPEC_INFLATE:+--inflate $SPEC_INFLATE} \
     --gen ${GEN:-128} --tag h100 --out "$OUT/rounds" 2>&1 | grep -v '"step"' | tail -8
+fi
+if has ab; then
+  stage ab
+  for P in ${AB_MODELS:-8b}; do
+    [ -d /tmp/m/$P ] || python3 -m experiments.presets ${P%-q4} /tmp/m/$P $([[ $P == *-q4 ]] && echo --bits 4) >/dev/null
+  done
+  for r in $(seq ${AB_ROUNDS:-2}); do for tag in this ref; do for P in ${AB_MODELS:-8b}; do
+    tree=.; [ $tag = ref ] && tree=${AB_DIR:?AB_DIR: the other tree}
+    echo "$r $tag $P $(cd $tree && timeout ${AB_S:-150} python3 experiments/bench_rows.py --model /tmp/m/$P \
+      --rows ${AB_ROWS:-1} --tiers l3 --gen 128 --trials 3 ${AB_ARGS:-} --out "$OUT/ab-$tag-$P-$r" 2>&1 | tail -1)"
+  done; done; done
+  if [ -n "${AB_CHECK:-}" ]; then for tag in this ref; do for P in ${AB_MODELS:-8b}; do
+    tree=.; [ $tag = ref ] && tree=$AB_DIR
+    echo "check $tag $P"; (cd $tree && MLXP_MEGA_PROF=1 timeout 200 python3 experiments/mega_check.py --model /tmp/m/$P \
+      --steps 16 ${AB_ARGS:-} --out "$OUT/abcheck-$tag-$P.json" 2>&1 | grep -E 'mean_kl_vs_l1|top1_vs_l1|"(qkv_rope|attention|o_proj|gate_up|down|head|total)": [0-9]' | head -16)
+  done; done; fi
 fi
 if has stalls; then
   stage stalls
