@@ -11,18 +11,20 @@ the one kernel's builds) and puts the Engine's lane counters back as they were; 
 runs it before it says ready (`--warm-up`).
 
 An engine whose batch rows speculate with a draft model (`Engine(draft_model=...)`) also
-decodes throw-away speculating rows at each rows bucket of the draft's fast runner (or 1 and
-max_batch on L1), joining one step apart and leaving at different lengths, so that what a
-served burst meets first is built here: the draft's catch-up and slot moves, verify forwards
-of every row count, rewinds, rows leaving. Without it, on an H100 the first such steps of a
-fresh process took 2-7 s each (MLX compiling their kernels; reports/spec_stalls/0.5.9/) and a
-served burst of 8 speculating clients got a first token after 4.9 s (spec_bench's
-`ttft_max_ms`).
+decodes throw-away speculating rows at each rows bucket of the draft's fast runner (where the
+draft runs on L1: on CUDA, 1 and max_batch rows, at most L1_ROWS), joining one step apart and
+leaving at different lengths, so that what a served burst meets first is built here: the
+draft's catch-up and slot moves, verify forwards of every row count, rewinds, rows leaving.
+Without it, on an H100 the first such steps of a fresh process took 2-7 s each (MLX compiling
+their kernels; reports/spec_stalls/0.5.9/) and a served burst of 8 speculating clients got a
+first token after 4.9 s (spec_bench's `ttft_max_ms`).
 
 On CUDA an engine with neither (the L1 runners: engine-serve's default) decodes throw-away rows
 joining one step apart and leaving at different lengths, one row and `max_batch` rows (at most
-L1_ROWS), for the same reason: in that H100 process the first prefill took 6.2 s and the first row to leave the batch
-2.1 s (MLX compiling their kernels), costs a fresh server's first requests would otherwise pay.
+L1_ROWS), for the same reason: in that H100 process the first prefill took 6.2 s and the first
+row to leave the batch 2.1 s (MLX compiling their kernels), costs a fresh server's first
+requests would otherwise pay. (On the CPU MLX compiles nothing at first use: those L1 bursts are
+left out there unless asked for, `warm_up(..., l1=True)`.)
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from engine.models.bucketed_sdpa import on_cuda
-
 from engine.step.request import SamplingParams
 from engine.step.speculation import Speculation
 
@@ -46,16 +47,29 @@ class WarmUp:
     l1_rows: tuple = ()         # the L1 batch's row counts decoded (no fast runner, no draft rows)
 
 
+L1_ROWS = 8    # the L1 warm-up's most rows (a cap, so a large max_batch keeps the start short)
+
+
+def _jit(l1: Optional[bool]) -> bool:
+    """Whether the L1 paths' warm-up runs: `l1`, or by default on CUDA only (where MLX compiles
+    its kernels at first use; on the CPU it would only lengthen the start)."""
+    return on_cuda() if l1 is None else l1
+
+
+def _buckets(step, max_batch: int) -> tuple:
+    """The distinct rows buckets a fast runner's `step` meets for 1..max_batch rows, each with
+    the most rows that land in it."""
+    top: dict = {}
+    for n in range(1, max_batch + 1):
+        top[step.rows_for(n)] = n
+    return tuple(sorted(top.values()))
+
+
 def buckets_for(engine) -> tuple:
     """The distinct rows buckets the fast runner meets for 1..max_batch rows, each with the
     most rows that land in it (empty without a fast runner)."""
     step = engine.fast_step
-    if step is None:
-        return ()
-    top: dict = {}
-    for n in range(1, engine.max_batch + 1):
-        top[step.rows_for(n)] = n
-    return tuple(sorted(top.values()))
+    return () if step is None else _buckets(step, engine.max_batch)
 
 
 def draft_buckets_for(engine, l1: Optional[bool] = None) -> tuple:
@@ -68,23 +82,11 @@ def draft_buckets_for(engine, l1: Optional[bool] = None) -> tuple:
     step = engine.draft_step
     if step is None:
         return tuple(sorted({1, min(engine.max_batch, L1_ROWS)})) if _jit(l1) else ()
-    top: dict = {}
-    for n in range(1, engine.max_batch + 1):
-        top[step.rows_for(n)] = n
-    return tuple(sorted(top.values()))
+    return _buckets(step, engine.max_batch)
 
 
 def _traces(engine) -> int:
     return sum(s.stats.traces for s in (engine.fast_step, engine.draft_step) if s is not None)
-
-
-L1_ROWS = 8    # the L1 warm-up's most rows (a cap, so a large max_batch keeps the start short)
-
-
-def _jit(l1: Optional[bool]) -> bool:
-    """Whether the L1 paths' warm-up runs: `l1`, or by default on CUDA only (where MLX compiles
-    its kernels at first use; on the CPU it would only lengthen the start)."""
-    return on_cuda() if l1 is None else l1
 
 
 def l1_rows_for(engine, l1: Optional[bool] = None) -> tuple:
