@@ -111,6 +111,16 @@ def inflated(target: Path, shape: Optional[str], work: Path) -> Path:
     return out
 
 
+def loaded_pair(target: str, work: Path, steps: int, quick: bool, draft_layers: int = 4,
+                shape: Optional[str] = None) -> tuple:
+    """(model, tokenizer, draft model): `trained_pair`'s target (in `shape`'s dimensions with
+    one: `inflated`) and draft, both trained `steps` steps, loaded (spec_rounds, spec_stalls)."""
+    import engine
+    tdir, ddir = trained_pair(target, work, steps, steps, quick, draft_layers)
+    model, tok = engine.load(str(inflated(tdir, shape, work)))
+    return model, tok, engine.load(str(ddir))[0]
+
+
 def prompts(n: int, gen: int, seed: int) -> list:
     """n token-id prompts: a walk of gen + 16 tokens, then the first 8 of its copy."""
     lang = language(seed + 1)

@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments._common import dump_json, machine, report_dir  # noqa: E402
-from experiments.spec_bench import inflated, prompts, trained_pair  # noqa: E402
+from experiments.presets import PRESETS  # noqa: E402
+from experiments.spec_bench import loaded_pair, prompts  # noqa: E402
 
 
 def _timed(cls, name: str, spent: dict, key=None, sync: bool = True):
@@ -142,19 +143,15 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--rows", default="1", help="requests decoding together, a comma list "
                     "(each way runs at each; tokens a step count every row's)")
-    ap.add_argument("--inflate", default=None, help="spec_bench's --inflate (a preset name)")
+    ap.add_argument("--inflate", default=None, choices=sorted(PRESETS), help="spec_bench's --inflate")
     ap.add_argument("--quick", action="store_true", help="CPU check: small shapes, few steps")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    import engine
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="spec_rounds_"))
     if a.quick:
         a.steps, a.gen, a.requests = min(a.steps, 10), min(a.gen, 24), 1
-    tdir, ddir = trained_pair(a.target, work, a.steps, a.steps, a.quick, a.draft_layers)
-    tdir = inflated(tdir, a.inflate, work)
-    target, tok = engine.load(str(tdir))
-    draft, _ = engine.load(str(ddir))
+    target, tok, draft = loaded_pair(a.target, work, a.steps, a.quick, a.draft_layers, a.inflate)
     rows = []
     for n_rows in [int(x) for x in a.rows.split(",")]:
         for mode in ("plain", "lookup", "draft", "fastdraft"):

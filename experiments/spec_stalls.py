@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments._common import dump_json, machine, report_dir  # noqa: E402
-from experiments.spec_bench import prompts, trained_pair  # noqa: E402
+from experiments.spec_bench import loaded_pair, prompts  # noqa: E402
 
 
 def jit_files() -> int:
@@ -94,13 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    import engine
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="spec_stalls_"))
     if a.quick:
         a.steps, a.gen, a.rows, a.rounds = min(a.steps, 10), min(a.gen, 16), min(a.rows, 3), 1
-    tdir, ddir = trained_pair(a.target, work, a.steps, a.steps, a.quick, 4)
-    target, tok = engine.load(str(tdir))
-    draft, _ = engine.load(str(ddir))
+    target, tok, draft = loaded_pair(a.target, work, a.steps, a.quick)
     out = Path(a.out) if a.out else report_dir("spec_stalls", a.tag)
     res = []
     for k in [int(x) for x in a.k.split(",")]:

@@ -56,6 +56,11 @@ def _jit(l1: Optional[bool]) -> bool:
     return on_cuda() if l1 is None else l1
 
 
+def _l1_counts(engine) -> tuple:
+    """Row counts of an L1 burst: one row and max_batch rows (at most L1_ROWS)."""
+    return tuple(sorted({1, min(engine.max_batch, L1_ROWS)}))
+
+
 def _buckets(step, max_batch: int) -> tuple:
     """The distinct rows buckets a fast runner's `step` meets for 1..max_batch rows, each with
     the most rows that land in it."""
@@ -81,7 +86,7 @@ def draft_buckets_for(engine, l1: Optional[bool] = None) -> tuple:
         return ()
     step = engine.draft_step
     if step is None:
-        return tuple(sorted({1, min(engine.max_batch, L1_ROWS)})) if _jit(l1) else ()
+        return _l1_counts(engine) if _jit(l1) else ()
     return _buckets(step, engine.max_batch)
 
 
@@ -95,7 +100,7 @@ def l1_rows_for(engine, l1: Optional[bool] = None) -> tuple:
     the batch's paths) and `_jit(l1)`, else none."""
     if not _jit(l1) or engine.fast_step is not None or engine.draft_rows:
         return ()
-    return tuple(sorted({1, min(engine.max_batch, L1_ROWS)}))
+    return _l1_counts(engine)
 
 
 def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: int, **kw) -> None:
@@ -115,9 +120,10 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
     for each n of `buckets_for(engine)`, one group after another; then, with a draft model,
     n speculating rows (`draft_tokens` drafts a step) for each n of `draft_buckets_for`,
     joining one step apart; on the L1 runners alone, n rows joining one step apart for each n
-    of `l1_rows_for` (`l1`: the L1 paths' warm-ups on or off; default: on CUDA only). Returns what was built; the engine's counters are left as they were."""
-    rows, spec, l1 = buckets_for(engine), draft_buckets_for(engine, l1), l1_rows_for(engine, l1)
-    if not rows and not spec and not l1:
+    of `l1_rows_for` (`l1`: the L1 paths' warm-ups on or off; default: on CUDA only). Returns
+    what was built; the engine's counters are left as they were."""
+    rows, spec, plain = buckets_for(engine), draft_buckets_for(engine, l1), l1_rows_for(engine, l1)
+    if not rows and not spec and not plain:
         return WarmUp((), 0.0, 0)
     t0, traces0 = time.perf_counter(), _traces(engine)
     lanes, reasons, spec_counts = dict(engine.lanes), dict(engine.solo_reasons), engine.spec
@@ -131,17 +137,18 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
         for n in rows:
             for i in range(n):
                 ids = [(7 * i + 3 * j + 1) % vocab for j in range(prompt_len)]
-                engine.submit(ids, SamplingParams(max_tokens=tokens, temperature=0.0, use_draft=False))
+                engine.submit(ids, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                  use_draft=False))
             while engine.has_unfinished():
                 engine.step()
         for n in spec:       # (rows join one step apart and leave at different lengths)
             _staggered(engine, n, vocab, prompt_len, tokens, 2 * n + draft_tokens + 2,
                        num_draft_tokens=draft_tokens)
-        for n in l1:         # (2n more tokens: the first row is still decoding when the last joins)
+        for n in plain:      # (2n more tokens: the first row is still decoding when the last joins)
             _staggered(engine, n, vocab, prompt_len, tokens, 2 * n, use_draft=False)
     finally:
         engine.prompt_cache, engine.disk_cache = caches
         engine.lanes, engine.solo_reasons = lanes, reasons
         engine.spec = spec_counts      # (the throw-away rows' drafts: counted in a copy only)
         engine.steps, engine.peak_rows = steps, peak
-    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, l1)
+    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, plain)

@@ -13,10 +13,14 @@ import engine
 FIXTURE = ensure_fixture("llama", "bfloat16")
 
 
-def _burst(eng, n, rng):
+def _burst(eng, n, rng, most=9, stagger=False, **kw):
+    """n requests of random prompts and lengths (max_tokens below `most`), all at once or, with
+    `stagger`, one step apart (as served clients arrive); SamplingParams `kw` added."""
     for _ in range(n):
         eng.submit([rng.randrange(4, 900) for _ in range(rng.randrange(3, 40))],
-                   SamplingParams(max_tokens=rng.randrange(2, 9), temperature=0.0))
+                   SamplingParams(max_tokens=rng.randrange(2, most), temperature=0.0, **kw))
+        if stagger:
+            eng.step()
     while eng.has_unfinished():
         eng.step()
 
@@ -102,13 +106,8 @@ def _spec_engine():
 
 
 def _spec_burst(eng, n, rng):
-    """n speculating requests arriving one step apart (as served clients do)."""
-    for _ in range(n):
-        eng.submit([rng.randrange(4, 900) for _ in range(rng.randrange(3, 40))],
-                   SamplingParams(max_tokens=rng.randrange(2, 12), temperature=0.0, num_draft_tokens=4))
-        eng.step()
-    while eng.has_unfinished():
-        eng.step()
+    """n speculating requests arriving one step apart."""
+    _burst(eng, n, rng, most=12, stagger=True, num_draft_tokens=4)
 
 
 def test_the_warm_up_builds_the_speculating_rows_shapes():

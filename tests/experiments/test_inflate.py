@@ -49,7 +49,7 @@ def test_the_inflated_model_has_the_bigger_shape_and_the_small_ones_logits(pair)
 def test_negative_controls_rope_and_norm_corrections_matter(pair, tmp_path):
     src, dst = pair
     a = _logits(src, IDS)
-    for key, value in (("rope_theta", None), ("rms_norm_eps", None)):
+    for key in ("rope_theta", "rms_norm_eps"):
         bad = tmp_path / key
         bad.mkdir()
         for f in dst.iterdir():
