@@ -30,16 +30,17 @@ def inc(*files: str) -> str:
     return "".join(f'#include "{f}"\n' for f in files)
 
 
-_ATTN_IN = [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t"), ("start", "int32_t")]
+_ATTN_IN = [("q", "T"), ("keys", "T"), ("values", "T"), ("length", "int32_t"), ("start", "int32_t"),
+           ("crow", "int32_t")]
 SPECS = {
     "add_rms": (inc("add_rms.cu"), [("x", "T"), ("r", "T"), ("w", "T")], [("h", "T"), ("y", "T")],
                 dict(D=2048, EPS_NUM=10000)),
     "rope_qkv": (inc("rope_qkv.cu"), [("qkv", "T"), ("inv_freq", "float"), ("pos", "int32_t")],
                  [("q", "T"), ("k", "T"), ("v", "T")], dict(B=8, H=32, HKV=8, D=64, PER_ROW=1)),
     "attn_partial": (inc("attn_partial.cu"), _ATTN_IN, [("partial", "float")],
-                     dict(H=32, HKV=8, D=64, NS=9, CAP=2304, SCALE_NUM=125000000, USE_START=1, ROWLEN=0)),
+                     dict(H=32, HKV=8, D=64, NS=9, CAP=2304, SCALE_NUM=125000000, USE_START=1, ROWLEN=0, USE_CROW=0)),
     "attn_single": (inc("attn_single.cu"), _ATTN_IN, [("out", "T")],
-                    dict(H=32, HKV=8, D=64, NS=1, CAP=512, SCALE_NUM=125000000, USE_START=0, ROWLEN=1)),
+                    dict(H=32, HKV=8, D=64, NS=1, CAP=512, SCALE_NUM=125000000, USE_START=0, ROWLEN=1, USE_CROW=1)),
     "attn_combine": (inc("attn_combine.cu"), [("partial", "float")], [("out", "T")],
                      dict(H=32, HKV=8, D=64, NS=9)),
     # deterministic mode's batch-invariant attention (engine/fast/invariant.py)
@@ -97,7 +98,7 @@ def mega_kernel(name: str, shape: tuple, env, qb: int = 0, qkn: int = 0, maxch: 
     mats = {"emb", "headw"} | {f"{k}_{i}" for k in MC.QUANT for i in range(L)}
 
     def ty(n):
-        if n in ("tok", "rpos", "col", "start_col"):
+        if n in ("tok", "rpos", "col", "start_col", "crow"):
             return "int32_t"
         if n in ("inv_freq", "after"):
             return "float"

@@ -19,12 +19,15 @@
 # kernels, 8B forced onto it; bench_rows at Q4MMA_ROWS rows as routed and forced onto the one kernel).
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP;
-# SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows; SPEC_INFLATE=8b: the trained target padded into the 8B shape, spec and rounds).
+# SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows; SPEC_INFLATE=8b: the trained target padded into the 8B shape, spec and rounds;
+# SPEC_OURS_ARGS: every server's extra arguments, e.g. '--tier l3': speculation on the fast runner; SPEC_SEQUENTIAL=1: one server at a time).
 # ab (two trees head to head in one call: this one and AB_DIR, a copy of another commit's engine/ and
 #   experiments/ carried beside it, made before the call with `mkdir abref && git archive REF engine
 #   experiments | tar -x -C abref`: bench_rows --tiers l3 on AB_MODELS (8b, 8b-q4, 1b, 1b-q4) at
 #   AB_ROWS rows from each tree in turn, AB_ROUNDS times, AB_ARGS added (e.g. --one-kernel-4bit);
 #   AB_CHECK=1: then mega_check with the phase timer in each (logits against L1, phases)).
+# fverify (experiments/fast_verify_gpu.py on FV_MODELS, default 1b 8b-q4: the fast runner's verify step against single
+#   fast steps, bit-equal / argmax, and its cost against a plain step, FV_ROWS rows, K of FV_KS).
 # stalls (experiments/spec_stalls.py on spec's trained pair: staggered speculating rows, K STALLS_K, a stack for each slow step).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
@@ -148,7 +151,7 @@ if has spec; then
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
     --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} --modes ${SPEC_MODES:-draft,lookup} \
     ${SPEC_LOOKUP_K:+--lookup-k $SPEC_LOOKUP_K} ${SPEC_DRAFT_MAX_ROWS:+--draft-max-rows $SPEC_DRAFT_MAX_ROWS} ${SPEC_INFLATE:+--inflate $SPEC_INFLATE} \
-    --tag h100 --work /tmp/specwork --out "$OUT/spec${SPEC_DRAFT_LAYERS:-}" 2>&1 | grep -v '"step"' | tail -12
+    --ours-args "${SPEC_OURS_ARGS:-}" ${SPEC_SEQUENTIAL:+--sequential} --tag h100 --work /tmp/specwork --out "$OUT/spec${SPEC_DRAFT_LAYERS:-}" 2>&1 | grep -v '"step"' | tail -12
 fi
 if has rounds; then
   stage rounds
@@ -170,6 +173,14 @@ if has ab; then
     echo "check $tag $P"; (cd $tree && MLXP_MEGA_PROF=1 timeout 200 python3 experiments/mega_check.py --model /tmp/m/$P \
       --steps 16 ${AB_ARGS:-} --out "$OUT/abcheck-$tag-$P.json" 2>&1 | grep -E 'mean_kl_vs_l1|top1_vs_l1|"(qkv_rope|attention|o_proj|gate_up|down|head|total)": [0-9]' | head -16)
   done; done; fi
+fi
+if has fverify; then
+  stage fverify
+  for P in ${FV_MODELS:-1b 8b-q4}; do
+    [ -d /tmp/m/$P ] || python3 -m experiments.presets ${P%-q4} /tmp/m/$P $([[ $P == *-q4 ]] && echo --bits 4) >/dev/null
+  done
+  timeout ${FV_S:-300} python3 experiments/fast_verify_gpu.py $(for P in ${FV_MODELS:-1b 8b-q4}; do echo --model /tmp/m/$P; done) \
+    --rows ${FV_ROWS:-1,8} --ks ${FV_KS:-2,4,8} --out "$OUT/fverify" 2>&1 | tail -24
 fi
 if has stalls; then
   stage stalls

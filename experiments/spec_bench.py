@@ -141,10 +141,58 @@ def spec_counts(url: str) -> tuple:
             (s.get("draft_fast") or {}).get("traces", 0))
 
 
+def _measured(url: str, c: int, gen: int, trials: int, bias: dict):
+    """An untimed warm-up at c clients, then `trials` timed levels (the interleaved run's
+    prompts): their results and the speculation counters' growth over them."""
+    level(url, prompts(c, 8, 99), 8, bias)
+    before = spec_counts(url)
+    res = [level(url, prompts(c, gen, t), gen, bias) for t in range(trials)]
+    return res, tuple(a - b for a, b in zip(spec_counts(url), before))
+
+
+def _sequential(target, hf_cache, batch, argv: dict, levels, gen, trials, bias) -> dict:
+    """{(mode, clients): (trial results, counters)}, one server up at a time."""
+    out = {}
+    for m, extra in argv.items():
+        s = start(target, hf_cache, batch, "ours", extra)
+        try:
+            for c in levels:
+                out[(m, c)] = _measured(s.url, c, gen, trials, bias)
+        finally:
+            s.stop()
+    return out
+
+
+def _interleaved(target, hf_cache, batch, argv: dict, levels, gen, trials, bias) -> dict:
+    """{(mode, clients): (trial results, counters)}, every server up, trials interleaved
+    (odd trials in the reverse order)."""
+    servers = {m: start(target, hf_cache, batch, "ours", extra) for m, extra in argv.items()}
+    modes, out = list(servers), {}
+    try:
+        for c in levels:
+            for s in servers.values():      # untimed warm-up at this concurrency
+                level(s.url, prompts(c, 8, 99), 8, bias)
+            res = {m: [] for m in modes}
+            counts0 = {m: spec_counts(s.url) for m, s in servers.items()}
+            for t in range(trials):
+                ps = prompts(c, gen, t)
+                for m in (modes if t % 2 == 0 else modes[::-1]):
+                    res[m].append(level(servers[m].url, ps, gen, bias))
+            for m, s in servers.items():
+                out[(m, c)] = (res[m], tuple(a - b for a, b in zip(spec_counts(s.url), counts0[m])))
+    finally:
+        for s in servers.values():
+            s.stop()
+    return out
+
+
 def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngram: int, hf_cache,
-          modes=MODES, lookup_k=None, draft_max_rows=None):
+          modes=MODES, lookup_k=None, draft_max_rows=None, ours_args=(), sequential=False):
     """`lookup_k`: the lookup server's draft tokens, one server per value (modes `lookup-kK`
-    where there are several; default: k)."""
+    where there are several; default: k). `ours_args`: added to every server's arguments, the
+    plain one's too (e.g. --tier l3: every server on the fast runner). `sequential`: one server
+    at a time (models two of which do not fit the card together), else all up, trials
+    interleaved."""
     bias: dict = {}                  # (none: see `language`)
     batch = max(levels)
     spec = ["--draft-model", str(draft), "--num-draft-tokens", str(k)]
@@ -156,36 +204,26 @@ def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngra
         for name, x in zip(names, ks):
             extra[name] = ["--prompt-lookup", str(ngram), "--num-draft-tokens", str(x)]
         modes = tuple(m for m in modes if m != "lookup") + tuple(names)
-    servers = {m: start(target, hf_cache, batch, "ours", extra[m]) for m in modes}
+    argv = {m: extra[m] + list(ours_args) for m in modes}
+    runs = (_sequential if sequential else _interleaved)(target, hf_cache, batch, argv, levels,
+                                                          gen, trials, bias)
     rows = []
-    try:
-        for c in levels:
-            for s in servers.values():      # untimed warm-up at this concurrency
-                level(s.url, prompts(c, 8, 99), 8, bias)
-            res = {m: [] for m in modes}
-            counts0 = {m: spec_counts(s.url) for m, s in servers.items()}
-            for t in range(trials):
-                ps = prompts(c, gen, t)
-                for m in (modes if t % 2 == 0 else modes[::-1]):
-                    res[m].append(level(servers[m].url, ps, gen, bias))
-            plain_agg = statistics.median(r["agg"] for r in res["plain"])
-            plain_tps = statistics.median(x for r in res["plain"] for x in r["tps"] or [0.0])
-            for m, rs in res.items():
-                agg = statistics.median(r["agg"] for r in rs)
-                tps = statistics.median(x for r in rs for x in r["tps"] or [0.0])
-                acc, dr, tr = (a - b for a, b in zip(spec_counts(servers[m].url), counts0[m]))
-                ttfts = sorted(x for r in rs for x in r["ttfts"])
-                rows.append(dict(mode=m, clients=c, agg_tps=round(agg, 1), req_tps_p50=round(tps, 1),
-                                 ttft_p50_ms=round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else 0.0,
-                                 ratio=round(agg / plain_agg, 3) if plain_agg else 0.0,
-                                 stream_ratio=round(tps / plain_tps, 3) if plain_tps else 0.0,
-                                 accepted=acc, drafted=dr, lost=sum(r["lost"] for r in rs),
-                                 ttft_max_ms=round(1000 * ttfts[-1], 1) if ttfts else 0.0,
-                                 draft_traces=tr))
-                print(rows[-1], flush=True)
-    finally:
-        for s in servers.values():
-            s.stop()
+    for c in levels:
+        plain_agg = statistics.median(r["agg"] for r in runs[("plain", c)][0])
+        plain_tps = statistics.median(x for r in runs[("plain", c)][0] for x in r["tps"] or [0.0])
+        for m in modes:
+            rs, (acc, dr, tr) = runs[(m, c)]
+            agg = statistics.median(r["agg"] for r in rs)
+            tps = statistics.median(x for r in rs for x in r["tps"] or [0.0])
+            ttfts = sorted(x for r in rs for x in r["ttfts"])
+            rows.append(dict(mode=m, clients=c, agg_tps=round(agg, 1), req_tps_p50=round(tps, 1),
+                             ttft_p50_ms=round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else 0.0,
+                             ratio=round(agg / plain_agg, 3) if plain_agg else 0.0,
+                             stream_ratio=round(tps / plain_tps, 3) if plain_tps else 0.0,
+                             accepted=acc, drafted=dr, lost=sum(r["lost"] for r in rs),
+                             ttft_max_ms=round(1000 * ttfts[-1], 1) if ttfts else 0.0,
+                             draft_traces=tr))
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -210,6 +248,10 @@ def main(argv=None) -> int:
                     help="the draft servers' --draft-max-rows (default: none)")
     ap.add_argument("--modes", default="draft,lookup", help="plain (always) and which of "
                     "draft, fastdraft (--draft-tier l3), lookup")
+    ap.add_argument("--ours-args", default="", help="added to every server's arguments, the plain "
+                    "one's too (e.g. '--tier l3': speculation on the fast runner against it plain)")
+    ap.add_argument("--sequential", action="store_true", help="one server at a time (models two "
+                    "of which do not fit the card together; default: all up, trials interleaved)")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--work", default=None,
@@ -230,7 +272,7 @@ def main(argv=None) -> int:
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     lookup_k = [int(x) for x in a.lookup_k.split(",")] if a.lookup_k else None
     rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes, lookup_k,
-                 a.draft_max_rows)
+                 a.draft_max_rows, a.ours_args.split(), a.sequential)
     out = Path(a.out) if a.out else report_dir("spec_bench", a.tag)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "spec_bench.csv", rows, FIELDS)
@@ -240,7 +282,9 @@ def main(argv=None) -> int:
         f"Machine: {machine()}. Target `{a.target}`{' padded into the ' + a.inflate + ' shape' if a.inflate else ''} and draft `{draft.name if draft else '-'}` ({a.draft_layers} layers) trained on the synthetic "
         f"language ({a.steps} / {a.draft_steps or a.steps} steps, {train_s:.0f} s, last losses "
         f"{LAST_LOSS or 'kept from an earlier run'}); greedy, "
-        f"{a.gen} tokens a request, K {a.k}, n-gram {a.ngram}, median of {a.trials}; ratio = tok/s "
+        f"{a.gen} tokens a request, K {a.k}, n-gram {a.ngram}, every server `{a.ours_args or 'default'}`"
+        f"{', one server at a time' if a.sequential else ''}, "
+        f"median of {a.trials}; ratio = tok/s "
         f"over the plain server's in the same trials. Reproduce: `{cmd.strip()}`\n\n"
         + md_table(FIELDS, [[r[f] for f in FIELDS] for r in rows]) + "\n")
     print(out / "spec_bench.md")

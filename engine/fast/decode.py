@@ -80,6 +80,14 @@ def as_int32(tokens: mx.array) -> mx.array:
     return mx.view(tokens, mx.int32) if tokens.dtype == mx.uint32 else tokens.astype(mx.int32)
 
 
+def _signature(fwd, verify: bool):
+    """The step's compiled signature: (tokens, pos, active, *buffers), or for a verify step
+    (tokens, pos, active, crow, *buffers); `fwd` takes (tokens, pos, active, crow, buffers)."""
+    if verify:
+        return lambda tokens, pos, active, crow, *buffers: fwd(tokens, pos, active, crow, buffers)
+    return lambda tokens, pos, active, *buffers: fwd(tokens, pos, active, None, buffers)
+
+
 def why_not(model, caches=None, policy=None, batch: int = 1) -> Optional[str]:
     """None if the fast step can run this model/caches, else the reason it cannot."""
     if getattr(model, "model_type", None) not in SUPPORTED_TYPES:
@@ -135,6 +143,7 @@ class FastStats:
     traces: int = 0        # traces made (the step's body run by mx.compile): new shapes only
     traces_kept: int = 0   # compiled steps held (at most MAX_TRACES)
     steps: int = 0         # decode steps run through the fast step
+    verify_steps: int = 0  # of them, verify steps (rows of a call sharing buffer rows: crow)
     row_steps: int = 0     # rows x steps (inactive rows of a bucket included)
     kernels: bool = False  # CUDA kernels in use (False: stock-MLX reference ops)
     attn_kernel: bool = False
@@ -165,7 +174,7 @@ class FastStep:
         self._mega = None
         self._mega_ws = None
         self._own: list = []      # the buffers the one-kernel step last wrote in place
-        self._zeros: dict = {}    # rows -> int32 zeros [rows] (the rows' first column)
+        self._zeros: dict = {}    # rows -> (int32 zeros [rows]: their first column, arange: their cache rows)
         self.stats = FastStats(kernels=self.use_kernels, attn_kernel=self.use_attn_kernel)
         # rows one call of the one-kernel step takes (0: that step is not used)
         self.mega_rows, self.mega_off = (one_kernel_rows(model, levers) if self._mega_freq is not None
@@ -187,13 +196,13 @@ class FastStep:
         if self.levers.compiled_decode:    # (the body runs only while mx.compile traces it)
             self.stats.traces += 1
 
-    def _forward(self, tokens, pos, active, *buffers):
+    def _forward(self, tokens, pos, active, crow, buffers):
         """The model's own projections with the fused add + RMSNorm and RoPE steps."""
         self._traced()
         n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
         length = pos + 1
-        attend_qkv = cached_attention(ks, vs, pos, length, self.use_attn_kernel)
+        attend_qkv = cached_attention(ks, vs, pos, length, self.use_attn_kernel, crow=crow)
 
         def attend(i, attn, x):
             q, k, v = rotated_qkv(attn, x, pos, self._inv_freq, self._rope_kernel)
@@ -201,17 +210,17 @@ class FastStep:
         logits = layer_stack(self.model, tokens, attend, self._add_rms)
         return (logits, pos + active, *ks, *vs)
 
-    def _forward_gemv(self, tokens, pos, active, *buffers):
+    def _forward_gemv(self, tokens, pos, active, crow, buffers):
         """Every projection through engine.fast.gemv (step.gemv_stack)."""
         self._traced()
         n = len(self.model.layers)
         ks, vs = list(buffers[:n]), list(buffers[n:])
-        attend = cached_attention(ks, vs, pos, pos + 1, self.use_attn_kernel)
+        attend = cached_attention(ks, vs, pos, pos + 1, self.use_attn_kernel, crow=crow)
         logits = gemv_stack(self.model, tokens, attend, pos, self._inv_freq, self.use_kernels,
                             self._rope_kernel)
         return (logits, pos + active, *ks, *vs)
 
-    def _forward_mega(self, tokens, pos, active, *buffers):
+    def _forward_mega(self, tokens, pos, active, crow, buffers):
         """The step as one kernel per group of rows (engine.fast.mega): the buffers are
         written in place and stay the KV."""
         self._traced()
@@ -220,15 +229,17 @@ class FastStep:
             self._mega = MG.MegaStep(self.model, self._mega_freq, self.levers.fast)
         B = tokens.size
         zeros = self._zeros.get(B)
-        if zeros is None:
-            zeros = self._zeros[B] = mx.zeros((B,), dtype=mx.int32)
-        logits, wss = self._mega(tokens, pos, pos, zeros, buffers[:n], buffers[n:])
+        if zeros is None:      # (row b's first column, and its cache row where crow is None)
+            zeros = self._zeros[B] = (mx.zeros((B,), dtype=mx.int32), mx.arange(B, dtype=mx.int32))
+        logits, wss = self._mega(tokens, pos, pos, zeros[0], zeros[1] if crow is None else crow,
+                                 buffers[:n], buffers[n:])
         # the workspace holds the phase timer's stamps with MLXP_MEGA_PROF=1
         return (logits, pos + active, wss[0]) if self._mega.prof else (logits, pos + active)
 
-    def _fn(self, rows: int, capacity: int):
+    def _fn(self, rows: int, capacity: int, slots: Optional[int] = None):
         """(the compiled step for this shape, whether it is the one-kernel step, which writes
-        the buffers in place)."""
+        the buffers in place). slots: the buffers' rows for a verify step (rows of the call
+        each naming its buffer row, `crow`), None for a decode step (row b in buffer row b)."""
         # a trace holds the modules as they were (adapters mounted, merged groups: the
         # version), the adapters switched on and the fault active when it was built (the
         # negative control): a change of version drops the traces, the others are keys
@@ -236,7 +247,7 @@ class FastStep:
         if version != self._version:
             self._fns.clear()
             self._version, self._mega = version, None
-        key = (rows, capacity, K.active_fault(), active_adapters(self.model))
+        key = (rows, capacity, K.active_fault(), active_adapters(self.model), slots)
         entry = self._fns.get(key)
         if entry is None:
             self.stats.gemv = gemv_ok(self.model, self.levers)
@@ -252,6 +263,7 @@ class FastStep:
             self.stats.mega, self.stats.mega_reason = reason is None, reason
             fwd = (self._forward_mega if self.stats.mega
                    else self._forward_gemv if self.stats.gemv else self._forward)
+            fwd = _signature(fwd, slots is not None)
             entry = (mx.compile(fwd) if self.levers.compiled_decode else fwd, self.stats.mega)
             self._fns[key] = entry
             while len(self._fns) > self.max_traces:
@@ -263,22 +275,27 @@ class FastStep:
 
     @property
     def trace_keys(self) -> list:
-        """(rows, capacity, fault, adapters on) of the compiled steps held, least recently
-        used first."""
+        """(rows, capacity, fault, adapters on, buffer rows of a verify step or None) of the
+        compiled steps held, least recently used first."""
         return list(self._fns)
 
     def __call__(self, tokens: mx.array, pos: mx.array, active: mx.array, keys: list,
-                 values: list):
+                 values: list, crow: Optional[mx.array] = None):
         """One step: (logits [B, V], the next positions, keys, values) — the buffers to keep
-        (the same arrays when the step wrote them in place)."""
-        B, cap = keys[0].shape[0], keys[0].shape[2]
+        (the same arrays when the step wrote them in place). With `crow` (int32 [B]) row b of
+        the call is in buffer row crow[b] (buffers [S, ...], any S): a verify, whose rows of one
+        slot sit at consecutive positions, each attending to the ones before it."""
+        S, cap = keys[0].shape[0], keys[0].shape[2]
+        B = tokens.size
         n = len(keys)
-        fn, in_place = self._fn(B, cap)
+        fn, in_place = self._fn(B, cap, None if crow is None else S)
         if in_place:                         # (the one-kernel step: contiguous buffers of our own)
             self._own = own_contiguous(list(keys) + list(values), self._own)
             keys, values = self._own[:n], self._own[n:]
-        out = fn(as_int32(tokens).reshape(-1), pos, active, *keys, *values)
+        lead = (as_int32(tokens).reshape(-1), pos, active) + (() if crow is None else (crow,))
+        out = fn(*lead, *keys, *values)
         self.stats.steps += 1
+        self.stats.verify_steps += crow is not None
         self.stats.row_steps += B
         if in_place:
             self._mega_ws = out[2] if len(out) > 2 else None

@@ -185,18 +185,22 @@ def n_splits(capacity: int) -> int:
 
 
 def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.array,
-                     scale: float, use_kernel: bool, start: Optional[mx.array] = None) -> mx.array:
+                     scale: float, use_kernel: bool, start: Optional[mx.array] = None,
+                     crow: Optional[mx.array] = None) -> mx.array:
     """softmax(q K[start:length]^T * scale) V[start:length] for one query token per row.
 
     q [B,H,1,D]; keys/values [B,Hkv,CAP,D] preallocated; length: int32 on the device, [1]
     (every row) or [B] (one a row: the fast runner's rows each at their own column);
     start: int32 [B], row b's first key column (rows of the batch are left-padded), or
-    None (every row from column 0)."""
+    None (every row from column 0); crow: int32 [B], the row of keys/values that row b of q
+    reads (a verify's rows of one slot share it: engine.fast.slots), or None (row b)."""
     drop = 1 if _fault == "attn_drop_last_key" else 0
     B, H, _, D = q.shape
     Hkv, cap = keys.shape[1], keys.shape[2]
     rowlen = int(length.size > 1)
     if not use_kernel:
+        if crow is not None:
+            keys, values = keys[crow], values[crow]
         cols = mx.arange(cap)
         valid = cols < (length - drop).reshape(-1, 1)
         if start is not None:
@@ -210,16 +214,19 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, length: mx.a
     # (the solo step passes no start column: the kernel then reads none, and no zeros
     # array is made every layer of every step)
     extra = [("CAP", cap), ("SCALE_NUM", int(round(scale * 1e9))),
-             ("USE_START", int(start is not None)), ("ROWLEN", rowlen)]
-    ins = [q, keys, values, length, start.astype(mx.int32) if start is not None else length]
+             ("USE_START", int(start is not None)), ("ROWLEN", rowlen), ("USE_CROW", int(crow is not None))]
+    ins = [q, keys, values, length, start.astype(mx.int32) if start is not None else length,
+           crow if crow is not None else length]
     if ns == 1:
-        single = cuda_kernel("mlxp_attn_single", ["q", "keys", "values", "length", "start"], ["out"],
+        single = cuda_kernel("mlxp_attn_single", ["q", "keys", "values", "length", "start", "crow"],
+                             ["out"],
                              source("attn_single.cu"), source("faults.cuh"))
         (out,) = single(inputs=ins, template=common + extra,
                         grid=(B * H * 256, 1, 1), threadgroup=(256, 1, 1),
                         output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype])
         return out
-    part = cuda_kernel("mlxp_attn_partial", ["q", "keys", "values", "length", "start"], ["partial"],
+    part = cuda_kernel("mlxp_attn_partial", ["q", "keys", "values", "length", "start", "crow"],
+                       ["partial"],
                        source("attn_partial.cu"), source("faults.cuh"))
     (partial,) = part(inputs=ins, template=common + extra,
                       grid=(B * H * ns * 256, 1, 1), threadgroup=(256, 1, 1),

@@ -163,10 +163,13 @@ def flow(rows: int) -> int:
 
 class MegaStep:
     """One decode step of B rows as one kernel per group of up to `rows_per_call` rows:
-    `(tokens [B], rpos [B], col [B], start [B], keys, values) -> (logits [B, V], workspaces)`.
-    Row b is rotated at rpos[b], writes its key and value at column col[b] of its row of
-    each layer's cache buffer [B, Hkv, capacity, D] (in place) and attends over columns
-    [start[b], col[b]]. The fast runner passes col = rpos (each row from column 0), start 0."""
+    `(tokens [B], rpos [B], col [B], start [B], crow [B], keys, values) -> (logits [B, V],
+    workspaces)`. Row b is rotated at rpos[b], writes its key and value at column col[b] of
+    row crow[b] of each layer's cache buffer [S, Hkv, capacity, D] (in place) and attends over
+    columns [start[b], col[b]] of that row. The fast runner passes col = rpos (each row from
+    column 0), start 0 and crow its rows' slots (a verify's rows of one slot share it, at
+    consecutive columns: calls of several rows keep the grid barrier between the K/V writes and
+    attention, and a later call's rows sit at later columns)."""
 
     def __init__(self, model, inv_freq: mx.array, config: FastConfig = FastConfig()):
         parts = _parts(model)
@@ -212,10 +215,12 @@ class MegaStep:
         """(first row, rows) of each kernel call for B rows."""
         return [(r, min(self.max_rows, B - r)) for r in range(0, B, self.max_rows)]
 
-    def __call__(self, tokens: mx.array, rpos: mx.array, col: mx.array, start: mx.array, keys, values):
+    def __call__(self, tokens: mx.array, rpos: mx.array, col: mx.array, start: mx.array,
+                 crow: mx.array, keys, values):
         B = tokens.size
         ins = [tokens.astype(mx.int32).reshape(B), rpos.astype(mx.int32).reshape(B),
                col.astype(mx.int32).reshape(B), start.astype(mx.int32).reshape(B),
+               crow.astype(mx.int32).reshape(B),
                *self.shared, *self.layers, *keys, *values]
         logits, wss = [], []
         for row0, rb in self.groups(B):

@@ -71,7 +71,7 @@ def input_names(n_layers: int, quantized: bool = False, qk_norm: bool = False) -
     weights,) then the key and value caches; with `quantized` every weight matrix (the
     embedding and the head too) is followed by its group scales (`_s`) and biases (`_b`)."""
     q = (lambda n: [n, f"{n}_s", f"{n}_b"]) if quantized else (lambda n: [n])
-    names = ["tok", "rpos", "col", "start_col", *q("emb"), "inv_freq", "fnorm", *q("headw")]
+    names = ["tok", "rpos", "col", "start_col", "crow", *q("emb"), "inv_freq", "fnorm", *q("headw")]
     for i in range(n_layers):
         for k in PER_LAYER:
             names += q(f"{k}_{i}") if k in QUANT else [f"{k}_{i}"]

@@ -19,7 +19,8 @@ the others' KV and without a new shape:
 
 The pool stands where the batch scheduler's decode group keeps its per-layer caches
 (`engine.step.batch`): `extend` (graduating rows' `BatchKVCache` layers), `filter(keep)`,
-`rewind(drop)` (a speculating draft's rejected tokens, engine.step.fast_draft), `extract(i)`
+`rewind(drop)` (rejected drafts: engine.step.fast_draft, engine.step.batch_lookup),
+`verify(tokens, lengths)` (a speculating step: each row's token and drafts, engine.step.batch_lookup), `extract(i)`
 (a row's KV as single-row `KVCache` layers, for the prompt cache; `replace(i, ...)` puts such
 layers back), `nbytes`,
 and `__call__(tokens [B]) -> logits [B, V]` for the decode step, rows in the group's order.
@@ -142,6 +143,34 @@ class SlotPool:
             if d:
                 self.held[slot] -= d
         self._dev = None
+
+    def verify(self, tokens: mx.array, lengths: List[int]) -> mx.array:
+        """A verify step (engine.step.batch_lookup): row i's first lengths[i] tokens of `tokens`
+        [B, T] (its current token, then its drafts) go through the model at its next lengths[i]
+        columns, every row's in one fast step whose call rows each name their slot
+        (`FastStep(..., crow=)`), a row's later positions attending to its earlier ones.
+        Returns logits [B, T, V]: row i's position j after its tokens up to j (from lengths[i]
+        on, its last position's again). Each row then holds T more tokens (the ones past
+        lengths[i] never written): `rewind` takes back the ones not kept, at least T - lengths[i]."""
+        B, T = tokens.shape
+        starts = [self.held[s] for s in self.slots]
+        calls = [(i, j) for i, n in enumerate(lengths) for j in range(n)]
+        n_calls = len(calls)
+        calls += [calls[-1]] * (self.step.rows_for(n_calls) - n_calls)   # (padding: the last
+        need = max(h + T for h in starts)                                # call again, same write)
+        if need > self.capacity:
+            self._fit(self.rows, need)
+        toks = tokens.reshape(-1)[mx.array([i * T + j for i, j in calls], dtype=mx.int32)]
+        pos = mx.array([starts[i] + j for i, j in calls], dtype=mx.int32)
+        crow = mx.array([self.slots[i] for i, _ in calls], dtype=mx.int32)
+        logits, _, self.keys, self.values = self.step(toks, pos, mx.ones(pos.shape, mx.int32),
+                                                      self.keys, self.values, crow=crow)
+        first = [sum(lengths[:i]) for i in range(B)]
+        back = [first[i] + min(j, lengths[i] - 1) for i in range(B) for j in range(T)]
+        for s in self.slots:
+            self.held[s] += T
+        self._dev = None
+        return logits[mx.array(back, dtype=mx.int32)].reshape(B, T, -1)
 
     def extract(self, i: int) -> list:
         """Row i's KV as single-row `KVCache` layers (its tokens only)."""

@@ -135,10 +135,18 @@ def gemv_qkv(layer, h: mx.array, pos: mx.array, inv_freq: Optional[mx.array], us
     return attn.rope(q.transpose(0, 2, 1, 3), offset=p), attn.rope(k.transpose(0, 2, 1, 3), offset=p), v
 
 
-def write_rows(buf: mx.array, x: mx.array, cols: mx.array) -> mx.array:
-    """buf [B, Hkv, CAP, D] with row b's x [b, :, 0, :] written at column cols[b] (cols: [B],
-    or [1] for every row)."""
+def write_rows(buf: mx.array, x: mx.array, cols: mx.array, crow: Optional[mx.array] = None) -> mx.array:
+    """buf [S, Hkv, CAP, D] with row b's x [b, :, 0, :] written at column cols[b] (cols: [B],
+    or [1] for every row) of buffer row b, or of buffer row crow[b] (crow [B]: rows of a verify
+    sharing a slot, engine.fast.slots)."""
     B = x.shape[0]
+    if crow is not None:           # (a scatter over the buffer's (row, head, column) lines)
+        S, Hkv, cap, D = buf.shape
+        line = (crow.reshape(B, 1) * Hkv + mx.arange(Hkv)[None]) * cap + cols.reshape(B, 1)
+        flat = mx.put_along_axis(buf.reshape(S * Hkv * cap, D),
+                                 mx.broadcast_to(line.reshape(B * Hkv, 1), (B * Hkv, D)),
+                                 x.reshape(B * Hkv, D), axis=0)
+        return flat.reshape(S, Hkv, cap, D)
     if cols.size == 1:
         return mx.slice_update(buf, x, cols.reshape(1), axes=(2,))
     idx = mx.broadcast_to(cols.reshape(B, 1, 1, 1), x.shape)
@@ -146,15 +154,17 @@ def write_rows(buf: mx.array, x: mx.array, cols: mx.array) -> mx.array:
 
 
 def cached_attention(ks: list, vs: list, write_at: mx.array, length: mx.array, use_attn_kernel: bool,
-                     start: Optional[mx.array] = None) -> Callable:
+                     start: Optional[mx.array] = None, crow: Optional[mx.array] = None) -> Callable:
     """`attend(i, attn, q, k, v)` for `gemv_stack` over per-layer buffers (lists updated in
-    place): row b's k and v written at column `write_at[b]` (or `write_at[0]` for every row),
-    attention over columns [start, length) (length and start: one for every row, or one a
-    row), output [B, 1, H*D]."""
+    place): row b's k and v written at column `write_at[b]` (or `write_at[0]` for every row)
+    of buffer row b (or crow[b]), attention over columns [start, length) of that buffer row
+    (length and start: one for every row, or one a row), output [B, 1, H*D]. Every row's keys
+    are written before any row attends, so a verify's rows of one slot see each other's."""
     def attend(i, attn, q, k, v):
-        ks[i] = write_rows(ks[i], k, write_at)
-        vs[i] = write_rows(vs[i], v, write_at)
-        o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, use_attn_kernel, start=start)
+        ks[i] = write_rows(ks[i], k, write_at, crow)
+        vs[i] = write_rows(vs[i], v, write_at, crow)
+        o = K.decode_attention(q, ks[i], vs[i], length, attn.scale, use_attn_kernel, start=start,
+                               crow=crow)
         return o.transpose(0, 2, 1, 3).reshape(q.shape[0], 1, -1)
     return attend
 

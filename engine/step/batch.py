@@ -63,11 +63,11 @@ class BatchScheduler(LookupSteps):
     the fast step; prefill and a row's first step always run the model (L1).
     deterministic: every row's sliding-window caches keep temporal order
     (`engine.kv.cache.temporal_caches`; engine.deterministic says why).
-    A row with `lookup` speculates (`engine.step.batch_lookup`): L1, full-attention caches.
+    A row with `lookup` speculates (`engine.step.batch_lookup`; with a decoder: `SlotPool.verify`).
     draft_model: a model of the same vocabulary drafting for rows with `draft`
-    (`engine.step.batch_draft`; L1 only: refused with a decoder or deterministic).
+    (`engine.step.batch_draft`; refused in deterministic mode).
     draft_decoder: the draft model's fast step, or None: with it the draft's steps run on the
-    fast runner (`engine.step.fast_draft`; the rows' tokens stay L1's: the model verifies).
+    fast runner (`engine.step.fast_draft`; the rows' tokens are the model's: it verifies).
     draft_max_rows: drafting pauses while more rows decode (`LookupSteps.drafting_paused`).
     first_at_graduate: a row with no scheduler-side ending (no max_tokens, stop tokens or
     tokenizer: the Engine's rows) emits its first token when it graduates.
@@ -110,8 +110,8 @@ class BatchScheduler(LookupSteps):
             pool = SlotPool(decoder, model)
         self._decode = Group(pool)
         if draft_model is not None:
-            if decoder is not None or deterministic:
-                raise ValueError("draft-model rows need the L1 batch runner")
+            if deterministic:
+                raise ValueError("draft-model rows are not taken in deterministic mode")
             if draft_decoder is None:
                 self._decode.draft = DraftBatch(draft_model, prefill_step_size)
             else:
@@ -131,7 +131,7 @@ class BatchScheduler(LookupSteps):
         for name, spec in (("prompt lookup", req.lookup), ("a draft model", req.draft)):
             if spec is None:
                 continue
-            why = ("it needs the L1 batch runner" if self.decoder is not None or self.deterministic
+            why = ("not in deterministic mode" if self.deterministic
                    else "its logits processors are neither grammars nor built-in" if any(
                        not (hasattr(p, "masks_ahead") or getattr(p, "pure", False))
                        for p in req.logits_processors)

@@ -178,7 +178,10 @@ class LookupSteps:
             return None
         tokens = [[y] + [t or 0 for t in d] + [0] * (K - len(d)) for y, d in zip(ys, drafts)]
         tokens = g.draft.placed(rows, tokens) if g.draft is not None else mx.array(tokens)
-        logits = self._forward(g, tokens)                          # [B, K + 1, V]
+        # the fast runner's slot pool verifies each row's own tokens only (engine.fast.slots)
+        pool = g.caches if hasattr(g.caches, "verify") else None
+        logits = (pool.verify(tokens, [1 + len(d) for d in drafts]) if pool is not None
+                  else self._forward(g, tokens))                   # [B, K + 1, V]
         sampled, logprobs = self._sample(g, inputs, logits[:, 0, :])
         spec = [e for e, r in enumerate(rows) if r.spec is not None]
         lp = logits[mx.array(spec)]
@@ -211,7 +214,7 @@ class LookupSteps:
                 nlp.append(lp[j, ok])
                 drop.append(K - ok)
             runs.append(run)
-        for c in g.caches:
+        for c in [pool] if pool is not None else g.caches:
             c.rewind(drop)
         if g.draft is not None:
             g.draft.rewind()

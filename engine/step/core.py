@@ -15,7 +15,7 @@ Each `step()` is one scheduler step (schedule -> execute -> update):
    when `max_batch` is 1 at L1, when the KV cache is quantized, when it selects adapters (the
    batch runs the base weights), brings its own prefix caches or speculates with a draft model
    (`engine.step.draft`) or with prompt lookup where the batch cannot take it
-   (`engine.step.lookup`; on the L1 batch runner lookup and draft-model requests are
+   (`engine.step.lookup`; on the batch and fast runners lookup and draft-model requests are
    speculating rows, `engine.step.batch_lookup`, `batch_draft`; a request with images is a
    row of the L1 batch runner, `batch_vision`, and runs alone on the fast runner or in
    deterministic mode); `stats()["solo_reasons"]` counts why. Rows join while the aggregate
@@ -135,21 +135,21 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         self._fast_step = fast_step_for(model, levers, self.policy)
         self._set_draft(draft_model, draft_tokenizer)   # (engine.step.alone)
         batching = max_batch > 1 or self._fast_step is not None or self.deterministic
-        # draft-model requests as rows of the batch (engine.step.batch_draft): the L1 batch
-        # runner outside deterministic mode; elsewhere they run alone (engine.step.draft: in
-        # deterministic mode so, their drafts never depend on other rows)
-        self.draft_rows = (batching and draft_model is not None and self._fast_step is None
-                           and not self.deterministic)
+        # draft-model requests as rows of the batch (engine.step.batch_draft): the batch and
+        # fast runners (the fast one verifies in its own step: engine.fast.slots.verify) outside
+        # deterministic mode; there they run alone (engine.step.draft: their drafts never
+        # depend on other rows)
+        self.draft_rows = batching and draft_model is not None and not self.deterministic
         # the draft's steps of those rows on the fast runner (engine.step.fast_draft)
         self.draft_step = fast_step_for(draft_model, draft_levers) if self.draft_rows else None
         if draft_max_rows is not None and (not isinstance(draft_max_rows, int) or draft_max_rows < 1):
             raise ValueError(f"draft_max_rows must be a positive integer, got {draft_max_rows!r}")
         self.draft_max_rows = draft_max_rows
         self._sched = self._new_scheduler() if batching else None
-        # prompt lookup as a row of the batch (engine.step.batch_lookup): the L1 batch runner
-        # over full-attention caches; elsewhere a lookup request runs alone
-        self.lookup_rows = (self._sched is not None and self._fast_step is None
-                            and not self.deterministic and lookup_unsupported(model) is None)
+        # prompt lookup as a row of the batch (engine.step.batch_lookup): the batch or fast
+        # runner over full-attention caches; in deterministic mode a lookup request runs alone
+        self.lookup_rows = (self._sched is not None and not self.deterministic
+                            and lookup_unsupported(model) is None)
         # a request with images as a row of the batch (its prompt prefilled from its merged
         # embeddings, engine.step.batch_vision): the L1 batch runner; elsewhere it runs alone
         self.image_rows = (self._sched is not None and self._fast_step is None

@@ -4,11 +4,11 @@ row events go through the Engine's one update (`_token`); rows that finished lea
 together (`BatchScheduler.retire`), their KV to the prompt cache.
 
 A greedy request with prompt lookup is a speculating row (`engine.step.batch_lookup`) where the
-batch can take it (`lookup_rows`: the L1 batch runner, full-attention caches, not deterministic
+batch can take it (`lookup_rows`: the batch or fast runner, full-attention caches, not deterministic
 mode): it may hand out several tokens in one step, one event each; once the update ends it (EOS,
 a stop string, max_tokens), the rest of that step's tokens are dropped and trimmed from the KV
 it leaves to the prompt cache. A greedy request with the engine's draft model is a speculating
-row the same way (`engine.step.batch_draft`, where `draft_rows`: the L1 batch runner; greedy or
+row the same way (`engine.step.batch_draft`, where `draft_rows`: the batch or fast runner; greedy or
 sampled, by mlx-lm's scheme or the speculative-sampling rule).
 
 A request whose images the decoder attends to both ways (`req.whole`: Gemma 4's

@@ -10,6 +10,11 @@ from engine import SamplingParams
 from engine.step.batch_draft import DraftBatch
 from parity.fixtures.models import ensure_fixture
 
+# the speculating-row tests' prompts: repetitive ones (lookup and the drafts find them) and not
+REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
+           list(range(100, 140)) * 2, REPEATS[5:] + [1, 2]]
+
 # (target, draft) fixtures of the draft-model tests: llama's 4-bit copy; qwen3's 4-bit copies
 # draft its answers all right, the `long` bfloat16 variant (its EOS rows scaled) rejects some
 DRAFTS = {"llama": ("q4", ""), "qwen3": ("bfloat16", "long")}

@@ -206,11 +206,13 @@ def test_the_scheduler_frees_a_rows_draft_caches_when_it_leaves(pair):
                                   logits_processors=[lambda toks, lg: lg]))
 
 
-def test_the_fast_runner_and_max_batch_1_run_draft_requests_alone(pair):
-    """A draft-model request runs alone on the exact runner on the fast runner (L3) or with
-    max_batch 1 (a rejection-sampled one is a batch row: test_rejection_sampling.py)."""
+def test_deterministic_mode_and_max_batch_1_run_draft_requests_alone(pair):
+    """A draft-model request runs alone on the exact runner in deterministic mode or with
+    max_batch 1 (a rejection-sampled one is a batch row: test_rejection_sampling.py); on the
+    fast runner (L3) it is a row since 0.6.0 (tests/engine/test_fast_verify.py)."""
     m, tok, d = pair
-    cases = [({"levers": parse_spec("l3")}, dict(temperature=0.0)),
+    assert Engine(m, tok, max_batch=4, draft_model=d, levers=parse_spec("l3")).draft_rows
+    cases = [({"deterministic": True}, dict(temperature=0.0)),
              ({"max_batch": 1}, dict(temperature=0.0))]
     for kw, params in cases:
         eng = Engine(m, tok, draft_model=d, **{"max_batch": 4, **kw})

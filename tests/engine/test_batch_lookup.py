@@ -16,7 +16,8 @@ rows included. Not on a GPU: matmul and attention kernels are chosen by shape, s
 rows that share their step; a nearly tied greedy choice can then flip (not tested here: no
 GPU). Sliding-window models (Gemma 3/4) never get here: their rings cannot be trimmed back
 and a verify forward reads the window in another order, so prompt lookup is refused there
-(or, in deterministic mode, runs alone); on the fast runner (L3) a lookup request runs alone too.
+(or, in deterministic mode, runs alone); on the fast runner (L3) a lookup request is a row
+verified by the fast step (tests/engine/test_fast_verify.py).
 """
 
 import mlx.core as mx
@@ -29,11 +30,8 @@ from engine.levers import parse_spec
 from engine.step.batch import BatchRequest, BatchScheduler
 from engine.step.batch_lookup import RowLookup
 from parity.fixtures.models import ensure_fixture
-from spec_rows import drive, run_row
+from spec_rows import PROMPTS, REPEATS, drive, run_row
 
-REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
-PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
-           list(range(100, 140)) * 2, REPEATS[5:] + [1, 2]]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -197,10 +195,11 @@ def test_the_scheduler_alone_stops_rows_and_trims_their_kv(model):
 
 
 def test_lookup_runs_alone_where_the_batch_cannot_take_it(model):
-    """The fast runner (L3) and deterministic mode keep a lookup request on the exact runner
-    (today's path), as does max_batch 1."""
+    """Deterministic mode keeps a lookup request on the exact runner (today's path); the fast
+    runner (L3) takes it as a row since 0.6.0 (tests/engine/test_fast_verify.py)."""
     m, tok = model
-    for kw in ({"levers": parse_spec("l3")}, {"deterministic": True}):
+    assert Engine(m, tok, max_batch=4, levers=parse_spec("l3")).lookup_rows
+    for kw in ({"deterministic": True},):
         eng = Engine(m, tok, max_batch=4, **kw)
         assert not eng.lookup_rows
         eng.submit(REPEATS, SamplingParams(max_tokens=4, temperature=0.0, prompt_lookup=2))

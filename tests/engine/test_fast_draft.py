@@ -23,11 +23,8 @@ from engine.levers import resolve
 from engine.step.batch_draft import DraftBatch
 from engine.step.fast_draft import FastDraftBatch
 from parity.fixtures.models import ensure_fixture
-from spec_rows import DRAFTS, draft_alone, draft_pair, spy_proposals
+from spec_rows import DRAFTS, PROMPTS, REPEATS, draft_alone, draft_pair, spy_proposals
 
-REPEATS = [5, 6, 7, 8, 9, 10, 11, 12] * 6
-PROMPTS = [REPEATS, list(range(20, 50)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3,
-           list(range(100, 140)) * 2, REPEATS[5:] + [1, 2]]
 
 
 @pytest.fixture(scope="module", params=list(DRAFTS))

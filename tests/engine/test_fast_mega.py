@@ -42,9 +42,9 @@ def test_rows_per_call_fits_shared_memory():
 
 def test_inputs_tables_and_workspace_layout():
     names = C.input_names(3)
-    assert names[:8] == ["tok", "rpos", "col", "start_col", "emb", "inv_freq", "fnorm", "headw"]
+    assert names[:9] == ["tok", "rpos", "col", "start_col", "crow", "emb", "inv_freq", "fnorm", "headw"]
     assert names[-1] == "after" and names[-7:-1] == ["k_0", "k_1", "k_2", "v_0", "v_1", "v_2"]
-    assert len(names) == 8 + 6 * 3 + 6 + 1
+    assert len(names) == 9 + 6 * 3 + 6 + 1
     p3 = C.MegaParams(H=64, NQ=4, NKV=2, D=16, I=128, L=3, V=100, EPS_NUM=10**7, SCALE_NUM=25 * 10**7)
     src = C.config_header(p3)
     assert "const void* WQKV[3] = {wqkv_0, wqkv_1, wqkv_2};" in src and "const T* WQKV_S[3] = {};" in src
@@ -57,7 +57,7 @@ def test_inputs_tables_and_workspace_layout():
     assert C.n_stamps(16) == 2 + 5 * 16
     # q/k norms: per layer their two weights after the projections, before the caches
     qk = C.input_names(3, qk_norm=True)
-    assert qk[8 + 6 * 3: 8 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
+    assert qk[9 + 6 * 3: 9 + 6 * 3 + 6] == ["qn_0", "kn_0", "qn_1", "kn_1", "qn_2", "kn_2"]
     assert qk[-7:] == names[-7:] and len(qk) == len(names) + 6
     assert "const T* QN[3] = {qn_0, qn_1, qn_2};" in C.config_header(replace(p3, QKN=1))
     assert "const T* QN[3] = {};" in src
@@ -83,7 +83,7 @@ def test_qwen3_q_k_norms_in_the_kernel_by_default(monkeypatch):
     assert step.qkn and len(step.layers) == 8 * step.L
     assert step.layers[6 * step.L] is a0.q_norm.weight and step.layers[6 * step.L + 1] is a0.k_norm.weight
     names = C.input_names(step.L, qk_norm=True)
-    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
+    assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_quantized_weights_4bit_and_8bit(monkeypatch):
     a0 = q4.layers[0].self_attn
     step = MG.MegaStep(q4, mx.ones((a0.head_dim // 2,)))
     names = C.input_names(step.L, quantized=True)
-    assert len(names) - 1 == 4 + len(step.shared) + len(step.layers) + 2 * step.L
+    assert len(names) - 1 == 5 + len(step.shared) + len(step.layers) + 2 * step.L
     assert step.dtype == q4.layers[0].mlp.down_proj.scales.dtype
     hdr = C.config_header(step.params)
     assert step.params.QB == 4 and "const T* WQKV_S[" in hdr and f"_S[{step.L}] = {{}}" not in hdr
@@ -260,7 +260,7 @@ def test_flow_on_the_solo_step_only(llama, monkeypatch):
     kv = [mx.zeros((1,))] * step.L
     for B in (1, 2, 5):
         z = mx.zeros((B,), dtype=mx.int32)
-        step(z, z, z, z, kv, kv)
+        step(z, z, z, z, z, kv, kv)
     assert [s[:3] for s in seen] == [(1, 0, 1), (2, 0, 0), (4, 0, 0), (1, 4, 0)]
     assert all(s[3] == n_inputs for s in seen)
     assert (MG.flow(1), MG.flow(2), MG.flow(8)) == (1, 0, 0)

@@ -1,5 +1,6 @@
 // Decode attention, the part both kernels share (engine.fast.kernels.decode_attention): block =
-// (row b, query head h, chunk s of the row's keys [start, length)); its 8 warps stride over the
+// (row b, query head h, chunk s of the row's keys [start, length) in buffer row b, or crow[b]
+// with USE_CROW); its 8 warps stride over the
 // chunk's keys, each keeping an online softmax (max m, sum l, output acc); then the block's
 // warps meet in shared memory and M is the block's max. Included by attn_partial.cu and
 // attn_single.cu; L3_FAULT_DROP (faults.cuh) leaves the newest key out.
@@ -16,8 +17,10 @@
   const int j0 = lo + s * chunk;
   const int j1 = min(len, j0 + chunk);
   const T* qp = q + ((size_t)b * H + h) * D;
-  const T* kp = keys + ((size_t)b * HKV + kvh) * (size_t)CAP * D;
-  const T* vp = values + ((size_t)b * HKV + kvh) * (size_t)CAP * D;
+  // the buffer row the row's keys and values are in (USE_CROW: crow[b], a verify's rows sharing one)
+  const size_t brow = USE_CROW ? (size_t)crow[b] : (size_t)b;
+  const T* kp = keys + (brow * HKV + kvh) * (size_t)CAP * D;
+  const T* vp = values + (brow * HKV + kvh) * (size_t)CAP * D;
   float qf[PER], acc[PER];
 #pragma unroll
   for (int e = 0; e < PER; ++e) {

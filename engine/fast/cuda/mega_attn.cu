@@ -29,7 +29,7 @@
       // and the first heads' flags are the first up)
       for (int u = flow ? NW - 1 - gw : gw; u < RB * NQ * nch; u += NW) {
         const int b = u / (NQ * nch), hq = (u / nch) % NQ, c = u % nch, g = hq / (NQ / NKV);
-        const size_t row = (size_t)(ROW0 + b);
+        const size_t row = (size_t)crow[ROW0 + b];     // (its cache row)
         const T* kb = kcache + (row * NKV + g) * CAP * D;
         const T* vb = vcache + (row * NKV + g) * CAP * D;
         const int start = max(c * cs, start_col[ROW0 + b]), end = min(col[ROW0 + b] + 1 - L3_FAULT_DROP, c * cs + cs);

@@ -15,7 +15,7 @@
       // their two values (each the projection's output rounded to T)
       auto pair_out = [&](int u, int b, float x1, float x2) {
         const int head = u / HALF, i = u % HALF;
-        const size_t row = (size_t)(ROW0 + b);
+        const size_t row = (size_t)crow[ROW0 + b];      // (its cache row)
         if (QKN && head < NQ + NKV) {          // normalised and rotated in phase A2
           float* dst = head < NQ ? qbuf + b * QD + head * D : kraw + b * QD + (head - NQ) * D;
           dst[i] = x1;
@@ -29,12 +29,12 @@
             qbuf[b * QD + head * D + i] = static_cast<float>(y1);
             qbuf[b * QD + head * D + i + HALF] = static_cast<float>(y2);
           } else {
-            T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + col[row]) * D;
+            T* kc = KC[l] + ((row * NKV + (head - NQ)) * CAP + col[ROW0 + b]) * D;
             kc[i] = y1;
             kc[i + HALF] = y2;
           }
         } else {
-          T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + col[row]) * D;
+          T* vc = VC[l] + ((row * NKV + (head - NQ - NKV)) * CAP + col[ROW0 + b]) * D;
           vc[i] = T(x1);
           vc[i + HALF] = T(x2);
         }
@@ -101,7 +101,7 @@
             src[i] = static_cast<float>(z1);
             src[i + HALF] = static_cast<float>(z2);
           } else {
-            T* kc = KC[l] + (((size_t)(ROW0 + b) * NKV + (hd - NQ)) * CAP + col[ROW0 + b]) * D;
+            T* kc = KC[l] + (((size_t)crow[ROW0 + b] * NKV + (hd - NQ)) * CAP + col[ROW0 + b]) * D;
             kc[i] = z1;
             kc[i + HALF] = z2;
           }

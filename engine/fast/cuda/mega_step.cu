@@ -34,8 +34,10 @@
 // arrays stay the cache: nothing is copied).
   using namespace mlxp_mega;
   // rows ROW0 .. ROW0 + RB - 1 of the batch; row b: token tok[ROW0 + b], RoPE position
-  // rpos[ROW0 + b], keys and values written at column col[ROW0 + b] of cache row ROW0 + b,
-  // attention over columns [start[ROW0 + b], col[ROW0 + b]] (the fast runner: col = rpos, start 0)
+  // rpos[ROW0 + b], keys and values written at column col[ROW0 + b] of cache row crow[ROW0 + b],
+  // attention over columns [start[ROW0 + b], col[ROW0 + b]] of that row (the fast runner: col =
+  // rpos, start 0; crow: the row's own slot; a verify's rows of one slot share it, each at its
+  // own column: the grid barrier between phases A and B lets each see the others' keys)
   constexpr int WPB = THREADS / 32, CT = 32 * WPB;
   constexpr int QD = NQ * D, HALF = D / 2, DPL = D / 32;
   constexpr int NPAIR = (NQ + 2 * NKV) * HALF;
