@@ -29,7 +29,8 @@
 # fverify (experiments/fast_verify_gpu.py on FV_MODELS, default 1b 8b-q4: the fast runner's verify step against single
 #   fast steps, bit-equal / argmax, and its cost against a plain step, FV_ROWS rows, K of FV_KS).
 # stalls (experiments/spec_stalls.py on spec's trained pair: staggered speculating rows, K STALLS_K, a stack for each slow step).
-# rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows).
+# rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows;
+#   ROUNDS_TIER=l3: the target on the fast runner; ROUNDS_MODES: which of lookup,draft,fastdraft).
 # phases (experiments/ttft_phases.py on PHASE_MODELS: where a cached agent turn's first token goes, PHASE_ARGS, PHASE_PROFILE,
 #   once per PHASE_VARIANTS entry: - or an env assignment such as MLXP_BUCKETED_SDPA=1).
 # det (experiments/deterministic_gpu.py: the batch-invariant kernels op by op, the needle on 1b bf16 and 4-bit, controls, cost).
@@ -156,6 +157,7 @@ fi
 if has rounds; then
   stage rounds
   timeout ${ROUNDS_S:-300} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} --rows ${ROUNDS_ROWS:-1} --draft-layers ${SPEC_DRAFT_LAYERS:-4} ${SPEC_INFLATE:+--inflate $SPEC_INFLATE} \
+    --tier ${ROUNDS_TIER:-l1} --modes ${ROUNDS_MODES:-lookup,draft,fastdraft} \
     --gen ${GEN:-128} --tag h100 --out "$OUT/rounds" 2>&1 | grep -v '"step"' | tail -8
 fi
 if has ab; then

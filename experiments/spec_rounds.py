@@ -68,10 +68,12 @@ class _WaitTimed:
         self._spent["wait"] = self._spent.get("wait", 0.0) + time.perf_counter() - t0
 
 
-def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts, rows: int = 1) -> dict:
+def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts, rows: int = 1,
+        tier: str = "l1") -> dict:
     """parts: False (wall time only), True (each part with the device synchronised around
     it) or "host" (no synchronisation: a round's host time in the draft's proposal, in
-    building the verify forward, waiting for it, and the rest)."""
+    building the verify forward, waiting for it, and the rest). tier: the target's runner
+    (l1: the batch runner; l3: the fast runner, whose verify is `SlotPool.verify`)."""
     import mlx.core as mx
 
     from engine import Engine, SamplingParams, for_tier
@@ -79,8 +81,10 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts, rows: in
     from engine.step.batch import BatchScheduler
     from engine.step.batch_draft import DraftBatch
     from engine.step.batch_lookup import LookupSteps
+    from engine.fast.slots import SlotPool
     drafting = mode in ("draft", "fastdraft")
     eng = Engine(target, tok, max_batch=max(4, rows), prompt_cache=None,
+                 levers=for_tier("l3") if tier == "l3" else None,
                  draft_model=draft if drafting else None,
                  draft_levers=for_tier("l3") if mode == "fastdraft" else None)
     params = SamplingParams(max_tokens=gen, temperature=0.0, num_draft_tokens=k,
@@ -91,7 +95,7 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts, rows: in
     if parts == "host":
         saved = [(cls, name, _timed(cls, name, spent, key, sync=False)) for cls, name, key in
                  ((DraftBatch, "propose", "propose"), (BatchScheduler, "_forward", "build"),
-                  (LookupSteps, "_lookup_step", "round"))]
+                  (SlotPool, "verify", "build"), (LookupSteps, "_lookup_step", "round"))]
         batch_lookup.mx = _WaitTimed(mx, spent)
     elif parts:
         saved = [(DraftBatch, "propose", _timed(DraftBatch, "propose", spent)),
@@ -116,7 +120,7 @@ def way(target, tok, draft, mode: str, k: int, gen: int, n: int, parts, rows: in
         for cls, name, real in saved:
             setattr(cls, name, real)
         batch_lookup.mx = mx
-    row = {"mode": mode, "parts": parts, "rows": rows, "tok_s": round(toks / wall, 1),
+    row = {"mode": mode, "tier": tier, "parts": parts, "rows": rows, "tok_s": round(toks / wall, 1),
            "tokens_a_step": round(toks / max(steps, 1), 2),
            "step_ms": round(1000 * wall / max(steps, 1), 3)}
     if parts == "host":
@@ -144,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1", help="requests decoding together, a comma list "
                     "(each way runs at each; tokens a step count every row's)")
     ap.add_argument("--inflate", default=None, choices=sorted(PRESETS), help="spec_bench's --inflate")
+    ap.add_argument("--tier", default="l1", choices=("l1", "l3"),
+                    help="the target's runner: l1 (the batch runner) or l3 (the fast runner)")
+    ap.add_argument("--modes", default="lookup,draft,fastdraft", help="plain (always) and which of these")
     ap.add_argument("--quick", action="store_true", help="CPU check: small shapes, few steps")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out", default=None)
@@ -154,9 +161,11 @@ def main(argv=None) -> int:
     target, tok, draft = loaded_pair(a.target, work, a.steps, a.quick, a.draft_layers, a.inflate)
     rows = []
     for n_rows in [int(x) for x in a.rows.split(",")]:
-        for mode in ("plain", "lookup", "draft", "fastdraft"):
+        for mode in ("plain",) + tuple(m for m in ("lookup", "draft", "fastdraft")
+                                       if m in a.modes.split(",")):
             for parts in ((False,) if mode == "plain" else (False, True, "host")):
-                rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts, n_rows))
+                rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts, n_rows,
+                                a.tier))
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(a.out) if a.out else report_dir("spec_rounds", a.tag)
     out.mkdir(parents=True, exist_ok=True)

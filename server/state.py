@@ -280,7 +280,8 @@ class ServerState:
             "warm_up": (None if self.warmed is None else
                         {"buckets": list(self.warmed.buckets), "seconds": round(self.warmed.seconds, 3),
                          "traces": self.warmed.traces, "draft_buckets": list(self.warmed.draft_buckets),
-                         "l1_rows": list(self.warmed.l1_rows)}),
+                         "l1_rows": list(self.warmed.l1_rows),
+                         "lookup_buckets": list(self.warmed.lookup_buckets)}),
             # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
             # forwards; summed, per source and per recent request
             "speculation": {**self.engine.stats()["speculation"],
@@ -347,7 +348,8 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             from engine import warm_up
             # (not the L1 burst under tensor parallelism: its followers step with the leader)
             state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens,
-                                   l1=False if config.tensor_parallel else None)
+                                   l1=False if config.tensor_parallel else None,
+                                   lookup=0 if config.deterministic else config.prompt_lookup)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

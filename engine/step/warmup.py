@@ -19,6 +19,10 @@ Without it, on an H100 the first such steps of a fresh process took 2-7 s each (
 their kernels; reports/spec_stalls/0.5.9/) and a served burst of 8 speculating clients got a
 first token after 4.9 s (spec_bench's `ttft_max_ms`).
 
+With `lookup` (engine-serve's `--prompt-lookup N`) it decodes throw-away prompt-lookup rows the
+same way (repetitive prompts, so drafts are found), at each rows bucket of the fast runner
+(where the rows' verify is a fast step of new row counts) or, on the L1 runner, 1 and max_batch.
+
 On CUDA an engine with neither (the L1 runners: engine-serve's default) decodes throw-away rows
 joining one step apart and leaving at different lengths, one row and `max_batch` rows (at most
 L1_ROWS), for the same reason: in that H100 process the first prefill took 6.2 s and the first
@@ -45,6 +49,7 @@ class WarmUp:
     traces: int             # traces the fast runner made during the warm-up
     draft_buckets: tuple = ()   # the speculating rows' counts decoded (a draft model's)
     l1_rows: tuple = ()         # the L1 batch's row counts decoded (no fast runner, no draft rows)
+    lookup_buckets: tuple = ()  # the prompt-lookup rows' counts decoded (`lookup`)
 
 
 L1_ROWS = 8    # the L1 warm-up's most rows (a cap, so a large max_batch keeps the start short)
@@ -90,6 +95,50 @@ def draft_buckets_for(engine, l1: Optional[bool] = None) -> tuple:
     return _buckets(step, engine.max_batch)
 
 
+def lookup_buckets_for(engine, lookup: int, l1: Optional[bool] = None) -> tuple:
+    """The prompt-lookup rows' counts the warm-up decodes where requests look up (`lookup` > 0)
+    as batch rows: each rows bucket of the fast runner, or on L1 where `_jit(l1)` 1 and
+    max_batch (at most L1_ROWS); else none."""
+    if not lookup or not engine.lookup_rows:
+        return ()
+    if engine.fast_step is None:
+        return _l1_counts(engine) if _jit(l1) else ()
+    return _buckets(engine.fast_step, engine.max_batch)
+
+
+def verify_shapes(step, max_batch: int, k: int) -> list:
+    """(call rows, slots) of every verify step of the fast runner's `step` for rows that draft
+    up to k tokens: for each slots bucket of 1..max_batch rows, each call-rows bucket from all
+    of them without a draft to all of them with k."""
+    out = set()
+    for slots in {step.rows_for(n) for n in range(1, max_batch + 1)}:
+        rows = min(slots, max_batch)
+        for calls in range(rows, rows * (k + 1) + 1):
+            out.add((step.rows_for(calls), slots))
+    return sorted(out)
+
+
+def _verify_warm_up(engine, k: int) -> None:
+    """One throw-away verify step (`SlotPool.verify`) for each of `verify_shapes`, on a slot
+    pool of its own (rows of one prompt token each): the shapes speculating rows meet on the
+    fast runner are traced and their kernels built, whatever mix of drafts arrives."""
+    import mlx.core as mx
+
+    from engine.fast.slots import SlotPool
+    from engine.kv.batch_cache import batch_caches
+    step, model = engine.fast_step, engine.model
+    for calls, slots in verify_shapes(step, engine.max_batch, k):
+        rows = min(slots, engine.max_batch)
+        pool = SlotPool(step, model)
+        for _ in range(rows):
+            caches = model.make_cache()
+            model(mx.array([[1]]), cache=caches)
+            pool.extend(batch_caches([caches]))
+        n = min(calls, rows * (k + 1))            # (the bucket's most call rows these rows make)
+        lengths = [n // rows + (i < n % rows) for i in range(rows)]
+        mx.eval(pool.verify(mx.ones((rows, k + 1), dtype=mx.int32), lengths))
+
+
 def _traces(engine) -> int:
     return sum(s.stats.traces for s in (engine.fast_step, engine.draft_step) if s is not None)
 
@@ -103,11 +152,13 @@ def l1_rows_for(engine, l1: Optional[bool] = None) -> tuple:
     return _l1_counts(engine)
 
 
-def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: int, **kw) -> None:
+def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: int,
+               period: int = 0, **kw) -> None:
     """n throw-away greedy rows, each submitted one step after the one before and asking for
-    one more token, run to the end (rows join while others decode and leave one by one)."""
+    one more token, run to the end (rows join while others decode and leave one by one);
+    `period`: their prompts repeat every that many tokens (0: they do not)."""
     for i in range(n):
-        ids = [(5 * i + 3 * j + 2) % vocab for j in range(prompt_len + i)]
+        ids = [(5 * i + 3 * (j % period if period else j) + 2) % vocab for j in range(prompt_len + i)]
         engine.submit(ids, SamplingParams(max_tokens=tokens + extra + i, temperature=0.0, **kw))
         engine.step()
     while engine.has_unfinished():
@@ -115,15 +166,17 @@ def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: 
 
 
 def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
-            l1: Optional[bool] = None) -> WarmUp:
+            l1: Optional[bool] = None, lookup: int = 0) -> WarmUp:
     """Decode `tokens` tokens for n throw-away rows (greedy, prompts of `prompt_len` tokens)
     for each n of `buckets_for(engine)`, one group after another; then, with a draft model,
     n speculating rows (`draft_tokens` drafts a step) for each n of `draft_buckets_for`,
-    joining one step apart; on the L1 runners alone, n rows joining one step apart for each n
-    of `l1_rows_for` (`l1`: the L1 paths' warm-ups on or off; default: on CUDA only). Returns
-    what was built; the engine's counters are left as they were."""
+    joining one step apart; with `lookup` (the n-gram), prompt-lookup rows the same way for
+    each n of `lookup_buckets_for`; on the L1 runners alone, n rows joining one step apart for
+    each n of `l1_rows_for` (`l1`: the L1 paths' warm-ups on or off; default: on CUDA only).
+    Returns what was built; the engine's counters are left as they were."""
     rows, spec, plain = buckets_for(engine), draft_buckets_for(engine, l1), l1_rows_for(engine, l1)
-    if not rows and not spec and not plain:
+    look = lookup_buckets_for(engine, lookup, l1)
+    if not rows and not spec and not plain and not look:
         return WarmUp((), 0.0, 0)
     t0, traces0 = time.perf_counter(), _traces(engine)
     lanes, reasons, spec_counts = dict(engine.lanes), dict(engine.solo_reasons), engine.spec
@@ -141,9 +194,14 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
                                                   use_draft=False))
             while engine.has_unfinished():
                 engine.step()
+        if engine.fast_step is not None and (spec or look):
+            _verify_warm_up(engine, draft_tokens)
         for n in spec:       # (rows join one step apart and leave at different lengths)
             _staggered(engine, n, vocab, prompt_len, tokens, 2 * n + draft_tokens + 2,
                        num_draft_tokens=draft_tokens)
+        for n in look:       # (prompts repeating every 4 tokens: the rows find drafts)
+            _staggered(engine, n, vocab, 4 * prompt_len, tokens, 2 * n + draft_tokens + 2,
+                       period=4, prompt_lookup=lookup, num_draft_tokens=draft_tokens)
         for n in plain:      # (2n more tokens: the first row is still decoding when the last joins)
             _staggered(engine, n, vocab, prompt_len, tokens, 2 * n, use_draft=False)
     finally:
@@ -151,4 +209,4 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
         engine.lanes, engine.solo_reasons = lanes, reasons
         engine.spec = spec_counts      # (the throw-away rows' drafts: counted in a copy only)
         engine.steps, engine.peak_rows = steps, peak
-    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, plain)
+    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, plain, look)

@@ -94,8 +94,14 @@ def test_engine_serve_warms_up_before_ready():
         w = st.stats()["warm_up"]
         assert (w is not None) == warmed
         if warmed:
-            assert w["buckets"] == [1, 2, 4] and w["traces"] >= 3
+            assert w["buckets"] == [1, 2, 4] and w["traces"] >= 3 and w["lookup_buckets"] == []
             assert st.stats()["batch"]["lanes"] == {"batch": 0, "serial": 0}
+    # --prompt-lookup N on the fast runner: lookup rows and their verify shapes warmed too
+    args = parser().parse_args(["--model", str(FIXTURE), "--tier", "l3", "--batch", "4",
+                                "--prompt-lookup", "2"])
+    st = build_state(config_from_args(args))
+    assert st.stats()["warm_up"]["lookup_buckets"] == [1, 2, 4]
+    assert st.engine.fast_step.stats.verify_steps > 0
 
 
 def _spec_engine():
@@ -135,3 +141,52 @@ def test_without_the_warm_up_speculating_bursts_trace():
     for n in (1, 3, 8, 5, 2, 7):
         _spec_burst(eng, n, rng)
     assert eng.draft_step.stats.traces >= 3
+
+
+def _lookup_burst(eng, n, rng):
+    """n prompt-lookup requests arriving one step apart, their prompts repetitive (drafts found)."""
+    for _ in range(n):
+        period = rng.randrange(2, 6)
+        base = [rng.randrange(4, 900) for _ in range(period)]
+        eng.submit((base * 12)[:rng.randrange(8, 40)],
+                   SamplingParams(max_tokens=rng.randrange(4, 14), temperature=0.0,
+                                  prompt_lookup=2, num_draft_tokens=4))
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+
+
+def _fast_spec_engine(draft: bool):
+    from engine.levers import resolve
+    m, tok = engine.load(str(ensure_fixture("qwen3", "float32")))
+    d = engine.load(str(ensure_fixture("qwen3", "bfloat16", variant="long")))[0] if draft else None
+    return Engine(m, tok, max_batch=8, prompt_cache=None, levers=resolve("l3"), draft_model=d,
+                  draft_levers=resolve("l3") if draft else None)
+
+
+def _fast_traces(eng):
+    return sum(s.stats.traces for s in (eng.fast_step, eng.draft_step) if s is not None)
+
+
+def test_on_the_fast_runner_the_warm_up_builds_the_verify_shapes():
+    """The model on the fast runner, rows speculating (a draft model; prompt lookup with
+    `lookup`): the warm-up's speculating rows run verify steps at each rows bucket, and
+    staggered speculating traffic afterwards traces neither the model's step nor the draft's;
+    the control, the same traffic on cold engines, traces both."""
+    from engine.step.warmup import lookup_buckets_for
+    rng_seed = 3
+    for draft in (True, False):
+        eng = _fast_spec_engine(draft)
+        assert lookup_buckets_for(eng, 0) == () and eng.lookup_rows
+        w = warm_up(eng, lookup=0 if draft else 2)
+        assert (w.draft_buckets if draft else w.lookup_buckets) == (1, 2, 4, 8)
+        assert eng.fast_step.stats.verify_steps > 0 and eng.stats()["speculation"]["drafted"] == 0
+        before, rng = _fast_traces(eng), random.Random(rng_seed)
+        for n in (1, 3, 8, 5, 2, 7):
+            (_spec_burst if draft else _lookup_burst)(eng, n, rng)
+        assert eng.stats()["speculation"]["drafted"] > 0
+        assert _fast_traces(eng) == before
+        cold, rng = _fast_spec_engine(draft), random.Random(rng_seed)
+        for n in (1, 3, 8, 5, 2, 7):
+            (_spec_burst if draft else _lookup_burst)(cold, n, rng)
+        assert _fast_traces(cold) >= 4
