@@ -269,6 +269,13 @@ def main(argv=None) -> int:
     target, draft = trained_pair(a.target, work, a.steps, draft_steps, a.quick, a.draft_layers)
     target = inflated(target, a.inflate, work)
     train_s = time.perf_counter() - t0
+    # the buffers training and inflating left in MLX's cache go back to the card before the
+    # servers load (on an H100 an 8B-shaped server ran out of memory at its start without it)
+    import gc
+
+    import mlx.core as mx
+    gc.collect()
+    mx.clear_cache()
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     lookup_k = [int(x) for x in a.lookup_k.split(",")] if a.lookup_k else None
     rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes, lookup_k,
