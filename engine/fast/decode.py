@@ -49,8 +49,10 @@ from .step import KernelChoice, cached_attention, gemv_ok, gemv_stack, layer_sta
 
 SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
-# traces kept: (row buckets: 7 up to 64 rows) x (capacities: 9 up to 131,072 columns) fit
-MAX_TRACES = 64
+# traces kept: a server's shapes all stay held — per capacity in use (512 x 2^k columns) its
+# rows buckets (7 up to 64 rows) and, where rows speculate, its verify steps' (call rows,
+# slots) buckets (24 for 32 rows drafting 4 tokens: engine.step.warmup.verify_shapes)
+MAX_TRACES = 256
 
 
 def capacity_for(need: int) -> int:

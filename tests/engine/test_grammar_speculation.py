@@ -4,7 +4,8 @@ prompt lookup or draft model, and every verify position is processed as a single
 be (engine.step.batch_lookup `processed_positions`: a grammar's masks computed ahead,
 `GrammarProcessor.masks_ahead`; a penalty called with the drafts' context): on the CPU every
 row's tokens and logprob vectors equal those of the same batch without speculation, drafts are
-kept, and the output follows the schema. Negative control: the verify positions left unmasked change the
+kept, and the output follows the schema — on the batch runner and on the fast runner (L3, its
+verify one fast step). Negative control: the verify positions left unmasked change the
 logprob vectors. Alone (max_batch 1) a grammar request still decodes without speculation."""
 
 from __future__ import annotations
@@ -68,12 +69,15 @@ def _params(tok, **kw):
                           **kw)
 
 
-def _plain_and_spec(m, tok, d, source, errors=None):
-    """(rows without speculation, the same rows speculating: two grammar rows, one plain)."""
+def _plain_and_spec(m, tok, d, source, errors=None, tier="l1"):
+    """(rows without speculation, the same rows speculating: two grammar rows, one plain);
+    tier l3: the rows on the fast runner (each verify one fast step, engine.fast.slots)."""
+    from engine.levers import resolve
     runs = []
     for on in (False, True):
         eng = Engine(m, tok, max_batch=4, prompt_cache=None, keep_logprob_arrays=True,
-                     draft_model=d if source == "draft" else None)
+                     draft_model=d if source == "draft" else None,
+                     levers=resolve("l3") if tier == "l3" else None)
         spec = ({"prompt_lookup": 2 if on else 0, "num_draft_tokens": 4} if source == "lookup"
                 else {"use_draft": on, "num_draft_tokens": 3})
         pen = dict(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.5,
@@ -89,10 +93,11 @@ def _plain_and_spec(m, tok, d, source, errors=None):
     return runs
 
 
+@pytest.mark.parametrize("tier", ["l1", "l3"])
 @pytest.mark.parametrize("source", ["lookup", "draft"])
-def test_processed_rows_speculate_with_the_logits_of_plain_decoding(models, source):
+def test_processed_rows_speculate_with_the_logits_of_plain_decoding(models, source, tier):
     m, tok, d = models
-    (plain, _), (spec, counts) = _plain_and_spec(m, tok, d, source)
+    (plain, _), (spec, counts) = _plain_and_spec(m, tok, d, source, tier=tier)
     for a, b in zip(plain, spec):
         assert _same(a, b)
     for text, _, _ in spec[:2] + spec[4:]:
