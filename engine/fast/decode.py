@@ -51,7 +51,7 @@ SUPPORTED_TYPES = ("llama", "qwen3")
 CAPACITY_STEP = 512
 # traces kept: a server's shapes all stay held — per capacity in use (512 x 2^k columns) its
 # rows buckets (7 up to 64 rows) and, where rows speculate, its verify steps' (call rows,
-# slots) buckets (24 for 32 rows drafting 4 tokens: engine.step.warmup.verify_shapes)
+# slots) buckets (39 for 32 rows drafting 4 tokens: engine.step.warmup.verify_shapes)
 MAX_TRACES = 256
 
 

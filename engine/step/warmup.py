@@ -108,12 +108,12 @@ def lookup_buckets_for(engine, lookup: int, l1: Optional[bool] = None) -> tuple:
 
 def verify_shapes(step, max_batch: int, k: int) -> list:
     """(call rows, slots) of every verify step of the fast runner's `step` for rows that draft
-    up to k tokens: for each slots bucket of 1..max_batch rows, each call-rows bucket from all
-    of them without a draft to all of them with k."""
+    up to k tokens: for each slots bucket of 1..max_batch rows, each call-rows bucket from one
+    row without a draft (the others left, the last slot still held) to all of them with k."""
     out = set()
     for slots in {step.rows_for(n) for n in range(1, max_batch + 1)}:
         rows = min(slots, max_batch)
-        for calls in range(rows, rows * (k + 1) + 1):
+        for calls in range(1, rows * (k + 1) + 1):
             out.add((step.rows_for(calls), slots))
     return sorted(out)
 
@@ -135,6 +135,9 @@ def _verify_warm_up(engine, k: int) -> None:
             model(mx.array([[1]]), cache=caches)
             pool.extend(batch_caches([caches]))
         n = min(calls, rows * (k + 1))            # (the bucket's most call rows these rows make)
+        if n < rows:                              # (fewer rows: the others left, the last stays)
+            pool.filter(list(range(n - 1)) + [rows - 1])
+            rows = n
         lengths = [n // rows + (i < n % rows) for i in range(rows)]
         mx.eval(pool.verify(mx.ones((rows, k + 1), dtype=mx.int32), lengths))
 
