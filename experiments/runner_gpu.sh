@@ -36,7 +36,8 @@
 # det (experiments/deterministic_gpu.py: the batch-invariant kernels op by op, the needle on 1b bf16 and 4-bit, controls, cost).
 # detops (experiments/det_ops_probe.py: deterministic mode's ops one by one against the stock ones).
 # sdpa (experiments/sdpa_plan_probe.py: a new K/V length's cost to a multi-token query, exact vs padded+masked vs composed).
-# GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows.
+# GATE_QUANT_ONLY=1 gates only the quantized model (GATE_BITS) at GATE_BATCH rows; GATE_VERIFY=1,8: the fast
+# runner's verify steps too (speculating rows, K 4, some drafts taken back), at those row counts.
 set -u
 export PYTHONUNBUFFERED=1 MLXP_FIXTURE_DIR=/tmp/fix HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/runner}; mkdir -p "$OUT"; T0=$(date +%s)
@@ -50,7 +51,7 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 if has gate; then
   stage gate
   timeout ${GATE_S:-300} python3 experiments/trained_gate.py --preset 1b --steps ${GATE_STEPS:-500} \
-    --gate-batch ${GATE_BATCH:-8,32} --bits ${GATE_BITS:-4} ${GATE_QUANT_ONLY:+--quant-only} --out "$OUT/gate" 2>&1 | grep -v '"step"' | tail -40
+    --gate-batch ${GATE_BATCH:-8,32} ${GATE_VERIFY:+--gate-verify $GATE_VERIFY} --bits ${GATE_BITS:-4} ${GATE_QUANT_ONLY:+--quant-only} --out "$OUT/gate" 2>&1 | grep -v '"step"' | tail -40
 fi
 if has inproc; then
   stage inproc

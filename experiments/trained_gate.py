@@ -117,6 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gate-steps", type=int, default=32)
     ap.add_argument("--gate-batch", default="", help="also gate the fast runner's rows, joining "
                     "and leaving mid-flight, at these row counts (e.g. 1,8,32)")
+    ap.add_argument("--gate-verify", default="", help="also gate the fast runner's verify steps "
+                    "(speculating rows, up to --gate-k drafts a step, some taken back) at these "
+                    "row counts (e.g. 1,8)")
+    ap.add_argument("--gate-k", type=int, default=4, help="with --gate-verify: the most drafts")
     ap.add_argument("--bits", default="", help="also gate the trained model quantized to these "
                     "bits (comma list, e.g. 4): saved in --out/model-qN, results in --out/gate-qN")
     ap.add_argument("--quant-only", action="store_true",
@@ -142,12 +146,16 @@ def main(argv=None) -> int:
         w = lang.walk(half)
         prompts.append(w + w[:8])
     batches = [int(x) for x in str(a.gate_batch).split(",") if x.strip()]
+    verifies = [int(x) for x in str(a.gate_verify).split(",") if x.strip()]
 
     def gate(model_dir: Path) -> list:
         res = l3_gate.run_gate(model_dir, parse_spec("l3"), prompt_list=prompts, steps=a.gate_steps)
         for rows in batches:
             res += l3_gate.run_batch_gate(model_dir, rows, parse_spec("l3"),
                                           prompt_list=prompts, steps=a.gate_steps)
+        for rows in verifies:
+            res += l3_gate.run_verify_gate(model_dir, rows, a.gate_k, parse_spec("l3"),
+                                           prompt_list=prompts, steps=a.gate_steps)
         return res
 
     results = [] if (a.quant_only and a.bits) else gate(mdir)

@@ -19,7 +19,9 @@ With `--batch N` the gate also runs the fast runner's rows: N prompts of differe
 lengths, joining the batch at different steps and leaving when their sequence ends (rows
 join and leave mid-flight, so the rows bucket changes), teacher-forced through the fast
 runner (`engine.fast.slots.SlotPool` over `engine.fast.decode.FastStep`) against each row
-alone on L1; variants `batchN:l3`, `batchN:fault:*`.
+alone on L1; variants `batchN:l3`, `batchN:fault:*`. With `--verify N` the same rows take the
+fast runner's verify steps as speculating rows do (`SlotPool.verify`: up to K + 1 positions a
+row a step, some taken back and fed again): variants `verifyNkK:l3`, `verifyNkK:fault:*`.
 
     python -m parity.l3_gate                         # CPU fixtures -> reports/l3_gate/<version>/cpu-fixtures/
     python -m parity.l3_gate --model DIR --tag h200-1b [--batch 8]
@@ -120,11 +122,50 @@ def teacher_forced_pool(model, seqs: list[list[int]], prompt_lens: list[int], st
     return [mx.stack(o) for o in out]
 
 
-def run_batch_gate(model_dir, rows: int, levers: Optional[Levers] = None, prompt_list=None,
-                   steps: int = 32, faults=kernels.FAULTS, name: Optional[str] = None) -> list[GateResult]:
-    """The fast runner's rows (and each fault) against each row alone on L1: `rows`
-    prompts, the b-th cut to a different length, joining at staggered steps and each
-    continuing for a different number of tokens, so rows join and leave mid-flight."""
+def teacher_forced_verify(model, seqs: list[list[int]], prompt_lens: list[int], step: FastStep,
+                          k: int, seed: int = 0) -> list:
+    """The rows through the fast runner's verify steps (`SlotPool.verify`), as speculating rows
+    take them: each round every row feeds its next 1..k + 1 tokens (a seeded draw, so rows of
+    different lengths share a step) and then takes back a seeded number of the ones after its
+    first (`rewind`: rejected drafts), which it feeds again in a later round; a row leaves once
+    its sequence is consumed. Returns, per row, float32 log-probs [len(seq) - prompt_len + 1, V]
+    (each position's from the round that kept it)."""
+    rng = np.random.default_rng(seed)
+    pool = SlotPool(step, model)
+    for s, pl in zip(seqs, prompt_lens):
+        c = model.make_cache()
+        mx.eval(model(mx.array(s[: pl - 1])[None], cache=c))
+        pool.extend(batch_caches([c]))
+    order = list(range(len(seqs)))
+    fed = [0] * len(seqs)
+    out = [[] for _ in seqs]
+    while order:
+        left = [len(seqs[b]) - prompt_lens[b] + 1 - fed[b] for b in order]
+        lengths = [int(rng.integers(1, min(k + 1, n) + 1)) for n in left]
+        toks = [[seqs[b][prompt_lens[b] - 1 + fed[b] + j] if j < n else 0 for j in range(k + 1)]
+                for b, n in zip(order, lengths)]
+        lg = pool.verify(mx.array(toks, dtype=mx.int32), lengths).astype(mx.float32)
+        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        mx.eval(lp)
+        drop = []
+        for i, (b, n) in enumerate(zip(order, lengths)):
+            kept = int(rng.integers(1, n + 1))
+            out[b] += [lp[i, j] for j in range(kept)]
+            fed[b] += kept
+            drop.append(k + 1 - kept)
+        pool.rewind(drop)
+        keep = [i for i, b in enumerate(order) if fed[b] < len(seqs[b]) - prompt_lens[b] + 1]
+        if len(keep) < len(order):
+            pool.filter(keep)
+            order = [order[i] for i in keep]
+    return [mx.stack(o) for o in out]
+
+
+def _rows_gate(model_dir, rows: int, levers, prompt_list, steps: int, faults, name, label: str,
+               run) -> list[GateResult]:
+    """`rows` prompts, the b-th cut to a different length and continuing for a different number
+    of tokens, through `run(fast_model, seqs, lens, step)` (and with each fault) against each row
+    alone on L1, teacher-forced; variants `label:l3`, `label:fault:*`."""
     levers = levers or parse_spec("l3")
     ref_model = load_model(model_dir)[0]
     fast_model = load_model(model_dir)[0]
@@ -135,20 +176,39 @@ def run_batch_gate(model_dir, rows: int, levers: Optional[Levers] = None, prompt
     seqs = [p + [t for t, _ in generate_step(mx.array(p), ref_model, max_tokens=g)]
             for p, g in zip(plist, gens)]
     lens = [len(p) for p in plist]
-    joins = [4 * (b % 3) for b in range(rows)]
     ref = [teacher_forced(ref_model, s, pl) for s, pl in zip(seqs, lens)]
     name = name or Path(model_dir).name
     results = []
     for fault in (None, *faults):
         step = FastStep(fast_model, levers)       # (fresh: no trace carries a fault over)
         if fault is None:
-            got = teacher_forced_pool(fast_model, seqs, lens, step, joins)
+            got = run(fast_model, seqs, lens, step)
         else:
             with kernels.inject_fault(fault):
-                got = teacher_forced_pool(fast_model, seqs, lens, step, joins)
+                got = run(fast_model, seqs, lens, step)
         parts = [compare(r, g) for r, g in zip(ref, got)]
-        results.append(summarize(name, f"batch{rows}:" + ("l3" if fault is None else f"fault:{fault}"), parts))
+        results.append(summarize(name, f"{label}:" + ("l3" if fault is None else f"fault:{fault}"), parts))
     return results
+
+
+def run_batch_gate(model_dir, rows: int, levers: Optional[Levers] = None, prompt_list=None,
+                   steps: int = 32, faults=kernels.FAULTS, name: Optional[str] = None) -> list[GateResult]:
+    """The fast runner's rows (and each fault) against each row alone on L1: `rows`
+    prompts, the b-th cut to a different length, joining at staggered steps and each
+    continuing for a different number of tokens, so rows join and leave mid-flight."""
+    joins = [4 * (b % 3) for b in range(rows)]
+    return _rows_gate(model_dir, rows, levers, prompt_list, steps, faults, name, f"batch{rows}",
+                      lambda m, seqs, lens, step: teacher_forced_pool(m, seqs, lens, step, joins))
+
+
+def run_verify_gate(model_dir, rows: int, k: int = 4, levers: Optional[Levers] = None,
+                    prompt_list=None, steps: int = 32, faults=kernels.FAULTS,
+                    name: Optional[str] = None) -> list[GateResult]:
+    """The fast runner's verify steps (speculating rows: each round up to k + 1 positions a row,
+    some taken back and fed again, rows leaving as they end) and each fault, against each row
+    alone on L1; variants `verify{rows}k{k}:l3`, `...:fault:*`."""
+    return _rows_gate(model_dir, rows, levers, prompt_list, steps, faults, name, f"verify{rows}k{k}",
+                      lambda m, seqs, lens, step: teacher_forced_verify(m, seqs, lens, step, k))
 
 
 def compare(ref: mx.array, got: mx.array) -> dict:
@@ -257,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-faults", action="store_true", help="skip the negative control")
     ap.add_argument("--batch", type=int, default=0,
                     help="also gate the batch fast step with this many rows decoding together")
+    ap.add_argument("--verify", type=int, default=0,
+                    help="also gate the fast runner's verify steps with this many speculating rows")
+    ap.add_argument("--k", type=int, default=4, help="with --verify: the most drafts a row a step")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -274,6 +337,10 @@ def main(argv=None) -> int:
             results += run_batch_gate(m, a.batch, levers,
                                       prompt_list=prompts(a.prompts, vocab=vocab), steps=a.steps,
                                       faults=() if a.no_faults else kernels.FAULTS)
+        if a.verify:
+            results += run_verify_gate(m, a.verify, a.k, levers,
+                                       prompt_list=prompts(a.prompts, vocab=vocab), steps=a.steps,
+                                       faults=() if a.no_faults else kernels.FAULTS)
     for r in results:
         print(json.dumps(asdict(r)), flush=True)
     tag = a.tag or ("cpu-fixtures" if not a.model else "custom")

@@ -76,3 +76,25 @@ def test_verdict_is_invalid_when_a_fault_passes():
     assert verdict(good) == "pass"
     assert verdict([row("l3", False)] + good[1:]) == "fail"
     assert verdict(good + [row("batch8:fault:attn_drop_last_key", True)]) == "invalid"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def verify_results(request):
+    from parity.l3_gate import run_verify_gate
+    return {r.variant: r for r in run_verify_gate(ensure_fixture(request.param, "bfloat16"), 4, 3,
+                                                  steps=16)}
+
+
+def test_verify_steps_pass_the_gate_bit_exact_on_the_cpu(verify_results):
+    """Four speculating rows through the fast runner's verify steps (1..4 positions a row a
+    step, some taken back and fed again, rows leaving as they end): every kept position against
+    each row alone on L1, teacher-forced."""
+    r = verify_results["verify4k3:l3"]
+    assert r.passes and r.bit_exact and r.kl_max == 0.0
+    assert r.tokens == sum(16 - 4 * (b % 4) + 1 for b in range(4))
+
+
+@pytest.mark.parametrize("fault", kernels.FAULTS)
+def test_verify_negative_control_fails_the_gate(verify_results, fault):
+    r = verify_results[f"verify4k3:fault:{fault}"]
+    assert not r.passes and not r.bit_exact, r
