@@ -168,3 +168,42 @@ def test_draft_rows_on_the_fast_runner_keep_every_rows_tokens_and_logprobs(pair,
     assert st["speculation"]["draft"]["accepted"] > 0
     assert st["speculation"]["draft_runner"] == ("fast" if draft_tier == "l3" else "l1")
     assert eng.fast_step.stats.verify_steps > 0
+
+
+def test_served_on_the_fast_runner_speculating_requests_are_batch_rows():
+    """engine-serve --tier l3 with --draft-model or --prompt-lookup: two concurrent greedy
+    completions answer what the same server without speculation answers, as rows of the batch
+    (none runs alone), with drafts kept and verify steps on the fast runner."""
+    import threading
+
+    import httpx
+
+    from tests.server.srv_helpers import start_server, stop_server
+    path, draft = (str(ensure_fixture("llama", d)) for d in ("bfloat16", "q4"))
+    prompts = ["one two three one two three one two", "the cat sat on the mat, the cat sat"]
+    answers = {}
+    for name, kw in (("plain", {}), ("draft", {"draft_model": draft, "draft_tier": "l3"}),
+                     ("lookup", {"prompt_lookup": 2})):
+        s = start_server(path, levers=FAST, num_draft_tokens=3, prompt_cache_bytes=0, batch=4, **kw)
+        try:
+            out = [None, None]
+
+            def ask(i):
+                r = httpx.post(s.url + "/v1/completions", timeout=120, json={
+                    "prompt": prompts[i], "max_tokens": 24, "temperature": 0})
+                out[i] = (r.status_code, r.json()["choices"][0]["text"])
+            ts = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            answers[name] = out
+            st = httpx.get(s.url + "/stats").json()
+            assert st["batch"]["lanes"]["serial"] == 0
+            if name != "plain":
+                assert st["speculation"][name]["drafted"] > 0
+                assert s.state.engine.fast_step.stats.verify_steps > 0
+        finally:
+            stop_server(s)
+    assert all(code == 200 for code, _ in answers["plain"])
+    assert answers["draft"] == answers["plain"] == answers["lookup"]
