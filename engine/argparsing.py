@@ -134,12 +134,14 @@ def add_speculation_flags(a) -> None:
       "the same under both (docs/generation.md)")
 
 
-def lookup_draft_tokens() -> int:
+def lookup_draft_tokens(fast: bool = False) -> int:
     """--prompt-lookup's default K: 15 on CUDA, where a verify's query is padded to 16
     positions anyway (engine/models/bucketed_sdpa.py), so longer drafts cost about what 4 do
-    (H100: 2.65x plain at one client vs 1.62x with 4: reports/spec_bench/0.5.6/); 4 elsewhere."""
+    (H100: 2.65x plain at one client vs 1.62x with 4: reports/spec_bench/0.5.6/); 4 elsewhere,
+    and 4 for the fast runner's batch rows (`fast`: a verify there costs more the more positions
+    it has; 4 is the K measured, 1.18x at one client: reports/spec_bench/0.6.0/)."""
     from engine.models.bucketed_sdpa import on_cuda
-    return 15 if on_cuda() else 4
+    return 15 if on_cuda() and not fast else 4
 
 
 def default_draft_tier() -> str:
@@ -150,9 +152,10 @@ def default_draft_tier() -> str:
     return "l3" if on_cuda() else "l1"
 
 
-def speculation_settings(args) -> tuple:
-    """(prompt_lookup, num_draft_tokens) from the flags of `add_speculation_flags`; raises
-    ValueError naming the flag for values out of range or --draft-model with --prompt-lookup."""
+def speculation_settings(args, fast: bool = False) -> tuple:
+    """(prompt_lookup, num_draft_tokens) from the flags of `add_speculation_flags` (`fast`: the
+    rows speculate on the fast runner, `lookup_draft_tokens`); raises ValueError naming the flag
+    for values out of range or --draft-model with --prompt-lookup."""
     if args.draft_model is not None and args.prompt_lookup:
         raise ValueError("--draft-model and --prompt-lookup are two sources of drafts; "
                          "give one of them")
@@ -162,7 +165,7 @@ def speculation_settings(args) -> tuple:
         raise ValueError(f"--prompt-lookup must be in [0, 64], got {args.prompt_lookup}")
     k = args.num_draft_tokens
     if k is None:
-        k = 3 if args.draft_model is not None else lookup_draft_tokens()
+        k = 3 if args.draft_model is not None else lookup_draft_tokens(fast)
     if not 1 <= k <= 64:
         raise ValueError(f"--num-draft-tokens must be in [1, 64], got {k}")
     return args.prompt_lookup, k

@@ -252,7 +252,8 @@ def config_from_args(args):
     if args.batch < 1:
         raise SystemExit("engine-serve: --batch must be >= 1")
     try:
-        lookup, draft_tokens = speculation_settings(args)
+        # (the batch rows verify on the fast runner with a fast lever: K 4 by default there)
+        lookup, draft_tokens = speculation_settings(args, fast=levers.fast_decode and not args.deterministic)
     except ValueError as e:
         raise SystemExit(f"engine-serve: {e}") from None
     if args.draft_model is not None and getattr(args, "tensor_parallel", False):

@@ -207,3 +207,17 @@ def test_served_on_the_fast_runner_speculating_requests_are_batch_rows():
             stop_server(s)
     assert all(code == 200 for code, _ in answers["plain"])
     assert answers["draft"] == answers["plain"] == answers["lookup"]
+
+
+def test_the_lookup_default_k_is_4_on_the_fast_runner(monkeypatch):
+    """engine-serve --prompt-lookup N without --num-draft-tokens: K 15 on CUDA for the L1 rows
+    (a verify's query padded to 16 positions anyway), 4 for rows on the fast runner (a verify
+    there costs more the more positions it has) and off CUDA."""
+    from engine.models import bucketed_sdpa
+    from server.cli import config_from_args, parser
+
+    def k(*flags):
+        return config_from_args(parser().parse_args(["--prompt-lookup", "2", *flags])).num_draft_tokens
+    assert k() == 4 and k("--tier", "l3") == 4
+    monkeypatch.setattr(bucketed_sdpa, "on_cuda", lambda device=None: True)
+    assert k() == 15 and k("--tier", "l3") == 4 and k("--tier", "l3", "--num-draft-tokens", "9") == 9
