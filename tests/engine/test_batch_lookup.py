@@ -20,6 +20,8 @@ and a verify forward reads the window in another order, so prompt lookup is refu
 verified by the fast step (tests/engine/test_fast_verify.py).
 """
 
+import functools
+
 import mlx.core as mx
 import pytest
 
@@ -107,23 +109,27 @@ def test_negative_control_rejected_drafts_left_in_the_batch_kv_differ(model, mon
     assert got != ref
 
 
-def _greedy_lookup(m, tok, prompt, params, stop_ids=(), cache_bytes=0, filler=True):
+def _greedy_lookup(m, tok, prompt, params, stop_ids=(), cache_bytes=0, filler=True, tier="l1"):
     """One lookup request in a batch beside a plain greedy row; its tokens, its finish reason
-    and the tokens of its last step that it did not hand out (`retire`'s `unused`)."""
+    and the tokens of its last step that it did not hand out (`retire`'s `unused`). tier l3:
+    the batch on the fast runner (its verify one fast step, engine.fast.slots)."""
     eng = Engine(m, tok, max_batch=4, keep_logprob_arrays=True,
+                 levers=parse_spec("l3") if tier == "l3" else None,
                  prompt_cache=engine.PromptCache(cache_bytes) if cache_bytes else None)
     eng.eos = eng.eos | set(stop_ids)
     toks, reason, dropped, eng.runs = run_row(eng, prompt, params, None if filler else False)
     return toks, reason, dropped, eng
 
 
-def test_a_stop_inside_an_accepted_run_ends_the_row_there(model):
+@pytest.mark.parametrize("tier", ["l1", "l3"])
+def test_a_stop_inside_an_accepted_run_ends_the_row_there(model, tier):
     """max_tokens, a stop string and EOS landing inside a step's run of accepted drafts: the
     row hands out nothing after it (the rest of that step's tokens are dropped) and ends as
     the same row without lookup does."""
     m, tok = model
+    run = functools.partial(_greedy_lookup, tier=tier)
     look = dict(temperature=0.0, prompt_lookup=1, num_draft_tokens=6)
-    full, _, _, eng = _greedy_lookup(m, tok, REPEATS, SamplingParams(max_tokens=30, **look))
+    full, _, _, eng = run(m, tok, REPEATS, SamplingParams(max_tokens=30, **look))
     # the first step that handed out 2+ tokens: a stop string that completes at its first
     start = next(sum(eng.runs[:i]) for i, n in enumerate(eng.runs) if n >= 2)
     stop = tok.decode(full[:start + 1])
@@ -131,9 +137,9 @@ def test_a_stop_inside_an_accepted_run_ends_the_row_there(model):
     cases = [(dict(max_tokens=11), ()), (dict(max_tokens=30, stop=[stop]), ()),
              (dict(max_tokens=30), (eos,))]
     for kw, stop_ids in cases:
-        want, why, _, _ = _greedy_lookup(m, tok, REPEATS, SamplingParams(temperature=0.0, **kw),
+        want, why, _, _ = run(m, tok, REPEATS, SamplingParams(temperature=0.0, **kw),
                                          stop_ids=stop_ids)
-        got, reason, dropped, _ = _greedy_lookup(m, tok, REPEATS, SamplingParams(**kw, **look),
+        got, reason, dropped, _ = run(m, tok, REPEATS, SamplingParams(**kw, **look),
                                                  stop_ids=stop_ids)
         assert (got, reason) == (want, why) and got == full[:len(got)]
         assert reason == ("length" if kw["max_tokens"] == 11 else "stop")
@@ -141,16 +147,18 @@ def test_a_stop_inside_an_accepted_run_ends_the_row_there(model):
             assert dropped > 0
 
 
-def test_a_stop_mid_run_leaves_a_prompt_cache_that_answers_right(model):
+@pytest.mark.parametrize("tier", ["l1", "l3"])
+def test_a_stop_mid_run_leaves_a_prompt_cache_that_answers_right(model, tier):
     """The row ends on a stop string inside an accepted run: the KV it leaves in the prompt
     cache holds exactly its tokens (the step's later ones trimmed), so a follow-up that hits
     it answers as a cold engine does."""
     m, tok = model
+    run = functools.partial(_greedy_lookup, tier=tier)
     base = dict(temperature=0.0, prompt_lookup=1, num_draft_tokens=8)
-    full, _, _, eng = _greedy_lookup(m, tok, REPEATS, SamplingParams(max_tokens=30, **base))
+    full, _, _, eng = run(m, tok, REPEATS, SamplingParams(max_tokens=30, **base))
     start = next(sum(eng.runs[:i]) for i, n in enumerate(eng.runs) if n >= 2)
     stop = tok.decode(full[:start + 1])           # completes at the first token of a run
-    first, _, dropped, eng = _greedy_lookup(
+    first, _, dropped, eng = run(
         m, tok, REPEATS, SamplingParams(max_tokens=30, stop=[stop], **base), cache_bytes=10**8)
     assert dropped > 0
     follow = REPEATS + first + [5, 6, 7]
@@ -160,7 +168,7 @@ def test_a_stop_mid_run_leaves_a_prompt_cache_that_answers_right(model):
         for o in eng.step():
             warm += o.token_ids
             cached = max(cached, o.cached_tokens)
-    cold, _, _, _ = _greedy_lookup(m, tok, follow, SamplingParams(max_tokens=12, temperature=0.0),
+    cold, _, _, _ = run(m, tok, follow, SamplingParams(max_tokens=12, temperature=0.0),
                                    filler=False)
     assert cached > len(REPEATS) and warm == cold
 
