@@ -4,7 +4,8 @@ against single fast steps, and its cost against a plain step.
 For each model: `rows` rows with random prompts of different lengths go into two slot pools;
 one takes K + 1 plain steps (one token a row each), the other one verify step of the same
 tokens (each row's K + 1 call rows sharing its slot). Per position: bit-equal, the largest
-absolute difference, argmax equal. Then timings (median of `trials` after a warm-up): a plain
+absolute difference, argmax equal, and whether every key and value the verify wrote equals the
+single steps' (else the first layer and position that differ). Then timings (median of `trials` after a warm-up): a plain
 step of `rows` rows, and a verify step of K + 1 positions a row, for each K of --ks, so a
 speculation round's cost is known: a round of K drafts costs one verify plus the drafts'
 steps and hands out between 1 and K + 1 tokens.
@@ -35,7 +36,7 @@ from engine.loader import load_model  # noqa: E402
 from experiments._common import machine, md_table, write_csv  # noqa: E402
 
 FIELDS = ["model", "rows", "k", "bit_equal", "positions", "max_abs_diff", "argmax_equal",
-          "plain_ms", "verify_ms", "verify_over_plain", "one_kernel"]
+          "keys_equal", "first_key_diff", "plain_ms", "verify_ms", "verify_over_plain", "one_kernel"]
 
 
 def _pool(model, step, prompts):
@@ -45,6 +46,18 @@ def _pool(model, step, prompts):
         mx.eval(model(mx.array(p)[None], cache=caches))
         pool.extend(batch_caches([caches]))
     return pool
+
+
+def _first_kv_diff(a: SlotPool, b: SlotPool, starts: list, k: int):
+    """(whether every key and value the verify wrote equals the single steps', the first
+    (layer, 'k' or 'v', row, position) that does not, or None)."""
+    for layer in range(a.n_layers):
+        for name, xa, xb in (("k", a.keys[layer], b.keys[layer]), ("v", a.values[layer], b.values[layer])):
+            for i, (sa, sb, n) in enumerate(zip(a.slots, b.slots, starts)):
+                for j in range(k + 1):
+                    if not mx.array_equal(xa[sa, :, n + j], xb[sb, :, n + j]).item():
+                        return False, f"layer {layer} {name} row {i} position {j}"
+    return True, None
 
 
 def _timed(fn, trials: int) -> float:
@@ -66,10 +79,13 @@ def check(model, name: str, rows: int, k: int, trials: int, seed: int = 0) -> di
     prompts = [[rng.randrange(4, V - 4) for _ in range(64 + 37 * i)] for i in range(rows)]
     feed = [[rng.randrange(4, V - 4) for _ in range(k + 1)] for _ in range(rows)]
     a = _pool(model, step, prompts)
+    starts = [len(p) for p in prompts]
     seq = mx.stack([a(mx.array([f[j] for f in feed], dtype=mx.int32)) for j in range(k + 1)], axis=1)
     b = _pool(model, step, prompts)
     v = b.verify(mx.array(feed, dtype=mx.int32), [k + 1] * rows)
     mx.eval(seq, v)
+    # (where the two first part: the keys and values each wrote, layer by layer)
+    keys_equal, first_diff = _first_kv_diff(a, b, starts, k)
     one_kernel = step.stats.mega
     diff = mx.abs(v.astype(mx.float32) - seq.astype(mx.float32))
     eq = [mx.array_equal(v[i, j], seq[i, j]).item() for i in range(rows) for j in range(k + 1)]
@@ -91,6 +107,7 @@ def check(model, name: str, rows: int, k: int, trials: int, seed: int = 0) -> di
     plain_ms, verify_ms = _timed(plain, trials), _timed(verify, trials)
     return dict(model=name, rows=rows, k=k, bit_equal=sum(eq), positions=len(eq),
                 max_abs_diff=round(diff.max().item(), 6), argmax_equal=int(arg.sum().item()),
+                keys_equal=keys_equal, first_key_diff=first_diff,
                 plain_ms=round(plain_ms, 3), verify_ms=round(verify_ms, 3),
                 verify_over_plain=round(verify_ms / plain_ms, 3), one_kernel=one_kernel)
 
