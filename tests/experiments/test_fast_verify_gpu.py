@@ -1,0 +1,33 @@
+"""experiments/fast_verify_gpu.py on the CPU fixtures: the verify against single fast steps,
+every position bit-equal and every key and value the verify wrote equal (the stock-MLX
+stand-ins compute each call row as a single step does); the comparison can fail: a verify
+whose call rows all sit at the row's first column is caught, in its logits and its keys."""
+
+import mlx.core as mx
+
+import engine
+from engine.fast.decode import FastStep
+from experiments.fast_verify_gpu import check
+from parity.fixtures.models import ensure_fixture
+
+
+def test_the_verify_matches_single_steps_on_the_cpu():
+    m, _ = engine.load(str(ensure_fixture("llama", "float32")))
+    for rows, k in ((1, 2), (3, 3)):
+        r = check(m, "llama", rows, k, trials=1)
+        assert r["bit_equal"] == r["positions"] == rows * (k + 1) and r["keys_equal"]
+        assert r["first_key_diff"] is None and r["plain_ms"] > 0 and r["verify_ms"] > 0
+
+
+def test_negative_control_a_verify_at_one_column_is_caught(monkeypatch):
+    m, _ = engine.load(str(ensure_fixture("qwen3", "float32")))
+    real = FastStep.__call__
+
+    def flat(self, tokens, pos, active, keys, values, crow=None):
+        if crow is not None:            # (every call row at its row's first verified column)
+            pos = mx.broadcast_to(mx.min(pos), pos.shape)
+        return real(self, tokens, pos, active, keys, values, crow=crow)
+    monkeypatch.setattr(FastStep, "__call__", flat)
+    r = check(m, "qwen3", 1, 2, trials=1)
+    assert r["bit_equal"] < r["positions"] and not r["keys_equal"]
+    assert r["first_key_diff"].startswith("layer 0 k row 0")
