@@ -24,7 +24,8 @@
 # ab (two trees head to head in one call: this one and AB_DIR, a copy of another commit's engine/ and
 #   experiments/ carried beside it, made before the call with `mkdir abref && git archive REF engine
 #   experiments | tar -x -C abref`: bench_rows --tiers l3 on AB_MODELS (8b, 8b-q4, 1b, 1b-q4) at
-#   AB_ROWS rows from each tree in turn, AB_ROUNDS times, AB_ARGS added (e.g. --one-kernel-4bit);
+#   AB_ROWS rows from each tree in turn, AB_ROUNDS times, AB_ARGS added (e.g. --one-kernel-4bit); AB_VERIFY=1: then
+#   experiments/fast_verify_gpu.py in each tree in turn (the verify step's cost and exactness, K of FV_KS);
 #   AB_CHECK=1: then mega_check with the phase timer in each (logits against L1, phases)).
 # fverify (experiments/fast_verify_gpu.py on FV_MODELS, default 1b 8b-q4: the fast runner's verify step against single
 #   fast steps, bit-equal / argmax, and its cost against a plain step, FV_ROWS rows, K of FV_KS).
@@ -171,6 +172,11 @@ if has ab; then
     echo "$r $tag $P $(cd $tree && timeout ${AB_S:-150} python3 experiments/bench_rows.py --model /tmp/m/$P \
       --rows ${AB_ROWS:-1} --tiers l3 --gen 128 --trials 3 ${AB_ARGS:-} --out "$OUT/ab-$tag-$P-$r" 2>&1 | tail -1)"
   done; done; done
+  if [ -n "${AB_VERIFY:-}" ]; then for r in $(seq ${AB_ROUNDS:-2}); do for tag in this ref; do
+    tree=.; [ $tag = ref ] && tree=$AB_DIR
+    echo "verify $r $tag"; (cd $tree && timeout ${AB_S:-150} python3 experiments/fast_verify_gpu.py \
+      $(for P in ${AB_MODELS:-8b}; do echo --model /tmp/m/$P; done) --rows ${AB_ROWS:-1} --ks ${FV_KS:-2,4,8} 2>&1 | grep '"model"')
+  done; done; fi
   if [ -n "${AB_CHECK:-}" ]; then for tag in this ref; do for P in ${AB_MODELS:-8b}; do
     tree=.; [ $tag = ref ] && tree=$AB_DIR
     echo "check $tag $P"; (cd $tree && MLXP_MEGA_PROF=1 timeout 200 python3 experiments/mega_check.py --model /tmp/m/$P \
