@@ -75,6 +75,29 @@ def dump_json(path: Path, obj):
     path.write_text(json.dumps(obj, indent=2, default=str))
 
 
+def command(script: str, argv=None) -> str:
+    """The command line that reproduces this run of experiments/`script` (argv: main's, or the
+    process's own)."""
+    return " ".join(["python", f"experiments/{script}", *(argv if argv is not None else sys.argv[1:])])
+
+
+def write_run(out: Path, script: str, argv, **payload) -> Path:
+    """`out`/run.json: the reproducing command, the machine and `payload`; prints its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    dump_json(out / "run.json", {"command": command(script, argv), "machine": machine(), **payload})
+    print(out / "run.json")
+    return out / "run.json"
+
+
+def write_table(out: Path, stem: str, fields: list, rows: list, title: str, intro: str) -> Path:
+    """`out`/`stem`.csv (rows' `fields`) and `stem`.md: `# title`, `intro`, the same table."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / f"{stem}.csv", rows, fields)
+    (out / f"{stem}.md").write_text(f"# {title}\n\n{intro}\n\n"
+                                    + md_table(fields, [[r[f] for f in fields] for r in rows]) + "\n")
+    return out / f"{stem}.md"
+
+
 # Model shapes for the experiments (random weights, built in memory).
 CPU_SHAPE = dict(model_type="llama", hidden_size=128, num_hidden_layers=8, intermediate_size=256,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,

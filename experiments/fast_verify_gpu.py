@@ -33,7 +33,7 @@ from engine.fast.slots import SlotPool  # noqa: E402
 from engine.kv.batch_cache import batch_caches  # noqa: E402
 from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from experiments._common import machine, md_table, write_csv  # noqa: E402
+from experiments._common import command, machine, write_table  # noqa: E402
 
 FIELDS = ["model", "rows", "k", "bit_equal", "positions", "max_abs_diff", "argmax_equal",
           "keys_equal", "first_key_diff", "plain_ms", "verify_ms", "verify_over_plain", "one_kernel"]
@@ -130,14 +130,9 @@ def main(argv=None) -> int:
                 out_rows.append(row)
         del model
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv(out / "fast_verify.csv", out_rows, FIELDS)
-        cmd = "python experiments/fast_verify_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        (out / "fast_verify.md").write_text(
-            "# The fast runner's verify step against single fast steps\n\n"
-            f"Machine: {machine()}. Reproduce: `{cmd.strip()}`\n\n"
-            + md_table(FIELDS, [[r[f] for f in FIELDS] for r in out_rows]) + "\n")
+        write_table(Path(a.out), "fast_verify", FIELDS, out_rows,
+                    "The fast runner's verify step against single fast steps",
+                    f"Machine: {machine()}. Reproduce: `{command('fast_verify_gpu.py', argv)}`")
     return 0
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments._common import machine, md_table, report_dir, write_csv  # noqa: E402
+from experiments._common import command, machine, report_dir, write_table  # noqa: E402
 from experiments.bench_batching import level, start  # noqa: E402
 from experiments.presets import PRESETS, build_preset  # noqa: E402
 from experiments.trained_gate import SMALL, Language, save_trained, train  # noqa: E402
@@ -141,13 +141,18 @@ def spec_counts(url: str) -> tuple:
             (s.get("draft_fast") or {}).get("traces", 0))
 
 
+def _grown(url: str, before: tuple) -> tuple:
+    """`spec_counts` now, less `before`."""
+    return tuple(a - b for a, b in zip(spec_counts(url), before))
+
+
 def _measured(url: str, c: int, gen: int, trials: int, bias: dict):
     """An untimed warm-up at c clients, then `trials` timed levels (the interleaved run's
     prompts): their results and the speculation counters' growth over them."""
     level(url, prompts(c, 8, 99), 8, bias)
     before = spec_counts(url)
     res = [level(url, prompts(c, gen, t), gen, bias) for t in range(trials)]
-    return res, tuple(a - b for a, b in zip(spec_counts(url), before))
+    return res, _grown(url, before)
 
 
 def _sequential(target, hf_cache, batch, argv: dict, levels, gen, trials, bias) -> dict:
@@ -179,7 +184,7 @@ def _interleaved(target, hf_cache, batch, argv: dict, levels, gen, trials, bias)
                 for m in (modes if t % 2 == 0 else modes[::-1]):
                     res[m].append(level(servers[m].url, ps, gen, bias))
             for m, s in servers.items():
-                out[(m, c)] = (res[m], tuple(a - b for a, b in zip(spec_counts(s.url), counts0[m])))
+                out[(m, c)] = (res[m], _grown(s.url, counts0[m]))
     finally:
         for s in servers.values():
             s.stop()
@@ -280,21 +285,16 @@ def main(argv=None) -> int:
     lookup_k = [int(x) for x in a.lookup_k.split(",")] if a.lookup_k else None
     rows = bench(target, draft, levels, a.gen, a.trials, a.k, a.ngram, work / "hf", modes, lookup_k,
                  a.draft_max_rows, a.ours_args.split(), a.sequential)
-    out = Path(a.out) if a.out else report_dir("spec_bench", a.tag)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "spec_bench.csv", rows, FIELDS)
-    cmd = "python experiments/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "spec_bench.md").write_text(
-        "# Speculative decoding through HTTP (engine-serve: plain, --draft-model, --prompt-lookup)\n\n"
+    print(write_table(
+        Path(a.out) if a.out else report_dir("spec_bench", a.tag), "spec_bench", FIELDS, rows,
+        "Speculative decoding through HTTP (engine-serve: plain, --draft-model, --prompt-lookup)",
         f"Machine: {machine()}. Target `{a.target}`{' padded into the ' + a.inflate + ' shape' if a.inflate else ''} and draft `{draft.name if draft else '-'}` ({a.draft_layers} layers) trained on the synthetic "
         f"language ({a.steps} / {a.draft_steps or a.steps} steps, {train_s:.0f} s, last losses "
         f"{LAST_LOSS or 'kept from an earlier run'}); greedy, "
         f"{a.gen} tokens a request, K {a.k}, n-gram {a.ngram}, every server `{a.ours_args or 'default'}`"
         f"{', one server at a time' if a.sequential else ''}, "
         f"median of {a.trials}; ratio = tok/s "
-        f"over the plain server's in the same trials. Reproduce: `{cmd.strip()}`\n\n"
-        + md_table(FIELDS, [[r[f] for f in FIELDS] for r in rows]) + "\n")
-    print(out / "spec_bench.md")
+        f"over the plain server's in the same trials. Reproduce: `{command('spec_bench.py', argv)}`"))
     return 0
 
 

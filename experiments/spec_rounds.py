@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments._common import dump_json, machine, report_dir  # noqa: E402
+from experiments._common import report_dir, write_run  # noqa: E402
 from experiments.presets import PRESETS  # noqa: E402
 from experiments.spec_bench import loaded_pair, prompts  # noqa: E402
 
@@ -167,11 +167,8 @@ def main(argv=None) -> int:
                 rows.append(way(target, tok, draft, mode, a.k, a.gen, a.requests, parts, n_rows,
                                 a.tier))
                 print(json.dumps(rows[-1]), flush=True)
-    out = Path(a.out) if a.out else report_dir("spec_rounds", a.tag)
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python experiments/spec_rounds.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    dump_json(out / "run.json", {"command": cmd.strip(), "machine": machine(), "rows": rows})
-    print(out / "run.json")
+    write_run(Path(a.out) if a.out else report_dir("spec_rounds", a.tag), "spec_rounds.py", argv,
+              rows=rows)
     return 0
 
 

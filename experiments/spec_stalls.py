@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments._common import dump_json, machine, report_dir  # noqa: E402
+from experiments._common import report_dir, write_run  # noqa: E402
 from experiments.spec_bench import loaded_pair, prompts  # noqa: E402
 
 
@@ -108,9 +108,7 @@ def main(argv=None) -> int:
         for s in r["stalls"][:6]:
             print(json.dumps({x: s[x] for x in ("wave", "step", "ms", "rows", "jit")}), *s["stack"][1:6],
                   sep="\n  ", flush=True)
-    cmd = "python experiments/spec_stalls.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    dump_json(out / "run.json", {"command": cmd.strip(), "machine": machine(), "runs": res})
-    print(out / "run.json")
+    write_run(out, "spec_stalls.py", argv, runs=res)
     return 0
 
 

@@ -253,7 +253,7 @@ def config_from_args(args):
         raise SystemExit("engine-serve: --batch must be >= 1")
     try:
         # (the batch rows verify on the fast runner with a fast lever: K 4 by default there)
-        lookup, draft_tokens = speculation_settings(args, fast=levers.fast_decode and not args.deterministic)
+        lookup, draft_tokens = speculation_settings(args, fast=levers.fast_decode)
     except ValueError as e:
         raise SystemExit(f"engine-serve: {e}") from None
     if args.draft_model is not None and getattr(args, "tensor_parallel", False):

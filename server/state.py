@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -278,10 +278,8 @@ class ServerState:
             "deterministic": self.engine.deterministic,
             # the fast runner's shapes built before serving (--warm-up)
             "warm_up": (None if self.warmed is None else
-                        {"buckets": list(self.warmed.buckets), "seconds": round(self.warmed.seconds, 3),
-                         "traces": self.warmed.traces, "draft_buckets": list(self.warmed.draft_buckets),
-                         "l1_rows": list(self.warmed.l1_rows),
-                         "lookup_buckets": list(self.warmed.lookup_buckets)}),
+                        {k: list(v) if isinstance(v, tuple) else round(v, 3) if k == "seconds" else v
+                         for k, v in asdict(self.warmed).items()}),
             # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
             # forwards; summed, per source and per recent request
             "speculation": {**self.engine.stats()["speculation"],
@@ -349,7 +347,7 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             # (not the L1 burst under tensor parallelism: its followers step with the leader)
             state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens,
                                    l1=False if config.tensor_parallel else None,
-                                   lookup=0 if config.deterministic else config.prompt_lookup)
+                                   lookup=config.prompt_lookup)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

@@ -28,6 +28,7 @@ and `__call__(tokens [B]) -> logits [B, V]` for the decode step, rows in the gro
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import List, Optional
 
 import mlx.core as mx
@@ -165,7 +166,7 @@ class SlotPool:
         crow = mx.array([self.slots[i] for i, _ in calls], dtype=mx.int32)
         logits, _, self.keys, self.values = self.step(toks, pos, mx.ones(pos.shape, mx.int32),
                                                       self.keys, self.values, crow=crow)
-        first = [sum(lengths[:i]) for i in range(B)]
+        first = list(accumulate(lengths, initial=0))      # (row i's first call row)
         back = [first[i] + min(j, lengths[i] - 1) for i in range(B) for j in range(T)]
         for s in self.slots:
             self.held[s] += T

@@ -25,6 +25,13 @@ def _burst(eng, n, rng, most=9, stagger=False, **kw):
         eng.step()
 
 
+def _traffic(eng, burst, seed):
+    """The tests' traffic: bursts of 1, 3, 8, 5, 2 and 7 requests (`burst(eng, n, rng)`)."""
+    rng = random.Random(seed)
+    for n in (1, 3, 8, 5, 2, 7):
+        burst(eng, n, rng)
+
+
 def test_after_the_warm_up_no_traffic_makes_a_trace():
     model, tok = engine.load(str(FIXTURE))
     eng = Engine(model, tok, max_batch=8, levers=parse_spec("l3"), prompt_cache=None)
@@ -33,9 +40,7 @@ def test_after_the_warm_up_no_traffic_makes_a_trace():
     assert w.buckets == (1, 2, 4, 8) and w.traces >= 4 and w.seconds > 0
     assert eng.lanes == {"batch": 0, "solo": 0} and not eng.has_unfinished()
     before = eng.fast_step.stats.traces
-    rng = random.Random(0)
-    for n in (1, 3, 8, 5, 2, 7):
-        _burst(eng, n, rng)
+    _traffic(eng, _burst, 0)
     assert eng.fast_step.stats.traces == before
 
 
@@ -43,9 +48,7 @@ def test_without_the_warm_up_the_first_bursts_trace():
     """The control: the same traffic on a cold engine makes the traces the warm-up made."""
     model, tok = engine.load(str(FIXTURE))
     eng = Engine(model, tok, max_batch=8, levers=parse_spec("l3"))
-    rng = random.Random(0)
-    for n in (1, 3, 8, 5, 2, 7):
-        _burst(eng, n, rng)
+    _traffic(eng, _burst, 0)
     assert eng.fast_step.stats.traces >= 3
 
 
@@ -128,18 +131,14 @@ def test_the_warm_up_builds_the_speculating_rows_shapes():
     assert eng.draft_step.stats.steps > 0 and eng.stats()["speculation"]["drafted"] == 0
     assert eng.lanes == {"batch": 0, "solo": 0} and not eng.has_unfinished()
     before = eng.draft_step.stats.traces
-    rng = random.Random(1)
-    for n in (1, 3, 8, 5, 2, 7):
-        _spec_burst(eng, n, rng)
+    _traffic(eng, _spec_burst, 1)
     assert eng.draft_step.stats.traces == before
 
 
 def test_without_the_warm_up_speculating_bursts_trace():
     """The control: the same traffic on a cold engine traces the draft's step."""
     eng = _spec_engine()
-    rng = random.Random(1)
-    for n in (1, 3, 8, 5, 2, 7):
-        _spec_burst(eng, n, rng)
+    _traffic(eng, _spec_burst, 1)
     assert eng.draft_step.stats.traces >= 3
 
 
@@ -181,12 +180,10 @@ def test_on_the_fast_runner_the_warm_up_builds_the_verify_shapes():
         w = warm_up(eng, lookup=0 if draft else 2)
         assert (w.draft_buckets if draft else w.lookup_buckets) == (1, 2, 4, 8)
         assert eng.fast_step.stats.verify_steps > 0 and eng.stats()["speculation"]["drafted"] == 0
-        before, rng = _fast_traces(eng), random.Random(rng_seed)
-        for n in (1, 3, 8, 5, 2, 7):
-            (_spec_burst if draft else _lookup_burst)(eng, n, rng)
+        before = _fast_traces(eng)
+        _traffic(eng, _spec_burst if draft else _lookup_burst, rng_seed)
         assert eng.stats()["speculation"]["drafted"] > 0
         assert _fast_traces(eng) == before
-        cold, rng = _fast_spec_engine(draft), random.Random(rng_seed)
-        for n in (1, 3, 8, 5, 2, 7):
-            (_spec_burst if draft else _lookup_burst)(cold, n, rng)
+        cold = _fast_spec_engine(draft)
+        _traffic(cold, _spec_burst if draft else _lookup_burst, rng_seed)
         assert _fast_traces(cold) >= 4
