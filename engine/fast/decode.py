@@ -192,6 +192,13 @@ class FastStep:
         R = self.mega_rows
         return min(b, R) if R and n <= R else b
 
+    def verify_rows_for(self, n: int) -> int:
+        """The call rows a verify step runs for n call rows: n itself while one call of the
+        one-kernel step takes them (its cost grows with its rows: a bucket of 8 for 5 rows paid
+        for 3 more), else `rows_for(n)`."""
+        R = self.mega_rows
+        return n if R and n <= R else self.rows_for(n)
+
     # --- the step, as a pure function of (tokens, positions, active, buffers) -----------
 
     def _traced(self):

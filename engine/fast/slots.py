@@ -157,7 +157,7 @@ class SlotPool:
         starts = [self.held[s] for s in self.slots]
         calls = [(i, j) for i, n in enumerate(lengths) for j in range(n)]
         n_calls = len(calls)
-        calls += [calls[-1]] * (self.step.rows_for(n_calls) - n_calls)   # (padding: the last
+        calls += [calls[-1]] * (self.step.verify_rows_for(n_calls) - n_calls)   # (padding: the last
         need = max(h + T for h in starts)                                # call again, same write)
         if need > self.capacity:
             self._fit(self.rows, need)

@@ -114,7 +114,7 @@ def verify_shapes(step, max_batch: int, k: int) -> list:
     for slots in {step.rows_for(n) for n in range(1, max_batch + 1)}:
         rows = min(slots, max_batch)
         for calls in range(1, rows * (k + 1) + 1):
-            out.add((step.rows_for(calls), slots))
+            out.add((step.verify_rows_for(calls), slots))
     return sorted(out)
 
 
