@@ -78,6 +78,29 @@ def test_each_verified_position_has_a_single_steps_logits(model, lengths):
     assert fast_step_for(m, FAST).stats.verify_steps >= 1
 
 
+def test_a_verify_runs_exactly_its_call_rows_while_one_kernel_call_takes_them(model, monkeypatch):
+    """5 call rows: run as 5 where one call of the one-kernel step takes up to 8 rows (0.6.1;
+    a bucket of 8 cost 1.9 plain steps on the 1B, 1.4 exact), as the bucket of 8 where it takes
+    4 or where there is no one kernel (the CPU's own case); same logits every way."""
+    m, _ = model
+    step = fast_step_for(m, FAST)
+    real, seen = type(step).__call__, []
+
+    def spy(self, tokens, *a, **kw):
+        seen.append(tokens.shape[0])
+        return real(self, tokens, *a, **kw)
+    monkeypatch.setattr(type(step), "__call__", spy)
+    lengths = [2, 1, 2]
+    for mega_rows, want in ((8, 5), (4, 8), (0, 8)):
+        monkeypatch.setattr(step, "mega_rows", mega_rows)
+        seen.clear()
+        v, seq, _, _ = _verify_against_single_steps(m, lengths)
+        assert seen[-1] == want            # (the verify: the last call)
+        for i, n in enumerate(lengths):
+            for j in range(n):
+                assert mx.array_equal(v[i, j], seq[i, j]).item()
+
+
 def test_rewind_after_a_verify_leaves_the_kept_tokens_only(model):
     """Row 0 keeps 2 of its 3 drafts, row 1 none, row 2 all: the next plain step's logits equal
     those of a pool fed only the kept tokens."""

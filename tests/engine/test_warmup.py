@@ -187,3 +187,18 @@ def test_on_the_fast_runner_the_warm_up_builds_the_verify_shapes():
         cold = _fast_spec_engine(draft)
         _traffic(cold, _spec_burst if draft else _lookup_burst, rng_seed)
         assert _fast_traces(cold) >= 4
+
+
+def test_verify_shapes_name_exact_call_rows_while_one_kernel_call_takes_them(monkeypatch):
+    """With a one kernel of up to 8 rows a call (mega_rows 8) a verify of 3, 5, 6 or 7 call rows
+    runs that many rows (0.6.1), so the warm-up builds those shapes; past 8, buckets; without
+    the one kernel, buckets only (the control)."""
+    from engine.fast.apply import fast_step_for
+    from engine.step.warmup import verify_shapes
+    m = engine.load(str(ensure_fixture("qwen3", "float32")))[0]
+    step = fast_step_for(m, parse_spec("l3"))
+    monkeypatch.setattr(step, "mega_rows", 8)
+    calls = {c for c, _ in verify_shapes(step, 4, 4)}
+    assert {1, 2, 3, 4, 5, 6, 7, 8} <= calls and calls - set(range(1, 9)) == {16, 32}
+    monkeypatch.setattr(step, "mega_rows", 0)
+    assert {c for c, _ in verify_shapes(step, 4, 4)} == {1, 2, 4, 8, 16, 32}
