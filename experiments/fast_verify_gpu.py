@@ -8,10 +8,13 @@ absolute difference, argmax equal, and whether every key and value the verify wr
 single steps' (else the first layer and position that differ). Then timings (median of `trials` after a warm-up): a plain
 step of `rows` rows, and a verify step of K + 1 positions a row, for each K of --ks, so a
 speculation round's cost is known: a round of K drafts costs one verify plus the drafts'
-steps and hands out between 1 and K + 1 tokens.
+steps and hands out between 1 and K + 1 tokens. With MLXP_MEGA_PROF=1 (the one kernel built with
+its phase timer) also each phase's time of the plain step and of the verify (where a verify's
+extra rows cost).
 
     python experiments/fast_verify_gpu.py --model DIR [--model DIR2] [--rows 1,8] [--ks 2,4,8]
         [--out DIR]
+    MLXP_MEGA_PROF=1 python experiments/fast_verify_gpu.py ...     # and the phases' times
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from engine.loader import load_model  # noqa: E402
 from experiments._common import command, machine, write_table  # noqa: E402
 
 FIELDS = ["model", "rows", "k", "bit_equal", "positions", "max_abs_diff", "argmax_equal",
-          "keys_equal", "first_key_diff", "plain_ms", "verify_ms", "verify_over_plain", "one_kernel"]
+          "keys_equal", "first_key_diff", "plain_ms", "verify_ms", "verify_over_plain", "one_kernel",
+          "plain_phases_us", "verify_phases_us"]
 
 
 def _pool(model, step, prompts):
@@ -104,12 +108,23 @@ def check(model, name: str, rows: int, k: int, trials: int, seed: int = 0) -> di
         b.rewind([k + 1] * rows)
         return out
     b.rewind([k + 1] * rows)
-    plain_ms, verify_ms = _timed(plain, trials), _timed(verify, trials)
+    plain_ms = _timed(plain, trials)
+    plain_phases = _phases(step)
+    verify_ms = _timed(verify, trials)
+    verify_phases = _phases(step)
     return dict(model=name, rows=rows, k=k, bit_equal=sum(eq), positions=len(eq),
                 max_abs_diff=round(diff.max().item(), 6), argmax_equal=int(arg.sum().item()),
                 keys_equal=keys_equal, first_key_diff=first_diff,
                 plain_ms=round(plain_ms, 3), verify_ms=round(verify_ms, 3),
-                verify_over_plain=round(verify_ms / plain_ms, 3), one_kernel=one_kernel)
+                verify_over_plain=round(verify_ms / plain_ms, 3), one_kernel=one_kernel,
+                plain_phases_us=plain_phases, verify_phases_us=verify_phases)
+
+
+def _phases(step) -> str:
+    """The one kernel's phase times (µs) of the step's last call, with MLXP_MEGA_PROF=1
+    (a build with the phase timer), as "phase=µs ..."; "" otherwise."""
+    prof = step.mega_profile()
+    return " ".join(f"{k}={round(v)}" for k, v in prof.items() if not isinstance(v, dict))
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,8 @@
 #   experiments/fast_verify_gpu.py in each tree in turn (the verify step's cost and exactness, K of FV_KS);
 #   AB_CHECK=1: then mega_check with the phase timer in each (logits against L1, phases)).
 # fverify (experiments/fast_verify_gpu.py on FV_MODELS, default 1b 8b-q4: the fast runner's verify step against single
-#   fast steps, bit-equal / argmax, and its cost against a plain step, FV_ROWS rows, K of FV_KS).
+#   fast steps, bit-equal / argmax, and its cost against a plain step, FV_ROWS rows, K of FV_KS; FV_PROF=1: the
+#   one kernel with its phase timer, each phase's time of the plain step and of the verify).
 # stalls (experiments/spec_stalls.py on spec's trained pair: staggered speculating rows, K STALLS_K, a stack for each slow step).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows;
 #   ROUNDS_TIER=l3: the target on the fast runner; ROUNDS_MODES: which of lookup,draft,fastdraft).
@@ -188,7 +189,7 @@ if has fverify; then
   for P in ${FV_MODELS:-1b 8b-q4}; do
     [ -d /tmp/m/$P ] || python3 -m experiments.presets ${P%-q4} /tmp/m/$P $([[ $P == *-q4 ]] && echo --bits 4) >/dev/null
   done
-  timeout ${FV_S:-300} python3 experiments/fast_verify_gpu.py $(for P in ${FV_MODELS:-1b 8b-q4}; do echo --model /tmp/m/$P; done) \
+  MLXP_MEGA_PROF=${FV_PROF:-0} timeout ${FV_S:-300} python3 experiments/fast_verify_gpu.py $(for P in ${FV_MODELS:-1b 8b-q4}; do echo --model /tmp/m/$P; done) \
     --rows ${FV_ROWS:-1,8} --ks ${FV_KS:-2,4,8} --out "$OUT/fverify" 2>&1 | tail -24
 fi
 if has stalls; then

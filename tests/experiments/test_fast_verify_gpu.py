@@ -31,3 +31,15 @@ def test_negative_control_a_verify_at_one_column_is_caught(monkeypatch):
     r = check(m, "qwen3", 1, 2, trials=1)
     assert r["bit_equal"] < r["positions"] and not r["keys_equal"]
     assert r["first_key_diff"].startswith("layer 0 k row 0")
+
+
+def test_the_phase_times_are_reported_only_where_the_one_kernel_timed_them(monkeypatch):
+    """On the CPU no one kernel: no phases; a step whose kernel has the phase timer
+    (MLXP_MEGA_PROF=1) reports its phases, the per-block arrivals left out."""
+    m, _ = engine.load(str(ensure_fixture("llama", "float32")))
+    r = check(m, "llama", 1, 2, trials=1)
+    assert r["plain_phases_us"] == r["verify_phases_us"] == ""
+    monkeypatch.setattr(FastStep, "mega_profile",
+                        lambda self: {"qkv_rope": 10.4, "total": 20.0, "arrive": {"x": 1}})
+    r = check(m, "llama", 1, 2, trials=1)
+    assert r["plain_phases_us"] == r["verify_phases_us"] == "qkv_rope=10 total=20"
