@@ -25,7 +25,8 @@
 #   experiments/ carried beside it, made before the call with `mkdir abref && git archive REF engine
 #   experiments | tar -x -C abref`: bench_rows --tiers l3 on AB_MODELS (8b, 8b-q4, 1b, 1b-q4) at
 #   AB_ROWS rows from each tree in turn, AB_ROUNDS times, AB_ARGS added (e.g. --one-kernel-4bit); AB_VERIFY=1: then
-#   experiments/fast_verify_gpu.py in each tree in turn (the verify step's cost and exactness, K of FV_KS);
+#   experiments/fast_verify_gpu.py in each tree in turn (the verify step's cost and exactness, K of FV_KS); AB_SPEC=1:
+#   experiments/spec_rounds.py in each tree in turn (rounds' settings: SPEC_INFLATE, ROUNDS_TIER (l3), ROUNDS_MODES (fastdraft));
 #   AB_CHECK=1: then mega_check with the phase timer in each (logits against L1, phases)).
 # fverify (experiments/fast_verify_gpu.py on FV_MODELS, default 1b 8b-q4: the fast runner's verify step against single
 #   fast steps, bit-equal / argmax, and its cost against a plain step, FV_ROWS rows, K of FV_KS; FV_PROF=1: the
@@ -177,6 +178,12 @@ if has ab; then
     tree=.; [ $tag = ref ] && tree=$AB_DIR
     echo "verify $r $tag"; (cd $tree && timeout ${AB_S:-150} python3 experiments/fast_verify_gpu.py \
       $(for P in ${AB_MODELS:-8b}; do echo --model /tmp/m/$P; done) --rows ${AB_ROWS:-1} --ks ${FV_KS:-2,4,8} 2>&1 | grep '"model"')
+  done; done; fi
+  if [ -n "${AB_SPEC:-}" ]; then for r in $(seq ${AB_ROUNDS:-2}); do for tag in this ref; do
+    tree=.; [ $tag = ref ] && tree=$AB_DIR
+    echo "spec $r $tag"; (cd $tree && timeout ${AB_S:-150} python3 experiments/spec_rounds.py --work /tmp/specwork --k ${SPEC_K:-4} \
+      --rows ${ROUNDS_ROWS:-1} ${SPEC_INFLATE:+--inflate $SPEC_INFLATE} --tier ${ROUNDS_TIER:-l3} --modes ${ROUNDS_MODES:-fastdraft} \
+      --gen ${GEN:-128} --out "$OUT/abspec-$tag-$r" 2>&1 | grep '"mode"')
   done; done; fi
   if [ -n "${AB_CHECK:-}" ]; then for tag in this ref; do for P in ${AB_MODELS:-8b}; do
     tree=.; [ $tag = ref ] && tree=$AB_DIR
