@@ -129,7 +129,7 @@ def one(client, prompt, gen, bias, out, i, t_go):
         return
     end = time.perf_counter()
     out[i] = {"t0": t0, "end": end, "ttft": (first or end) - t0, "tokens": tokens,
-              "finals": finals,
+              "finals": finals, "tail": end - (last or end),   # (the last text to the stream's end)
               "tps": (tokens - 1) / (last - first) if tokens and last and last > first else 0.0}
 
 
@@ -150,10 +150,11 @@ def level(url, prompts, gen, bias):
     lost = n - len(ok)
     dup = sum(1 for o in out if o and o.get("finals", 0) > 1)
     if not ok:
-        return dict(agg=0.0, ttfts=[], tps=[], lost=lost, dup=dup, wall=0.0)
+        return dict(agg=0.0, ttfts=[], tps=[], tails=[], lost=lost, dup=dup, wall=0.0)
     wall = max(o["end"] for o in ok) - min(o["t0"] for o in ok)
     return dict(agg=sum(o["tokens"] for o in ok) / wall, ttfts=[o["ttft"] for o in ok],
-                tps=[o["tps"] for o in ok], lost=lost, dup=dup, wall=wall)
+                tps=[o["tps"] for o in ok], tails=[o["tail"] for o in ok], lost=lost, dup=dup,
+                wall=wall)
 
 
 def _pct(xs, q):

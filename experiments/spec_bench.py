@@ -45,7 +45,7 @@ DRAFT = dict(model_type="llama", hidden_size=512, num_hidden_layers=4, intermedi
 MODES = ("plain", "draft", "fastdraft", "lookup")
 LAST_LOSS: dict = {}     # model -> its last training loss (in the report: how well it learned)
 FIELDS = ["mode", "clients", "agg_tps", "req_tps_p50", "ttft_p50_ms", "ratio", "stream_ratio",
-          "accepted", "drafted", "lost", "ttft_max_ms", "draft_traces"]
+          "accepted", "drafted", "lost", "ttft_max_ms", "draft_traces", "tail_p50_ms", "agg_trials"]
 
 
 def language(seed: int = 0) -> Language:
@@ -146,6 +146,10 @@ def _grown(url: str, before: tuple) -> tuple:
     return tuple(a - b for a, b in zip(spec_counts(url), before))
 
 
+def _median(xs: list) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
 def _measured(url: str, c: int, gen: int, trials: int, bias: dict):
     """An untimed warm-up at c clients, then `trials` timed levels (the interleaved run's
     prompts): their results and the speculation counters' growth over them."""
@@ -227,7 +231,9 @@ def bench(target: Path, draft: Path, levels, gen: int, trials: int, k: int, ngra
                              stream_ratio=round(tps / plain_tps, 3) if plain_tps else 0.0,
                              accepted=acc, drafted=dr, lost=sum(r["lost"] for r in rs),
                              ttft_max_ms=round(1000 * ttfts[-1], 1) if ttfts else 0.0,
-                             draft_traces=tr))
+                             draft_traces=tr, tail_p50_ms=round(1000 * _median(
+                                 [x for r in rs for x in r.get("tails", [])]), 1),
+                             agg_trials=" ".join(str(round(r["agg"], 1)) for r in rs)))
             print(rows[-1], flush=True)
     return rows
 
