@@ -20,7 +20,8 @@
 # spec (experiments/spec_bench.py: a trained 1b target and draft served plain, --draft-model and
 # --prompt-lookup at SPEC_LEVELS clients, K SPEC_K (lookup: SPEC_LOOKUP_K, a comma list: a server each), through HTTP;
 # SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows; SPEC_INFLATE=8b: the trained target padded into the 8B shape, spec and rounds;
-# SPEC_OURS_ARGS: every server's extra arguments, e.g. '--tier l3': speculation on the fast runner; SPEC_SEQUENTIAL=1: one server at a time).
+# SPEC_OURS_ARGS: every server's extra arguments, e.g. '--tier l3': speculation on the fast runner; SPEC_SEQUENTIAL=1: one server at a time;
+# SPEC_TRIALS: trials a level (3; each trial's prompts differ, and so does their acceptance)).
 # ab (two trees head to head in one call: this one and AB_DIR, a copy of another commit's engine/ and
 #   experiments/ carried beside it, made before the call with `mkdir abref && git archive REF engine
 #   experiments | tar -x -C abref`: bench_rows --tiers l3 on AB_MODELS (8b, 8b-q4, 1b, 1b-q4) at
@@ -154,7 +155,7 @@ fi
 if has spec; then
   stage spec
   timeout ${SPEC_S:-540} python3 experiments/spec_bench.py --target 1b --steps ${SPEC_STEPS:-500} \
-    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} --modes ${SPEC_MODES:-draft,lookup} \
+    --levels ${SPEC_LEVELS:-1,8} --gen ${GEN:-128} --trials ${SPEC_TRIALS:-3} --k ${SPEC_K:-4} --draft-layers ${SPEC_DRAFT_LAYERS:-4} --modes ${SPEC_MODES:-draft,lookup} \
     ${SPEC_LOOKUP_K:+--lookup-k $SPEC_LOOKUP_K} ${SPEC_DRAFT_MAX_ROWS:+--draft-max-rows $SPEC_DRAFT_MAX_ROWS} ${SPEC_INFLATE:+--inflate $SPEC_INFLATE} \
     --ours-args "${SPEC_OURS_ARGS:-}" ${SPEC_SEQUENTIAL:+--sequential} --tag h100 --work /tmp/specwork --out "$OUT/spec${SPEC_DRAFT_LAYERS:-}" 2>&1 | grep -v '"step"' | tail -12
 fi
