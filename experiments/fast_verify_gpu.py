@@ -43,7 +43,8 @@ FIELDS = ["model", "rows", "k", "bit_equal", "positions", "max_abs_diff", "argma
           "plain_phases_us", "verify_phases_us"]
 
 
-def _pool(model, step, prompts):
+def pool_of(model, step, prompts) -> SlotPool:
+    """A slot pool of `step` holding each prompt's KV (prefilled by the model), a row each."""
     pool = SlotPool(step, model)
     for p in prompts:
         caches = model.make_cache()
@@ -82,10 +83,10 @@ def check(model, name: str, rows: int, k: int, trials: int, seed: int = 0) -> di
     V = model.args.vocab_size
     prompts = [[rng.randrange(4, V - 4) for _ in range(64 + 37 * i)] for i in range(rows)]
     feed = [[rng.randrange(4, V - 4) for _ in range(k + 1)] for _ in range(rows)]
-    a = _pool(model, step, prompts)
+    a = pool_of(model, step, prompts)
     starts = [len(p) for p in prompts]
     seq = mx.stack([a(mx.array([f[j] for f in feed], dtype=mx.int32)) for j in range(k + 1)], axis=1)
-    b = _pool(model, step, prompts)
+    b = pool_of(model, step, prompts)
     v = b.verify(mx.array(feed, dtype=mx.int32), [k + 1] * rows)
     mx.eval(seq, v)
     # (where the two first part: the keys and values each wrote, layer by layer)

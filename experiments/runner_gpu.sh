@@ -32,6 +32,8 @@
 # fverify (experiments/fast_verify_gpu.py on FV_MODELS, default 1b 8b-q4: the fast runner's verify step against single
 #   fast steps, bit-equal / argmax, and its cost against a plain step, FV_ROWS rows, K of FV_KS; FV_PROF=1: the
 #   one kernel with its phase timer, each phase's time of the plain step and of the verify).
+# vexact (experiments/verify_exactness_gpu.py on 1b and a one-layer 1b: a row's two tokens as single steps, one verify,
+#   a two-row pool, two verifies: where a verify's later positions part from single steps).
 # stalls (experiments/spec_stalls.py on spec's trained pair: staggered speculating rows, K STALLS_K, a stack for each slow step).
 # rounds (experiments/spec_rounds.py on spec's trained pair: a speculation round's parts, in process, at ROUNDS_ROWS rows;
 #   ROUNDS_TIER=l3: the target on the fast runner; ROUNDS_MODES: which of lookup,draft,fastdraft).
@@ -199,6 +201,12 @@ if has fverify; then
   done
   MLXP_MEGA_PROF=${FV_PROF:-0} timeout ${FV_S:-300} python3 experiments/fast_verify_gpu.py $(for P in ${FV_MODELS:-1b 8b-q4}; do echo --model /tmp/m/$P; done) \
     --rows ${FV_ROWS:-1,8} --ks ${FV_KS:-2,4,8} --out "$OUT/fverify" 2>&1 | tail -24
+fi
+if has vexact; then
+  stage vexact
+  [ -d /tmp/m/1b-l1 ] || python3 -m experiments.presets 1b /tmp/m/1b-l1 --layers 1 >/dev/null
+  timeout ${VEXACT_S:-200} python3 experiments/verify_exactness_gpu.py --model /tmp/m/1b --model /tmp/m/1b-l1 \
+    --out "$OUT/verify_exactness.json" 2>&1 | tail -8
 fi
 if has stalls; then
   stage stalls

@@ -3,12 +3,11 @@ every position bit-equal and every key and value the verify wrote equal (the sto
 stand-ins compute each call row as a single step does); the comparison can fail: a verify
 whose call rows all sit at the row's first column is caught, in its logits and its keys."""
 
-import mlx.core as mx
-
 import engine
 from engine.fast.decode import FastStep
 from experiments.fast_verify_gpu import check
 from parity.fixtures.models import ensure_fixture
+from verify_controls import calls_at_one_column
 
 
 def test_the_verify_matches_single_steps_on_the_cpu():
@@ -21,13 +20,7 @@ def test_the_verify_matches_single_steps_on_the_cpu():
 
 def test_negative_control_a_verify_at_one_column_is_caught(monkeypatch):
     m, _ = engine.load(str(ensure_fixture("qwen3", "float32")))
-    real = FastStep.__call__
-
-    def flat(self, tokens, pos, active, keys, values, crow=None):
-        if crow is not None:            # (every call row at its row's first verified column)
-            pos = mx.broadcast_to(mx.min(pos), pos.shape)
-        return real(self, tokens, pos, active, keys, values, crow=crow)
-    monkeypatch.setattr(FastStep, "__call__", flat)
+    calls_at_one_column(monkeypatch)
     r = check(m, "qwen3", 1, 2, trials=1)
     assert r["bit_equal"] < r["positions"] and not r["keys_equal"]
     assert r["first_key_diff"].startswith("layer 0 k row 0")
