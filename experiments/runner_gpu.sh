@@ -22,9 +22,9 @@
 # SPEC_DRAFT_MAX_ROWS: the draft servers' --draft-max-rows; SPEC_INFLATE=8b: the trained target padded into the 8B shape, spec and rounds;
 # SPEC_OURS_ARGS: every server's extra arguments, e.g. '--tier l3': speculation on the fast runner; SPEC_SEQUENTIAL=1: one server at a time;
 # SPEC_TRIALS: trials a level (3; each trial's prompts differ, and so does their acceptance)).
-# ab (two trees head to head in one call: this one and AB_DIR, a copy of another commit's engine/ and
-#   experiments/ carried beside it, made before the call with `mkdir abref && git archive REF engine
-#   experiments | tar -x -C abref`: bench_rows --tiers l3 on AB_MODELS (8b, 8b-q4, 1b, 1b-q4) at
+# ab (two trees head to head in one call: this one and AB_DIR, a copy of another commit's engine/,
+#   experiments/, parity/ and train/ (AB_SPEC's training needs the last two) carried beside it, made before the call with
+#   `mkdir abref_x && git archive REF engine experiments parity train | tar -x -C abref_x`: bench_rows --tiers l3 on AB_MODELS (8b, 8b-q4, 1b, 1b-q4) at
 #   AB_ROWS rows from each tree in turn, AB_ROUNDS times, AB_ARGS added (e.g. --one-kernel-4bit); AB_VERIFY=1: then
 #   experiments/fast_verify_gpu.py in each tree in turn (the verify step's cost and exactness, K of FV_KS); AB_SPEC=1:
 #   experiments/spec_rounds.py in each tree in turn (rounds' settings: SPEC_INFLATE, ROUNDS_TIER (l3), ROUNDS_MODES (fastdraft));
