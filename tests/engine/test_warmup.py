@@ -202,3 +202,25 @@ def test_verify_shapes_name_exact_call_rows_while_one_kernel_call_takes_them(mon
     assert {1, 2, 3, 4, 5, 6, 7, 8} <= calls and calls - set(range(1, 9)) == {16, 32}
     monkeypatch.setattr(step, "mega_rows", 0)
     assert {c for c, _ in verify_shapes(step, 4, 4)} == {1, 2, 4, 8, 16, 32}
+
+
+def test_with_exact_verify_rows_the_warm_up_still_covers_speculating_traffic(monkeypatch):
+    """A one kernel of up to 8 rows a call (mega_rows 8; the CPU's stand-ins take any rows):
+    verifies run their exact call rows (0.6.1), and after the warm-up staggered prompt-lookup
+    traffic traces no new shape; the same traffic on a cold engine does."""
+    def engine_of_8_rows_a_call():
+        eng = _fast_spec_engine(False)
+        monkeypatch.setattr(eng.fast_step, "mega_rows", 8)
+        assert eng.fast_step.verify_rows_for(5) == 5
+        return eng
+    eng = engine_of_8_rows_a_call()
+    warm_up(eng, lookup=2)
+    before = _fast_traces(eng)
+    _traffic(eng, _lookup_burst, 5)
+    assert eng.stats()["speculation"]["drafted"] > 0
+    assert _fast_traces(eng) == before
+    shapes = {k[0] for k in eng.fast_step.trace_keys if k[4] is not None}
+    assert shapes & {3, 5, 6, 7}                  # (exact call rows ran: not only buckets)
+    cold = engine_of_8_rows_a_call()
+    _traffic(cold, _lookup_burst, 5)
+    assert _fast_traces(cold) > 0
