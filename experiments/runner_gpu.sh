@@ -56,7 +56,8 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 [ -d /tmp/m/1b ] || python3 -m experiments.presets 1b /tmp/m/1b
 if has gate; then
   stage gate
-  timeout ${GATE_S:-300} python3 experiments/trained_gate.py --preset 1b --steps ${GATE_STEPS:-500} \
+  # (GATE_S: the stage's limit; with GATE_VERIFY 480 s by default: 300 s ended a run before its 4-bit model)
+  timeout ${GATE_S:-$([ -n "${GATE_VERIFY:-}" ] && echo 480 || echo 300)} python3 experiments/trained_gate.py --preset 1b --steps ${GATE_STEPS:-500} \
     --gate-batch ${GATE_BATCH:-8,32} ${GATE_VERIFY:+--gate-verify $GATE_VERIFY} --bits ${GATE_BITS:-4} ${GATE_QUANT_ONLY:+--quant-only} --out "$OUT/gate" 2>&1 | grep -v '"step"' | tail -40
 fi
 if has inproc; then
