@@ -151,9 +151,10 @@ def _median(xs: list) -> float:
 
 
 def _measured(url: str, c: int, gen: int, trials: int, bias: dict):
-    """An untimed warm-up at c clients, then `trials` timed levels (the interleaved run's
-    prompts): their results and the speculation counters' growth over them."""
-    level(url, prompts(c, 8, 99), 8, bias)
+    """An untimed warm-up at c clients (prompts as long as the trials', 8 tokens each: the
+    prefill shapes a running server has seen), then `trials` timed levels (the interleaved
+    run's prompts): their results and the speculation counters' growth over them."""
+    level(url, prompts(c, gen, 99), 8, bias)
     before = spec_counts(url)
     res = [level(url, prompts(c, gen, t), gen, bias) for t in range(trials)]
     return res, _grown(url, before)
@@ -180,7 +181,7 @@ def _interleaved(target, hf_cache, batch, argv: dict, levels, gen, trials, bias)
     try:
         for c in levels:
             for s in servers.values():      # untimed warm-up at this concurrency
-                level(s.url, prompts(c, 8, 99), 8, bias)
+                level(s.url, prompts(c, gen, 99), 8, bias)
             res = {m: [] for m in modes}
             counts0 = {m: spec_counts(s.url) for m, s in servers.items()}
             for t in range(trials):
