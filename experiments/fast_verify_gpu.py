@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast.apply import fast_step_for  # noqa: E402
 from engine.fast.slots import SlotPool  # noqa: E402
-from engine.kv.batch_cache import batch_caches  # noqa: E402
 from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from experiments._common import command, machine, write_table  # noqa: E402
@@ -41,16 +40,6 @@ from experiments._common import command, machine, write_table  # noqa: E402
 FIELDS = ["model", "rows", "k", "bit_equal", "positions", "max_abs_diff", "argmax_equal",
           "keys_equal", "first_key_diff", "plain_ms", "verify_ms", "verify_over_plain", "one_kernel",
           "plain_phases_us", "verify_phases_us"]
-
-
-def pool_of(model, step, prompts) -> SlotPool:
-    """A slot pool of `step` holding each prompt's KV (prefilled by the model), a row each."""
-    pool = SlotPool(step, model)
-    for p in prompts:
-        caches = model.make_cache()
-        mx.eval(model(mx.array(p)[None], cache=caches))
-        pool.extend(batch_caches([caches]))
-    return pool
 
 
 def _first_kv_diff(a: SlotPool, b: SlotPool, starts: list, k: int):
@@ -83,10 +72,10 @@ def check(model, name: str, rows: int, k: int, trials: int, seed: int = 0) -> di
     V = model.args.vocab_size
     prompts = [[rng.randrange(4, V - 4) for _ in range(64 + 37 * i)] for i in range(rows)]
     feed = [[rng.randrange(4, V - 4) for _ in range(k + 1)] for _ in range(rows)]
-    a = pool_of(model, step, prompts)
+    a = SlotPool.of_prompts(step, model, prompts)
     starts = [len(p) for p in prompts]
     seq = mx.stack([a(mx.array([f[j] for f in feed], dtype=mx.int32)) for j in range(k + 1)], axis=1)
-    b = pool_of(model, step, prompts)
+    b = SlotPool.of_prompts(step, model, prompts)
     v = b.verify(mx.array(feed, dtype=mx.int32), [k + 1] * rows)
     mx.eval(seq, v)
     # (where the two first part: the keys and values each wrote, layer by layer)

@@ -30,23 +30,23 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.fast.apply import fast_step_for  # noqa: E402
+from engine.fast.slots import SlotPool  # noqa: E402
 from engine.levers import resolve  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from experiments.fast_verify_gpu import pool_of  # noqa: E402
 
 
 def ways(model, prompt: list, t0: int, t1: int) -> dict:
     """{way: logits [2, V]} (positions 0 and 1) for the four ways of the module's docstring."""
     step = fast_step_for(model, resolve("l3"))
     one = lambda t: mx.array([t], dtype=mx.int32)   # noqa: E731
-    a = pool_of(model, step, [prompt])
+    a = SlotPool.of_prompts(step, model, [prompt])
     out = {"A": mx.concatenate([a(one(t0)), a(one(t1))])}
-    b = pool_of(model, step, [prompt])
+    b = SlotPool.of_prompts(step, model, [prompt])
     out["B"] = b.verify(mx.array([[t0, t1]], dtype=mx.int32), [2])[0]
-    c = pool_of(model, step, [prompt, prompt])
+    c = SlotPool.of_prompts(step, model, [prompt, prompt])
     out["C"] = mx.concatenate([c(mx.array([t0, t0], dtype=mx.int32))[:1],
                                c(mx.array([t1, t1], dtype=mx.int32))[:1]])
-    d = pool_of(model, step, [prompt])
+    d = SlotPool.of_prompts(step, model, [prompt])
     out["D"] = mx.concatenate([d.verify(mx.array([[t]], dtype=mx.int32), [1])[0] for t in (t0, t1)])
     mx.eval(out)
     return out

@@ -131,11 +131,7 @@ def teacher_forced_verify(model, seqs: list[list[int]], prompt_lens: list[int], 
     its sequence is consumed. Returns, per row, float32 log-probs [len(seq) - prompt_len + 1, V]
     (each position's from the round that kept it)."""
     rng = np.random.default_rng(seed)
-    pool = SlotPool(step, model)
-    for s, pl in zip(seqs, prompt_lens):
-        c = model.make_cache()
-        mx.eval(model(mx.array(s[: pl - 1])[None], cache=c))
-        pool.extend(batch_caches([c]))
+    pool = SlotPool.of_prompts(step, model, [s[: pl - 1] for s, pl in zip(seqs, prompt_lens)])
     order = list(range(len(seqs)))
     fed = [0] * len(seqs)
     out = [[] for _ in seqs]

@@ -33,6 +33,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from engine.kv.batch_cache import batch_caches
 from engine.kv.cache import KVCache
 from .decode import CAPACITY_STEP, FastStep, capacity_for
 
@@ -50,6 +51,20 @@ class SlotPool:
         self.held: List[int] = []         # per slot: tokens in its KV (-1: free)
         self._dev = None                  # (pos [S], active [S], take [B] or None, put [S] or None)
         self.reallocs = 0                 # buffers copied to a new shape (growth or shrink)
+
+    @classmethod
+    def of_prompts(cls, step: FastStep, model, prompts: List[list]) -> "SlotPool":
+        """A pool holding each prompt's KV (the model's own forward over it), a row each, in
+        order (identical prompts prefilled once): the verify experiments', the L3 gate's and
+        the warm-up's pools."""
+        pool, done = cls(step, model), {}
+        for p in prompts:
+            if tuple(p) not in done:
+                caches = model.make_cache()
+                mx.eval(model(mx.array(p)[None], cache=caches))
+                done[tuple(p)] = batch_caches([caches])
+            pool.extend(done[tuple(p)])
+        return pool
 
     # --- shape ---------------------------------------------------------------------------
 

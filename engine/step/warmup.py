@@ -125,15 +125,10 @@ def _verify_warm_up(engine, k: int) -> None:
     import mlx.core as mx
 
     from engine.fast.slots import SlotPool
-    from engine.kv.batch_cache import batch_caches
     step, model = engine.fast_step, engine.model
     for calls, slots in verify_shapes(step, engine.max_batch, k):
         rows = min(slots, engine.max_batch)
-        pool = SlotPool(step, model)
-        for _ in range(rows):
-            caches = model.make_cache()
-            model(mx.array([[1]]), cache=caches)
-            pool.extend(batch_caches([caches]))
+        pool = SlotPool.of_prompts(step, model, [[1]] * rows)
         n = min(calls, rows * (k + 1))            # (the bucket's most call rows these rows make)
         if n < rows:                              # (fewer rows: the others left, the last stays)
             pool.filter(list(range(n - 1)) + [rows - 1])

@@ -22,7 +22,6 @@ import engine
 from engine import Engine, SamplingParams
 from engine.fast.apply import fast_step_for
 from engine.fast.slots import SlotPool
-from engine.kv.batch_cache import batch_caches
 from engine.levers import parse_spec, resolve
 from parity.fixtures.models import ensure_fixture
 from spec_rows import DRAFTS, PROMPTS, draft_pair, drive
@@ -36,12 +35,7 @@ def model(request):
 
 
 def _pool(m, step, prompts):
-    pool = SlotPool(step, m)
-    for p in prompts:
-        caches = m.make_cache()
-        m(mx.array(p)[None], cache=caches)
-        pool.extend(batch_caches([caches]))
-    return pool
+    return SlotPool.of_prompts(step, m, prompts)
 
 
 FEED = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
