@@ -127,12 +127,15 @@ def ttft(url: str, model: str, messages: list, tools: list, max_tokens: int) -> 
             "cached_tokens": details.get("cached_tokens")}
 
 
-def _disk_written(url: str) -> int:
+def _disk_stats(url: str) -> dict:
     try:
-        disk = httpx.get(url + "/stats", timeout=30).json()["prompt_cache"].get("disk") or {}
+        return httpx.get(url + "/stats", timeout=30).json()["prompt_cache"].get("disk") or {}
     except (httpx.HTTPError, ValueError, KeyError):     # (mlx_lm.server has no /stats)
-        return 0
-    return int(disk.get("bytes_written", 0))
+        return {}
+
+
+def _disk_written(url: str) -> int:
+    return int(_disk_stats(url).get("bytes_written", 0))
 
 
 def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
@@ -149,6 +152,8 @@ def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
         got = ttft(url, model, messages, tools, max_tokens)
         time.sleep(0.3)     # (the background write of the turn's new tokens)
         after = _disk_written(url)
+        if restart:
+            print({"turn": i + 1, "disk": _disk_stats(url)}, flush=True)
         rows.append({"phase": name, "turn": i + 1, "prompt_tokens": got["prompt_tokens"],
                      "cached_tokens": got["cached_tokens"], "ttft_ms": got["ttft_ms"],
                      "disk_bytes_written": after - before})
@@ -236,7 +241,14 @@ def main(argv=None):
 
         def restarted() -> str:     # a fresh server process for each turn
             while held:
-                held.pop().terminate(20)
+                gone = held.pop()
+                took = gone.terminate(60)
+                notes = [ln.strip() for ln in gone.stderr_lines if "prompt cache" in ln]
+                on_disk = sorted((f.name[:12], f.stat().st_size)
+                                 for f in (Path(tmp) / "restart").glob("*.*"))
+                # (what the disk cache said and left: why a turn missed)
+                print({"server_exit_s": None if took is None else round(took, 2),
+                       "prompt_cache_log": notes[-6:], "files": on_disk}, flush=True)
             held.append(Served(REPO, base + per_turn).start())
             return held[-1].url
         try:

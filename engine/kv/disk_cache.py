@@ -32,6 +32,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
@@ -84,12 +85,17 @@ def _mtime(p: Path) -> int:
 
 
 def _cut(x, a: int, b: int):
+    """Tokens [a, b) of K or V (a copy; `x` itself when that is all of it)."""
     if isinstance(x, (tuple, list)):
-        return tuple(mx.contiguous(t[..., a:b, :]) for t in x)
+        return tuple(_cut(t, a, b) for t in x)
+    if a == 0 and b == x.shape[-2]:
+        return x
     return mx.contiguous(x[..., a:b, :])
 
 
 def _cat(parts):
+    if len(parts) == 1:
+        return parts[0]
     if isinstance(parts[0], (tuple, list)):
         return tuple(mx.concatenate(list(leaves), axis=2) for leaves in zip(*parts))
     return mx.concatenate(parts, axis=2)
@@ -126,6 +132,7 @@ class DiskCache:
         self._bytes = 0
         self.hits = self.misses = self.evictions = self.writes = 0
         self.tokens_restored = self.bytes_read = self.bytes_written = self.last_write_bytes = 0
+        self.last_restore_ms = 0.0      # the last hit's read, checks and arrays, wall time
         self.ignored: dict = {}     # reason -> files ignored (another model, corrupted, ...)
         self.refused: dict = {}     # reason -> sequences not stored
         self._q: "queue.Queue" = queue.Queue()
@@ -279,6 +286,7 @@ class DiskCache:
             return None
 
     def _restore(self, ns: str, prompt, more_than: int):
+        t0 = time.perf_counter()
         with self.lock:
             n, name = self._match(ns, tuple(prompt), len(prompt) - 1)
             if name is None or n < self.min_tokens or n <= more_than:
@@ -318,6 +326,7 @@ class DiskCache:
         mx.eval([x for c in out for x in (c.keys, c.values)])
         with self.lock:
             self.hits += 1
+            self.last_restore_ms = round((time.perf_counter() - t0) * 1e3, 1)
             self.tokens_restored += n
             self.bytes_read += read
             for f, _ in chain:
@@ -440,6 +449,7 @@ class DiskCache:
         return {"enabled": True, "max_bytes": self.max_bytes, "bytes": self._bytes,
                 "files": len(self._files), "hits": self.hits, "misses": self.misses,
                 "tokens_restored": self.tokens_restored, "bytes_read": self.bytes_read,
+                "last_restore_ms": self.last_restore_ms,
                 "writes": self.writes, "bytes_written": self.bytes_written,
                 "last_write_bytes": self.last_write_bytes, "evictions": self.evictions,
                 "ignored": dict(self.ignored), "refused": dict(self.refused)}

@@ -5,6 +5,7 @@ are never used (one log line each); wrapped sliding windows are refused, not reu
 
 import logging
 import random
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -330,3 +331,42 @@ def test_a_failing_cache_never_fails_the_request(tmp_path, qwen_path, cold, monk
     got = _one(again, PREFIX + MORE)
     assert got[2].cached_tokens == 0 and _same(got, cold["more"])
     assert again.disk_cache.misses == 1 and list(again.disk_cache.refused) == ["error (RuntimeError: boom)"]
+
+
+@pytest.mark.parametrize("alter", ["shape", "offsets", "past_the_end"])
+def test_an_altered_array_entry_is_ignored_and_leaves_nothing_mapped(tmp_path, alter):
+    """The header's array entries (dtype, shape, offsets) are outside the checksum: an entry
+    that no longer fits its bytes is caught as a corrupted file (deleted, the request cold),
+    not an error from inside the read; and a restore, good or bad, leaves no mapping of a
+    file behind (files are mapped while read: 0.6.2)."""
+    import json
+    import struct
+    from engine import DiskCache
+    one, two = list(range(100, 200)), list(range(300, 400))
+    dc = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    dc.store("base", one, _kv(100, 1.0))
+    bad = files(tmp_path)[0]
+    dc.store("base", two, _kv(100, 2.0))
+    raw = bad.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    entry = header[key]
+    a, b = entry["data_offsets"]
+    if alter == "shape":
+        entry["shape"] = entry["shape"][:-1] + [entry["shape"][-1] - 1]
+    elif alter == "offsets":
+        entry["data_offsets"] = [a, b - 6]
+    else:
+        entry["data_offsets"] = [a, len(raw) + b]
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    bad.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
+    again = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    assert again.restore("base", one + [1]) is None
+    assert again.ignored == {"corrupted": 1} and not bad.exists()
+    caches, n_tokens = again.restore("base", two + [1])
+    assert n_tokens == 100 and mx.array_equal(caches[0].keys, mx.full((1, 1, 100, 64), 2.0)).item()
+    maps = Path("/proc/self/maps")
+    if maps.exists():       # (Linux: CI's machines)
+        assert str(tmp_path) not in maps.read_text()

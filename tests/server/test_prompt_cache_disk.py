@@ -45,6 +45,7 @@ def test_restart_reads_the_prefix_back(qwen_dir, tmp_path, batch):
         assert cached > 0.95 * first["usage"]["prompt_tokens"]     # the system prompt, at least
         d = _disk(s.url)
         assert d["hits"] == 1 and d["tokens_restored"] == cached and d["bytes_read"] > 0
+        assert d["last_restore_ms"] > 0
         m = httpx.get(s.url + "/metrics", timeout=10).text
         assert "engine_prompt_cache_disk_hits_total 1.0" in m
         assert f"engine_prompt_cache_disk_files {d['files']}.0" in m
