@@ -423,9 +423,10 @@ def main(argv=None) -> int:
             print(ready_text(state, url, line), flush=True)
         await task
 
+    shutdown.exit_through_finally()     # (else uvicorn's re-raised SIGTERM skips the finally)
     try:
         asyncio.run(run())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, shutdown.Terminated):
         pass
     finally:
         status = leader.close() if leader is not None else 0   # followers stop too

@@ -7,10 +7,17 @@ nothing yet (queued, waiting for a row, or arriving on a kept-alive connection) 
 still running ends with the same 503 error -- a stream's final event is the protocol's error
 event -- and uvicorn, whose own timeout is a little longer, closes the connections only after
 those answers are written.
+
+After the graceful shutdown uvicorn (>= 0.29) raises the signal again for the handler that was
+there before it: with Python's default one a SIGTERM killed the process there, before
+`engine-serve`'s own clean-up ran (the disk prompt cache's pending files were lost half
+written, the followers of a tensor-parallel group were not stopped). `exit_through_finally`
+makes that handler raise `Terminated`, so the server returns through its `finally`.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 
 from .errors import APIError
@@ -43,3 +50,17 @@ def install(server, gateway, grace_s: float) -> None:
     cfg = server.config
     if cfg.timeout_graceful_shutdown is not None:
         cfg.timeout_graceful_shutdown = grace_s + WRITE_S
+
+
+class Terminated(Exception):
+    """SIGTERM, raised again by uvicorn once its graceful shutdown is done."""
+
+
+def _raise_terminated(sig, frame):
+    raise Terminated()
+
+
+def exit_through_finally() -> None:
+    """SIGTERM raises `Terminated` (main thread) instead of killing the process: call it
+    before serving, catch `Terminated` around the serving, clean up in `finally`."""
+    signal.signal(signal.SIGTERM, _raise_terminated)

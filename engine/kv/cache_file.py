@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -179,7 +180,7 @@ def read_header(f) -> tuple[dict, int]:
 def decode_file(path) -> tuple[list, dict]:
     """(caches, metadata) of a file written by `encode_file`; CacheFileError when it is
     truncated, altered or has no checksum. The file is mapped, not read: the checksum runs
-    over the page cache's bytes and each array is copied once, into MLX's memory (a read
+    over the page cache's bytes while each array is copied once, into MLX's memory (a read
     and then a copy took twice as long for a 25K-token prefix; files are only ever
     replaced whole, never changed in place, so the mapping cannot change under us)."""
     with open(path, "rb") as f:
@@ -192,9 +193,17 @@ def decode_file(path) -> tuple[list, dict]:
         try:
             if meta.get(CHECKSUM) is None:
                 raise CacheFileError("no checksum")
-            if _crc(meta, [data]) != meta[CHECKSUM]:
+            # the checksum on a thread (zlib lets go of the GIL) while the arrays are copied
+            # out of the same mapping; none of them is returned before it matches
+            crc: list = []
+            check = threading.Thread(target=lambda: crc.append(_crc(meta, [data])))
+            check.start()
+            try:
+                arrays = {key: _array(data, h) for key, h in header.items()}
+            finally:
+                check.join()
+            if crc != [meta[CHECKSUM]]:
                 raise CacheFileError("checksum mismatch (truncated or altered)")
-            arrays = {key: _array(data, h) for key, h in header.items()}
         finally:
             data.release()
     finally:

@@ -47,6 +47,7 @@ log = logging.getLogger("engine.kv.prompt_cache")
 
 FORMAT = "mlx-parity-segment-1"
 SUFFIX = ".safetensors"
+TMP = ".tmp"
 MIN_TOKENS = 64
 
 
@@ -75,6 +76,17 @@ def disk_cache_for(directory, disk_gb: float, model_dir, engine, adapter_path=No
                      engine.max_kv_size] + (["deterministic"] if engine.deterministic else []))
     model = fingerprint(model_dir, *([adapter_path] if adapter_path else []))
     return DiskCache(directory, int(disk_gb * 1e9), model, kv)
+
+
+def _alive(pid: str) -> bool:
+    """Whether process `pid` (a file name's part) still runs: its file may still be written."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, OverflowError, ProcessLookupError):
+        return False
+    except PermissionError:         # (another user's process)
+        return True
+    return True
 
 
 def _mtime(p: Path) -> int:
@@ -154,6 +166,10 @@ class DiskCache:
         log.warning("prompt cache: ignoring %s: %s%s", path, reason, f" ({detail})" if detail else "")
 
     def _scan(self) -> None:
+        for p in self.dir.glob("*" + TMP):      # a write its process never finished (killed)
+            if not _alive(p.name.split(".")[-2]):
+                self._ignore(p, "an unfinished write", "deleted")
+                p.unlink(missing_ok=True)
         found = {}
         for p in sorted(self.dir.glob("*" + SUFFIX), key=_mtime):
             try:
@@ -404,7 +420,7 @@ class DiskCache:
 
     def _write(self, f: _File, payload) -> None:
         path = self.dir / (f.name + SUFFIX)
-        tmp = path.with_suffix(".tmp")
+        tmp = self.dir / f"{f.name}.{os.getpid()}{TMP}"     # (the writer's pid: see _scan)
         try:
             size = write_file(tmp, *payload)
             os.replace(tmp, path)

@@ -370,3 +370,24 @@ def test_an_altered_array_entry_is_ignored_and_leaves_nothing_mapped(tmp_path, a
     maps = Path("/proc/self/maps")
     if maps.exists():       # (Linux: CI's machines)
         assert str(tmp_path) not in maps.read_text()
+
+
+def test_a_file_left_half_written_by_a_dead_process_is_deleted_at_start(tmp_path, caplog):
+    """A killed server leaves `<name>.<pid>.tmp`: the next start deletes it (one log line),
+    unless its process still runs (another server on the directory, writing it now)."""
+    import os
+    import subprocess
+    import sys
+    from engine import DiskCache
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = tmp_path / f"{'a' * 40}.{gone}.tmp"
+    live = tmp_path / f"{'b' * 40}.{os.getpid()}.tmp"
+    old = tmp_path / f"{'c' * 40}.tmp"          # (the name before 0.6.2: no pid)
+    for f in (dead, live, old):
+        f.write_bytes(b"\0" * 100)
+    with caplog.at_level(logging.WARNING, logger="engine.kv.prompt_cache"):
+        dc = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    assert not dead.exists() and not old.exists() and live.exists()
+    assert dc.ignored == {"an unfinished write": 2} and len(dc) == 0
+    assert len([r for r in caplog.records if "unfinished" in r.getMessage()]) == 2

@@ -67,3 +67,48 @@ def test_flags(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit, match="--prompt-cache-dir"):
         config_from_args(parser().parse_args(["--prompt-cache-dir", str(tmp_path / "file")]))
+
+
+SLOW_WRITE = '''
+import time
+import engine.kv.disk_cache as dc
+_write = dc.write_file
+def _slow(*a, **k):
+    time.sleep(1.5)
+    return _write(*a, **k)
+dc.write_file = _slow
+'''
+
+
+def test_sigterm_finishes_the_pending_file_before_exit(qwen_dir, tmp_path):
+    """engine-serve as a user runs it (a subprocess), its file's write slowed to 1.5 s, gets
+    SIGTERM right after the answer: it exits 0 once the file is complete, and the next server
+    reads it back. (uvicorn raises the signal again after its graceful shutdown: the default
+    handler killed the process there, before the cache's flush: no file, or half of one.)"""
+    import os
+    import signal
+    from test_cli import ROOT, spawn, wait_ready
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WRITE)
+    cache = tmp_path / "cache"
+    p = spawn("--model", str(qwen_dir), "--port", "0", "--prompt-cache-dir", str(cache),
+              PYTHONPATH=f"{ROOT}{os.pathsep}{site}")
+    try:
+        m, _ = wait_ready(p)
+        first = _ask(m.group(1), "hello")
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=20)
+    assert p.returncode == 0
+    assert [f.suffix for f in cache.iterdir()] == [".safetensors"]
+    s = start_server(qwen_dir, prompt_cache_dir=str(cache))
+    try:
+        again = _ask(s.url, "hello again")
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0.95 * first["usage"]["prompt_tokens"]
+        assert _disk(s.url)["hits"] == 1
+    finally:
+        stop_server(s)
