@@ -31,15 +31,21 @@ sys.path.insert(0, str(REPO))
 from experiments._common import dump_json, machine, report_dir  # noqa: E402
 
 
+def layer_kv(i: int, kv_heads: int, head_dim: int, tokens: int):
+    """Layer i's K and V (random, bf16; the same every call)."""
+    import mlx.core as mx
+    shape = (1, kv_heads, tokens, head_dim)
+    return tuple(mx.random.normal(shape, key=mx.random.key(2 * i + j)).astype(mx.bfloat16)
+                 for j in (0, 1))
+
+
 def session_caches(layers: int, kv_heads: int, head_dim: int, tokens: int):
     import mlx.core as mx
     from engine.kv.cache import KVCache
     caches = []
     for i in range(layers):
         c = KVCache()
-        k = mx.random.normal((1, kv_heads, tokens, head_dim), key=mx.random.key(2 * i))
-        v = mx.random.normal((1, kv_heads, tokens, head_dim), key=mx.random.key(2 * i + 1))
-        c.update_and_fetch(k.astype(mx.bfloat16), v.astype(mx.bfloat16))
+        c.update_and_fetch(*layer_kv(i, kv_heads, head_dim, tokens))
         caches.append(c)
     mx.eval([x for c in caches for x in (c.keys, c.values)])
     return caches
@@ -56,6 +62,7 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     ap.add_argument("--tag", default="1b")
+    ap.add_argument("--out", default=None, help="report directory (default: reports/disk_restore/<version>/<tag>)")
     a = ap.parse_args(argv)
     import mlx.core as mx
     from engine.kv.cache_file import read_header
@@ -73,7 +80,7 @@ def main(argv=None):
         files = sorted(Path(tmp).glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         del caches
-        parts = {"read_s": [], "checksum_s": [], "restore_s": []}
+        parts = {"read_s": [], "checksum_s": [], "restore_s": [], "equal": []}
         for _ in range(a.trials):
             for f in files:         # the parts alone: the bytes, then their CRC-32
                 t0 = time.perf_counter()
@@ -92,6 +99,11 @@ def main(argv=None):
             mx.synchronize()
             parts["restore_s"].append(time.perf_counter() - t0)
             assert got[1] == total, got[1]
+            if not parts["equal"]:      # (once: every restored K/V bit-equal to what was stored)
+                parts["equal"].append(all(
+                    mx.array_equal(x, y).item() for i, c in enumerate(got[0])
+                    for x, y in zip((c.keys[..., :total, :], c.values[..., :total, :]),
+                                    layer_kv(i, a.kv_heads, a.head_dim, total))))
             del got
     row = {"tag": a.tag, "layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
            "tokens": total, "files": len(files), "bytes": size, "write_s": round(write_s, 3),
@@ -101,11 +113,14 @@ def main(argv=None):
                                        for i in range(len(files))), 4),
            "restore_s": round(statistics.median(parts["restore_s"]), 4),
            "restore_gb_s": round(size / 1e9 / statistics.median(parts["restore_s"]), 2),
-           "restore_trials_s": [round(x, 4) for x in parts["restore_s"]]}
+           "restore_trials_s": [round(x, 4) for x in parts["restore_s"]],
+           "bit_equal": parts["equal"] == [True]}
     print(row, flush=True)
-    out = report_dir("disk_restore", a.tag)
+    out = Path(a.out) if a.out else report_dir("disk_restore", a.tag)
+    out.mkdir(parents=True, exist_ok=True)
     dump_json(out / "run.json", {"machine": machine(), "args": vars(a), "result": row})
     print(f"wrote {out}")
+    return row
 
 
 def _prefix(c, n: int):

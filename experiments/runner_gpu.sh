@@ -11,6 +11,7 @@
 # vs l3), check8b (CHECK8_MODEL 8b-q4 or 8b (bf16), one row: the one kernel against the step of separate kernels and
 # L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join),
 # agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server unless AGENT_NO_MLXLM=1).
+# restore (experiments/disk_restore_cost.py: a ~25K-token disk prompt cache restore, 1B and 8B KV shapes, part by part).
 # lone (experiments/lone_row.py: a lone request on --batch 32 vs --batch 1, 1B: speed and
 # equal tokens/logprobs), q4one (Q4ONE_PRESET, default 8b, 4-bit at 1 and 2 rows on the fast runner
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
@@ -223,6 +224,13 @@ if has agent; then
       --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
     mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
   done
+fi
+if has restore; then
+  stage restore       # (a disk prompt cache restore part by part, 1B and 8B KV shapes, ~25K tokens)
+  timeout ${RESTORE_S:-120} python3 experiments/disk_restore_cost.py --tag h100-1b 2>&1 | grep "'tag'"
+  timeout ${RESTORE_S:-120} python3 experiments/disk_restore_cost.py --layers 32 --head-dim 128 --trials 2 \
+    --tag h100-8b 2>&1 | grep "'tag'"
+  mkdir -p "$OUT/restore"; cp -r reports/disk_restore/*/h100-* "$OUT/restore/" 2>/dev/null
 fi
 if has det; then
   stage det
