@@ -391,3 +391,86 @@ def test_a_file_left_half_written_by_a_dead_process_is_deleted_at_start(tmp_path
     assert not dead.exists() and not old.exists() and live.exists()
     assert dc.ignored == {"an unfinished write": 2} and len(dc) == 0
     assert len([r for r in caplog.records if "unfinished" in r.getMessage()]) == 2
+
+
+def _parts(monkeypatch, size=4096):
+    """Restores in parts of `size` bytes; [parts read] per restore that ran in parts."""
+    import engine.step.reuse as reuse
+    from engine.kv.disk_cache import DiskCache
+    monkeypatch.setattr(reuse, "RESTORE_PART_BYTES", size)
+    counts, real = [], DiskCache.restore_steps
+
+    def counted(self, *a, **k):
+        counts.append(0)
+        steps = real(self, *a, **k)
+        try:
+            while True:
+                next(steps)
+                counts[-1] += 1
+                yield
+        except StopIteration as done:
+            return done.value
+    monkeypatch.setattr(DiskCache, "restore_steps", counted)
+    return counts
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_prefix_read_while_other_rows_run_comes_in_parts_between_their_steps(
+        tmp_path, qwen_path, cold, monkeypatch, batch):
+    """After a restart, a request whose prefix is on disk arrives while another one decodes:
+    its files are read a part per step (the other row gets tokens between the parts instead of
+    waiting for the whole read), and its answer is bit-identical to a cold prefill's. (batch
+    1: it waits for the lane alone while the other row runs there.)"""
+    _one(_load(qwen_path, tmp_path), PREFIX)
+    counts = _parts(monkeypatch)
+    eng = _load(qwen_path, tmp_path, max_batch=batch)
+    other = [11, 12, 13, 14, 15, 16, 17, 18]
+    eng.submit(other, SamplingParams(max_tokens=40, temperature=0.0), request_id="other")
+    eng.step()
+    eng.submit(PREFIX + MORE, SamplingParams(max_tokens=4, temperature=0.0), request_id="agent")
+    outs, other_tokens_before = [], None
+    while eng.has_unfinished():
+        got = eng.step()
+        outs += got
+        if other_tokens_before is None and any(o.request_id == "agent" for o in got):
+            other_tokens_before = sum(len(o.token_ids) for o in outs if o.request_id == "other")
+    agent = [o for o in outs if o.request_id == "agent"]
+    ids = [t for o in agent for t in o.token_ids]
+    arrays = [a for o in agent for a in o.logprob_arrays]
+    assert _same((ids, arrays), cold["more"])
+    assert agent[-1].cached_tokens == len(PREFIX) and eng.disk_cache.hits == 1
+    parts = [c for c in counts if c]      # (restores at once count 0 parts)
+    if batch > 1:           # (alone, it starts when the other ends: nothing to read beside)
+        assert len(parts) == 1 and parts[0] >= 4, counts
+        assert other_tokens_before >= parts[0]       # a token of the other row a part
+    else:
+        assert parts == [], counts
+    assert eng.disk_cache.last_restore_ms > 0
+
+
+def test_with_nothing_else_running_the_prefix_is_read_at_once(tmp_path, qwen_path, monkeypatch):
+    _one(_load(qwen_path, tmp_path), PREFIX)
+    counts = _parts(monkeypatch)
+    eng = _load(qwen_path, tmp_path, max_batch=4)
+    _, _, out = _one(eng, PREFIX + MORE)
+    assert out.cached_tokens == len(PREFIX) and counts == [0] * len(counts)
+
+
+def test_a_request_aborted_while_its_prefix_is_read_lets_the_files_go(tmp_path, qwen_path,
+                                                                    monkeypatch):
+    _one(_load(qwen_path, tmp_path), PREFIX)
+    counts = _parts(monkeypatch)
+    eng = _load(qwen_path, tmp_path, max_batch=4)
+    eng.submit([11, 12, 13], SamplingParams(max_tokens=30, temperature=0.0))
+    eng.step()
+    eng.submit(PREFIX + MORE, SamplingParams(max_tokens=4, temperature=0.0), request_id="a")
+    eng.step()
+    eng.step()
+    assert [c for c in counts if c], counts
+    assert eng.abort("a")
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(tmp_path) not in maps.read_text()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.disk_cache.hits == 0
