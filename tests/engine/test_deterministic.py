@@ -107,7 +107,7 @@ def test_a_cached_prefix_gives_the_logits_of_a_cold_one(family):
 def test_prefix_files_on_disk_are_kept_apart_from_the_default_modes(tmp_path):
     """A prefix saved by the default mode rounds otherwise (sliding windows): a deterministic
     engine's disk cache does not read it."""
-    from engine.kv.disk_cache import disk_cache_for
+    from engine import disk_cache_for
     model, tok = _load("gemma3_text")
     path = ensure_fixture("gemma3_text")
     det, default = (disk_cache_for(tmp_path, 1.0, path, Engine(model, tok, max_batch=2,
