@@ -100,7 +100,7 @@ _LAZY = {
     "image_formats": "engine.vision",
     # engine.kv.disk_cache
     "DiskCache": "engine.kv.disk_cache",
-    "disk_cache_for": "engine.kv.disk_key",
+    "disk_cache_for": "engine.kv.disk_cache",
     # engine.kv.prompt_cache
     "PromptCache": "engine.kv.prompt_cache",
     # engine.kv.quant

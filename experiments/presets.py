@@ -34,13 +34,6 @@ PRESETS = {
                      num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
                      rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
                      tie_word_embeddings=False),
-    # not a real model: a 2-layer Llama whose K/V are 32 KiB a token (as the 1b's 16 layers)
-    # with little compute, so that a long prefix's files are large next to a decode step
-    # (experiments/restore_stall.py on a CPU).
-    "kvheavy": dict(model_type="llama", hidden_size=4096, num_hidden_layers=2, intermediate_size=512,
-                    num_attention_heads=32, num_key_value_heads=32, head_dim=128, vocab_size=1024,
-                    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
-                    tie_word_embeddings=True),
     # 8B Llama shape (the device README's decode figures).
     "8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,

@@ -179,23 +179,10 @@ def read_header(f) -> tuple[dict, int]:
 
 def decode_file(path) -> tuple[list, dict]:
     """(caches, metadata) of a file written by `encode_file`; CacheFileError when it is
-    truncated, altered or has no checksum (`decode_steps` in one part)."""
-    steps = decode_steps(path, lambda: None)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
-def decode_steps(path, budget):
-    """`decode_file` in parts: a generator that yields after each part of about `budget()`
-    bytes (None: the rest at once) and returns (caches, metadata). The file is mapped, not
-    read: each part's checksum runs over the page cache's bytes on a thread (zlib lets go of
-    the GIL) while the arrays among them are copied, once, into MLX's memory (a read and then
-    a copy took twice as long for a 25K-token prefix); none is returned before the whole
-    checksum matches. Files are only ever replaced whole, never changed in place, so the
-    mapping cannot change under us. Closing the generator early releases the mapping."""
+    truncated, altered or has no checksum. The file is mapped, not read: the checksum runs
+    over the page cache's bytes while each array is copied once, into MLX's memory (a read
+    and then a copy took twice as long for a 25K-token prefix; files are only ever
+    replaced whole, never changed in place, so the mapping cannot change under us)."""
     with open(path, "rb") as f:
         header, start = read_header(f)
         mm = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -206,27 +193,16 @@ def decode_steps(path, budget):
         try:
             if meta.get(CHECKSUM) is None:
                 raise CacheFileError("no checksum")
-            head = json.dumps({k: v for k, v in meta.items() if k != CHECKSUM}, sort_keys=True)
-            crc = [zlib.crc32(head.encode())]
-            todo = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"])
-            arrays, pos = {}, 0
-            while True:
-                size = budget()
-                end = len(data) if size is None else min(len(data), pos + max(1, size))
-                with data[pos:end] as part:
-                    check = threading.Thread(target=lambda: crc.append(zlib.crc32(part, crc[-1])))
-                    check.start()
-                    try:
-                        while todo and (end == len(data) or todo[0][1]["data_offsets"][1] <= end):
-                            key, h = todo.pop(0)
-                            arrays[key] = _array(data, h)
-                    finally:
-                        check.join()
-                pos = end
-                if pos == len(data) and not todo:
-                    break
-                yield
-            if f"{crc[-1]:08x}" != meta[CHECKSUM]:
+            # the checksum on a thread (zlib lets go of the GIL) while the arrays are copied
+            # out of the same mapping; none of them is returned before it matches
+            crc: list = []
+            check = threading.Thread(target=lambda: crc.append(_crc(meta, [data])))
+            check.start()
+            try:
+                arrays = {key: _array(data, h) for key, h in header.items()}
+            finally:
+                check.join()
+            if crc != [meta[CHECKSUM]]:
                 raise CacheFileError("checksum mismatch (truncated or altered)")
         finally:
             data.release()

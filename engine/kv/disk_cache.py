@@ -39,7 +39,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .cache_file import (FIELDS, CacheFileError, decode_steps, host_buffers,
+from .cache_file import (FIELDS, CacheFileError, decode_file, host_buffers,
                          prompt_cache_payload, read_header, write_file)
 from .prefix_tree import PrefixTree
 
@@ -49,6 +49,33 @@ FORMAT = "mlx-parity-segment-1"
 SUFFIX = ".safetensors"
 TMP = ".tmp"
 MIN_TOKENS = 64
+
+
+def fingerprint(*paths, extra: str = "") -> str:
+    """A model's identity: config.json's bytes and every file's name, size and mtime
+    (top level of each directory given; files as given)."""
+    h = hashlib.sha256(extra.encode())
+    for p in paths:
+        p = Path(p)
+        for f in sorted(p.iterdir()) if p.is_dir() else [p]:
+            if f.is_file():
+                st = f.stat()
+                h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns};".encode())
+                if f.name == "config.json":
+                    h.update(f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def disk_cache_for(directory, disk_gb: float, model_dir, engine, adapter_path=None) -> "DiskCache":
+    """The disk cache of an `engine.Engine` loaded from `model_dir` (plus a fused adapter):
+    files of another model, KV setting or mode (deterministic: its KV rounds otherwise) are
+    not used."""
+    if not disk_gb > 0:
+        raise ValueError(f"prompt cache disk size must be > 0 GB (got {disk_gb!r})")
+    kv = json.dumps([sorted(engine.policy.layers.items()), engine.policy.start,
+                     engine.max_kv_size] + (["deterministic"] if engine.deterministic else []))
+    model = fingerprint(model_dir, *([adapter_path] if adapter_path else []))
+    return DiskCache(directory, int(disk_gb * 1e9), model, kv)
 
 
 def _alive(pid: str) -> bool:
@@ -84,22 +111,6 @@ def _cat(parts):
     if isinstance(parts[0], (tuple, list)):
         return tuple(mx.concatenate(list(leaves), axis=2) for leaves in zip(*parts))
     return mx.concatenate(parts, axis=2)
-
-
-def _timed(steps, clock: list):
-    """`yield from steps`, adding its own time (not the pauses at its yields) to clock[0]."""
-    try:
-        while True:
-            t0 = time.perf_counter()
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-            finally:
-                clock[0] += time.perf_counter() - t0
-            yield
-    finally:
-        steps.close()
 
 
 def _with(c, keys, values, n: int):
@@ -281,25 +292,8 @@ class DiskCache:
         leaving one token to compute), or None: when it would not reuse more than
         `more_than` tokens (counted as a miss), or a file fails its checks (logged, deleted).
         Never raises: whatever goes wrong, the request runs cold."""
-        steps = self.restore_steps(ns, prompt, more_than)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-
-    def reusable(self, ns: str, prompt) -> int:
-        """How many tokens of `prompt` a restore would reuse (0: none), from the index alone."""
-        with self.lock:
-            n, name = self._match(ns, tuple(prompt), len(prompt) - 1)
-        return n if name is not None and n >= self.min_tokens else 0
-
-    def restore_steps(self, ns: str, prompt, more_than: int = 0, budget=lambda: None):
-        """`restore` as a generator that yields after each part of about `budget()` bytes
-        read (None: all the rest) and returns what `restore` returns; the caller does other
-        work between the parts (an engine: its other rows' steps). Never raises."""
         try:
-            return (yield from self._restore(ns, prompt, more_than, budget))
+            return self._restore(ns, prompt, more_than)
         except Exception as e:      # (a cache must never fail the request it serves)
             log.warning("prompt cache: restore failed (%s: %s); running cold",
                         type(e).__name__, e)
@@ -307,8 +301,8 @@ class DiskCache:
                 self.misses += 1
             return None
 
-    def _restore(self, ns: str, prompt, more_than: int, budget):
-        clock = [0.0]       # this restore's own time (not the pauses between its parts)
+    def _restore(self, ns: str, prompt, more_than: int):
+        t0 = time.perf_counter()
         with self.lock:
             n, name = self._match(ns, tuple(prompt), len(prompt) - 1)
             if name is None or n < self.min_tokens or n <= more_than:
@@ -322,7 +316,7 @@ class DiskCache:
         for f, take in chain:
             path = self.dir / (f.name + SUFFIX)
             try:
-                caches, meta = yield from _timed(decode_steps(path, budget), clock)
+                caches, meta = decode_file(path)
                 self._check(meta, f, prompt[f.start:f.start + take])
                 if any(c.offset < take for c in caches):
                     raise CacheFileError("holds fewer tokens than its metadata says")
@@ -339,9 +333,6 @@ class DiskCache:
                 return None
             read += f.size
             parts.append([(c, _cut(c.keys, 0, take), _cut(c.values, 0, take)) for c in caches])
-        if budget() is not None and len(parts) > 1:     # (the join: a part of its own)
-            yield
-        t0 = time.perf_counter()
         out = []
         for layer in zip(*parts):
             c = layer[0][0]
@@ -351,7 +342,7 @@ class DiskCache:
         mx.eval([x for c in out for x in (c.keys, c.values)])
         with self.lock:
             self.hits += 1
-            self.last_restore_ms = round((clock[0] + time.perf_counter() - t0) * 1e3, 1)
+            self.last_restore_ms = round((time.perf_counter() - t0) * 1e3, 1)
             self.tokens_restored += n
             self.bytes_read += read
             for f, _ in chain:

@@ -146,13 +146,6 @@ class PromptCache:
                 c.trim(extra)
         return Hit(caches, reused)
 
-    def reusable(self, namespace: str, prompt: list) -> int:
-        """How many tokens of `prompt` a `fetch` would reuse now (no counters, no copy)."""
-        if not self.enabled or len(prompt) < 2:
-            return 0
-        with self.lock:
-            return self._lookup(namespace, tuple(prompt))[1]
-
     def _lookup(self, namespace: str, tokens: tuple):
         tree = self._trees.get(namespace)
         if tree is None:

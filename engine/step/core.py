@@ -283,8 +283,6 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
             return False
         if req in self._waiting:
             self._waiting.remove(req)
-            if hasattr(req.disk, "close"):      # (a prefix being read: its files let go)
-                req.disk.close()
         elif req is self._solo:     # (a prompt not fully prefilled is not stored)
             self._end_solo(req, store=req.steps is not None)
         elif req.uid is not None:
@@ -379,18 +377,14 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         temperature > 0) running alone starts only once the batch has drained, and batch
         requests after it wait for it."""
         failed = []
-        batch_blocked = solo_blocked = False
+        batch_blocked = False
         for req in list(self._waiting):
             if req.lane == "solo":
-                if self._solo is not None or solo_blocked:
+                if self._solo is not None:
                     batch_blocked = batch_blocked or req.exclusive
                     continue
                 if req.exclusive and self._rows:
                     batch_blocked = True
-                    continue
-                if self._restoring(req):   # (its prefix read from disk a part a step)
-                    solo_blocked = True
-                    batch_blocked = batch_blocked or req.exclusive
                     continue
                 self._waiting.remove(req)
                 try:
@@ -406,9 +400,6 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
                     self._rows and not self.batch_fits([r.need for r in self._rows.values()]
                                                        + [req.need])):
                 batch_blocked = True       # (later batch requests keep their turn)
-                continue
-            if self._restoring(req):
-                batch_blocked = True
                 continue
             self._waiting.remove(req)
             try:

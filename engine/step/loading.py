@@ -56,7 +56,7 @@ def load_engine(cls, path, *, max_batch: int = 1, adapter_path=None,
     if prompt_cache_dir is not None:
         if tensor_parallel:
             raise ValueError("prompt_cache_dir is not supported with tensor_parallel=True")
-        from engine.kv.disk_key import disk_cache_for
+        from engine.kv.disk_cache import disk_cache_for
         eng.disk_cache = disk_cache_for(prompt_cache_dir, prompt_cache_disk_gb,
                                         resolve_model_path(path), eng, adapter_path)
     if tensor_parallel:

@@ -351,8 +351,6 @@ class RequestState:
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
         self.prefix = None                # solo: caches holding the context before `ids`
-        self.disk = None                  # its prefix from disk: None (not looked), "now" (read
-        #                                   when it starts), a restore in parts, ("read", got)
         self.uid: Optional[int] = None    # batch row id
         self.steps = None                 # solo: the generate_step iterator (once prefilled)
         self.caches = None                # solo: its caches

@@ -15,52 +15,15 @@ from engine.kv.prompt_cache import Hit
 from engine.step.request import RequestState
 
 
-RESTORE_PART_BYTES = 64 << 20     # read from disk a step while other rows run
-
-
 class PrefixReuse:
     """Mixed into `engine.step.core.Engine` (its prompt_cache, disk_cache, adapters)."""
-
-    def _restoring(self, req: RequestState) -> bool:
-        """Whether `req`, about to start, still waits for its prefix from disk. While other
-        rows run, a prefix longer on disk than in memory is read a part (~64 MB) per call,
-        one call a step, so that they keep decoding between the parts (at once, an 845 MB
-        prefix held every row ~0.7 s on an H100 host); with nothing else running it is read
-        at once, when the request starts, as before."""
-        if req.disk is None:
-            busy = bool(self._rows) or self._solo is not None
-            ram = (self.prompt_cache.reusable(req.ns, req.ids) if self.prompt_cache is not None
-                   else 0)
-            if (self.disk_cache is None or req.prefix is not None or not busy
-                    or self.disk_cache.reusable(self._disk_ns(req), req.ids) <= ram):
-                req.disk = "now"
-                return False
-            req.disk = self.disk_cache.restore_steps(self._disk_ns(req), req.ids, ram,
-                                                     self._restore_part)
-        if isinstance(req.disk, (str, tuple)):
-            return False
-        try:
-            next(req.disk)
-            return True
-        except StopIteration as done:
-            req.disk = ("read", done.value)
-            return False
-
-    def _restore_part(self):
-        return RESTORE_PART_BYTES if self._rows or self._solo is not None else None
 
     def _fetch(self, req: RequestState):
         if req.prefix is not None:
             return req.prefix
         hit = self.prompt_cache.fetch(req.ns, req.ids) if self.prompt_cache is not None else None
         if self.disk_cache is not None:   # a longer prefix on disk (after a restart) wins
-            if isinstance(req.disk, tuple):       # (read in parts before it started)
-                got = req.disk[1]
-                got = got if got is not None and got[1] > (hit.reused if hit else 0) else None
-            else:
-                got = self.disk_cache.restore(self._disk_ns(req), req.ids,
-                                              hit.reused if hit else 0)
-            req.disk = None
+            got = self.disk_cache.restore(self._disk_ns(req), req.ids, hit.reused if hit else 0)
             if got is not None:
                 hit = Hit(*got)
         if hit is None:
