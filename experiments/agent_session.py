@@ -57,7 +57,8 @@ sys.path.insert(0, str(REPO))
 from experiments._common import dump_json, machine, md_table, report_dir, write_csv  # noqa: E402
 from experiments.served import Served  # noqa: E402
 
-FIELDS = ["phase", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "disk_bytes_written"]
+FIELDS = ["phase", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "disk_bytes_written",
+          "disk_restore_ms"]
 WORDS = ("file read write edit search grep run test build diff patch commit branch module "
          "function class return value error path line column token cache prefix model "
          "request answer tool call argument schema string number object array").split()
@@ -145,19 +146,25 @@ def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
     rows, messages = [], [{"role": "system", "content": system}]
     restart = url if callable(url) else None
     before = 0 if restart else _disk_written(url)
+    hits = 0 if restart else _disk_stats(url).get("hits", 0)
     for i, user in enumerate(users):
         messages.append({"role": "user", "content": user})
         if restart:
             url = restart()
         got = ttft(url, model, messages, tools, max_tokens)
         time.sleep(0.3)     # (the background write of the turn's new tokens)
-        after = _disk_written(url)
+        disk = _disk_stats(url)
+        after = int(disk.get("bytes_written", 0))
         if restart:
-            print({"turn": i + 1, "disk": _disk_stats(url)}, flush=True)
+            print({"turn": i + 1, "disk": disk}, flush=True)
         rows.append({"phase": name, "turn": i + 1, "prompt_tokens": got["prompt_tokens"],
                      "cached_tokens": got["cached_tokens"], "ttft_ms": got["ttft_ms"],
-                     "disk_bytes_written": after - before})
+                     "disk_bytes_written": after - before,
+                     # (this turn's read of its prefix from disk, if it read one)
+                     "disk_restore_ms": (disk.get("last_restore_ms", 0.0)
+                                         if disk.get("hits", 0) > hits else 0.0)})
         before = 0 if restart else after
+        hits = 0 if restart else disk.get("hits", 0)
         if len(answers) <= i:      # the first phase's answers make every phase's history
             answers.append(got["text"])
         messages.append({"role": "assistant", "content": answers[i]})
@@ -211,6 +218,8 @@ def main(argv=None):
                     help="first an untimed session (another prefix, same sizes, 2 turns) on each "
                          "server kind, so no timed turn pays MLX's one-time kernel compiles")
     ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--out", default=None,
+                    help="report directory (default: reports/prompt_cache_disk/<version>/<tag>)")
     a = ap.parse_args(argv)
     phases = [p.strip() for p in a.phases.split(",") if p.strip()]
     from engine.loader import resolve_model_path
@@ -284,7 +293,8 @@ def main(argv=None):
                 summary[f"{p}_vs_mlx_lm_max_turns_2_n"] = max(
                     (by[p][t]["ttft_ms"] / by["mlx_lm"][t]["ttft_ms"] for t in by["mlx_lm"] if t > 1),
                     default=None)
-    out = report_dir("prompt_cache_disk", a.tag)
+    out = Path(a.out) if a.out else report_dir("prompt_cache_disk", a.tag)
+    out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "agent_session.csv", rows, FIELDS)
     dump_json(out / "run.json", {"args": vars(a), "machine": machine(), "summary": summary,
                                  "disk_files": disk_files})
@@ -306,6 +316,7 @@ def main(argv=None):
         + md_table(head, table) + "\n\n```json\n" + json.dumps(summary, indent=2) + "\n```\n")
     print(json.dumps(summary, indent=2))
     print("wrote", out)
+    return rows
 
 
 if __name__ == "__main__":
