@@ -429,6 +429,7 @@ def main(argv=None) -> int:
     except (KeyboardInterrupt, shutdown.Terminated):
         pass
     finally:
+        shutdown.second_signal_ends_at_once()     # (while the pending files are finished)
         status = leader.close() if leader is not None else 0   # followers stop too
         if pool_mode:
             state.close()    # every resident model's worker (and its disk cache's flush)

@@ -64,3 +64,11 @@ def exit_through_finally() -> None:
     """SIGTERM raises `Terminated` (main thread) instead of killing the process: call it
     before serving, catch `Terminated` around the serving, clean up in `finally`."""
     signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def second_signal_ends_at_once() -> None:
+    """Once shutting down (finishing the disk cache's files, stopping followers), another
+    SIGTERM or Ctrl-C ends the process at once, as the signal's default does, instead of
+    raising inside that clean-up (a traceback, the clean-up cut anyway)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

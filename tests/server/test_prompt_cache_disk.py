@@ -112,3 +112,40 @@ def test_sigterm_finishes_the_pending_file_before_exit(qwen_dir, tmp_path):
         assert _disk(s.url)["hits"] == 1
     finally:
         stop_server(s)
+
+
+def test_a_second_sigterm_while_finishing_the_file_ends_at_once_without_a_traceback(
+        qwen_dir, tmp_path):
+    """SIGTERM, then another one while the pending file (its write slowed to 1.5 s) is being
+    finished: the process ends at once, as a signal's default does (no exception raised inside
+    the clean-up, no traceback), and the next start finds no half-written file to use."""
+    import os
+    import signal
+    import time
+    from test_cli import ROOT, spawn, wait_ready
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WRITE)
+    cache = tmp_path / "cache"
+    p = spawn("--model", str(qwen_dir), "--port", "0", "--prompt-cache-dir", str(cache),
+              PYTHONPATH=f"{ROOT}{os.pathsep}{site}")
+    try:
+        m, _ = wait_ready(p)
+        _ask(m.group(1), "hello")
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.7)             # (inside the 1.5 s write)
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        p.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        _, err = p.communicate(timeout=20)
+    assert p.returncode == -signal.SIGTERM and took < 1.0, (p.returncode, took)
+    assert "Traceback" not in err, err[-2000:]
+    s = start_server(qwen_dir, prompt_cache_dir=str(cache))
+    try:
+        assert _disk(s.url)["files"] == 0
+    finally:
+        stop_server(s)
