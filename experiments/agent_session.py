@@ -135,18 +135,14 @@ def _disk_stats(url: str) -> dict:
         return {}
 
 
-def _disk_written(url: str) -> int:
-    return int(_disk_stats(url).get("bytes_written", 0))
-
-
 def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
               answers: list, max_tokens: int) -> list:
     """`url`: the server's address, or a callable giving the address of a server (re)started
     for each turn."""
     rows, messages = [], [{"role": "system", "content": system}]
     restart = url if callable(url) else None
-    before = 0 if restart else _disk_written(url)
-    hits = 0 if restart else _disk_stats(url).get("hits", 0)
+    disk = {} if restart else _disk_stats(url)
+    before, hits = int(disk.get("bytes_written", 0)), disk.get("hits", 0)
     for i, user in enumerate(users):
         messages.append({"role": "user", "content": user})
         if restart:
@@ -253,7 +249,7 @@ def main(argv=None):
                 gone = held.pop()
                 took = gone.terminate(60)
                 notes = [ln.strip() for ln in gone.stderr_lines if "prompt cache" in ln]
-                on_disk = sorted((f.name[:12], f.stat().st_size)
+                on_disk = sorted((f.name[:12] + "…" + f.suffix, f.stat().st_size)
                                  for f in (Path(tmp) / "restart").glob("*.*"))
                 # (what the disk cache said and left: why a turn missed)
                 print({"server_exit_s": None if took is None else round(took, 2),

@@ -80,20 +80,27 @@ dc.write_file = _slow
 '''
 
 
+def _slow_writing_server(qwen_dir, tmp_path):
+    """engine-serve as a user runs it (a subprocess) on a cache directory, each file's write
+    slowed to 1.5 s (a sitecustomize on its path); (the process, the directory)."""
+    import os
+    from test_cli import ROOT, spawn
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WRITE)
+    cache = tmp_path / "cache"
+    return spawn("--model", str(qwen_dir), "--port", "0", "--prompt-cache-dir", str(cache),
+                 PYTHONPATH=f"{ROOT}{os.pathsep}{site}"), cache
+
+
 def test_sigterm_finishes_the_pending_file_before_exit(qwen_dir, tmp_path):
     """engine-serve as a user runs it (a subprocess), its file's write slowed to 1.5 s, gets
     SIGTERM right after the answer: it exits 0 once the file is complete, and the next server
     reads it back. (uvicorn raises the signal again after its graceful shutdown: the default
     handler killed the process there, before the cache's flush: no file, or half of one.)"""
-    import os
     import signal
-    from test_cli import ROOT, spawn, wait_ready
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_WRITE)
-    cache = tmp_path / "cache"
-    p = spawn("--model", str(qwen_dir), "--port", "0", "--prompt-cache-dir", str(cache),
-              PYTHONPATH=f"{ROOT}{os.pathsep}{site}")
+    from test_cli import wait_ready
+    p, cache = _slow_writing_server(qwen_dir, tmp_path)
     try:
         m, _ = wait_ready(p)
         first = _ask(m.group(1), "hello")
@@ -119,16 +126,10 @@ def test_a_second_sigterm_while_finishing_the_file_ends_at_once_without_a_traceb
     """SIGTERM, then another one while the pending file (its write slowed to 1.5 s) is being
     finished: the process ends at once, as a signal's default does (no exception raised inside
     the clean-up, no traceback), and the next start finds no half-written file to use."""
-    import os
     import signal
     import time
-    from test_cli import ROOT, spawn, wait_ready
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_WRITE)
-    cache = tmp_path / "cache"
-    p = spawn("--model", str(qwen_dir), "--port", "0", "--prompt-cache-dir", str(cache),
-              PYTHONPATH=f"{ROOT}{os.pathsep}{site}")
+    from test_cli import wait_ready
+    p, cache = _slow_writing_server(qwen_dir, tmp_path)
     try:
         m, _ = wait_ready(p)
         _ask(m.group(1), "hello")
