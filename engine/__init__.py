@@ -21,7 +21,7 @@ The package is grouped by concern:
 
 from __future__ import annotations
 
-__version__ = "0.6.2"
+__version__ = "0.6.3"
 
 from .loader import load  # noqa: E402
 from .step.core import Engine  # noqa: E402
@@ -101,6 +101,7 @@ _LAZY = {
     # engine.kv.disk_cache
     "DiskCache": "engine.kv.disk_cache",
     "disk_cache_for": "engine.kv.disk_cache",
+    "claim_cache_dir": "engine.kv.disk_dir",
     # engine.kv.prompt_cache
     "PromptCache": "engine.kv.prompt_cache",
     # engine.kv.quant

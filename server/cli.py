@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -223,16 +224,25 @@ def config_from_args(args):
         cache_bytes = None   # a share of the memory budget (ServerState)
     kv = args.kv_quant if args.kv_quant is not None else (
         str(args.kv_bits) if args.kv_bits is not None else "config")
-    if not args.prompt_cache_disk_gb > 0:
-        raise SystemExit("engine-serve: --prompt-cache-disk-gb must be > 0")
+    if not (args.prompt_cache_disk_gb > 0 and math.isfinite(args.prompt_cache_disk_gb)):
+        raise SystemExit("engine-serve: --prompt-cache-disk-gb must be a finite number > 0")
     if args.prompt_cache_dir is not None:
+        if not args.prompt_cache_dir.strip():
+            raise SystemExit("engine-serve: --prompt-cache-dir is empty (give a directory)")
         d = Path(args.prompt_cache_dir).expanduser()
+        if d.is_symlink() and not d.exists():
+            raise SystemExit(f"engine-serve: --prompt-cache-dir {d} is a broken symbolic link")
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise SystemExit(f"engine-serve: --prompt-cache-dir {d}: {e}") from None
         if not os.access(d, os.W_OK):
             raise SystemExit(f"engine-serve: --prompt-cache-dir {d} is not writable")
+        from engine import claim_cache_dir
+        try:
+            claim_cache_dir(d)          # (before the model loads: one server a directory)
+        except OSError as e:
+            raise SystemExit(f"engine-serve: --prompt-cache-dir {e}") from None
         if getattr(args, "tensor_parallel", False):
             raise SystemExit("engine-serve: --prompt-cache-dir is not supported with "
                              "--tensor-parallel")

@@ -42,6 +42,7 @@ from typing import Callable, Optional
 
 from engine import RequestOutput, client_error
 
+from .errors import APIError
 from .memory import Trimmer
 
 log = logging.getLogger("engine-serve")
@@ -409,7 +410,13 @@ class Gateway:
         if out.finish_reason == "cancelled":
             self.cancelled += 1
         elif out.finish_reason == "error":
-            if not client_error(out):
+            if client_error(out):
+                pass
+            elif isinstance(out.error, APIError):    # (an answer given on purpose: a 503 shed)
+                self.failed += 1
+                log.warning("generation %s ended: %s %s", job.id, out.error.status,
+                            out.error.message)
+            else:
                 self.failed += 1
                 log.error("generation %s failed: %s: %s", job.id, type(out.error).__name__,
                           out.error,

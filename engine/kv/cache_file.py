@@ -14,8 +14,10 @@ and which state entries were Python scalars, strings or None (`2.<j>`).
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -122,9 +124,10 @@ CODES = {v: k for k, v in DTYPES.items()}
 CHECKSUM = "0.checksum"     # the metadata key of a file's CRC-32
 
 
-def _crc(meta: dict, data: list) -> str:
-    """CRC-32 of the metadata (bar the checksum) and the data section (buffers, in order)."""
-    head = json.dumps({k: v for k, v in meta.items() if k != CHECKSUM}, sort_keys=True)
+def _crc(meta: dict, entries: dict, data: list) -> str:
+    """CRC-32 of the metadata (bar the checksum), the arrays' header entries (dtype, shape,
+    offsets: an entry altered would read other bytes as an array) and the data section."""
+    head = json.dumps([{k: v for k, v in meta.items() if k != CHECKSUM}, entries], sort_keys=True)
     crc = zlib.crc32(head.encode())
     for d in data:
         crc = zlib.crc32(d, crc)
@@ -156,7 +159,7 @@ def write_file(path, buffers: dict, meta: dict) -> int:
         header[key] = {"dtype": code, "shape": shape, "data_offsets": [at, at + v.nbytes]}
         views.append(v)
         at += v.nbytes
-    meta = {**meta, CHECKSUM: _crc(meta, views)}
+    meta = {**meta, CHECKSUM: _crc(meta, header, views)}
     head = json.dumps({**header, "__metadata__": meta}, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
@@ -172,9 +175,25 @@ def read_header(f) -> tuple[dict, int]:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 1 << 28:
             raise ValueError("header too large")
-        return json.loads(f.read(n)), 8 + n
+        header = json.loads(f.read(n))
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise CacheFileError(f"unreadable header ({e})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__") or {}, dict):
+        raise CacheFileError("unreadable header (not a safetensors header)")
+    return header, 8 + n
+
+
+def open_regular(path):
+    """`path` opened for reading (binary) if it is a regular file; CacheFileError if it is
+    anything else (a FIFO, a device, a directory: opening those could block or fail later)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CacheFileError("not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def decode_file(path) -> tuple[list, dict]:
@@ -183,7 +202,7 @@ def decode_file(path) -> tuple[list, dict]:
     over the page cache's bytes while each array is copied once, into MLX's memory (a read
     and then a copy took twice as long for a 25K-token prefix; files are only ever
     replaced whole, never changed in place, so the mapping cannot change under us)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         header, start = read_header(f)
         mm = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
               if os.fstat(f.fileno()).st_size > start else None)
@@ -195,11 +214,12 @@ def decode_file(path) -> tuple[list, dict]:
                 raise CacheFileError("no checksum")
             # the checksum on a thread (zlib lets go of the GIL) while the arrays are copied
             # out of the same mapping; none of them is returned before it matches
+            entries = {key: _entry(h, len(data)) for key, h in header.items()}
             crc: list = []
-            check = threading.Thread(target=lambda: crc.append(_crc(meta, [data])))
+            check = threading.Thread(target=lambda: crc.append(_crc(meta, header, [data])))
             check.start()
             try:
-                arrays = {key: _array(data, h) for key, h in header.items()}
+                arrays = {key: _array(data, *e) for key, e in entries.items()}
             finally:
                 check.join()
             if crc != [meta[CHECKSUM]]:
@@ -216,18 +236,31 @@ _NP = {"F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8, "I6
        "U16": np.uint16, "BOOL": np.bool_, "BF16": np.uint16, "F16": np.uint16}
 
 
-def _array(data: memoryview, h: dict) -> mx.array:
+def _entry(h, size: int) -> tuple:
+    """(offset, end, dtype code, shape) of a header's array entry inside a data section of
+    `size` bytes; CacheFileError when it is not one (the checksum covers the entries too,
+    but the arrays are copied while it runs: they must first fit the section)."""
+    try:
+        a, b = (int(v) for v in h["data_offsets"])
+        code, shape = h["dtype"], [int(d) for d in h["shape"]]
+        itemsize = np.dtype(_NP[code]).itemsize
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheFileError(f"unreadable array entry ({type(e).__name__}: {e})") from None
+    if (not 0 <= a <= b <= size or min(shape, default=0) < 0
+            or b - a != itemsize * math.prod(shape)):
+        raise CacheFileError(f"array entry outside the data section or not of its shape's "
+                             f"size ({a}, {b}, {shape})")
+    return a, b, code, shape
+
+
+def _array(data: memoryview, a: int, b: int, code: str, shape: list) -> mx.array:
     """One array of a checked file's data section, copied into MLX's memory (the numpy view
     of the mapping is dropped before the mapping is closed)."""
-    a, b = h["data_offsets"]
-    code = h["dtype"]
     dtype = np.dtype(_NP[code])
-    if not 0 <= a <= b <= len(data) or (b - a) % dtype.itemsize:
-        raise CacheFileError(f"array outside the data section ({a}, {b})")
     raw = np.frombuffer(data, dtype=dtype, count=(b - a) // dtype.itemsize, offset=a)
     try:
         x = mx.array(raw)
     finally:
         del raw
-    x = x.reshape(h["shape"])
+    x = x.reshape(shape)
     return x.view(CODES[code]) if code in ("BF16", "F16") else x

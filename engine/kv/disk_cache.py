@@ -26,9 +26,11 @@ recently used file that no other file continues is deleted first.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -39,13 +41,15 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .cache_file import (FIELDS, CacheFileError, decode_file, host_buffers,
+from .cache_file import (FIELDS, CacheFileError, decode_file, host_buffers, open_regular,
                          prompt_cache_payload, read_header, write_file)
+from .disk_dir import SEGMENT_NAME, claim_cache_dir, mtime, process_alive, unlink_quiet
 from .prefix_tree import PrefixTree
 
 log = logging.getLogger("engine.kv.prompt_cache")
 
-FORMAT = "mlx-parity-segment-1"
+FORMAT = "mlx-parity-segment-2"    # (2: the checksum covers the arrays' header entries)
+OLD_FORMATS = ("mlx-parity-segment-1",)
 SUFFIX = ".safetensors"
 TMP = ".tmp"
 MIN_TOKENS = 64
@@ -70,30 +74,15 @@ def disk_cache_for(directory, disk_gb: float, model_dir, engine, adapter_path=No
     """The disk cache of an `engine.Engine` loaded from `model_dir` (plus a fused adapter):
     files of another model, KV setting or mode (deterministic: its KV rounds otherwise) are
     not used."""
-    if not disk_gb > 0:
-        raise ValueError(f"prompt cache disk size must be > 0 GB (got {disk_gb!r})")
+    if not (disk_gb > 0 and math.isfinite(disk_gb)):
+        raise ValueError(f"prompt cache disk size must be a finite number > 0 GB (got {disk_gb!r})")
     kv = json.dumps([sorted(engine.policy.layers.items()), engine.policy.start,
                      engine.max_kv_size] + (["deterministic"] if engine.deterministic else []))
     model = fingerprint(model_dir, *([adapter_path] if adapter_path else []))
     return DiskCache(directory, int(disk_gb * 1e9), model, kv)
 
 
-def _alive(pid: str) -> bool:
-    """Whether process `pid` (a file name's part) still runs: its file may still be written."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, OverflowError, ProcessLookupError):
-        return False
-    except PermissionError:         # (another user's process)
-        return True
-    return True
-
-
-def _mtime(p: Path) -> int:
-    try:
-        return p.stat().st_mtime_ns
-    except OSError:       # (deleted meanwhile: skipped when opened)
-        return 0
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}   # a full disk or quota
 
 
 def _cut(x, a: int, b: int):
@@ -135,6 +124,7 @@ class DiskCache:
                  min_tokens: int = MIN_TOKENS, background: bool = True):
         self.dir = Path(directory).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
+        claim_cache_dir(self.dir)
         self.max_bytes, self.model, self.kv = int(max_bytes), model, kv
         self.min_tokens = max(2, int(min_tokens))
         self.lock = threading.Lock()
@@ -142,7 +132,7 @@ class DiskCache:
         self._trees: dict = {}
         self._children: dict = {}
         self._bytes = 0
-        self.hits = self.misses = self.evictions = self.writes = 0
+        self.hits = self.misses = self.evictions = self.writes = self.write_errors = 0
         self.tokens_restored = self.bytes_read = self.bytes_written = self.last_write_bytes = 0
         self.last_restore_ms = 0.0      # the last hit's read, checks and arrays, wall time
         self.ignored: dict = {}     # reason -> files ignored (another model, corrupted, ...)
@@ -167,16 +157,21 @@ class DiskCache:
 
     def _scan(self) -> None:
         for p in self.dir.glob("*" + TMP):      # a write its process never finished (killed)
-            if not _alive(p.name.split(".")[-2]):
+            if not p.is_file() or p.is_symlink():
+                self._ignore(p, "not a file")
+            elif not process_alive(p.name.split(".")[-2]):
                 self._ignore(p, "an unfinished write", "deleted")
-                p.unlink(missing_ok=True)
+                unlink_quiet(p)
         found = {}
-        for p in sorted(self.dir.glob("*" + SUFFIX), key=_mtime):
+        for p in sorted(self.dir.glob("*" + SUFFIX), key=mtime):
             try:
-                with open(p, "rb") as f:
+                with open_regular(p) as f:
                     header, _ = read_header(f)
                 meta = header.get("__metadata__") or {}
-                if meta.get("0.format") != FORMAT:
+                if meta.get("0.format") in OLD_FORMATS:
+                    self._ignore(p, "an older format of this cache", "deleted")
+                    unlink_quiet(p)
+                elif meta.get("0.format") != FORMAT:
                     self._ignore(p, "not a segment of this cache")
                 elif meta.get("0.model") != self.model:
                     self._ignore(p, "another model")
@@ -184,7 +179,13 @@ class DiskCache:
                     self._ignore(p, "another KV type", meta.get("0.kv"))
                 else:
                     found[p.stem] = (meta, p.stat().st_size)
-            except (OSError, CacheFileError) as e:
+            except CacheFileError as e:
+                if SEGMENT_NAME.fullmatch(p.stem):     # (a file of ours, cut short: of no use)
+                    self._ignore(p, "unreadable", f"{e}; deleted")
+                    unlink_quiet(p)
+                else:
+                    self._ignore(p, "unreadable", str(e))
+            except OSError as e:
                 self._ignore(p, "unreadable", str(e))
         tokens: dict = {}           # name -> its whole token sequence (None: unusable)
         for name in found:
@@ -206,14 +207,17 @@ class DiskCache:
             own = json.loads(meta["0.tokens"])
             parent, start = meta.get("0.parent") or None, int(meta["0.start"])
             head = [] if parent is None else tokens.get(parent)
-            if head is None or len(head) < start:
-                self._ignore(self.dir / (name + SUFFIX), "its parent segment is missing")
+            if head is None or len(head) < start:    # (of no use without it: deleted)
+                self._ignore(self.dir / (name + SUFFIX), "its parent segment is missing",
+                             "deleted")
+                unlink_quiet(self.dir / (name + SUFFIX))
                 return None
             seq = head[:start] + own
             self._add(_File(name, meta["0.ns"], parent, start, len(seq), size), seq)
             return seq
-        except (KeyError, ValueError, TypeError) as e:
-            self._ignore(self.dir / (name + SUFFIX), "unreadable", f"metadata {e}")
+        except (KeyError, ValueError, TypeError) as e:      # (ours, this model's: deleted)
+            self._ignore(self.dir / (name + SUFFIX), "unreadable", f"metadata {e}; deleted")
+            unlink_quiet(self.dir / (name + SUFFIX))
             return None
 
     def _add(self, f: _File, tokens) -> None:
@@ -325,9 +329,10 @@ class DiskCache:
                     self._forget(f.name, delete=False)
                     self.misses += 1
                 return None
-            except (OSError, CacheFileError, KeyError, ValueError) as e:
+            except (OSError, CacheFileError, KeyError, ValueError, TypeError, IndexError,
+                    AttributeError) as e:       # (whatever a damaged file makes the reader raise)
                 with self.lock:
-                    self._ignore(path, "corrupted", str(e))
+                    self._ignore(path, "corrupted", f"{type(e).__name__}: {e}")
                     self._forget(f.name)
                     self.misses += 1
                 return None
@@ -398,6 +403,9 @@ class DiskCache:
         mx.eval(list(arrays.values()))
         buffers = host_buffers(arrays)
         size = sum(a.nbytes for a in arrays.values())    # (the header's bytes come later)
+        if size > self.max_bytes:
+            self._refuse(f"a file larger than the cap ({self.max_bytes / 1e9:.3g} GB)")
+            return 0
         with self.lock:
             if start and parent not in self._files:     # evicted meanwhile
                 return 0
@@ -408,7 +416,6 @@ class DiskCache:
             for g, _ in self._chain(parent, start) if parent else ():
                 self._files.move_to_end(g.name)
             self._files.move_to_end(name)
-            self.writes += 1
         self._q.put((f, (buffers, meta)))
         if not self._background:
             self._drain()
@@ -424,10 +431,20 @@ class DiskCache:
         try:
             size = write_file(tmp, *payload)
             os.replace(tmp, path)
-        except OSError as e:
+        except Exception as e:      # (the writer thread must live on: flush() waits for it)
+            unlink_quiet(tmp)
             log.warning("prompt cache: cannot write %s (%s)", path, e)
             with self.lock:
                 self._forget(f.name, delete=False)
+                self.write_errors += 1
+                if isinstance(e, OSError) and e.errno in _FULL:
+                    # the disk holds less than the cap: the cap becomes what it holds now
+                    cap = int(self._bytes * 0.9)
+                    if cap < self.max_bytes:
+                        log.warning("prompt cache: %s is full; keeping at most %.3f GB there "
+                                    "from now on", self.dir, cap / 1e9)
+                        self.max_bytes = cap
+                        self._evict()
             return
         with self.lock:
             if self._files.get(f.name) is not f:     # evicted with its parent meanwhile
@@ -436,6 +453,7 @@ class DiskCache:
             f.ready = True
             self._bytes += size - f.size
             f.size = size
+            self.writes += 1
             self.bytes_written += size
             self.last_write_bytes = size
             self._evict()
@@ -445,6 +463,8 @@ class DiskCache:
             f, payload = self._q.get()
             try:
                 self._write(f, payload)
+            except Exception as e:      # (never: _write catches; the thread must not die)
+                log.warning("prompt cache: writer error (%s)", e)
             finally:
                 self._q.task_done()
 
@@ -466,6 +486,7 @@ class DiskCache:
                 "files": len(self._files), "hits": self.hits, "misses": self.misses,
                 "tokens_restored": self.tokens_restored, "bytes_read": self.bytes_read,
                 "last_restore_ms": self.last_restore_ms,
-                "writes": self.writes, "bytes_written": self.bytes_written,
+                "writes": self.writes, "write_errors": self.write_errors,
+                "bytes_written": self.bytes_written,
                 "last_write_bytes": self.last_write_bytes, "evictions": self.evictions,
                 "ignored": dict(self.ignored), "refused": dict(self.refused)}

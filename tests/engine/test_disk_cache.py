@@ -335,10 +335,11 @@ def test_a_failing_cache_never_fails_the_request(tmp_path, qwen_path, cold, monk
 
 @pytest.mark.parametrize("alter", ["shape", "offsets", "past_the_end"])
 def test_an_altered_array_entry_is_ignored_and_leaves_nothing_mapped(tmp_path, alter):
-    """The header's array entries (dtype, shape, offsets) are outside the checksum: an entry
-    that no longer fits its bytes is caught as a corrupted file (deleted, the request cold),
-    not an error from inside the read; and a restore, good or bad, leaves no mapping of a
-    file behind (files are mapped while read: 0.6.2)."""
+    """An array entry (dtype, shape, offsets) that no longer fits its bytes is caught as a
+    corrupted file (deleted, the request cold) before any array is read, not an error from
+    inside the read (the checksum covers the entries since format 2, but runs beside the
+    copies); and a restore, good or bad, leaves no mapping of a file behind (files are
+    mapped while read: 0.6.2)."""
     import json
     import struct
     from engine import DiskCache

@@ -62,11 +62,27 @@ def test_flags(tmp_path):
         ["--prompt-cache-dir", str(tmp_path / "pc"), "--prompt-cache-disk-gb", "1.5"]))
     assert c.prompt_cache_dir == str(tmp_path / "pc") and c.prompt_cache_disk_gb == 1.5
     assert (tmp_path / "pc").is_dir()
-    with pytest.raises(SystemExit, match="must be > 0"):
-        config_from_args(parser().parse_args(["--prompt-cache-disk-gb", "0"]))
+    for gb in ("0", "-1", "nan", "inf", "1e400"):   # (inf overflowed after the model loaded)
+        with pytest.raises(SystemExit, match="must be a finite number > 0"):
+            config_from_args(parser().parse_args(["--prompt-cache-disk-gb", gb]))
     (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit, match="--prompt-cache-dir"):
         config_from_args(parser().parse_args(["--prompt-cache-dir", str(tmp_path / "file")]))
+    with pytest.raises(SystemExit, match="is empty"):     # (was the cwd, then silently off)
+        config_from_args(parser().parse_args(["--prompt-cache-dir", " "]))
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SystemExit, match="broken symbolic link"):
+        config_from_args(parser().parse_args(["--prompt-cache-dir", str(tmp_path / "dangling")]))
+
+
+def test_a_directory_another_server_uses_is_refused_before_the_model_loads(tmp_path, hold_dir):
+    d = tmp_path / "shared"
+    holder = hold_dir(d)
+    with pytest.raises(SystemExit, match=f"in use by another process \\(pid {holder.pid}\\)"):
+        config_from_args(parser().parse_args(["--prompt-cache-dir", str(d)]))
+    holder.kill()
+    holder.wait()
+    assert config_from_args(parser().parse_args(["--prompt-cache-dir", str(d)])).prompt_cache_dir
 
 
 SLOW_WRITE = '''
@@ -111,7 +127,7 @@ def test_sigterm_finishes_the_pending_file_before_exit(qwen_dir, tmp_path):
             p.kill()
         p.communicate(timeout=20)
     assert p.returncode == 0
-    assert [f.suffix for f in cache.iterdir()] == [".safetensors"]
+    assert [f.suffix for f in cache.iterdir() if f.name != ".lock"] == [".safetensors"]
     s = start_server(qwen_dir, prompt_cache_dir=str(cache))
     try:
         again = _ask(s.url, "hello again")
