@@ -156,9 +156,13 @@ def speculation_settings(args, fast: bool = False) -> tuple:
     """(prompt_lookup, num_draft_tokens) from the flags of `add_speculation_flags` (`fast`: the
     rows speculate on the fast runner, `lookup_draft_tokens`); raises ValueError naming the flag
     for values out of range or --draft-model with --prompt-lookup."""
+    if args.draft_model is not None and not args.draft_model.strip():
+        raise ValueError("--draft-model is empty (give a directory or a repo id)")
     if args.draft_model is not None and args.prompt_lookup:
         raise ValueError("--draft-model and --prompt-lookup are two sources of drafts; "
                          "give one of them")
+    if args.num_draft_tokens is not None and args.draft_model is None and not args.prompt_lookup:
+        raise ValueError("--num-draft-tokens needs --draft-model or --prompt-lookup")
     if args.spec_sampling != "exact" and args.draft_model is None:
         raise ValueError("--spec-sampling rejection needs --draft-model")
     if not 0 <= args.prompt_lookup <= 64:

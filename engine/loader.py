@@ -83,9 +83,12 @@ def read_config(path: Path) -> dict:
     if not f.exists():
         raise ModelLoadError(f"{path}: no config.json (is this a model directory?)")
     try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{f}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{f}: not a JSON object")
+    return config
 
 
 def weight_files(path: Path) -> list[str]:

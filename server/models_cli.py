@@ -50,6 +50,9 @@ def refusal(args, config) -> Optional[str]:
                 "POST /v1/adapters {\"model\": ...}")
     if args.model_id:
         return "--model-id names one model; with several, write --model NAME=DIR"
+    if config.draft_model:
+        return ("--draft-model drafts for one model (it must share that model's vocabulary); "
+                "with several models leave it out")
     if args.models_memory_gb is not None and not args.models_memory_gb > 0:
         return "--models-memory-gb must be > 0"
     if args.model_idle_ttl is not None and not args.model_idle_ttl > 0:

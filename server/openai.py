@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -248,16 +249,28 @@ def _logprobs_count(v) -> int:
     return v
 
 
-def completion_logprobs(state, lps: list, offset: int = 0) -> dict:
+def completion_logprobs(state, lps: list, before: Optional[list] = None,
+                        text: Optional[str] = None) -> dict:
+    """The completions API's logprobs of tokens `lps`, after the answer's tokens `before`
+    (a stream's earlier chunks; extended in place). A token's `text_offset` is the length of
+    the text its earlier tokens decode to, in context, less what the answer's `text` (all of
+    it so far) leaves out at its start (a detokenizer drops the first token's leading space):
+    offsets then index `text`, and do not depend on how a stream is cut into chunks (a
+    speculating row sends several tokens a chunk)."""
     tok = state.tokenizer
     tokens, token_lps, tops, offsets = [], [], [], []
-    pos = offset
+    ids = before if before is not None else []
+    lead = 0
+    if text is not None:
+        whole = tok.decode(ids + [e["token"] for e in lps])
+        if len(whole) > len(text) and whole.endswith(text):
+            lead = len(whole) - len(text)
     for e in lps:
         t = tok.decode([e["token"]])
         tokens.append(t)
         token_lps.append(finite(e["logprob"]))
-        offsets.append(pos)
-        pos += len(t)
+        offsets.append(max(0, len(tok.decode(ids)) - lead) if ids else 0)
+        ids.append(e["token"])
         top = e.get("top")
         tops.append({tok.decode([i]): finite(lp) for i, lp in top} if top else None)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -273,6 +286,8 @@ class CompletionRender:
         self.model = model_id
         self.want_logprobs = want_logprobs
         self.offset = 0
+        self.ids: list = []         # (the tokens streamed so far: their text offsets)
+        self.text = ""              # (and their text, with logprobs)
         self._pre = self._post = None
 
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> bytes:
@@ -307,7 +322,8 @@ class CompletionRender:
     def _emit(self, text, lps) -> bytes:
         t = "".join(text)
         if self.want_logprobs:
-            lp = completion_logprobs(self.state, lps, self.offset)
+            self.text += t
+            lp = completion_logprobs(self.state, lps, self.ids, self.text)
             self.offset += len(t)
             return self._chunk(t, logprobs=lp)
         self.offset += len(t)
@@ -317,7 +333,8 @@ class CompletionRender:
         return self._pre + sse.dumps(t).encode() + self._post
 
     def result(self, done: Done) -> dict:
-        lp = completion_logprobs(self.state, done.logprobs) if self.want_logprobs else None
+        lp = (completion_logprobs(self.state, done.logprobs, text=done.text)
+              if self.want_logprobs else None)
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "system_fingerprint": None,
                 "choices": [{"index": 0, "text": done.text, "logprobs": lp,

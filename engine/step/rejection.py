@@ -85,6 +85,8 @@ class RejectionRule:
         k = draft.size
         p = sampling_probs(logprobs, self.settings)                       # [K + 1, V]
         q = mx.concatenate(qs)                                            # [K, V]
+        if q.shape[-1] < p.shape[-1]:   # (a draft with fewer embedding rows: q is 0 past them)
+            q = mx.pad(q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
         at = draft.astype(mx.int32)[:, None]
         px = mx.take_along_axis(p[:k], at, axis=-1)[:, 0]
         qx = mx.take_along_axis(q, at, axis=-1)[:, 0]

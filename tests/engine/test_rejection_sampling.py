@@ -263,3 +263,38 @@ def test_batch_rows_keep_the_target_distribution(fx, exact_joint, monkeypatch, c
         assert again == pairs[:40]
     else:
         assert any(stat > crit for stat, crit in results.values()), results
+
+
+def test_a_draft_with_fewer_embedding_rows_verifies_in_the_batch(fx, tmp_path):
+    """check_draft takes a draft with fewer embedding rows than the target (same tokenizer):
+    its q [1, V_draft] is 0 past them. As a rejection-sampled batch row it failed with
+    MLX's broadcast error (p - q), answered as a 400; the rule pads q."""
+    import json
+    import shutil
+    m, _, ids, tok = fx
+    src = ensure_fixture("llama", "float32")
+    cut = tmp_path / "cut"
+    shutil.copytree(src, cut)
+    cfg = json.loads((cut / "config.json").read_text())
+    rows = cfg["vocab_size"] - 24
+    cfg["vocab_size"] = rows
+    (cut / "config.json").write_text(json.dumps(cfg))
+    w = mx.load(str(src / "model.safetensors"))
+    mx.save_safetensors(str(cut / "model.safetensors"),
+                        {k: v[:rows] if ("embed" in k or "lm_head" in k) else v for k, v in w.items()})
+    d, _ = engine.load(str(cut))
+    eng = Engine(m, tok, max_batch=4, draft_model=d)
+    for seed in (1, 2):
+        eng.submit(ids, SamplingParams(max_tokens=12, temperature=0.5, seed=seed,
+                                       num_draft_tokens=3, spec_sampling="rejection"))
+    done = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.error is None, o.error
+            done += o.finish_reason is not None
+    assert done == 2 and eng.stats()["speculation"]["draft"]["drafted"] > 0
+    q = mx.softmax(mx.random.normal((1, rows)), axis=-1)
+    lp = mx.random.normal((2, rows + 24))
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    tokens, ok = RejectionRule(make_sampler(temp=0.5).settings).verify(lp, mx.array([3]), [q])
+    assert len(tokens) == ok + 1
