@@ -113,6 +113,9 @@ def convert_messages(system, messages) -> list:
             continue
         if not isinstance(content, list):
             raise bad_request(f"{where}.content must be a string or an array of blocks")
+        if not content and not (role == "assistant" and i == len(messages) - 1):
+            raise bad_request(f"{where}: all messages must have non-empty content except for "
+                              f"the optional final assistant message")   # (Anthropic's rule)
         text: list = []
         calls: list = []
         for j, b in enumerate(content):

@@ -317,7 +317,10 @@ def parse_responses(req: ResponsesRequest, state):
             "previous_response_id": prev_id, "store": req.store is not False,
             "temperature": call.temperature, "top_p": call.top_p,
             "tool_choice": choice if isinstance(choice, (str, dict)) else "auto",
-            "tools": flat_tools(tools if tools is not None else normalize_tools(req.tools))}
+            "tools": flat_tools(tools if tools is not None else normalize_tools(req.tools)),
+            # (echoed as sent: a client checks its own metadata and settings in the object)
+            "metadata": req.metadata or {}, "user": req.user,
+            "parallel_tool_calls": req.parallel_tool_calls is not False}
     return call, conversation, instructions, meta
 
 

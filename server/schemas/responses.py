@@ -80,7 +80,8 @@ class ResponsesRequest(SamplingFields):
     reasoning: Optional[ReasoningOptions] = None
     store: Optional[bool] = Field(True, description=(
         "Keep the turn (1 h, byte-capped) for previous_response_id and GET."))
-    metadata: Optional[dict[str, Any]] = Field(None, description="Accepted and ignored.")
+    metadata: Optional[dict[str, Any]] = Field(None, description="Echoed back in the response.")
+    user: Optional[str] = Field(None, description="Echoed back in the response.")
 
 
 # --- responses -------------------------------------------------------------------------

@@ -131,3 +131,17 @@ def test_errors_have_anthropic_shape(srv, claude):
     m = claude.messages.create(model="x", max_tokens=2, messages=[{"role": "user",
                                                                    "content": "ok"}])
     assert m.usage.output_tokens >= 0
+
+
+def test_empty_content_is_a_400_except_a_final_assistant_prefill(srv):
+    """Anthropic's rule (a probe found `"content": []` on a user turn answered 200)."""
+    for msgs in ([{"role": "user", "content": []}],
+                 [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []},
+                  {"role": "user", "content": "go on"}]):
+        r = httpx.post(srv.v1 + "/messages", json={"model": "x", "max_tokens": 4, "messages": msgs},
+                       timeout=30)
+        assert r.status_code == 400 and "non-empty content" in r.json()["error"]["message"]
+    ok = httpx.post(srv.v1 + "/messages", timeout=30, json={
+        "model": "x", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}]})
+    assert ok.status_code == 200

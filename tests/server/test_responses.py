@@ -164,3 +164,22 @@ def test_retrieve_and_delete_stored_responses(srv, oai):
             call()
     raw = httpx.delete(srv.v1 + "/responses/resp_unknown")
     assert raw.status_code == 404 and raw.json()["error"]["type"] == "not_found_error"
+
+
+def test_metadata_user_and_parallel_tool_calls_are_echoed(srv):
+    """They were always {}, null and true in the object (a probe with Codex-shaped requests),
+    streamed or not, and in GET."""
+    body = {"model": "m", "input": "hi", "max_output_tokens": 4, "metadata": {"a": "b"},
+            "user": "u-1", "parallel_tool_calls": False}
+    r = httpx.post(srv.v1 + "/responses", json=body, timeout=30).json()
+    want = {"metadata": {"a": "b"}, "user": "u-1", "parallel_tool_calls": False}
+    assert {k: r[k] for k in want} == want
+    got = httpx.get(srv.v1 + f"/responses/{r['id']}", timeout=30).json()
+    assert {k: got[k] for k in want} == want
+    evs = sse_events(httpx.post(srv.v1 + "/responses", json={**body, "stream": True},
+                                timeout=30).text)
+    done = evs[-1][1]["response"]      # (response.completed, or .incomplete at the limit)
+    assert {k: done[k] for k in want} == want
+    plain = httpx.post(srv.v1 + "/responses", json={"model": "m", "input": "hi",
+                                                    "max_output_tokens": 4}, timeout=30).json()
+    assert (plain["metadata"], plain["user"], plain["parallel_tool_calls"]) == ({}, None, True)
