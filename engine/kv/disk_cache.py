@@ -329,8 +329,7 @@ class DiskCache:
                     self._forget(f.name, delete=False)
                     self.misses += 1
                 return None
-            except (OSError, CacheFileError, KeyError, ValueError, TypeError, IndexError,
-                    AttributeError) as e:       # (whatever a damaged file makes the reader raise)
+            except (OSError, CacheFileError, KeyError, ValueError) as e:
                 with self.lock:
                     self._ignore(path, "corrupted", f"{type(e).__name__}: {e}")
                     self._forget(f.name)

@@ -105,7 +105,6 @@ def test_a_malformed_entry_is_corrupted_and_deleted_so_the_prefix_is_written_aga
     assert _cache(tmp_path).restore("base", ONE + [1])[1] == 100
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 def test_a_fifo_named_like_a_file_never_blocks_the_scan_or_a_restore(tmp_path):
     """open() of a FIFO blocks until a writer comes: at the start's scan (the server never
     got ready) or in a restore (every request behind it hung)."""
