@@ -7,7 +7,8 @@ raw prompt; sampling; stop strings; tools; adapters) and renders the events
 
     Text(text, logprobs)   content to show (tool markup already withheld)
     Reasoning(text)        reasoning (thinking) text, split out of the content
-    Tool(call)             one complete tool call (engine.text.tools.ToolCall)
+    Tool(call)             one tool call (engine.text.tools.ToolCall; `call.cut`: the
+                           token limit ended it, its complete arguments only)
     Done(...)              finish reason and usage
 
 `start()` validates, renders the prompt, checks memory admission and queues
@@ -345,7 +346,9 @@ class Generation:
                         self._reasoning_tokens += len(o.token_ids)    # (markers count too)
                     if o.finished:
                         if self.router is not None:
-                            pending_lp = self._emit(self.router.finish(), events, pending_lp)
+                            cut = o.finish_reason == "length"   # (a tool call it cut)
+                            pending_lp = self._emit(self.router.finish(cut=cut), events,
+                                                    pending_lp)
                         self.done = self._done(o, ids_all, lps_all)
                         events.append(self.done)
                         yield events
@@ -361,8 +364,8 @@ class Generation:
     def _done(self, last, ids, lps) -> Done:
         finish = last.finish_reason
         stop_string = last.stop_string if finish == "stop" else None
-        if self._calls and finish != "cancelled":
-            finish = "tool_calls"
+        if self._calls and finish != "cancelled" and not self._calls[-1].cut:
+            finish = "tool_calls"       # (a call the token limit cut: the finish stays length)
         prompt_tokens = last.prompt_tokens or len(self.prompt_ids)
         return Done(finish, prompt_tokens, last.generation_tokens, last.cached_tokens,
                     stop_string, lps, "".join(self._text), self._calls, ids,

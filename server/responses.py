@@ -245,7 +245,7 @@ class ResponseRender:
                 out.append(self._ev("response.function_call_arguments.delta", {
                     "item_id": item["id"], "output_index": i, "delta": c.arguments_json}))
                 item["arguments"] = c.arguments_json
-                item["status"] = "completed"
+                item["status"] = "incomplete" if c.cut else "completed"
                 out.append(self._ev("response.function_call_arguments.done", {
                     "item_id": item["id"], "output_index": i, "name": c.name,
                     "arguments": c.arguments_json}))

@@ -242,12 +242,12 @@ class ChatOutputParser:
         """Whether the text fed so far leaves the output inside a reasoning block."""
         return self.splitter is not None and self.splitter.in_reasoning
 
-    def _route(self, events: List[Event], final: bool) -> list:
+    def _route(self, events: List[Event], final: bool, cut: bool = False) -> list:
         out: list = []
         for e in events:
             out += self.router.feed(e.text) if isinstance(e, ContentDelta) else [e]
         if final:
-            out += self.router.finish()
+            out += self.router.finish(cut=cut)
         return out
 
     def feed(self, text: str) -> list:
@@ -255,10 +255,12 @@ class ChatOutputParser:
             return self.router.feed(text)
         return self._route(self.splitter.feed(text), final=False)
 
-    def finish(self) -> list:
+    def finish(self, cut: bool = False) -> list:
+        """The held events; `cut`: the text ended at the token limit (a tool call it cut is
+        a cut call, never content: ToolCallRouter.finish)."""
         if self.splitter is None:
-            return self.router.finish()
-        return self._route(self.splitter.finish(), final=True)
+            return self.router.finish(cut=cut)
+        return self._route(self.splitter.finish(), final=True, cut=cut)
 
 
 def collect(events: list) -> ParsedOutput:

@@ -133,3 +133,62 @@ def test_streaming_gives_the_same_calls_on_every_protocol(fam):
     assert text == "Sure. " and len(args) == 1 and json.loads(args[0]) == WANT
     final = evs[-1][1]["response"]
     assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+
+
+def _cut(fam, markup: str, at: int) -> int:
+    """Script "Sure. " + markup[:at] and more after it; the max_tokens that cuts there."""
+    head = fam.forced.arm("Sure. " + markup[:at])
+    fam.forced.arm(ids=head + head)      # (more after the cut: the limit ends it, not EOS)
+    return len(head)
+
+
+def test_a_call_the_token_limit_cuts_is_a_cut_call_on_every_protocol(fam):
+    """A tool call cut by max_tokens after its `q` argument, inside `n`'s value: no protocol
+    shows the raw markup as text; the call comes back with its name and only `q` (`n`'s "7"
+    could have been 70), and the finish stays the token limit's (length / max_tokens /
+    incomplete). Cut inside the tool's name: no call and no markup. (Before: the markup came
+    back as content, `<tool_call>\\n{"name": ...`, reports/real_clients/JSON 0.6.3.)"""
+    markup = MARKUP[fam.family]
+    at = markup.rindex("7") + 1
+    part = {"q": "a, b {c}"}
+    user = [{"role": "user", "content": "find it"}]
+
+    n = _cut(fam, markup, at)
+    c = _post(fam, "/chat/completions", {"messages": user, "tools": TOOLS, "max_tokens": n,
+                                         "temperature": 0})["choices"][0]
+    assert c["finish_reason"] == "length" and c["message"]["content"] == "Sure. "
+    [tc] = c["message"]["tool_calls"]
+    assert tc["function"]["name"] == "lookup" and json.loads(tc["function"]["arguments"]) == part
+
+    n = _cut(fam, markup, at)
+    evs = [d for _, d in _stream(fam, "/chat/completions", {
+        "messages": user, "tools": TOOLS, "max_tokens": n, "temperature": 0})[:-1]]
+    deltas = [d["choices"][0]["delta"] for d in evs]
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
+    [tc] = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert json.loads(tc["function"]["arguments"]) == part
+    assert evs[-1]["choices"][0]["finish_reason"] == "length"
+
+    n = _cut(fam, markup, at)
+    m = _post(fam, "/messages", {"messages": user, "max_tokens": n, "temperature": 0,
+                                 "tools": [{"name": "lookup", "input_schema":
+                                            TOOLS[0]["function"]["parameters"]}]})
+    assert m["stop_reason"] == "max_tokens"
+    assert [b["type"] for b in m["content"]] == ["text", "tool_use"]
+    assert m["content"][0]["text"] == "Sure. " and m["content"][1]["input"] == part
+
+    n = _cut(fam, markup, at)
+    r = _post(fam, "/responses", {"input": "find it", "max_output_tokens": n, "temperature": 0,
+                                  "tools": [{"type": "function", **TOOLS[0]["function"]}]})
+    assert r["status"] == "incomplete"
+    [fc] = [o for o in r["output"] if o["type"] == "function_call"]
+    assert fc["status"] == "incomplete" and json.loads(fc["arguments"]) == part
+    texts = [p["text"] for o in r["output"] if o["type"] == "message" for p in o["content"]]
+    assert texts == ["Sure. "]
+
+    # cut inside the tool's name: nothing to call, and still no markup as text
+    n = _cut(fam, markup, markup.index("lookup") + 3)
+    c = _post(fam, "/chat/completions", {"messages": user, "tools": TOOLS, "max_tokens": n,
+                                         "temperature": 0})["choices"][0]
+    assert c["finish_reason"] == "length" and c["message"]["content"] == "Sure. "
+    assert not c["message"].get("tool_calls")

@@ -22,15 +22,18 @@ class ContentDelta:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One complete tool call. ``arguments_json`` is ``json.dumps(arguments)``
+    """One tool call. ``arguments_json`` is ``json.dumps(arguments)``
     (non-ASCII kept), what OpenAI's ``function.arguments`` carries; ``raw`` is
-    the markup the call was parsed from (several calls may share one markup)."""
+    the markup the call was parsed from (several calls may share one markup).
+    ``cut``: the token limit ended the call before its markup did (see
+    engine.text.tools.cut): ``arguments`` holds only those complete before the cut."""
 
     id: str
     name: str
     arguments: Dict[str, Any]
     arguments_json: str
     raw: str = field(default="", compare=True)
+    cut: bool = False
 
 
 Event = Any  # ContentDelta | ToolCall

@@ -14,7 +14,10 @@
   that does not parse (bad syntax, unknown tool name when tools are given) is
   emitted as content, verbatim;
 - ``finish()`` releases whatever is held: a held tail, or unterminated markup,
-  as content.
+  as content; ``finish(cut=True)`` (the text ended at the token limit) reads
+  unterminated markup as a call the limit cut: its calls, the last with
+  ``cut=True`` and only its complete arguments (``engine.text.tools.cut``), or
+  nothing when not even the name was complete; never the raw markup as content.
 
 Every decision is made only on text that is fully present, so the events do
 not depend on how the text was chunked: ``parse_tool_calls(text)`` (which
@@ -30,6 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from engine.text.tools.base import (ContentDelta, Event, Markers, MarkupError, StreamSplitter, ToolCall, ToolFormat,
                    ToolIndex, dumps_arguments)
+from engine.text.tools.cut import cut_calls
 from engine.text.tools.formats import get_tool_format
 
 
@@ -59,6 +63,7 @@ class ToolCallRouter(StreamSplitter):
         self._markers: Tuple[Markers, ...] = format.markers if format else ()
         self._longest_open = max((len(o) for o, _ in self._markers), default=0)
         self._inside: Optional[Markers] = None  # the markers of the markup being withheld
+        self._cut = False                # finish(cut=True): the token limit ended the text
         self.calls: List[ToolCall] = []  # every call emitted so far
 
     @property
@@ -70,6 +75,12 @@ class ToolCallRouter(StreamSplitter):
     def in_tool_call(self) -> bool:
         """True while an opening marker has been seen and its markup is withheld."""
         return self._inside is not None
+
+    def finish(self, cut: bool = False) -> List[Event]:
+        """Release what is held; `cut`: the text ended at the token limit, so unterminated
+        markup is a call cut short (see the module's docstring), not content."""
+        self._cut = cut
+        return super().finish()
 
     # -- internals ---------------------------------------------------------
 
@@ -114,7 +125,11 @@ class ToolCallRouter(StreamSplitter):
                 continue
             found = self.format.scan(buf, self._inside)
             if found is None:
-                if final:  # unterminated markup is content
+                if final and self._cut:     # a call the token limit cut: never content
+                    flush()
+                    out += self._cut_calls(buf)
+                    buf, self._inside = "", None
+                elif final:  # unterminated markup is content
                     text.append(buf)
                     buf, self._inside = "", None
                 break
@@ -130,13 +145,21 @@ class ToolCallRouter(StreamSplitter):
                 text.append(markup)
                 continue
             flush()
-            for name, args in parsed:
-                call = ToolCall(self._new_id(), name, args, dumps_arguments(args), markup)
-                self.calls.append(call)
-                out.append(call)
+            out += self._calls(parsed, markup)
         self._buf = buf
         flush()
         return out
+
+    def _calls(self, parsed, markup: str, cut: bool = False) -> List[ToolCall]:
+        calls = [ToolCall(self._new_id(), name, args, dumps_arguments(args), markup,
+                          cut=cut and i == len(parsed) - 1)
+                 for i, (name, args) in enumerate(parsed)]
+        self.calls += calls
+        return calls
+
+    def _cut_calls(self, markup: str) -> List[ToolCall]:
+        parsed = cut_calls(markup, self._inside, self.format, self.index)
+        return self._calls(parsed, markup, cut=True) if parsed else []
 
 
 def parse_tool_calls(text: str, format: Union[ToolFormat, str, None],
