@@ -101,6 +101,10 @@ def parser() -> argparse.ArgumentParser:
       help="with the fast runner (--tier l3): decode throw-away rows at every rows bucket up to "
            "--batch before saying ready, so its kernel builds and traces (on a GPU up to a minute "
            "or more for an 8B model) do not stall the first requests")
+    a("--warm-up-tokens", type=int, default=None, metavar="N",
+      help="on a GPU, the warm-up also prefills one throw-away prompt of N tokens, so the first "
+           "long request does not pay for what a fresh process first needs (default: the "
+           "longest prefix --prompt-cache-dir holds, else 0: none)")
     a("--max-queue", type=int, default=None, metavar="N",
       help="requests waiting to start, both lanes, before 503 + Retry-After (default 8 x "
            "--batch, at least 16)")
@@ -290,6 +294,8 @@ def config_from_args(args):
                     ("--max-schema-nodes", args.max_schema_nodes)):
         if not v > 0:
             raise SystemExit(f"engine-serve: {flag} must be > 0")
+    if args.warm_up_tokens is not None and args.warm_up_tokens < 0:
+        raise SystemExit("engine-serve: --warm-up-tokens must be >= 0")
     if args.max_prompt_chars < 0 or args.shutdown_timeout < 0 or args.max_json_nodes < 0:
         raise SystemExit("engine-serve: --max-prompt-chars, --max-json-nodes and "
                          "--shutdown-timeout must be >= 0")
@@ -297,6 +303,7 @@ def config_from_args(args):
     models = model_values(args)
     return ServerConfig(
         levers=levers, deterministic=args.deterministic, warm_up=args.warm_up,
+        warm_up_tokens=args.warm_up_tokens,
         model=models[0] if len(models) == 1 else None, model_id=args.model_id, host=args.host, port=args.port,
         memory_budget_bytes=int(args.memory_budget * 1e9) if args.memory_budget else None,
         prompt_cache_bytes=cache_bytes, prompt_cache_dir=args.prompt_cache_dir,

@@ -66,6 +66,7 @@ class ServerConfig:
     levers: Optional[object] = None     # engine.levers.Levers (None = L1 defaults)
     deterministic: bool = False         # batch-invariant logits (engine.deterministic)
     warm_up: bool = True                # build the fast runner's shapes before serving (engine.step.warmup)
+    warm_up_tokens: Optional[int] = None  # its long throw-away prompt (None: the disk cache's longest prefix)
     embeddings_pooling: Optional[str] = None   # last | mean (None: the checkpoint's, else last)
     allow_image_urls: bool = False      # fetch http(s) image URLs (data: URLs are always taken)
     allow_private_image_urls: bool = False   # ... from loopback/link-local/private addresses too
@@ -347,7 +348,8 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             # (not the L1 burst under tensor parallelism: its followers step with the leader)
             state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens,
                                    l1=False if config.tensor_parallel else None,
-                                   lookup=config.prompt_lookup)
+                                   lookup=config.prompt_lookup,
+                                   long_prompt=long_warm_up(config, state.engine))
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)
@@ -356,3 +358,12 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
         return state
 
     return gateway.call_sync(load)
+
+
+def long_warm_up(config: ServerConfig, engine) -> int:
+    """The warm-up's long prompt: `--warm-up-tokens`, else the longest prefix the disk prompt
+    cache holds (what the first turn after a restart restores), else none."""
+    if config.warm_up_tokens is not None:
+        return config.warm_up_tokens
+    disk = engine.disk_cache
+    return disk.longest_prefix() if disk is not None else 0

@@ -149,6 +149,11 @@ class DiskCache:
     def __len__(self) -> int:
         return len(self._files)
 
+    def longest_prefix(self) -> int:
+        """The most tokens one restore could give back (the longest stored prefix's end)."""
+        with self.lock:
+            return max((f.end for f in self._files.values()), default=0)
+
     # --- index ----------------------------------------------------------------------
 
     def _ignore(self, path, reason: str, detail: str = "") -> None:

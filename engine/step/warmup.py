@@ -29,6 +29,13 @@ L1_ROWS), for the same reason: in that H100 process the first prefill took 6.2 s
 row to leave the batch 2.1 s (MLX compiling their kernels), costs a fresh server's first
 requests would otherwise pay. (On the CPU MLX compiles nothing at first use: those L1 bursts are
 left out there unless asked for, `warm_up(..., l1=True)`.)
+
+`long_prompt=N` (engine-serve: the longest prefix its `--prompt-cache-dir` holds, or
+`--warm-up-tokens N`) then prefills one throw-away prompt of N tokens and decodes a token after
+it: a fresh process's first long-context request pays for what it is the first to need (on an
+H100 a 1B server's first 26K-token prefill took 1.2 s, its later ones 0.45 s; a restarted
+server's first turn restored from disk took ~0.42 s beyond its read,
+reports/prompt_cache_disk/JOURNAL.md), so the first agent turn after a restart does not.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class WarmUp:
     draft_buckets: tuple = ()   # the speculating rows' counts decoded (a draft model's)
     l1_rows: tuple = ()         # the L1 batch's row counts decoded (no fast runner, no draft rows)
     lookup_buckets: tuple = ()  # the prompt-lookup rows' counts decoded (`lookup`)
+    long_tokens: int = 0        # the long throw-away prompt's tokens (`long_prompt`; 0: none)
 
 
 L1_ROWS = 8    # the L1 warm-up's most rows (a cap, so a large max_batch keeps the start short)
@@ -163,18 +171,24 @@ def _staggered(engine, n: int, vocab: int, prompt_len: int, tokens: int, extra: 
         engine.step()
 
 
+LONG_MAX = 131072      # the longest throw-away prompt (a start never prefills more)
+
+
 def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
-            l1: Optional[bool] = None, lookup: int = 0) -> WarmUp:
+            l1: Optional[bool] = None, lookup: int = 0, long_prompt: int = 0) -> WarmUp:
     """Decode `tokens` tokens for n throw-away rows (greedy, prompts of `prompt_len` tokens)
     for each n of `buckets_for(engine)`, one group after another; then, with a draft model,
     n speculating rows (`draft_tokens` drafts a step) for each n of `draft_buckets_for`,
     joining one step apart; with `lookup` (the n-gram), prompt-lookup rows the same way for
     each n of `lookup_buckets_for`; on the L1 runners alone, n rows joining one step apart for
-    each n of `l1_rows_for` (`l1`: the L1 paths' warm-ups on or off; default: on CUDA only).
+    each n of `l1_rows_for` (`l1`: the L1 paths' warm-ups on or off; default: on CUDA only);
+    then, where `_jit(l1)`, one throw-away prompt of `long_prompt` tokens (at most LONG_MAX)
+    prefilled and a token decoded after it (0 or 1: none).
     Returns what was built; the engine's counters are left as they were."""
     rows, spec, plain = buckets_for(engine), draft_buckets_for(engine, l1), l1_rows_for(engine, l1)
     look = lookup_buckets_for(engine, lookup, l1)
-    if not rows and not spec and not plain and not look:
+    long_n = min(int(long_prompt), LONG_MAX) if long_prompt > 1 and _jit(l1) else 0
+    if not rows and not spec and not plain and not look and not long_n:
         return WarmUp((), 0.0, 0)
     t0, traces0 = time.perf_counter(), _traces(engine)
     lanes, reasons, spec_counts = dict(engine.lanes), dict(engine.solo_reasons), engine.spec
@@ -202,9 +216,15 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
                        period=4, prompt_lookup=lookup, num_draft_tokens=draft_tokens)
         for n in plain:      # (2n more tokens: the first row is still decoding when the last joins)
             _staggered(engine, n, vocab, prompt_len, tokens, 2 * n, use_draft=False)
+        if long_n:           # (prefill, then a decode step over the long context)
+            engine.submit([(3 * j + 1) % vocab for j in range(long_n)],
+                          SamplingParams(max_tokens=2, temperature=0.0, use_draft=False))
+            while engine.has_unfinished():
+                engine.step()
     finally:
         engine.prompt_cache, engine.disk_cache = caches
         engine.lanes, engine.solo_reasons = lanes, reasons
         engine.spec = spec_counts      # (the throw-away rows' drafts: counted in a copy only)
         engine.steps, engine.peak_rows = steps, peak
-    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, plain, look)
+    return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, plain, look,
+                  long_n)

@@ -107,6 +107,63 @@ def test_engine_serve_warms_up_before_ready():
     assert st.engine.fast_step.stats.verify_steps > 0
 
 
+def test_the_long_warm_up_prefills_one_long_prompt_and_keeps_no_trace_of_it(tmp_path):
+    """`long_prompt=N` (where the L1 warm-ups run: `l1=True` here, CUDA by default): one
+    throw-away prompt of N tokens prefilled, a token decoded after it (the forward saw N
+    positions); the prompt caches, RAM and disk, hold none of it; the counters as they were;
+    0, 1 or the CPU default: none."""
+    from engine.kv.disk_cache import DiskCache
+    from engine.kv.prompt_cache import PromptCache
+    model, tok = engine.load(str(FIXTURE))
+    fed = []
+
+    class Spy:                          # (counts the positions the model is given)
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, inputs, *a, **kw):
+            fed.append(inputs.size)
+            return model(inputs, *a, **kw)
+    pc, disk = PromptCache(10**8), DiskCache(tmp_path, 10**9, model="m", background=False)
+    eng = Engine(Spy(), tok, max_batch=4, prompt_cache=pc, disk_cache=disk)
+    assert warm_up(eng, l1=True).long_tokens == 0
+    plain, fed[:] = sum(fed), []
+    w = warm_up(eng, l1=True, long_prompt=300)
+    assert w.long_tokens == 300
+    assert sum(fed) - plain >= 301      # (300 prompt positions, one more decoded)
+    assert len(pc) == 0 and len(disk) == 0 and list(tmp_path.glob("*.safetensors")) == []
+    assert eng.steps == 0 and eng.peak_rows == 0 and not eng.has_unfinished()
+    assert warm_up(eng, l1=True, long_prompt=1).long_tokens == 0
+    assert warm_up(eng, long_prompt=300).long_tokens == 0          # (the CPU: off by default)
+
+
+def test_engine_serve_long_warm_up_is_the_disk_caches_longest_prefix(tmp_path):
+    """engine-serve's long warm-up: `--warm-up-tokens N`, else the longest prefix its
+    `--prompt-cache-dir` holds (what a restart's first turn restores), else none; a negative N
+    is a CLI error."""
+    import pytest
+    from server.cli import config_from_args, parser
+    from server.state import long_warm_up
+
+    class Disk:
+        def longest_prefix(self):
+            return 4321
+
+    class Eng:
+        disk_cache = None
+
+    def cfg(*extra):
+        return config_from_args(parser().parse_args(["--model", str(FIXTURE), *extra]))
+    eng = Eng()
+    assert long_warm_up(cfg(), eng) == 0
+    eng.disk_cache = Disk()
+    assert long_warm_up(cfg(), eng) == 4321
+    assert long_warm_up(cfg("--warm-up-tokens", "0"), eng) == 0
+    assert long_warm_up(cfg("--warm-up-tokens", "99"), eng) == 99
+    with pytest.raises(SystemExit, match="--warm-up-tokens must be >= 0"):
+        cfg("--warm-up-tokens", "-1")
+
+
 def _spec_engine():
     from engine.levers import resolve
     m, tok = engine.load(str(ensure_fixture("qwen3", "float32")))
