@@ -349,7 +349,8 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
             state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens,
                                    l1=False if config.tensor_parallel else None,
                                    lookup=config.prompt_lookup,
-                                   long_prompt=long_warm_up(config, state.engine))
+                                   **dict(zip(("long_prompt", "rehearse"),
+                                              long_warm_up(config, state.engine))))
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)
@@ -360,10 +361,12 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
     return gateway.call_sync(load)
 
 
-def long_warm_up(config: ServerConfig, engine) -> int:
-    """The warm-up's long prompt: `--warm-up-tokens`, else the longest prefix the disk prompt
-    cache holds (what the first turn after a restart restores), else none."""
-    if config.warm_up_tokens is not None:
-        return config.warm_up_tokens
+def long_warm_up(config: ServerConfig, engine) -> tuple:
+    """(the warm-up's long prompt, the files it reads once): `--warm-up-tokens` (0: neither),
+    else the longest prefix the disk prompt cache holds and its files (what the first turn
+    after a restart restores), else none."""
     disk = engine.disk_cache
-    return disk.longest_prefix() if disk is not None else 0
+    tokens, paths = disk.longest_chain() if disk is not None else (0, [])
+    if config.warm_up_tokens is not None:
+        return config.warm_up_tokens, paths if config.warm_up_tokens else []
+    return tokens, paths

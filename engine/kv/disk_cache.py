@@ -149,10 +149,14 @@ class DiskCache:
     def __len__(self) -> int:
         return len(self._files)
 
-    def longest_prefix(self) -> int:
-        """The most tokens one restore could give back (the longest stored prefix's end)."""
+    def longest_chain(self) -> tuple:
+        """(tokens, [its files' paths, root first]) of the longest stored prefix: what the
+        first turn after a restart restores ((0, []) when nothing is stored)."""
         with self.lock:
-            return max((f.end for f in self._files.values()), default=0)
+            if not self._files:
+                return 0, []
+            top = max(self._files.values(), key=lambda f: f.end)
+            return top.end, [self.dir / (f.name + SUFFIX) for f, _ in self._chain(top.name, top.end)]
 
     # --- index ----------------------------------------------------------------------
 

@@ -392,3 +392,34 @@ def test_a_file_left_half_written_by_a_dead_process_is_deleted_at_start(tmp_path
     assert not dead.exists() and not old.exists() and live.exists()
     assert dc.ignored == {"an unfinished write": 2} and len(dc) == 0
     assert len([r for r in caplog.records if "unfinished" in r.getMessage()]) == 2
+
+
+def test_longest_chain_and_its_rehearsal(tmp_path):
+    """`longest_chain`: the longest stored prefix's token count and its files, root first (what
+    a restart's first turn restores); the warm-up's `rehearse_files` reads them through the
+    same checks and counts their bytes, leaves the cache as it was, and stops at a file that
+    fails (the restore that meets it logs and deletes it)."""
+    from engine import DiskCache
+    from engine.step.warmup import rehearse_files, warm_up
+    assert DiskCache(tmp_path / "none", 1 << 30, model="m").longest_chain() == (0, [])
+    root = list(range(100, 400))
+    dc = DiskCache(tmp_path, 1 << 30, model="m", background=False)
+    dc.store("base", root, _kv(300, 1.0))
+    dc.store("base", root + [1] * 100, _kv(400, 2.0))
+    dc.store("base", list(range(500, 650)), _kv(150, 3.0))
+    again = DiskCache(tmp_path, 1 << 30, model="m", background=False)        # (a restart)
+    n, paths = again.longest_chain()
+    assert n == 400 and len(paths) == 2
+    sizes = [p.stat().st_size for p in paths]
+    assert sizes[0] > sizes[1]                     # (the root: 300 tokens, then its 100)
+    assert rehearse_files(paths) == sum(sizes)
+    assert (again.hits, again.misses, len(again)) == (0, 0, 3)
+    paths[1].write_bytes(paths[1].read_bytes()[:-10])             # (cut short)
+    assert rehearse_files(paths) == sizes[0]
+    assert rehearse_files(paths[::-1]) == 0
+
+    class NoEngine:                  # (the warm-up with nothing but the rehearsal to run)
+        fast_step = draft_step = None
+        draft_rows = lookup_rows = False
+        max_batch = 4
+    assert warm_up(NoEngine(), l1=False, rehearse=paths).rehearsed_bytes == 0   # (CPU: off)

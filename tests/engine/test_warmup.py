@@ -139,15 +139,15 @@ def test_the_long_warm_up_prefills_one_long_prompt_and_keeps_no_trace_of_it(tmp_
 
 def test_engine_serve_long_warm_up_is_the_disk_caches_longest_prefix(tmp_path):
     """engine-serve's long warm-up: `--warm-up-tokens N`, else the longest prefix its
-    `--prompt-cache-dir` holds (what a restart's first turn restores), else none; a negative N
-    is a CLI error."""
+    `--prompt-cache-dir` holds (what a restart's first turn restores), and that prefix's files
+    read once (none with `--warm-up-tokens 0`); a negative N is a CLI error."""
     import pytest
     from server.cli import config_from_args, parser
     from server.state import long_warm_up
 
     class Disk:
-        def longest_prefix(self):
-            return 4321
+        def longest_chain(self):
+            return 4321, ["a", "b"]
 
     class Eng:
         disk_cache = None
@@ -155,11 +155,11 @@ def test_engine_serve_long_warm_up_is_the_disk_caches_longest_prefix(tmp_path):
     def cfg(*extra):
         return config_from_args(parser().parse_args(["--model", str(FIXTURE), *extra]))
     eng = Eng()
-    assert long_warm_up(cfg(), eng) == 0
+    assert long_warm_up(cfg(), eng) == (0, [])
     eng.disk_cache = Disk()
-    assert long_warm_up(cfg(), eng) == 4321
-    assert long_warm_up(cfg("--warm-up-tokens", "0"), eng) == 0
-    assert long_warm_up(cfg("--warm-up-tokens", "99"), eng) == 99
+    assert long_warm_up(cfg(), eng) == (4321, ["a", "b"])
+    assert long_warm_up(cfg("--warm-up-tokens", "0"), eng) == (0, [])
+    assert long_warm_up(cfg("--warm-up-tokens", "99"), eng) == (99, ["a", "b"])
     with pytest.raises(SystemExit, match="--warm-up-tokens must be >= 0"):
         cfg("--warm-up-tokens", "-1")
 
