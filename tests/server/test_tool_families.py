@@ -147,7 +147,7 @@ def test_a_call_the_token_limit_cuts_is_a_cut_call_on_every_protocol(fam):
     shows the raw markup as text; the call comes back with its name and only `q` (`n`'s "7"
     could have been 70), and the finish stays the token limit's (length / max_tokens /
     incomplete). Cut inside the tool's name: no call and no markup. (Before: the markup came
-    back as content, `<tool_call>\\n{"name": ...`, reports/real_clients/JSON 0.6.3.)"""
+    back as content, `<tool_call>\\n{"name": ...`, reports/real_clients/JOURNAL.md, 0.6.3.)"""
     markup = MARKUP[fam.family]
     at = markup.rindex("7") + 1
     part = {"q": "a, b {c}"}
