@@ -58,7 +58,7 @@ from experiments._common import dump_json, machine, md_table, report_dir, write_
 from experiments.served import Served  # noqa: E402
 
 FIELDS = ["phase", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "disk_bytes_written",
-          "disk_restore_ms"]
+          "disk_restore_ms", "queue_ms", "waiting_ms", "lookup_ms", "prefill_ms"]
 WORDS = ("file read write edit search grep run test build diff patch commit branch module "
          "function class return value error path line column token cache prefix model "
          "request answer tool call argument schema string number object array").split()
@@ -135,6 +135,21 @@ def _disk_stats(url: str) -> dict:
         return {}
 
 
+PHASES = ("queue_s", "waiting_s", "lookup_s", "prefill_s")
+
+
+def _server_phases(url: str) -> dict:
+    """Where engine-serve says the turn's first token went (/stats queue.last_generation), ms:
+    its queue, the engine's waiting, lookup (a disk restore included) and prefill; empty for
+    mlx_lm.server."""
+    try:
+        last = httpx.get(url + "/stats", timeout=30).json()["queue"]["last_generation"] or {}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return {}
+    return {k.replace("_s", "_ms"): round(last[k] * 1e3, 1) for k in PHASES
+            if isinstance(last.get(k), (int, float))}
+
+
 def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
               answers: list, max_tokens: int) -> list:
     """`url`: the server's address, or a callable giving the address of a server (re)started
@@ -149,7 +164,7 @@ def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
             url = restart()
         got = ttft(url, model, messages, tools, max_tokens)
         time.sleep(0.3)     # (the background write of the turn's new tokens)
-        disk = _disk_stats(url)
+        disk, phases = _disk_stats(url), _server_phases(url)
         after = int(disk.get("bytes_written", 0))
         if restart:
             print({"turn": i + 1, "disk": disk}, flush=True)
@@ -158,7 +173,7 @@ def run_phase(name: str, url, model: str, system: str, tools: list, users: list,
                      "disk_bytes_written": after - before,
                      # (this turn's read of its prefix from disk, if it read one)
                      "disk_restore_ms": (disk.get("last_restore_ms", 0.0)
-                                         if disk.get("hits", 0) > hits else 0.0)})
+                                         if disk.get("hits", 0) > hits else 0.0), **phases})
         before = 0 if restart else after
         hits = 0 if restart else disk.get("hits", 0)
         if len(answers) <= i:      # the first phase's answers make every phase's history

@@ -126,15 +126,18 @@ class _Clock:
     the HTTP work; an upper bound on what it can take from the worker through the
     GIL), for /stats `last_generation`."""
 
-    __slots__ = ("job", "first", "last", "cpu_first", "cpu_last", "n")
+    __slots__ = ("job", "first", "last", "cpu_first", "cpu_last", "n", "phases", "cached")
 
     def __init__(self, job):
         self.job = job
         self.first = self.last = self.cpu_first = self.cpu_last = None
-        self.n = 0
+        self.n = self.cached = 0
+        self.phases: dict = {}
 
     def tick(self, out: RequestOutput) -> None:
-        self.n = out.generation_tokens
+        self.n, self.cached = out.generation_tokens, out.cached_tokens
+        if out.timings:
+            self.phases = out.timings
         if out.text:
             self.last = time.perf_counter()
             self.cpu_last = _cpu_s(self.job.loop_cpu_clock)
@@ -146,6 +149,10 @@ class _Clock:
         return {"job": self.job.id, "generation_tokens": self.n,
                 "first_text_s": (None if self.first is None or self.job.started_at is None
                                  else self.first - self.job.started_at),
+                "queue_s": (None if self.job.started_at is None
+                            else self.job.started_at - self.job.queued_at),
+                **{k: self.phases.get(k) for k in ("waiting_s", "lookup_s", "prefill_s")},
+                "cached_tokens": self.cached,
                 "decode_s": span, "decode_tps": (self.n - 1) / span if span else None,
                 "event_loop_cpu_s": (self.cpu_last - self.cpu_first
                                      if self.cpu_first is not None and self.cpu_last is not None

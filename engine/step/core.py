@@ -447,7 +447,7 @@ class Engine(AloneRunner, BatchLane, PrefixReuse, ContextLimits, VisionPrompts):
         if ev.token is not None:
             req.fed.append(ev.token)
             if len(req.fed) == 1:
-                now = time.perf_counter()
+                now = req.first_at = time.perf_counter()
                 req.prompt_tps = (len(req.ids) - req.reused) / max(now - req.tic, 1e-9)
                 req.tic = now
             if not ev.stop_token:

@@ -239,6 +239,10 @@ class RequestOutput:
     logprob_arrays: list = field(default_factory=list)  # [V] per token (keep_logprob_arrays)
     # speculation so far (drafted, accepted, forwards, acceptance); None: it does not speculate
     speculation: Optional[dict] = None
+    # where its time to the first token went, once it has one (seconds): waiting (submitted ->
+    # it started), lookup (its prefix from the prompt caches: RAM, a disk restore), prefill
+    # (the rest of the prompt -> the first token)
+    timings: Optional[dict] = None
 
     @property
     def finished(self) -> bool:
@@ -347,7 +351,9 @@ class RequestState:
         self.pending_ids: list = []
         self.pending_lp: list = []
         self.pending_arrays: list = []
-        self.tic = time.perf_counter()
+        self.tic = self.submitted = time.perf_counter()
+        self.lookup_at: Optional[tuple] = None    # (start, end) of its prefix lookup
+        self.first_at: Optional[float] = None     # when its first token came
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
         self.prefix = None                # solo: caches holding the context before `ids`
@@ -363,6 +369,14 @@ class RequestState:
         self.spec = None                  # solo: its SpecStats while it speculates
         self.text = TextStream(tokenizer, params.stop)   # (the one update's, every runner)
 
+    def timings(self) -> Optional[dict]:
+        """RequestOutput.timings: None before the first token."""
+        if self.first_at is None:
+            return None
+        start, end = self.lookup_at or (self.submitted, self.submitted)
+        return {"waiting_s": start - self.submitted, "lookup_s": end - start,
+                "prefill_s": self.first_at - end}
+
     def output(self, text: str, reason=None, **kw) -> RequestOutput:
         now = time.perf_counter()
         out = RequestOutput(text=text, token_ids=self.pending_ids, logprobs=self.pending_lp,
@@ -373,6 +387,6 @@ class RequestState:
                             peak_memory_gb=mx.get_peak_memory() / 1e9, request_id=self.rid,
                             started=bool(self.fed), logprob_arrays=self.pending_arrays,
                             speculation=self.spec.as_dict() if self.spec is not None else None,
-                            **kw)
+                            timings=self.timings(), **kw)
         self.pending_ids, self.pending_lp, self.pending_arrays = [], [], []
         return out

@@ -11,6 +11,8 @@ their whole image, which only a forward from empty caches does (mlx-vlm's)."""
 
 from __future__ import annotations
 
+import time
+
 from engine.kv.prompt_cache import Hit
 from engine.step.request import RequestState
 
@@ -19,6 +21,15 @@ class PrefixReuse:
     """Mixed into `engine.step.core.Engine` (its prompt_cache, disk_cache, adapters)."""
 
     def _fetch(self, req: RequestState):
+        """The request's starting caches (None: it starts empty); times the lookup
+        (`req.lookup_at`: RequestOutput.timings)."""
+        t0 = time.perf_counter()
+        try:
+            return self._lookup(req)
+        finally:
+            req.lookup_at = (t0, time.perf_counter())
+
+    def _lookup(self, req: RequestState):
         if req.prefix is not None:
             return req.prefix
         hit = self.prompt_cache.fetch(req.ns, req.ids) if self.prompt_cache is not None else None

@@ -423,3 +423,24 @@ def test_longest_chain_and_its_rehearsal(tmp_path):
         draft_rows = lookup_rows = False
         max_batch = 4
     assert warm_up(NoEngine(), l1=False, rehearse=paths).rehearsed_bytes == 0   # (CPU: off)
+
+
+def test_timings_split_the_first_token_and_hold_the_restore(tmp_path, qwen_path):
+    """`RequestOutput.timings`: waiting, lookup and prefill, none before the first token; after a
+    restart the disk restore is inside `lookup_s` (at least the cache's own `last_restore_ms`)
+    and the prefill is only the suffix's."""
+    d = tmp_path / "pc"
+    eng = _load(qwen_path, d)
+    eng.submit(PREFIX, SamplingParams(max_tokens=3, temperature=0.0))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    eng.disk_cache.flush()
+    t = outs[-1].timings
+    assert set(t) == {"waiting_s", "lookup_s", "prefill_s"} and min(t.values()) >= 0
+    assert all(o.timings is not None for o in outs if o.token_ids)
+    again = _load(qwen_path, d)                                  # (a restart)
+    *_, last = _one(again, PREFIX + MORE)
+    assert last.cached_tokens > 100 and again.disk_cache.hits == 1
+    t2 = last.timings
+    assert t2["lookup_s"] * 1e3 >= again.disk_cache.last_restore_ms > 0

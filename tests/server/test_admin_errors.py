@@ -127,6 +127,13 @@ def test_stats_last_generation_clock(aux):
     # the event loop streamed those tokens meanwhile: some CPU time, less than the span
     # (it is one thread, and the engine ran on another)
     assert 0 <= last["event_loop_cpu_s"] < last["decode_s"]
+    # where the first token's time went: the server's queue, then the engine's phases, which
+    # fit inside the first text's time (on the same clock, from the job's start)
+    phases = [last[k] for k in ("waiting_s", "lookup_s", "prefill_s")]
+    assert last["queue_s"] >= 0 and min(phases) >= 0 and last["prefill_s"] > 0
+    assert sum(phases) <= last["first_text_s"] + last["queue_s"]
+    assert last["cached_tokens"] == r.json()["usage"].get("prompt_tokens_details", {}).get(
+        "cached_tokens", 0)
 
 
 def test_over_budget_400(aux):
