@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from .custom_tools import as_function
 from .errors import bad_request
 from .images import IMAGE_TYPES, image_part
 
@@ -111,7 +112,8 @@ def normalize_chat_messages(messages) -> list:
 
 
 def normalize_tools(tools, where: str = "tools") -> Optional[list]:
-    """OpenAI function tools (nested or flat); non-function tool types dropped."""
+    """OpenAI function tools (nested or flat) and custom tools (server.custom_tools: a function
+    of one string); built-in tool types dropped."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -125,6 +127,9 @@ def normalize_tools(tools, where: str = "tools") -> Optional[list]:
             raise bad_request(f"{where}[{i}].type must be a string", param=where)
         if typ not in ("function", "custom", None):
             continue  # built-in / server tools (web_search, ...) are dropped
+        if typ == "custom":                 # free text in, one string parameter to the model
+            out.append(as_function(t, i, where))
+            continue
         fn = t.get("function") if isinstance(t.get("function"), dict) else t
         name = fn.get("name")
         if not isinstance(name, str) or not name:

@@ -34,7 +34,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from . import sse
+from . import custom_tools, sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, start,
                    template_kwargs_from)
 from .images import MARK, collect
@@ -90,7 +90,9 @@ def normalize_input(inp) -> list:
             out.append({"type": "function_call", "call_id": str(it.get("call_id") or
                                                                  it.get("id") or ""),
                         "name": name, "arguments": args})
-        elif t == "function_call_output":
+        elif t == "custom_tool_call":
+            out.append(custom_tools.input_item(it, where))
+        elif t in ("function_call_output", "custom_tool_call_output"):
             output = it.get("output")
             if not isinstance(output, str):
                 output = _part_text(output, where)
@@ -114,9 +116,11 @@ def items_to_messages(items: list, instructions) -> list:
                 system.append(text)
             else:
                 msgs.append({"role": it["role"], "content": text})
-        elif t == "function_call":
-            call = {"id": it["call_id"], "type": "function",
-                    "function": {"name": it["name"], "arguments": parse_arguments(it["arguments"])}}
+        elif t in ("function_call", "custom_tool_call"):
+            call = (custom_tools.as_call(it) if t == "custom_tool_call" else
+                    {"id": it["call_id"], "type": "function",
+                     "function": {"name": it["name"],
+                                  "arguments": parse_arguments(it["arguments"])}})
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -148,6 +152,7 @@ class ResponseRender:
         self.items: list = []
         self._open = None   # output index of the open message item
         self.seq = 0
+        self.custom = frozenset()   # the request's custom tools' names (custom_tool_call items)
 
     def _ev(self, name, obj) -> bytes:
         if not self.streaming:
@@ -227,12 +232,28 @@ class ResponseRender:
         return out + self._ev("response.output_text.delta", {**ref, "delta": ev.text,
                                                              "logprobs": []})
 
+    def _custom_call(self, c) -> bytes:
+        """A custom tool's call: a `custom_tool_call` item, its input streamed whole."""
+        i = len(self.items)
+        item = custom_tools.output_item(c, "ctc_" + _hex(24), "in_progress")
+        text, item["input"] = item["input"], ""
+        self.items.append(item)
+        ref = {"item_id": item["id"], "output_index": i}
+        out = self._ev("response.output_item.added", {"output_index": i, "item": dict(item)})
+        out += self._ev("response.custom_tool_call_input.delta", {**ref, "delta": text})
+        item["input"], item["status"] = text, "incomplete" if c.cut else "completed"
+        out += self._ev("response.custom_tool_call_input.done", {**ref, "input": text})
+        return out + self._ev("response.output_item.done", {"output_index": i, "item": item})
+
     def feed(self, batch: list) -> bytes:
         out = []
         for ev in batch:
             if isinstance(ev, (Text, Reasoning)):
                 if ev.text:
                     out.append(self._append(ev))
+            elif isinstance(ev, Tool) and ev.call.name in self.custom:
+                out.append(self._close())
+                out.append(self._custom_call(ev.call))
             elif isinstance(ev, Tool):
                 out.append(self._close())
                 c = ev.call
@@ -332,6 +353,9 @@ def _as_input(item: dict) -> dict:
     if item["type"] == "function_call":
         return {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
                 "arguments": item["arguments"]}
+    if item["type"] == "custom_tool_call":
+        return {"type": "custom_tool_call", "call_id": item["call_id"], "name": item["name"],
+                "input": item["input"]}
     return item
 
 
@@ -348,6 +372,7 @@ async def create_response(request: Request, validated: ResponsesRequest):
     stream = bool(validated.stream)
     gen = await start(state, call, request)
     render = ResponseRender(state, stream, meta)
+    render.custom = custom_tools.custom_names(validated.tools)
 
     def on_done(done: Done):        # (a turn whose client left is not kept)
         if meta["store"] and done.finish_reason != "cancelled":

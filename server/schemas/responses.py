@@ -25,8 +25,13 @@ ITEM = {"anyOf": [
         "call_id": nullable({"type": "string"}), "id": nullable({"type": "string"}),
         "name": {"type": "string", "minLength": 1},
         "arguments": {"type": "string", "description": "A JSON string."}}},
+    {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"type": "string", "enum": ["custom_tool_call"]},
+        "call_id": nullable({"type": "string"}), "id": nullable({"type": "string"}),
+        "name": {"type": "string", "minLength": 1},
+        "input": {"type": "string", "description": "The custom tool's free-text input."}}},
     {"type": "object", "required": ["type"], "properties": {
-        "type": {"type": "string", "enum": ["function_call_output"]},
+        "type": {"type": "string", "enum": ["function_call_output", "custom_tool_call_output"]},
         "call_id": nullable({"type": "string"}), "output": TEXT_OR_PARTS}},
     {"type": "object", "required": ["type"], "properties": {
         "type": {"type": "string", "enum": ["reasoning"]}},
@@ -35,9 +40,13 @@ Input = described({"anyOf": [{"type": "string"}, {"type": "array", "items": ITEM
                    "description": "A user message, or input items."})
 FLAT_TOOL = {"type": "object", "properties": {
     "type": nullable({"type": "string",
-                      "description": "\"function\" (built-in tool types are dropped)"}),
+                      "description": "\"function\", or \"custom\" (free-text input, answered "
+                                     "with a custom_tool_call item); built-in tool types are "
+                                     "dropped"}),
     "name": {"type": "string", "minLength": 1}, "description": nullable({"type": "string"}),
-    "parameters": nullable({"type": "object"}), "strict": nullable({"type": "boolean"})}}
+    "parameters": nullable({"type": "object"}), "strict": nullable({"type": "boolean"}),
+    "format": nullable({"type": "object", "description": "custom tools: {type: text} or "
+                        "{type: grammar, syntax, definition} (shown to the model)"})}}
 Tools = described({"anyOf": [{"type": "array", "items": {"anyOf": [FLAT_TOOL, TOOL_SCHEMA]}},
                              {"type": "null"}]})
 ToolChoice = described({"anyOf": [

@@ -1,0 +1,92 @@
+"""Freeform `custom` tools on /v1/responses (Codex CLI's `apply_patch`): the model sees a
+function of one string `input` whose description carries the format's grammar; its call comes
+back as a `custom_tool_call` item (streamed: `response.custom_tool_call_input.delta/.done`)
+that the OpenAI SDK parses; `custom_tool_call` and `custom_tool_call_output` items are taken
+back as history, sent again or through `previous_response_id`. Before: the tool was a function
+of no parameters, its call a `function_call`, and those input items a 400."""
+
+import json
+
+import httpx
+
+from server.custom_tools import INPUT
+from server.messages import normalize_tools
+from srv_helpers import sse_events
+
+GRAMMAR = 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF'
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": GRAMMAR}}
+SHELL = {"type": "function", "name": "shell", "description": "Run a command",
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi \"there\"\n*** End Patch"
+MARKUP = ('<tool_call>\n{"name": "apply_patch", "arguments": {"input": ' + json.dumps(PATCH)
+          + '}}\n</tool_call>')
+
+
+def test_a_custom_tool_is_a_function_of_one_string_with_its_grammar_shown():
+    [fn] = normalize_tools([PATCH_TOOL])
+    f = fn["function"]
+    assert f["name"] == "apply_patch" and f["parameters"]["required"] == [INPUT]
+    assert f["parameters"]["properties"] == {INPUT: {"type": "string"}}
+    assert f["description"].startswith("Edit files with a patch.") and GRAMMAR in f["description"]
+    # chat completions' nested form, and a text format
+    [fn] = normalize_tools([{"type": "custom", "custom": {"name": "note", "format": {"type": "text"}}}])
+    assert fn["function"]["name"] == "note" and "description" not in fn["function"]
+
+
+def test_bad_custom_tools_are_400s(srv):
+    for tool in ({"type": "custom"}, {"type": "custom", "name": "x", "format": "lark"},
+                 {"type": "custom", "name": "x", "format": {"type": "grammar", "syntax": "lark"}},
+                 {"type": "custom", "name": "x", "format": {"type": "json"}}):
+        r = httpx.post(srv.v1 + "/responses", json={"input": "hi", "tools": [tool]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (tool, r.text)
+
+
+def test_the_call_is_a_custom_tool_call_item(srv, oai):
+    srv.forced.arm("Patching. " + MARKUP)
+    r = oai.responses.create(model="m", input="add a.txt", tools=[PATCH_TOOL, SHELL],
+                             max_output_tokens=200)
+    calls = [o for o in r.output if o.type == "custom_tool_call"]
+    assert [o.type for o in r.output] == ["message", "custom_tool_call"], r.output
+    assert calls[0].name == "apply_patch" and calls[0].input == PATCH and calls[0].call_id
+    assert r.output_text == "Patching. " and r.status == "completed"
+
+    srv.forced.arm("Patching. " + MARKUP)        # streamed: the same item, input delta + done
+    raw = httpx.post(srv.v1 + "/responses", timeout=60, json={
+        "input": "add a.txt", "tools": [PATCH_TOOL, SHELL], "max_output_tokens": 200,
+        "stream": True})
+    evs = sse_events(raw.text)
+    names = [n for n, _ in evs]
+    assert "response.function_call_arguments.delta" not in names
+    delta = [d["delta"] for n, d in evs if n == "response.custom_tool_call_input.delta"]
+    done = [d["input"] for n, d in evs if n == "response.custom_tool_call_input.done"]
+    assert "".join(delta) == PATCH and done == [PATCH]
+    added = [d["item"] for n, d in evs if n == "response.output_item.added"]
+    assert [a["type"] for a in added] == ["message", "custom_tool_call"] and added[1]["input"] == ""
+    final = evs[-1][1]["response"]["output"][-1]
+    assert final["type"] == "custom_tool_call" and final["input"] == PATCH
+    assert final["status"] == "completed"
+
+
+def test_custom_tool_calls_are_history(srv, oai):
+    srv.forced.arm("Done.")
+    r = oai.responses.create(model="m", max_output_tokens=20, tools=[PATCH_TOOL], input=[
+        {"role": "user", "content": "add a.txt"},
+        {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch", "input": PATCH},
+        {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Success."}])
+    assert r.output_text == "Done."
+    # a stored turn that called the custom tool continues through previous_response_id
+    srv.forced.arm("Patching. " + MARKUP)
+    first = oai.responses.create(model="m", input="add a.txt", tools=[PATCH_TOOL],
+                                 max_output_tokens=200)
+    call = [o for o in first.output if o.type == "custom_tool_call"][0]
+    srv.forced.arm("All done.")
+    nxt = oai.responses.create(model="m", previous_response_id=first.id, tools=[PATCH_TOOL],
+                               max_output_tokens=20, input=[{
+                                   "type": "custom_tool_call_output", "call_id": call.call_id,
+                                   "output": "Success."}])
+    assert nxt.output_text == "All done."
+    for bad in ({"type": "custom_tool_call", "input": "x"},
+                {"type": "custom_tool_call", "name": "apply_patch", "input": 5}):
+        r = httpx.post(srv.v1 + "/responses", timeout=60, json={"input": [bad]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
