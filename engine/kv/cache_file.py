@@ -28,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.kv.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from engine.kv.crc import crc32
 
 # mlx-lm's class name -> (our class, the fields of its `state`, in order)
 FIELDS = {
@@ -130,7 +131,7 @@ def _crc(meta: dict, entries: dict, data: list) -> str:
     head = json.dumps([{k: v for k, v in meta.items() if k != CHECKSUM}, entries], sort_keys=True)
     crc = zlib.crc32(head.encode())
     for d in data:
-        crc = zlib.crc32(d, crc)
+        crc = crc32(d, crc)         # (a large section on several threads: engine.kv.crc)
     return f"{crc:08x}"
 
 
