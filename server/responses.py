@@ -134,10 +134,14 @@ def items_to_messages(items: list, instructions) -> list:
     return msgs
 
 
-def flat_tools(tools):
+def flat_tools(tools, sent=None):
+    """The response object's `tools`: function tools flat, custom tools as `sent`."""
     if not tools:
         return []
-    return [{"type": "function", "name": t["function"]["name"],
+    custom = {t["name"]: t for t in sent or () if isinstance(t, dict)
+              and t.get("type") == "custom" and isinstance(t.get("name"), str)}
+    return [custom.get(t["function"]["name"]) or
+            {"type": "function", "name": t["function"]["name"],
              "description": t["function"].get("description"),
              "parameters": t["function"]["parameters"], "strict": False} for t in tools]
 
@@ -338,7 +342,8 @@ def parse_responses(req: ResponsesRequest, state):
             "previous_response_id": prev_id, "store": req.store is not False,
             "temperature": call.temperature, "top_p": call.top_p,
             "tool_choice": choice if isinstance(choice, (str, dict)) else "auto",
-            "tools": flat_tools(tools if tools is not None else normalize_tools(req.tools)),
+            "tools": flat_tools(tools if tools is not None else normalize_tools(req.tools),
+                                req.tools),
             # (echoed as sent: a client checks its own metadata and settings in the object)
             "metadata": req.metadata or {}, "user": req.user,
             "parallel_tool_calls": req.parallel_tool_calls is not False}

@@ -164,6 +164,19 @@ def test_engine_serve_long_warm_up_is_the_disk_caches_longest_prefix(tmp_path):
         cfg("--warm-up-tokens", "-1")
 
 
+def test_engine_serve_renders_the_chat_template_before_ready():
+    """With the warm-up (`--warm-up true`, the default) engine-serve renders its chat template
+    once before it says ready, so the first request does not pay its compile; without it, no
+    template is compiled at the start."""
+    from engine.text.chat_template import _compile_template
+    from server.cli import config_from_args, parser
+    from server.state import build_state
+    for flag, compiled in (("false", 0), ("true", 1)):
+        _compile_template.cache_clear()
+        build_state(config_from_args(parser().parse_args(["--warm-up", flag])))
+        assert _compile_template.cache_info().currsize == compiled, flag
+
+
 def _spec_engine():
     from engine.levers import resolve
     m, tok = engine.load(str(ensure_fixture("qwen3", "float32")))

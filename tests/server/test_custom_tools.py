@@ -42,16 +42,19 @@ def test_bad_custom_tools_are_400s(srv):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (tool, r.text)
 
 
-def test_the_call_is_a_custom_tool_call_item(srv, oai):
-    srv.forced.arm("Patching. " + MARKUP)
+def test_the_call_is_a_custom_tool_call_item(srv, oai, forced):
+    forced.arm("Patching. " + MARKUP)
     r = oai.responses.create(model="m", input="add a.txt", tools=[PATCH_TOOL, SHELL],
                              max_output_tokens=200)
     calls = [o for o in r.output if o.type == "custom_tool_call"]
     assert [o.type for o in r.output] == ["message", "custom_tool_call"], r.output
     assert calls[0].name == "apply_patch" and calls[0].input == PATCH and calls[0].call_id
     assert r.output_text == "Patching. " and r.status == "completed"
+    echoed = r.model_dump()["tools"]              # (as sent: the custom one stays custom)
+    assert [t["type"] for t in echoed] == ["custom", "function"]
+    assert echoed[0]["format"]["definition"] == GRAMMAR
 
-    srv.forced.arm("Patching. " + MARKUP)        # streamed: the same item, input delta + done
+    forced.arm("Patching. " + MARKUP)        # streamed: the same item, input delta + done
     raw = httpx.post(srv.v1 + "/responses", timeout=60, json={
         "input": "add a.txt", "tools": [PATCH_TOOL, SHELL], "max_output_tokens": 200,
         "stream": True})
@@ -68,19 +71,19 @@ def test_the_call_is_a_custom_tool_call_item(srv, oai):
     assert final["status"] == "completed"
 
 
-def test_custom_tool_calls_are_history(srv, oai):
-    srv.forced.arm("Done.")
+def test_custom_tool_calls_are_history(srv, oai, forced):
+    forced.arm("Done.")
     r = oai.responses.create(model="m", max_output_tokens=20, tools=[PATCH_TOOL], input=[
         {"role": "user", "content": "add a.txt"},
         {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch", "input": PATCH},
         {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Success."}])
     assert r.output_text == "Done."
     # a stored turn that called the custom tool continues through previous_response_id
-    srv.forced.arm("Patching. " + MARKUP)
+    forced.arm("Patching. " + MARKUP)
     first = oai.responses.create(model="m", input="add a.txt", tools=[PATCH_TOOL],
                                  max_output_tokens=200)
     call = [o for o in first.output if o.type == "custom_tool_call"][0]
-    srv.forced.arm("All done.")
+    forced.arm("All done.")
     nxt = oai.responses.create(model="m", previous_response_id=first.id, tools=[PATCH_TOOL],
                                max_output_tokens=20, input=[{
                                    "type": "custom_tool_call_output", "call_id": call.call_id,
