@@ -2,7 +2,9 @@
 answered by a server started afresh on the cache directory, which reads the earlier turns'
 prefix back (cached tokens, and the read's time in `disk_restore_ms`). On an H100 in 0.6.1 this
 phase measured nothing but cold prefills (the server was killed before its file was written)
-and said nothing about it: the columns here would have shown it."""
+and said nothing about it: the columns here would have shown it. Each turn also says where the
+server's time to its first token went (`/stats` queue.last_generation): the restore inside the
+lookup, the prefill after it."""
 
 from experiments import agent_session
 
@@ -17,4 +19,7 @@ def test_restarted_turns_read_the_prefix_back_and_say_how_long_it_took(tmp_path)
     for before, r in zip(rows, later):
         assert r["cached_tokens"] >= before["prompt_tokens"] - 1, r
         assert r["disk_restore_ms"] > 0, r
-    assert (tmp_path / "agent_session.csv").read_text().splitlines()[0].endswith("disk_restore_ms")
+        assert r["lookup_ms"] >= r["disk_restore_ms"] and r["prefill_ms"] > 0, r
+    assert first["lookup_ms"] < later[0]["lookup_ms"]      # (nothing to restore on turn 1)
+    header = (tmp_path / "agent_session.csv").read_text().splitlines()[0].split(",")
+    assert header[-5:] == ["disk_restore_ms", "queue_ms", "waiting_ms", "lookup_ms", "prefill_ms"]
