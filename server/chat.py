@@ -364,8 +364,8 @@ class Generation:
     def _done(self, last, ids, lps) -> Done:
         finish = last.finish_reason
         stop_string = last.stop_string if finish == "stop" else None
-        if self._calls and finish != "cancelled" and not self._calls[-1].cut:
-            finish = "tool_calls"       # (a call the token limit cut: the finish stays length)
+        if self._calls and finish not in ("cancelled", "length"):
+            finish = "tool_calls"       # (the token limit's end stays length: a call it cut)
         prompt_tokens = last.prompt_tokens or len(self.prompt_ids)
         return Done(finish, prompt_tokens, last.generation_tokens, last.cached_tokens,
                     stop_string, lps, "".join(self._text), self._calls, ids,

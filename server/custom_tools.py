@@ -27,7 +27,9 @@ PARAMETERS = {"type": "object", "properties": {INPUT: {"type": "string"}}, "requ
 def as_function(tool: dict, i: int, where: str) -> dict:
     """A custom tool (flat, or chat completions' `{"type": "custom", "custom": {...}}`) as the
     function tool the template shows."""
-    spec = tool.get("custom") if isinstance(tool.get("custom"), dict) else tool
+    spec = tool.get("custom", tool)
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where}[{i}].custom must be an object", param=where)
     name, desc, fmt = spec.get("name"), spec.get("description"), spec.get("format")
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}[{i}] needs a non-empty name", param=where)
@@ -36,15 +38,16 @@ def as_function(tool: dict, i: int, where: str) -> dict:
     if fmt is not None and not isinstance(fmt, dict):
         raise bad_request(f"{where}[{i}].format must be an object", param=where)
     text = desc or ""
-    if fmt and fmt.get("type") == "grammar":
+    kind = None if fmt is None else fmt.get("type")
+    if fmt is not None and kind not in ("text", "grammar"):
+        raise bad_request(f"{where}[{i}].format.type must be text or grammar", param=where)
+    if kind == "grammar":
         syntax, definition = fmt.get("syntax"), fmt.get("definition")
-        if not isinstance(definition, str) or not isinstance(syntax, str):
-            raise bad_request(f"{where}[{i}].format: a grammar needs a syntax and a definition "
-                              "(strings)", param=where)
+        if syntax not in ("lark", "regex") or not isinstance(definition, str):
+            raise bad_request(f"{where}[{i}].format: a grammar needs syntax lark or regex and "
+                              "a definition (a string)", param=where)
         text += (f"\n\nThe `{INPUT}` argument is free text in this {syntax} grammar:\n"
                  f"{definition}")
-    elif fmt and fmt.get("type") not in ("text", None):
-        raise bad_request(f"{where}[{i}].format.type must be text or grammar", param=where)
     f = {"name": name}
     if text:
         f["description"] = text.strip()
@@ -73,13 +76,14 @@ def call_input(arguments) -> str:
 
 def input_item(it: dict, where: str) -> dict:
     """A `custom_tool_call` input item, checked."""
-    name, text = it.get("name"), it.get(INPUT, "")
+    name, text, cid = it.get("name"), it.get(INPUT), it.get("call_id") or it.get("id") or ""
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}: custom_tool_call needs a name", param="input")
     if not isinstance(text, str):
-        raise bad_request(f"{where}: custom_tool_call input must be a string", param="input")
-    return {"type": "custom_tool_call", "call_id": str(it.get("call_id") or it.get("id") or ""),
-            "name": name, INPUT: text}
+        raise bad_request(f"{where}: custom_tool_call needs an input (a string)", param="input")
+    if not isinstance(cid, str):
+        raise bad_request(f"{where}: custom_tool_call call_id must be a string", param="input")
+    return {"type": "custom_tool_call", "call_id": cid, "name": name, INPUT: text}
 
 
 def as_call(it: dict) -> dict:
@@ -91,3 +95,25 @@ def as_call(it: dict) -> dict:
 def output_item(call, item_id: str, status: str) -> dict:
     return {"id": item_id, "type": "custom_tool_call", "status": status,
             "call_id": call.id, "name": call.name, INPUT: call_input(call.arguments)}
+
+
+def function_choice(choice):
+    """A `tool_choice` naming a custom tool (`{"type": "custom", "name"}`) as the function
+    choice the constraints read; any other choice as it is."""
+    if isinstance(choice, dict) and choice.get("type") == "custom":
+        return {"type": "function", "name": choice.get("name")}
+    return choice
+
+
+def custom_call(tc: dict, j: int, where: str) -> dict:
+    """A chat history's `{type: "custom", id, custom: {name, input}}` tool call as the
+    function call the prompt shows."""
+    spec = tc.get("custom")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad_request(f"{where}: tool_calls[{j}].custom needs a name", param="messages")
+    if not isinstance(spec.get(INPUT), str):
+        raise bad_request(f"{where}: tool_calls[{j}].custom.input must be a string",
+                          param="messages")
+    return as_call({"call_id": tc.get("id") or f"call_{j}", "name": spec["name"],
+                    INPUT: spec[INPUT]})
+

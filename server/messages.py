@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from .custom_tools import as_function
+from .custom_tools import as_function, custom_call
 from .errors import bad_request
 from .images import IMAGE_TYPES, image_part
 
@@ -68,6 +68,9 @@ def normalize_tool_calls(calls, where: str) -> list:
             tc = tc.model_dump(exclude_unset=True)
         if not isinstance(tc, dict):
             raise bad_request(f"{where}: tool_calls[{j}] must be an object")
+        if tc.get("type") == "custom":      # a custom tool's call: {custom: {name, input}}
+            out.append(custom_call(tc, j, where))
+            continue
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
         name = fn.get("name")
         if not isinstance(name, str) or not name:

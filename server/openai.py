@@ -25,7 +25,8 @@ from . import sse
 from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
                    sampling_from, start, template_kwargs_from)
 from .images import collect
-from .messages import normalize_chat_messages, normalize_tools, shallow, stop_list
+from .custom_tools import call_input, custom_names
+from .messages import normalize_chat_messages, normalize_tools, plain, shallow, stop_list
 from .constraints import apply_constraints
 from .chat import stream as chat_stream
 from .models_lease import state_for
@@ -41,9 +42,15 @@ def usage(done: Done) -> dict:
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
-def tool_call_json(call, index=None) -> dict:
-    d = {"id": call.id, "type": "function",
-         "function": {"name": call.name, "arguments": call.arguments_json}}
+def tool_call_json(call, index=None, custom=frozenset()) -> dict:
+    """A chat tool call; a call of one of the request's `custom` tools (names in `custom`) in
+    OpenAI's custom shape, `{type: "custom", custom: {name, input}}`."""
+    if call.name in custom:
+        d = {"id": call.id, "type": "custom",
+             "custom": {"name": call.name, "input": call_input(call.arguments)}}
+    else:
+        d = {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments_json}}
     if index is not None:
         d = {"index": index, **d}
     return d
@@ -108,6 +115,7 @@ class ChatRender:
         self.created = int(time.time())
         self.model = model_id
         self.n_tools = 0
+        self.custom = frozenset()     # the request's custom tools' names
 
     def _chunk(self, delta: dict, finish=None, **extra) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
@@ -149,7 +157,8 @@ class ChatRender:
                 out.append(self._chunk(reasoning_fields(ev.text)))
             elif isinstance(ev, Tool):
                 flush()
-                out.append(self._chunk({"tool_calls": [tool_call_json(ev.call, self.n_tools)]}))
+                out.append(self._chunk({"tool_calls": [tool_call_json(ev.call, self.n_tools,
+                                                                      self.custom)]}))
                 self.n_tools += 1
             elif isinstance(ev, Done):
                 flush()
@@ -170,7 +179,7 @@ class ChatRender:
         if done.reasoning:
             msg.update(reasoning_fields(done.reasoning))
         if done.tool_calls:
-            msg["tool_calls"] = [tool_call_json(c) for c in done.tool_calls]
+            msg["tool_calls"] = [tool_call_json(c, None, self.custom) for c in done.tool_calls]
         choice = {"index": 0, "message": msg, "logprobs": None,
                   "finish_reason": FINISH[done.finish_reason]}
         if want_logprobs:
@@ -191,6 +200,7 @@ async def chat_completions(request: Request, validated: ChatCompletionRequest):
     usage_chunk = include_usage(validated, stream)
     gen = await start(state, call, request)
     render = ChatRender(state, state.model_id, usage_chunk)
+    render.custom = custom_names(plain(validated.tools))
     if stream:
         return chat_stream(gen, render, render.head(), _openai_error_frame)
     done = await complete(gen)

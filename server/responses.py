@@ -329,7 +329,8 @@ def parse_responses(req: ResponsesRequest, state):
     call.stop = stop_list(req.stop)
     tools = normalize_tools(req.tools)
     choice = req.tool_choice
-    apply_constraints(call, req.text.format if req.text is not None else None, choice,
+    apply_constraints(call, req.text.format if req.text is not None else None,
+                      custom_tools.function_choice(choice),
                       tools, format_param="text.format",
                       parallel=req.parallel_tool_calls is not False)
     if choice == "none":

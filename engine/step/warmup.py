@@ -230,8 +230,7 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
         for n in plain:      # (2n more tokens: the first row is still decoding when the last joins)
             _staggered(engine, n, vocab, prompt_len, tokens, 2 * n, use_draft=False)
         if long_n:           # (prefill, then a decode step over the long context)
-            engine.submit([(3 * j + 1) % vocab for j in range(long_n)],
-                          SamplingParams(max_tokens=2, temperature=0.0, use_draft=False))
+            long_n = _submit_long(engine, long_n, vocab)
             while engine.has_unfinished():
                 engine.step()
         rehearsed = rehearse_files(files)
@@ -242,6 +241,23 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
         engine.steps, engine.peak_rows = steps, peak
     return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, plain, look,
                   long_n, rehearsed)
+
+
+def _submit_long(engine, n: int, vocab: int) -> int:
+    """Submit the long throw-away prompt, at most what the model's context and the engine's
+    memory admission take (shortened by a quarter until they do); the tokens submitted, 0
+    when not even a short one fits."""
+    from engine.step.request import PromptError
+    ctx = getattr(engine, "max_context", None)
+    n = min(n, ctx - 2) if ctx else n
+    while n > 1:
+        try:
+            engine.submit([(3 * j + 1) % vocab for j in range(n)],
+                          SamplingParams(max_tokens=2, temperature=0.0, use_draft=False))
+            return n
+        except (PromptError, ValueError):           # (over the context or the memory budget)
+            n = n * 3 // 4
+    return 0
 
 
 def rehearse_files(paths) -> int:

@@ -26,7 +26,8 @@ class FunctionCall(Body):
 
 class ToolCall(Body):
     id: Optional[str] = None
-    type: Optional[str] = Field("function", description="Always \"function\".")
+    type: Optional[str] = Field("function", description=(
+        "\"function\", or \"custom\" with `custom: {name, input}` (a custom tool's call)."))
     function: Optional[FunctionCall] = Field(None, description=(
         "The call (a flat {name, arguments} at this level is read too)."))
 

@@ -44,6 +44,13 @@ CASES = [
     ("gemma4", '<|tool_call>call:bash{command:<|"|>ls, -l<|"|>,timeout:7', {"command": "ls, -l"}),
     ("gemma4", '<|tool_call>call:bash{command:<|"|>ls<|"|>}', {"command": "ls"}),
     ("gemma4", '<|tool_call>call:ba', None),
+    # the closing marker itself cut short: every argument was complete
+    ("json_tools", '<tool_call>\n{"name": "bash", "arguments": {"command": "rm -rf /tmp/x"}}\n</tool_ca',
+     {"command": "rm -rf /tmp/x"}),
+    ("gemma4", '<|tool_call>call:bash{command:<|"|>ls<|"|>}<tool_ca', {"command": "ls"}),
+    # the opening marker cut short: neither a call nor text
+    ("json_tools", '<tool_c', None),
+    ("minicpm5", '<function name', None),
 ]
 
 

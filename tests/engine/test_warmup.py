@@ -134,6 +134,11 @@ def test_the_long_warm_up_prefills_one_long_prompt_and_keeps_no_trace_of_it(tmp_
     assert len(pc) == 0 and len(disk) == 0 and list(tmp_path.glob("*.safetensors")) == []
     assert eng.steps == 0 and eng.peak_rows == 0 and not eng.has_unfinished()
     assert warm_up(eng, l1=True, long_prompt=1).long_tokens == 0
+    # more than the model's context (the default is the longest prefix on disk, which a
+    # --max-context or another model's files may exceed): what fits, never a failed start
+    from engine.step.warmup import LONG_MAX
+    eng.max_context = 700
+    assert warm_up(eng, l1=True, long_prompt=10**6).long_tokens == min(LONG_MAX, 698)
     assert warm_up(eng, long_prompt=300).long_tokens == 0          # (the CPU: off by default)
 
 

@@ -37,7 +37,11 @@ def test_a_custom_tool_is_a_function_of_one_string_with_its_grammar_shown():
 def test_bad_custom_tools_are_400s(srv):
     for tool in ({"type": "custom"}, {"type": "custom", "name": "x", "format": "lark"},
                  {"type": "custom", "name": "x", "format": {"type": "grammar", "syntax": "lark"}},
-                 {"type": "custom", "name": "x", "format": {"type": "json"}}):
+                 {"type": "custom", "name": "x", "format": {"type": "json"}},
+                 {"type": "custom", "name": "x", "format": {}},
+                 {"type": "custom", "name": "x", "format": {"type": "grammar", "syntax": "peg",
+                                                            "definition": "a"}},
+                 {"type": "custom", "custom": "str", "name": "x"}):
         r = httpx.post(srv.v1 + "/responses", json={"input": "hi", "tools": [tool]}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (tool, r.text)
 
@@ -90,6 +94,46 @@ def test_custom_tool_calls_are_history(srv, oai, forced):
                                    "output": "Success."}])
     assert nxt.output_text == "All done."
     for bad in ({"type": "custom_tool_call", "input": "x"},
-                {"type": "custom_tool_call", "name": "apply_patch", "input": 5}):
+                {"type": "custom_tool_call", "name": "apply_patch", "input": 5},
+                {"type": "custom_tool_call", "name": "apply_patch"},
+                {"type": "custom_tool_call", "name": "apply_patch", "input": "x", "call_id": 5}):
         r = httpx.post(srv.v1 + "/responses", timeout=60, json={"input": [bad]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
+def test_tool_choice_can_name_a_custom_tool(srv, oai, forced):
+    """`tool_choice: {type: "custom", name}` forces that tool (was a 400)."""
+    r = oai.responses.create(model="m", input="add a.txt", tools=[PATCH_TOOL, SHELL],
+                             tool_choice={"type": "custom", "name": "apply_patch"},
+                             max_output_tokens=60, temperature=1.0)
+    calls = [o for o in r.output if o.type in ("custom_tool_call", "function_call")]
+    assert calls and all(c.type == "custom_tool_call" and c.name == "apply_patch"
+                         for c in calls), r.output
+    assert r.tool_choice.type == "custom"           # (echoed as sent)
+
+
+def test_chat_completions_custom_tools_both_ways(srv, oai, forced):
+    """On chat completions a custom tool's call comes back in OpenAI's custom shape
+    (`{type: custom, custom: {name, input}}`, which the SDK parses) and is taken back as
+    history (was a 400: "needs a function name")."""
+    forced.arm("Patching. " + MARKUP)
+    r = oai.chat.completions.create(model="m", max_tokens=200, messages=[
+        {"role": "user", "content": "add a.txt"}], tools=[
+        {"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files."}},
+        {"type": "function", "function": {"name": "shell", "parameters": SHELL["parameters"]}}])
+    [tc] = r.choices[0].message.tool_calls
+    assert tc.type == "custom" and tc.custom.name == "apply_patch" and tc.custom.input == PATCH
+    assert r.choices[0].finish_reason == "tool_calls"
+    forced.arm("Done.")
+    r2 = oai.chat.completions.create(model="m", max_tokens=20, messages=[
+        {"role": "user", "content": "add a.txt"},
+        {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+        {"role": "tool", "tool_call_id": tc.id, "content": "Success."}], tools=[
+        {"type": "custom", "custom": {"name": "apply_patch"}}])
+    assert r2.choices[0].message.content == "Done."
+    bad = httpx.post(srv.v1 + "/chat/completions", timeout=60, json={"max_tokens": 5, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "custom", "custom": {"name": "a"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]})
+    assert bad.status_code == 400 and "custom.input" in bad.json()["error"]["message"]
+

@@ -192,3 +192,11 @@ def test_a_call_the_token_limit_cuts_is_a_cut_call_on_every_protocol(fam):
                                          "temperature": 0})["choices"][0]
     assert c["finish_reason"] == "length" and c["message"]["content"] == "Sure. "
     assert not c["message"].get("tool_calls")
+    # a whole call, then the limit inside the next one's name: the first call, and the finish
+    # is still the limit's (it was "tool_calls": the turn looked finished)
+    two = markup + "\n" + markup
+    n = _cut(fam, two, len(markup) + 1 + markup.index("lookup") + 3)
+    c = _post(fam, "/chat/completions", {"messages": user, "tools": TOOLS, "max_tokens": n,
+                                         "temperature": 0})["choices"][0]
+    assert c["finish_reason"] == "length" and len(c["message"]["tool_calls"]) == 1
+    assert c["message"]["content"] in ("Sure. ", "Sure. \n")

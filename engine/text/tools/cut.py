@@ -16,7 +16,8 @@ How: the markup is cut back to each earlier argument boundary of its format in t
 Gemma 4: a `,`; equals-XML: after `</parameter>`; MiniCPM: after `</param>`; then the point
 where the arguments open), the format's closing text is added, and the format's own parser
 reads it; the first cut that parses wins (for JSON and Gemma 4 the whole markup is tried
-first with only the closing marker: a call cut between its last brace and that marker). A boundary inside a string or a nested object does
+first with only the closing marker: a call cut between its last brace and that marker, or
+inside the marker). A boundary inside a string or a nested object does
 not parse (its string or object stays open), so only top-level boundaries can win.
 """
 
@@ -70,7 +71,12 @@ def cut_calls(markup: str, markers: Markers, fmt: ToolFormat,
     start = heads[-1].end()         # the cut call's arguments open here
     # (JSON, Gemma 4: the call whole but its closing marker first; a brace-delimited value
     # cut short cannot close its braces there. XML values have no such guard: not tried)
-    tries = [markup + tail] if sep == "," else []
+    whole = markup
+    for k in range(len(markers[1]) - 1, 0, -1):     # (the closing marker itself cut short)
+        if whole.endswith(markers[1][:k]):
+            whole = whole[:-k]
+            break
+    tries = [whole + tail] if sep == "," else []
     tries += [markup[:cut] + closer + tail for cut in _boundaries(markup, start, sep)]
     for text in tries:
         try:

@@ -17,7 +17,8 @@
   as content; ``finish(cut=True)`` (the text ended at the token limit) reads
   unterminated markup as a call the limit cut: its calls, the last with
   ``cut=True`` and only its complete arguments (``engine.text.tools.cut``), or
-  nothing when not even the name was complete; never the raw markup as content.
+  nothing when not even the name was complete; never the raw markup as content
+  (nor a held tail that could start a marker: ``<tool_ca``).
 
 Every decision is made only on text that is fully present, so the events do
 not depend on how the text was chunked: ``parse_tool_calls(text)`` (which
@@ -116,7 +117,12 @@ class ToolCallRouter(StreamSplitter):
             if self._inside is None:
                 j, pair = self._first_open(buf)
                 if pair is None:
-                    keep = 0 if final else self._held_tail(buf)
+                    keep = self._held_tail(buf)
+                    if final and self._cut:     # (a marker the limit cut short: not content)
+                        text.append(buf[:len(buf) - keep])
+                        buf = ""
+                        break
+                    keep = 0 if final else keep
                     text.append(buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
