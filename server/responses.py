@@ -206,12 +206,13 @@ class ResponseRender:
             "response.content_part.added", {"item_id": item["id"], "output_index": i,
                                             "content_index": 0, "part": part})
 
-    def _close(self) -> bytes:
+    def _close(self, status: str = "completed") -> bytes:
+        """Close the open item: `completed`, or `incomplete` when the token limit cut it."""
         if self._open is None:
             return b""
         i, self._open = self._open, None
         item = self.items[i]
-        item["status"] = "completed"
+        item["status"] = status
         part = item["content"][0]
         ref = {"item_id": item["id"], "output_index": i, "content_index": 0}
         done = (self._ev("response.reasoning_text.done", {**ref, "text": part["text"]})
@@ -277,10 +278,14 @@ class ResponseRender:
                 out.append(self._ev("response.output_item.done", {"output_index": i,
                                                                   "item": item}))
             elif isinstance(ev, Done):
-                if not any(it["type"] != "reasoning" for it in self.items):
+                cut = ev.finish_reason == "length"
+                # (an answer with no message gets an empty one, but not reasoning the token
+                # limit cut: that item, incomplete, is the answer so far)
+                if not any(it["type"] != "reasoning" for it in self.items) and not (
+                        cut and self.items):
                     out.append(self._close())
                     out.append(self._open_item("message"))
-                out.append(self._close())
+                out.append(self._close("incomplete" if cut else "completed"))
                 self.done = ev
                 self.final = self.result(ev)    # the non-streamed body and the stored object
                 self.on_done(ev)

@@ -62,6 +62,20 @@ def test_responses_stream_ends_incomplete_on_the_token_limit(oai):
     assert final.status == "incomplete"
     assert final.incomplete_details.reason == "max_output_tokens"
     assert final.usage.output_tokens == 4
+    # the item the limit cut is incomplete too (was "completed"), streamed and not
+    assert [o.status for o in final.output] == ["incomplete"]
+    r = oai.responses.create(model="m", input=uniq(), max_output_tokens=4, temperature=0,
+                             extra_body={"logit_bias": NO_EOS})
+    assert r.status == "incomplete" and [o.status for o in r.output] == ["incomplete"]
+
+
+def test_responses_reasoning_cut_by_the_limit_is_the_whole_answer(oai, forced):
+    """A thinking model cut inside its reasoning: one reasoning item, incomplete, and no empty
+    message item made up after it."""
+    forced.arm("<think>\nlet me think about this for a long while")
+    r = oai.responses.create(model="m", input=uniq(), max_output_tokens=5)
+    assert r.status == "incomplete"
+    assert [(o.type, o.status) for o in r.output] == [("reasoning", "incomplete")]
 
 
 def test_responses_stream_that_finishes_ends_completed(oai, forced):
