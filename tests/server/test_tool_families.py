@@ -145,12 +145,14 @@ def _cut(fam, markup: str, at: int) -> int:
 def test_a_call_the_token_limit_cuts_is_a_cut_call_on_every_protocol(fam):
     """A tool call cut by max_tokens after its `q` argument, inside `n`'s value: no protocol
     shows the raw markup as text; the call comes back with its name and only `q` (`n`'s "7"
-    could have been 70), and the finish stays the token limit's (length / max_tokens /
-    incomplete). Cut inside the tool's name: no call and no markup. (Before: the markup came
+    could have been 70), its arguments' JSON left open (it does not parse: Claude Code ran a
+    cut call whose streamed input parsed), and the finish stays the token limit's (length /
+    max_tokens / incomplete). Cut inside the tool's name: no call and no markup. (Before: the markup came
     back as content, `<tool_call>\\n{"name": ...`, reports/real_clients/JOURNAL.md, 0.6.3.)"""
     markup = MARKUP[fam.family]
     at = markup.rindex("7") + 1
     part = {"q": "a, b {c}"}
+    opened = json.dumps(part)[:-1]       # '{"q": "a, b {c}"' : never parses as a whole call
     user = [{"role": "user", "content": "find it"}]
 
     n = _cut(fam, markup, at)
@@ -158,7 +160,7 @@ def test_a_call_the_token_limit_cuts_is_a_cut_call_on_every_protocol(fam):
                                          "temperature": 0})["choices"][0]
     assert c["finish_reason"] == "length" and c["message"]["content"] == "Sure. "
     [tc] = c["message"]["tool_calls"]
-    assert tc["function"]["name"] == "lookup" and json.loads(tc["function"]["arguments"]) == part
+    assert tc["function"]["name"] == "lookup" and tc["function"]["arguments"] == opened
 
     n = _cut(fam, markup, at)
     evs = [d for _, d in _stream(fam, "/chat/completions", {
@@ -166,7 +168,7 @@ def test_a_call_the_token_limit_cuts_is_a_cut_call_on_every_protocol(fam):
     deltas = [d["choices"][0]["delta"] for d in evs]
     assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
     [tc] = [tc for d in deltas for tc in d.get("tool_calls") or []]
-    assert json.loads(tc["function"]["arguments"]) == part
+    assert tc["function"]["arguments"] == opened
     assert evs[-1]["choices"][0]["finish_reason"] == "length"
 
     n = _cut(fam, markup, at)
@@ -176,13 +178,21 @@ def test_a_call_the_token_limit_cuts_is_a_cut_call_on_every_protocol(fam):
     assert m["stop_reason"] == "max_tokens"
     assert [b["type"] for b in m["content"]] == ["text", "tool_use"]
     assert m["content"][0]["text"] == "Sure. " and m["content"][1]["input"] == part
+    evs = _stream(fam, "/messages", {"messages": user, "max_tokens": _cut(fam, markup, at),
+                                     "temperature": 0, "tools": [
+                                         {"name": "lookup", "input_schema":
+                                          TOOLS[0]["function"]["parameters"]}]})
+    js = [d["delta"]["partial_json"] for n, d in evs
+          if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+    assert "".join(js) == opened         # (streamed as Anthropic does: JSON that does not parse)
+    assert [d for n, d in evs if n == "message_delta"][0]["delta"]["stop_reason"] == "max_tokens"
 
     n = _cut(fam, markup, at)
     r = _post(fam, "/responses", {"input": "find it", "max_output_tokens": n, "temperature": 0,
                                   "tools": [{"type": "function", **TOOLS[0]["function"]}]})
     assert r["status"] == "incomplete"
     [fc] = [o for o in r["output"] if o["type"] == "function_call"]
-    assert fc["status"] == "incomplete" and json.loads(fc["arguments"]) == part
+    assert fc["status"] == "incomplete" and fc["arguments"] == opened
     texts = [p["text"] for o in r["output"] if o["type"] == "message" for p in o["content"]]
     assert texts == ["Sure. "]
 

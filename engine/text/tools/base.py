@@ -26,7 +26,9 @@ class ToolCall:
     (non-ASCII kept), what OpenAI's ``function.arguments`` carries; ``raw`` is
     the markup the call was parsed from (several calls may share one markup).
     ``cut``: the token limit ended the call before its markup did (see
-    engine.text.tools.cut): ``arguments`` holds only those complete before the cut."""
+    engine.text.tools.cut): ``arguments`` holds only those complete before the cut, and
+    ``arguments_json`` is their JSON without its closing brace (it does not parse: a client
+    that runs any call whose arguments parse must not run this one)."""
 
     id: str
     name: str

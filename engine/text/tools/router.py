@@ -157,8 +157,13 @@ class ToolCallRouter(StreamSplitter):
         return out
 
     def _calls(self, parsed, markup: str, cut: bool = False) -> List[ToolCall]:
-        calls = [ToolCall(self._new_id(), name, args, dumps_arguments(args), markup,
-                          cut=cut and i == len(parsed) - 1)
+        last = len(parsed) - 1
+        # (a cut call's arguments_json is its complete arguments' JSON left open: it does not
+        # parse, as a truncated call's arguments do not from OpenAI or Anthropic, so a client
+        # that runs whatever parses does not run it; `arguments` holds them as an object)
+        calls = [ToolCall(self._new_id(), name, args,
+                          dumps_arguments(args)[:-1] if cut and i == last else dumps_arguments(args),
+                          markup, cut=cut and i == last)
                  for i, (name, args) in enumerate(parsed)]
         self.calls += calls
         return calls
