@@ -12,6 +12,8 @@
 # L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join),
 # agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server unless AGENT_NO_MLXLM=1).
 # restore (experiments/disk_restore_cost.py: a ~25K-token disk prompt cache restore, 1B and 8B KV shapes, part by part).
+# restartab (agent_session's restart phase on RAB_MODELS with the warm-up's long prompt + restore rehearsal on and off
+#   (--warm-up-tokens 0), one cold phase each, RAB_TURNS turns; every turn's server-side phases in the CSV).
 # lone (experiments/lone_row.py: a lone request on --batch 32 vs --batch 1, 1B: speed and
 # equal tokens/logprobs), q4one (Q4ONE_PRESET, default 8b, 4-bit at 1 and 2 rows on the fast runner
 # as routed and with MLXP_DISABLE_KERNELS=mega: which step a 4-bit row should take; Q4ONE_PRESET=1b
@@ -223,6 +225,21 @@ if has agent; then
       --prefix-tokens ${AGENT_PREFIX:-16000} --turns ${AGENT_TURNS:-10} --phases ${AGENT_PHASES:-default,l3} \
       --tag h100-$m 2>&1 | tail -${AGENT_TAIL:-30}
     mkdir -p "$OUT/agent"; cp -r reports/prompt_cache_disk/*/h100-$m "$OUT/agent/" 2>/dev/null
+  done
+fi
+if has restartab; then
+  # a restarted server's turn with the warm-up's long prompt and restore rehearsal
+  # (--warm-up-tokens 0: neither) against without, each model: one cold phase, then both
+  # restart phases, every turn's server-side phases (queue, lookup incl. the restore, prefill)
+  for m in ${RAB_MODELS:-1b 8b-q4}; do
+    stage "restartab $m"
+    case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
+    for v in "off:cold,restart" "on:restart"; do
+      a=${v%%:*}; p=${v#*:}
+      timeout ${RAB_S:-170} python3 experiments/agent_session.py --model /tmp/m/$m --prefix-tokens ${AGENT_PREFIX:-24000} \
+        --turns ${RAB_TURNS:-3} --phases $p --server-args "$([ $a = off ] && echo --warm-up-tokens 0)" \
+        --tag h100-$m-warm-$a --out "$OUT/restartab/$m-$a" 2>&1 | grep -E "'phase': '(cold|restart)'"
+    done
   done
 fi
 if has restore; then
