@@ -9,7 +9,7 @@ every phase is the time from the previous mark to this one (ms), on one clock:
     body_read     client send -> the body read (the client's JSON, TCP, uvicorn's h11)
     body_check    the body guard (JSON values, depth, characters: json.loads of the body)
     validate      guard -> the route runs (FastAPI: json.loads again, pydantic validation)
-    parse         the body -> a chat.Call (messages, tools, sampling)
+    parse         the body -> a call.Call (messages, tools, sampling)
     to_encode     Call -> the prompt encode starts (params, tool-schema checks, thread hop)
     template      the chat template rendered (the whole conversation)
     tokenize      the rendered text tokenized (the whole conversation, or its new part)
@@ -85,7 +85,7 @@ def _wrap(owner, attr: str, name: str, is_async: bool = False) -> None:
 def instrument() -> None:
     import engine
     import engine.text.tokenizer as tk
-    import server.chat as chat
+    import server.call as call
     import server.openai as oa
     from engine.kv.prompt_cache import PromptCache
     from engine.step import batch, core
@@ -96,7 +96,7 @@ def instrument() -> None:
     _wrap(limits.BodyGuard, "_checked_body", "body_check", is_async=True)
     _wrap(oa, "chat_completions", "endpoint", is_async=True)
     _wrap(oa, "parse_chat", "parse")
-    _wrap(chat, "encode", "encode")
+    _wrap(call, "encode", "encode")
     _wrap(tk, "render_chat_template", "template")
     _wrap(tk.Tokenizer, "encode", "tokenize")
     try:                       # (the chat path's encoder, where there is one)

@@ -37,8 +37,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, encode_async, sampling_from, start,
-                   template_kwargs_from)
+from .call import Call, encode_async, sampling_from, template_kwargs_from
+from .chat import Done, Reasoning, Text, Tool, complete, start
 from .images import collect, image_part
 from .messages import normalize_tools, parse_arguments, plain, shallow
 from .chat import stream as chat_stream

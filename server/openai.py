@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, finite, logprob_entries,
-                   sampling_from, start, template_kwargs_from)
+from .call import Call, sampling_from, template_kwargs_from
+from .chat import Done, Reasoning, Text, Tool, complete, finite, logprob_entries, start
 from .images import collect
 from .custom_tools import call_input, custom_names
 from .messages import normalize_chat_messages, normalize_tools, plain, shallow, stop_list

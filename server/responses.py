@@ -35,8 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import custom_tools, sse
-from .chat import (Call, Done, Reasoning, Text, Tool, complete, sampling_from, start,
-                   template_kwargs_from)
+from .call import Call, sampling_from, template_kwargs_from
+from .chat import Done, Reasoning, Text, Tool, complete, start
 from .images import MARK, collect
 from .messages import normalize_tools, parse_arguments, stop_list, text_content
 from .chat import stream as chat_stream

@@ -345,12 +345,12 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
         state = ServerState(config, gateway, m, t, model_dir, draft_model=draft)
         if config.warm_up:              # (on this thread: the one that steps the engine)
             from engine import warm_up
+            long_prompt, rehearse = long_warm_up(config, state.engine)
             # (not the L1 burst under tensor parallelism: its followers step with the leader)
             state.warmed = warm_up(state.engine, draft_tokens=config.num_draft_tokens,
                                    l1=False if config.tensor_parallel else None,
-                                   lookup=config.prompt_lookup,
-                                   **dict(zip(("long_prompt", "rehearse"),
-                                              long_warm_up(config, state.engine))))
+                                   lookup=config.prompt_lookup, long_prompt=long_prompt,
+                                   rehearse=rehearse)
             warm_template(t)
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",

@@ -15,6 +15,7 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from typing import Optional
 
 PIECE = 32 << 20        # bytes a thread checks at a time
@@ -39,8 +40,9 @@ for _ in range(63):
     _SQUARES.append(_mul(_SQUARES[-1], _SQUARES[-1]))
 
 
+@lru_cache(maxsize=8)
 def _shift(n_bytes: int) -> int:
-    """x^(8·n_bytes) modulo the polynomial."""
+    """x^(8·n_bytes) modulo the polynomial (cached: a buffer's pieces share one length)."""
     p, k, n = 1 << 31, 3, n_bytes        # 1 << 31: x^0; 2^3 = 8 bits a byte
     while n:
         if n & 1:

@@ -354,6 +354,7 @@ class RequestState:
         self.tic = self.submitted = time.perf_counter()
         self.lookup_at: Optional[tuple] = None    # (start, end) of its prefix lookup
         self.first_at: Optional[float] = None     # when its first token came
+        self._timings: Optional[dict] = None      # `timings()`, once made
         self.prompt_tps = 0.0
         self.top = params.top_logprobs or 0
         self.prefix = None                # solo: caches holding the context before `ids`
@@ -370,12 +371,14 @@ class RequestState:
         self.text = TextStream(tokenizer, params.stop)   # (the one update's, every runner)
 
     def timings(self) -> Optional[dict]:
-        """RequestOutput.timings: None before the first token."""
-        if self.first_at is None:
-            return None
+        """RequestOutput.timings: None before the first token (made once: every output after
+        it hands on the same dict)."""
+        if self.first_at is None or self._timings is not None:
+            return self._timings
         start, end = self.lookup_at or (self.submitted, self.submitted)
-        return {"waiting_s": start - self.submitted, "lookup_s": end - start,
-                "prefill_s": self.first_at - end}
+        self._timings = {"waiting_s": start - self.submitted, "lookup_s": end - start,
+                         "prefill_s": self.first_at - end}
+        return self._timings
 
     def output(self, text: str, reason=None, **kw) -> RequestOutput:
         now = time.perf_counter()

@@ -268,9 +268,9 @@ def rehearse_files(paths) -> int:
     done = 0
     for p in paths:
         try:
-            arrays = decode_file(p)
+            size = os.path.getsize(p)
+            decode_file(p)                  # (its arrays made, then dropped)
         except (OSError, CacheFileError, KeyError, ValueError):
             break
-        del arrays
-        done += os.path.getsize(p) if os.path.exists(p) else 0
+        done += size
     return done

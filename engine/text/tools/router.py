@@ -116,15 +116,10 @@ class ToolCallRouter(StreamSplitter):
         while buf:
             if self._inside is None:
                 j, pair = self._first_open(buf)
-                if pair is None:
-                    keep = self._held_tail(buf)
-                    if final and self._cut:     # (a marker the limit cut short: not content)
-                        text.append(buf[:len(buf) - keep])
-                        buf = ""
-                        break
-                    keep = 0 if final else keep
+                if pair is None:     # (on a cut, a tail that could start a marker is dropped)
+                    keep = 0 if final and not self._cut else self._held_tail(buf)
                     text.append(buf[:len(buf) - keep])
-                    buf = buf[len(buf) - keep:]
+                    buf = "" if final else buf[len(buf) - keep:]
                     break
                 text.append(buf[:j])
                 buf, self._inside = buf[j:], pair
