@@ -21,7 +21,7 @@ The package is grouped by concern:
 
 from __future__ import annotations
 
-__version__ = "0.6.4"
+__version__ = "0.6.5"
 
 from .loader import load  # noqa: E402
 from .step.core import Engine  # noqa: E402

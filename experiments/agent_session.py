@@ -58,7 +58,8 @@ from experiments._common import dump_json, machine, md_table, report_dir, write_
 from experiments.served import Served  # noqa: E402
 
 FIELDS = ["phase", "turn", "prompt_tokens", "cached_tokens", "ttft_ms", "disk_bytes_written",
-          "disk_restore_ms", "queue_ms", "waiting_ms", "lookup_ms", "prefill_ms"]
+          "disk_restore_ms", "prepare_ms", "queue_ms", "waiting_ms", "lookup_ms", "prefill_ms",
+          "first_text_ms"]
 WORDS = ("file read write edit search grep run test build diff patch commit branch module "
          "function class return value error path line column token cache prefix model "
          "request answer tool call argument schema string number object array").split()
@@ -110,6 +111,9 @@ def ttft(url: str, model: str, messages: list, tools: list, max_tokens: int) -> 
     t0 = time.perf_counter()
     first, text, usage = None, [], {}
     with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code >= 400:
+            r.read()
+            print(f"HTTP {r.status_code}: {r.text[:2000]}", file=sys.stderr, flush=True)
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -135,18 +139,20 @@ def _disk_stats(url: str) -> dict:
         return {}
 
 
-PHASES = ("queue_s", "waiting_s", "lookup_s", "prefill_s")
+PHASES = ("prepare_s", "queue_s", "waiting_s", "lookup_s", "prefill_s", "first_text_s")
 
 
 def _server_phases(url: str) -> dict:
     """Where engine-serve says the turn's first token went (/stats queue.last_generation), ms:
-    its queue, the engine's waiting, lookup (a disk restore included) and prefill; empty for
-    mlx_lm.server."""
+    the request's preparation before the queue (body, template, tokens), its queue, the
+    engine's waiting, lookup (a disk restore included) and prefill, and the first text's time
+    from the job's start (the phases and what the engine does around them); the rest of the
+    client's TTFT is the answer's way back. Empty for mlx_lm.server."""
     try:
         last = httpx.get(url + "/stats", timeout=30).json()["queue"]["last_generation"] or {}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return {}
-    return {k.replace("_s", "_ms"): round(last[k] * 1e3, 1) for k in PHASES
+    return {k[:-2] + "_ms": round(last[k] * 1e3, 1) for k in PHASES
             if isinstance(last.get(k), (int, float))}
 
 

@@ -118,5 +118,7 @@ class Served:
     def __enter__(self):
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         self.terminate(20)
+        if exc_type is not None:    # what the server said before a failed request
+            sys.stderr.write("server stderr (last 40 lines):\n" + "".join(self.stderr_lines[-40:]))

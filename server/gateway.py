@@ -31,6 +31,7 @@ is a server fault (`client_error(out)` tells them apart).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import queue
@@ -44,6 +45,12 @@ from engine import RequestOutput, client_error
 
 from .errors import APIError
 from .memory import Trimmer
+
+# When the HTTP request being handled arrived (set by the outermost middleware, read by the
+# Job the request makes): /stats `last_generation.prepare_s`, the time a request spends
+# before the engine's queue (reading and checking the body, the chat template, tokenizing).
+RECEIVED_AT: "contextvars.ContextVar[Optional[float]]" = contextvars.ContextVar(
+    "received_at", default=None)
 
 log = logging.getLogger("engine-serve")
 
@@ -69,6 +76,7 @@ class GenerationJob:
         self.vision = None                 # engine.VisionInput: the prompt's images
         self.cancelled = threading.Event()
         self.queued_at = time.perf_counter()
+        self.received_at = RECEIVED_AT.get()
         self.started_at: Optional[float] = None
         self.finished = False
         self.delivered = False             # the worker has handed over an output
@@ -149,6 +157,8 @@ class _Clock:
         return {"job": self.job.id, "generation_tokens": self.n,
                 "first_text_s": (None if self.first is None or self.job.started_at is None
                                  else self.first - self.job.started_at),
+                "prepare_s": (None if self.job.received_at is None
+                              else self.job.queued_at - self.job.received_at),
                 "queue_s": (None if self.job.started_at is None
                             else self.job.started_at - self.job.queued_at),
                 **{k: self.phases.get(k) for k in ("waiting_s", "lookup_s", "prefill_s")},

@@ -31,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from .gateway import RECEIVED_AT
 from .schemas.common import READ_ERRORS, responses_for
 
 PROTOCOLS = (
@@ -143,6 +144,7 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         proto = protocol_of(scope["path"])
         t0 = time.perf_counter()
+        RECEIVED_AT.set(t0)
         status = [500]
         started = [False]
         gone = [False]                  # the client left (its body or the answer unfinished)

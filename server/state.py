@@ -378,10 +378,16 @@ WARM_TOOL = {"type": "function", "function": {"name": "f", "description": ".", "
 
 
 def warm_template(tokenizer) -> None:
-    """Render the chat template once (with a tool), so the first request does not pay its
-    compile (~30 ms on a 2-core CPU for a Qwen-style template); a template that cannot take
-    this conversation is left to the requests."""
-    from engine import PromptError, encode_prompt
+    """What a fresh process's first request would pay once, paid here: the chat template's
+    compile (rendered once, with a tool: ~30 ms on a 2-core CPU for a Qwen-style template),
+    the JSON Schema check of a tool's parameters (importing jsonschema and its meta-schema:
+    ~40 ms) and the modules anyio loads on a first streamed answer (~10 ms). A template that
+    cannot take this conversation is left to the requests."""
+    import anyio
+
+    from engine import PromptError, check_json_schema, encode_prompt
+    anyio.create_memory_object_stream, anyio.connect_tcp   # (anyio imports these lazily)
+    check_json_schema(WARM_TOOL["function"]["parameters"])
     if getattr(tokenizer, "chat_template", None) is None:
         return
     try:

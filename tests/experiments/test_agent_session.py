@@ -22,4 +22,9 @@ def test_restarted_turns_read_the_prefix_back_and_say_how_long_it_took(tmp_path)
         assert r["lookup_ms"] >= r["disk_restore_ms"] and r["prefill_ms"] > 0, r
     assert first["lookup_ms"] < later[0]["lookup_ms"]      # (nothing to restore on turn 1)
     header = (tmp_path / "agent_session.csv").read_text().splitlines()[0].split(",")
-    assert header[-5:] == ["disk_restore_ms", "queue_ms", "waiting_ms", "lookup_ms", "prefill_ms"]
+    assert header[-7:] == ["disk_restore_ms", "prepare_ms", "queue_ms", "waiting_ms", "lookup_ms",
+                           "prefill_ms", "first_text_ms"]
+    for r in rows:     # the phases fit in the first text's time, and all of it in the TTFT
+        assert r["prepare_ms"] > 0, r
+        assert r["waiting_ms"] + r["lookup_ms"] + r["prefill_ms"] <= r["first_text_ms"] + r["queue_ms"] + 0.3, r
+        assert r["prepare_ms"] + r["queue_ms"] + r["first_text_ms"] <= r["ttft_ms"] + 0.3, r

@@ -131,6 +131,9 @@ def test_stats_last_generation_clock(aux):
     # fit inside the first text's time (on the same clock, from the job's start)
     phases = [last[k] for k in ("waiting_s", "lookup_s", "prefill_s")]
     assert last["queue_s"] >= 0 and min(phases) >= 0 and last["prefill_s"] > 0
+    # before the queue: the request's own preparation (body, template, tokens), from the
+    # moment the HTTP request arrived
+    assert 0 < last["prepare_s"] < r.elapsed.total_seconds()
     assert sum(phases) <= last["first_text_s"] + last["queue_s"]
     assert last["cached_tokens"] == r.json()["usage"].get("prompt_tokens_details", {}).get(
         "cached_tokens", 0)
