@@ -34,7 +34,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from . import custom_tools, sse
+from . import custom_tools, namespaces, sse
 from .call import Call, sampling_from, template_kwargs_from
 from .chat import Done, Reasoning, Text, Tool, complete, start
 from .images import MARK, collect
@@ -89,9 +89,10 @@ def normalize_input(inp) -> list:
                                   param="input")
             out.append({"type": "function_call", "call_id": str(it.get("call_id") or
                                                                  it.get("id") or ""),
-                        "name": name, "arguments": args})
+                        "name": name, "arguments": args,
+                        **_space(it, where)})
         elif t == "custom_tool_call":
-            out.append(custom_tools.input_item(it, where))
+            out.append({**custom_tools.input_item(it, where), **_space(it, where)})
         elif t in ("function_call_output", "custom_tool_call_output"):
             output = it.get("output")
             if not isinstance(output, str):
@@ -117,9 +118,10 @@ def items_to_messages(items: list, instructions) -> list:
             else:
                 msgs.append({"role": it["role"], "content": text})
         elif t in ("function_call", "custom_tool_call"):
-            call = (custom_tools.as_call(it) if t == "custom_tool_call" else
+            name = namespaces.joined(it.get("namespace"), it["name"])
+            call = (custom_tools.as_call({**it, "name": name}) if t == "custom_tool_call" else
                     {"id": it["call_id"], "type": "function",
-                     "function": {"name": it["name"],
+                     "function": {"name": name,
                                   "arguments": parse_arguments(it["arguments"])}})
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
@@ -134,16 +136,29 @@ def items_to_messages(items: list, instructions) -> list:
     return msgs
 
 
-def flat_tools(tools, sent=None):
-    """The response object's `tools`: function tools flat, custom tools as `sent`."""
+def _space(it: dict, where: str) -> dict:
+    """A history call item's namespace (`{}` without one), checked."""
+    ns = it.get("namespace")
+    if ns is None:
+        return {}
+    if not isinstance(ns, str):
+        raise bad_request(f"{where}: namespace must be a string", param="input")
+    return {"namespace": ns}
+
+
+def flat_tools(tools, sent=None, spaces=None):
+    """The response object's `tools`: function tools flat, custom and namespace tools as
+    `sent` (a namespace's tools, under their joined names in `spaces`, once, as the group)."""
     if not tools:
         return []
     custom = {t["name"]: t for t in sent or () if isinstance(t, dict)
               and t.get("type") == "custom" and isinstance(t.get("name"), str)}
+    spaces = spaces or {}
     return [custom.get(t["function"]["name"]) or
             {"type": "function", "name": t["function"]["name"],
              "description": t["function"].get("description"),
-             "parameters": t["function"]["parameters"], "strict": False} for t in tools]
+             "parameters": t["function"]["parameters"], "strict": False} for t in tools
+            if t["function"]["name"] not in spaces] + namespaces.sent_tools(sent)
 
 
 class ResponseRender:
@@ -157,6 +172,7 @@ class ResponseRender:
         self._open = None   # output index of the open message item
         self.seq = 0
         self.custom = frozenset()   # the request's custom tools' names (custom_tool_call items)
+        self.spaces: dict = {}      # joined name -> (namespace, name): server.namespaces
 
     def _ev(self, name, obj) -> bytes:
         if not self.streaming:
@@ -240,7 +256,8 @@ class ResponseRender:
     def _custom_call(self, c) -> bytes:
         """A custom tool's call: a `custom_tool_call` item, its input streamed whole."""
         i = len(self.items)
-        item = custom_tools.output_item(c, "ctc_" + _hex(24), "in_progress")
+        item = {**custom_tools.output_item(c, "ctc_" + _hex(24), "in_progress"),
+                **namespaces.split(self.spaces, c.name)}
         text, item["input"] = item["input"], ""
         self.items.append(item)
         ref = {"item_id": item["id"], "output_index": i}
@@ -264,7 +281,8 @@ class ResponseRender:
                 c = ev.call
                 i = len(self.items)
                 item = {"id": "fc_" + _hex(24), "type": "function_call", "status": "in_progress",
-                        "arguments": "", "call_id": c.id, "name": c.name}
+                        "arguments": "", "call_id": c.id,
+                        **namespaces.split(self.spaces, c.name)}
                 self.items.append(item)
                 out.append(self._ev("response.output_item.added",
                                     {"output_index": i, "item": dict(item)}))
@@ -273,7 +291,7 @@ class ResponseRender:
                 item["arguments"] = c.arguments_json
                 item["status"] = "incomplete" if c.cut else "completed"
                 out.append(self._ev("response.function_call_arguments.done", {
-                    "item_id": item["id"], "output_index": i, "name": c.name,
+                    "item_id": item["id"], "output_index": i, "name": item["name"],
                     "arguments": c.arguments_json}))
                 out.append(self._ev("response.output_item.done", {"output_index": i,
                                                                   "item": item}))
@@ -332,10 +350,11 @@ def parse_responses(req: ResponsesRequest, state):
     call.max_tokens = req.max_output_tokens
     sampling_from(req, call, state)
     call.stop = stop_list(req.stop)
-    tools = normalize_tools(req.tools)
+    sent, spaces = namespaces.expand(req.tools)
+    tools = normalize_tools(sent)
     choice = req.tool_choice
     apply_constraints(call, req.text.format if req.text is not None else None,
-                      custom_tools.function_choice(choice),
+                      namespaces.choice(custom_tools.function_choice(choice)),
                       tools, format_param="text.format",
                       parallel=req.parallel_tool_calls is not False)
     if choice == "none":
@@ -348,8 +367,8 @@ def parse_responses(req: ResponsesRequest, state):
             "previous_response_id": prev_id, "store": req.store is not False,
             "temperature": call.temperature, "top_p": call.top_p,
             "tool_choice": choice if isinstance(choice, (str, dict)) else "auto",
-            "tools": flat_tools(tools if tools is not None else normalize_tools(req.tools),
-                                req.tools),
+            "tools": flat_tools(tools if tools is not None else normalize_tools(sent),
+                                req.tools, spaces),
             # (echoed as sent: a client checks its own metadata and settings in the object)
             "metadata": req.metadata or {}, "user": req.user,
             "parallel_tool_calls": req.parallel_tool_calls is not False}
@@ -361,12 +380,13 @@ def _as_input(item: dict) -> dict:
         return {"type": "message", "role": "assistant",
                 "content": [{"type": "output_text", "text": "".join(
                     p.get("text", "") for p in item["content"])}]}
+    ns = {"namespace": item["namespace"]} if "namespace" in item else {}
     if item["type"] == "function_call":
         return {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                "arguments": item["arguments"]}
+                "arguments": item["arguments"], **ns}
     if item["type"] == "custom_tool_call":
         return {"type": "custom_tool_call", "call_id": item["call_id"], "name": item["name"],
-                "input": item["input"]}
+                "input": item["input"], **ns}
     return item
 
 
@@ -383,7 +403,8 @@ async def create_response(request: Request, validated: ResponsesRequest):
     stream = bool(validated.stream)
     gen = await start(state, call, request)
     render = ResponseRender(state, stream, meta)
-    render.custom = custom_tools.custom_names(validated.tools)
+    sent, render.spaces = namespaces.expand(validated.tools)
+    render.custom = custom_tools.custom_names(sent)
 
     def on_done(done: Done):        # (a turn whose client left is not kept)
         if meta["store"] and done.finish_reason != "cancelled":

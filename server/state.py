@@ -135,6 +135,7 @@ class ServerState:
         self.default_adapters: tuple = ()
         self.store = ResponseStore()
         self.warmed = None              # engine.step.warmup.WarmUp, once run
+        self.remembered = 0             # the stored prefix's tokens the tokenizer has seen
         from engine import for_tier
         self.engine = Engine(model, tokenizer, max_batch=max(1, int(config.batch or 1)),
                              prompt_cache=self.prompt_cache, admission=self.admission,
@@ -279,8 +280,9 @@ class ServerState:
             "deterministic": self.engine.deterministic,
             # the fast runner's shapes built before serving (--warm-up)
             "warm_up": (None if self.warmed is None else
-                        {k: list(v) if isinstance(v, tuple) else round(v, 3) if k == "seconds" else v
-                         for k, v in asdict(self.warmed).items()}),
+                        {**{k: list(v) if isinstance(v, tuple) else round(v, 3) if k == "seconds"
+                            else v for k, v in asdict(self.warmed).items()},
+                         "remembered_tokens": self.remembered}),
             # speculation (--prompt-lookup, --draft-model): drafted, accepted, acceptance,
             # forwards; summed, per source and per recent request
             "speculation": {**self.engine.stats()["speculation"],
@@ -352,6 +354,8 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
                                    lookup=config.prompt_lookup, long_prompt=long_prompt,
                                    rehearse=rehearse)
             warm_template(t)
+            if rehearse:     # (the stored prefix's text: that turn tokenizes only its new part)
+                state.remembered = t.remember_prompt(state.engine.disk_cache.longest_ids())
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)

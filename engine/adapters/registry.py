@@ -107,7 +107,7 @@ class AdapterRegistry:
     def disk_key(self, ids: Iterable[str]) -> str:
         """The adapter stack's name in prompt-cache files: each adapter's id, files and
         scale (stable across restarts, unlike `namespace`)."""
-        from engine.kv.disk_cache import fingerprint
+        from engine.kv.disk_dir import fingerprint
 
         return "+".join(f"{i}:{fingerprint(self.mounted[i].path, extra=str(self.mounted[i].scale))}"
                         for i in ids)

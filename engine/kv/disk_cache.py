@@ -43,7 +43,8 @@ import mlx.core as mx
 
 from .cache_file import (FIELDS, CacheFileError, decode_file, host_buffers, open_regular,
                          prompt_cache_payload, read_header, write_file)
-from .disk_dir import SEGMENT_NAME, claim_cache_dir, mtime, process_alive, unlink_quiet
+from .disk_dir import (SEGMENT_NAME, claim_cache_dir, fingerprint, mtime, process_alive,
+                       unlink_quiet)
 from .prefix_tree import PrefixTree
 
 log = logging.getLogger("engine.kv.prompt_cache")
@@ -53,21 +54,6 @@ OLD_FORMATS = ("mlx-parity-segment-1",)
 SUFFIX = ".safetensors"
 TMP = ".tmp"
 MIN_TOKENS = 64
-
-
-def fingerprint(*paths, extra: str = "") -> str:
-    """A model's identity: config.json's bytes and every file's name, size and mtime
-    (top level of each directory given; files as given)."""
-    h = hashlib.sha256(extra.encode())
-    for p in paths:
-        p = Path(p)
-        for f in sorted(p.iterdir()) if p.is_dir() else [p]:
-            if f.is_file():
-                st = f.stat()
-                h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns};".encode())
-                if f.name == "config.json":
-                    h.update(f.read_bytes())
-    return h.hexdigest()[:32]
 
 
 def disk_cache_for(directory, disk_gb: float, model_dir, engine, adapter_path=None) -> "DiskCache":
@@ -157,6 +143,12 @@ class DiskCache:
                 return 0, []
             top = max(self._files.values(), key=lambda f: f.end)
             return top.end, [self.dir / (f.name + SUFFIX) for f, _ in self._chain(top.name, top.end)]
+
+    def longest_ids(self) -> list:
+        """The token ids of the longest stored prefix ([] when nothing is stored)."""
+        with self.lock:
+            top = max(self._files.values(), key=lambda f: f.end, default=None)
+            return [] if top is None or top.node is None else list(top.node.tokens())
 
     # --- index ----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ name with different parents reads as altered to the other) and each keeping its 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -78,3 +79,18 @@ def mtime(p: Path) -> int:
         return p.stat().st_mtime_ns
     except OSError:       # (deleted meanwhile: skipped when opened)
         return 0
+
+
+def fingerprint(*paths, extra: str = "") -> str:
+    """A model's identity: config.json's bytes and every file's name, size and mtime
+    (top level of each directory given; files as given)."""
+    h = hashlib.sha256(extra.encode())
+    for p in paths:
+        p = Path(p)
+        for f in sorted(p.iterdir()) if p.is_dir() else [p]:
+            if f.is_file():
+                st = f.stat()
+                h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns};".encode())
+                if f.name == "config.json":
+                    h.update(f.read_bytes())
+    return h.hexdigest()[:32]

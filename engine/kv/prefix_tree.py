@@ -39,6 +39,14 @@ class Node:
         self.trimmable = 0                # trimmable entries here and below
         self.depth = depth                # tokens from the root to the end of edge
 
+    def tokens(self) -> tuple:
+        """The tokens from the root to the end of this node's edge."""
+        edges, node = [], self
+        while node is not None:
+            edges.append(node.edge)
+            node = node.parent
+        return tuple(t for e in reversed(edges) for t in e)
+
 
 class Match:
     """The best entries for a prompt: `end`, the deepest node on the prompt's path

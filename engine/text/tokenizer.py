@@ -324,6 +324,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def remember_prompt(self, ids: list) -> int:
+        """Encode the text of prompt `ids` as a rendered prompt is encoded, so a later prompt
+        whose text starts with it encodes only the rest (a restarted server's first agent
+        turn: its stored prefix, `Engine.disk_cache.longest_ids`); the tokens of that text."""
+        return len(self._prefix_encoder.encode(self.decode(ids, skip_special_tokens=False)))
+
+    @property
+    def prefix_tokens_reused(self) -> int:
+        """Tokens the prompt encodes took from an earlier prompt's text (a counter)."""
+        return self._prefix_encoder.reused
+
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 

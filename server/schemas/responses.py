@@ -24,11 +24,13 @@ ITEM = {"anyOf": [
         "type": {"type": "string", "enum": ["function_call"]},
         "call_id": nullable({"type": "string"}), "id": nullable({"type": "string"}),
         "name": {"type": "string", "minLength": 1},
+        "namespace": nullable({"type": "string", "description": "A namespace tool's call."}),
         "arguments": {"type": "string", "description": "A JSON string."}}},
     {"type": "object", "required": ["type", "name"], "properties": {
         "type": {"type": "string", "enum": ["custom_tool_call"]},
         "call_id": nullable({"type": "string"}), "id": nullable({"type": "string"}),
         "name": {"type": "string", "minLength": 1},
+        "namespace": nullable({"type": "string", "description": "A namespace tool's call."}),
         "input": {"type": "string", "description": "The custom tool's free-text input."}}},
     {"type": "object", "required": ["type"], "properties": {
         "type": {"type": "string", "enum": ["function_call_output", "custom_tool_call_output"]},
@@ -40,13 +42,15 @@ Input = described({"anyOf": [{"type": "string"}, {"type": "array", "items": ITEM
                    "description": "A user message, or input items."})
 FLAT_TOOL = {"type": "object", "properties": {
     "type": nullable({"type": "string",
-                      "description": "\"function\", or \"custom\" (free-text input, answered "
-                                     "with a custom_tool_call item); built-in tool types are "
-                                     "dropped"}),
+                      "description": "\"function\", \"custom\" (free-text input, answered "
+                                     "with a custom_tool_call item) or \"namespace\" (`tools`: "
+                                     "function and custom tools, called with their "
+                                     "`namespace`); built-in tool types are dropped"}),
     "name": {"type": "string", "minLength": 1}, "description": nullable({"type": "string"}),
     "parameters": nullable({"type": "object"}), "strict": nullable({"type": "boolean"}),
     "format": nullable({"type": "object", "description": "custom tools: {type: text} or "
-                        "{type: grammar, syntax, definition} (shown to the model)"})}}
+                        "{type: grammar, syntax, definition} (shown to the model)"}),
+    "tools": nullable({"type": "array", "description": "a namespace's tools"})}}
 Tools = described({"anyOf": [{"type": "array", "items": {"anyOf": [FLAT_TOOL, TOOL_SCHEMA]}},
                              {"type": "null"}]})
 ToolChoice = described({"anyOf": [
@@ -104,6 +108,7 @@ class OutputItem(Out):
     content: Optional[list[dict[str, Any]]] = None
     call_id: Optional[str] = None
     name: Optional[str] = None
+    namespace: Optional[str] = None
     arguments: Optional[str] = None
 
 
