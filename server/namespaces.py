@@ -1,17 +1,18 @@
 """Namespace tools (OpenAI Responses): a group of tools under one name.
 
-Codex CLI sends every MCP server's tools this way, to any Responses provider (a local one
-included): `{"type": "namespace", "name": "mcp__github__", "description": "...", "tools":
-[{"type": "function", "name": "create_issue", "parameters": {...}, "strict": false,
-"defer_loading": true}, {"type": "custom", ...}]}`, and expects a call of one of them back as
-`{"type": "function_call", "namespace": "mcp__github__", "name": "create_issue", ...}` (or a
+Codex CLI sends every MCP server's tools (and its sub-agent tools, `multi_agent_v1`) this way,
+to any Responses provider, a local one included (0.171.0: `{"type": "namespace", "name":
+"mcp__demo", "description": "Tools in the mcp__demo namespace.", "tools": [{"type": "function",
+"name": "echo", "parameters": {...}, "strict": false}]}`; other builds name it `mcp__demo__`,
+and tools may carry `defer_loading` or be `custom`), and expects a call of one of them back as
+`{"type": "function_call", "namespace": "mcp__demo", "name": "echo", ...}` (or a
 `custom_tool_call` with its `namespace`); it sends that item back verbatim as history. Dropped,
 the model never sees the tools; flattened without the namespace, Codex cannot route the call.
 
 Chat templates know flat functions only, so each tool of a namespace reaches the model as one
 function named `joined(namespace, name)`: the namespace and the name, with `__` between them
-unless the namespace already ends in `_` (`mcp__github__` + `create_issue` is
-`mcp__github__create_issue`, the name MCP tools go by elsewhere). The call the model makes comes
+unless the namespace already ends in `_` (`mcp__demo` or `mcp__demo__` + `echo` is
+`mcp__demo__echo`, the name MCP tools go by elsewhere). The call the model makes comes
 back split into its namespace and name, and a history item's call is shown joined again (a pure
 function of the two, so history needs no table). The default namespace (`functions`, or none)
 is no namespace: its tools keep their names.

@@ -45,6 +45,9 @@ def test_a_namespace_is_its_tools_under_joined_names():
     assert "description" not in fns["clock__now"]
     assert fns["mcp__github__create_issue"]["parameters"] == ISSUE["parameters"]
     assert fns["mcp__github__note"]["parameters"]["required"] == ["input"]   # (custom: one string)
+    # Codex 0.171.0 names an MCP server's namespace without the trailing "__"
+    assert namespaces.joined("mcp__demo", "echo") == namespaces.joined("mcp__demo__", "echo") == (
+        "mcp__demo__echo")
     # the default namespace is no namespace
     sent, spaces = namespaces.expand([{"type": "namespace", "name": "functions", "tools": [SHELL]}])
     assert [t["name"] for t in sent] == ["shell"] and spaces == {}
