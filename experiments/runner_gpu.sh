@@ -12,6 +12,8 @@
 # L1; the kernel's phase times), join8b (8B 4-bit: each Engine step's time while 16 rows join),
 # agent (experiments/agent_session.py on AGENT_MODELS, phases AGENT_PHASES, vs mlx_lm.server unless AGENT_NO_MLXLM=1).
 # restore (experiments/disk_restore_cost.py: a ~25K-token disk prompt cache restore, 1B and 8B KV shapes, part by part).
+# sprof (experiments/served_profile.py: a lone served stream on SPROF_MODEL, two server variants, client vs engine
+#   clock, py-spy's top frames per thread).
 # restartab (agent_session's restart phase on RAB_MODELS with the warm-up's long prompt + restore rehearsal on and off
 #   (--warm-up-tokens 0), one cold phase each, RAB_TURNS turns; every turn's server-side phases in the CSV).
 # lone (experiments/lone_row.py: a lone request on --batch 32 vs --batch 1, 1B: speed and
@@ -241,11 +243,23 @@ if has restartab; then
     case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
     for v in "off:cold,restart" "on:restart"; do
       a=${v%%:*}; p=${v#*:}
-      timeout ${RAB_S:-170} python3 experiments/agent_session.py --model /tmp/m/$m --prefix-tokens ${AGENT_PREFIX:-24000} \
+      # (an 8B 4-bit cold phase + restart phase took more than 170 s on an H100: the files of a
+      # run ended by the timeout are lost)
+      timeout ${RAB_S:-$([ $m = 1b ] && echo 170 || echo 320)} python3 experiments/agent_session.py --model /tmp/m/$m --prefix-tokens ${AGENT_PREFIX:-24000} \
         --turns ${RAB_TURNS:-3} --phases $p --server-args "$([ $a = off ] && echo --warm-up-tokens 0)" \
         --tag h100-$m-warm-$a --out "$OUT/restartab/$m-$a" 2>&1 | grep -E "'phase': '(cold|restart)'"
     done
   done
+fi
+if has sprof; then
+  # a lone served stream, engine's clock against the client's, py-spy on the server (its wheel in
+  # .dev2/extra: its binary lands in /tmp/site/bin), SPROF_MODEL (8b-q4) on SPROF_VARIANTS
+  m=${SPROF_MODEL:-8b-q4}
+  stage "sprof $m"
+  case $m in 8b-q4) [ -d /tmp/m/8b-q4 ] || python3 -m experiments.presets 8b /tmp/m/8b-q4 --bits 4;; esac
+  PATH=$PATH:/tmp/site/bin timeout ${SPROF_S:-300} python3 experiments/served_profile.py --model /tmp/m/$m \
+    --gen ${SPROF_GEN:-256} --variants "${SPROF_A:---tier l3 --batch 1}" "${SPROF_B:---tier l3 --batch 16}" \
+    --out "$OUT/sprof-$m" 2>&1 | grep '"variant"'
 fi
 if has restore; then
   stage restore       # (a disk prompt cache restore part by part, 1B and 8B KV shapes, ~25K tokens)
