@@ -17,8 +17,10 @@ from .images import IMAGE_TYPES, image_part
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def text_content(content: Any, where: str, text_types=("text", "input_text", "output_text")) -> str:
-    """A message `content` (string, null or a list of text parts) as one string."""
+def text_content(content: Any, where: str, text_types=("text", "input_text", "output_text"),
+                 param: str = "messages") -> str:
+    """A message `content` (string, null or a list of text parts) as one string; a bad one is
+    a 400 naming `param` (the request field it came from)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -30,22 +32,22 @@ def text_content(content: Any, where: str, text_types=("text", "input_text", "ou
                 parts.append(p)
                 continue
             if not isinstance(p, dict):
-                raise bad_request(f"{where}: content parts must be objects")
+                raise bad_request(f"{where}: content parts must be objects", param=param)
             t = p.get("type")
             if t in text_types:
                 text = p.get("text")
                 if not isinstance(text, str):
-                    raise bad_request(f"{where}: a {t} part needs a string 'text'")
+                    raise bad_request(f"{where}: a {t} part needs a string 'text'", param=param)
                 parts.append(text)
             elif t in IMAGE_TYPES:       # (its marker; the image goes to `images.collect`)
                 parts.append(image_part(p, where))
             elif t in ("input_audio", "file", "input_file"):
                 raise bad_request(f"{where}: {t} content is not supported: this server has no "
-                                  "audio/file sidecar")
+                                  "audio/file sidecar", param=param)
             else:
-                raise bad_request(f"{where}: unknown content part type {t!r}")
+                raise bad_request(f"{where}: unknown content part type {t!r}", param=param)
         return "".join(parts)
-    raise bad_request(f"{where}: content must be a string or an array of parts")
+    raise bad_request(f"{where}: content must be a string or an array of parts", param=param)
 
 
 def parse_arguments(args):

@@ -52,7 +52,7 @@ def _hex(n: int) -> str:
 
 def _part_text(content, where: str) -> str:
     return text_content(content, where, text_types=("input_text", "output_text", "text",
-                                                      "refusal"))
+                                                      "refusal"), param="input")
 
 
 def normalize_input(inp) -> list:

@@ -99,3 +99,18 @@ def test_responses_accepts_a_json_schema_format(oai):
     r = oai.responses.create(model="m", input="hi", max_output_tokens=16, text={"format": {
         "type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}})
     assert r.status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("content", [[5], [{"type": "output_text", "text": 3}],
+                                     [{"type": "input_audio"}], [{"type": "video"}], 7])
+def test_bad_content_parts_name_their_field(srv, content):
+    """A bad content part is a 400 naming the field it came from: `messages` on chat
+    completions, `input` on Responses (a message's content or a tool output's parts)."""
+    r = httpx.post(srv.v1 + "/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    for item in ({"role": "user", "content": content},
+                 {"type": "function_call_output", "call_id": "c", "output": content},
+                 {"type": "custom_tool_call_output", "call_id": "c", "output": content}):
+        r = httpx.post(srv.v1 + "/responses", timeout=60, json={"input": [item]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", (item, r.text)
