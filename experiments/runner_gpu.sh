@@ -59,8 +59,8 @@ stage env
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 # engine-serve's runtime dependencies the device image lacks must travel in .dev2/extra
-# (EXTRA="... jsonschema jsonschema-specifications referencing rpds-py attrs" for the shared
-# prepare script): a missing one failed a whole stage with a 500 on its first request
+# (`bash experiments/device_prep.sh` makes .dev1/.dev2 with them): a missing one failed a whole
+# stage with a 500 on its first request
 python3 -c "import jsonschema, llguidance, prometheus_client, fastapi, uvicorn, pydantic" \
   || { echo "engine-serve's dependencies are missing on this machine (see above)"; exit 2; }
 [ -d /tmp/m/1b ] || python3 -m experiments.presets 1b /tmp/m/1b
