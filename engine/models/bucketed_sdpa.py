@@ -158,3 +158,29 @@ def warm_next(length: int) -> bool:
         return False
     mx.eval(sdpa(q, k, k, 1.0, mask))
     return True
+
+
+def warm_turns(shapes, length: int, most: int = 1024) -> int:
+    """Run once, on zeros, the calls the next turns of a conversation stored at `length`
+    tokens would make: a query of up to `most` new tokens (one call a query bucket) over
+    `length` + that many keys, for each (heads, KV heads, head dim, dtype) of `shapes`. A
+    restarted server's first turn restores its prefix and prefills its new part over it: each
+    new bucket pair built its cuDNN plan there (a 1B's ~400-token prefill after a restore took
+    180-200 ms on an H100, ~30 ms on a running server). Returns how many calls ran (0 off
+    CUDA, or where `takes` would not pad)."""
+    if not on_cuda() or length < 1:
+        return 0
+    ran = 0
+    for H, Hkv, D, dtype in shapes:
+        T = 2
+        while T <= most:
+            Tb = bucket(T, 16)
+            L = length + Tb
+            q = mx.zeros((1, Tb, H, D), dtype).transpose(0, 2, 1, 3)
+            k = mx.zeros((1, Hkv, L, D), dtype)
+            if (1, H, Hkv, D, dtype, Tb, bucket(L, 256), "causal") not in _SEEN and takes(
+                    q, k, "causal"):
+                mx.eval(sdpa(q, k, k, 1.0, "causal"))
+                ran += 1
+            T = Tb + 1
+    return ran

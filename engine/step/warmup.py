@@ -38,7 +38,8 @@ server's first turn restored from disk took ~0.42 s beyond its read,
 reports/prompt_cache_disk/JOURNAL.md), so the first agent turn after a restart does not.
 
 `rehearse=[paths]` (engine-serve: that prefix's files) then reads those disk prompt cache
-files once and drops what they hold. On CUDA MLX's memory is unified: an array copied in from
+files once and drops what they hold, and runs once the attention calls a next turn over that
+prefix would make (`bucketed_sdpa.warm_turns`: their cuDNN plans built before the turn). On CUDA MLX's memory is unified: an array copied in from
 the host into memory never touched before ran at 2.35 GB/s on the H100 host, into a buffer
 MLX's cache kept from an earlier host copy of that size at 11.7 GB/s
 (`experiments/restore_bound_probe.py`); the restart's first restore then copies into the
@@ -52,7 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from engine.models.bucketed_sdpa import on_cuda
+from engine.models.bucketed_sdpa import on_cuda, warm_turns
 from engine.step.request import SamplingParams
 from engine.step.speculation import Speculation
 
@@ -67,6 +68,7 @@ class WarmUp:
     lookup_buckets: tuple = ()  # the prompt-lookup rows' counts decoded (`lookup`)
     long_tokens: int = 0        # the long throw-away prompt's tokens (`long_prompt`; 0: none)
     rehearsed_bytes: int = 0    # the disk prompt cache files read once (`rehearse`)
+    turn_shapes: int = 0        # attention calls of a next turn over that prefix run once
 
 
 L1_ROWS = 8    # the L1 warm-up's most rows (a cap, so a large max_batch keeps the start short)
@@ -234,13 +236,15 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
             while engine.has_unfinished():
                 engine.step()
         rehearsed = rehearse_files(files)
+        # (the turn after a restart: a few hundred new tokens over the restored prefix)
+        turns = warm_turns(attention_shapes(engine.model), long_n) if files and long_n else 0
     finally:
         engine.prompt_cache, engine.disk_cache = caches
         engine.lanes, engine.solo_reasons = lanes, reasons
         engine.spec = spec_counts      # (the throw-away rows' drafts: counted in a copy only)
         engine.steps, engine.peak_rows = steps, peak
     return WarmUp(rows, time.perf_counter() - t0, _traces(engine) - traces0, spec, plain, look,
-                  long_n, rehearsed)
+                  long_n, rehearsed, turns)
 
 
 def _submit_long(engine, n: int, vocab: int) -> int:
@@ -258,6 +262,23 @@ def _submit_long(engine, n: int, vocab: int) -> int:
         except (PromptError, ValueError):           # (over the context or the memory budget)
             n = n * 3 // 4
     return 0
+
+
+def attention_shapes(model) -> list:
+    """(heads, KV heads, head dim, activation dtype) of the model's attention layers, each
+    once (layers without those attributes left out)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    floats = (mx.float32, mx.bfloat16, mx.float16)
+    dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in floats),
+                 mx.float16)
+    out = []
+    for layer in getattr(model, "layers", ()):
+        attn = getattr(layer, "self_attn", None)
+        dims = tuple(getattr(attn, k, None) for k in ("n_heads", "n_kv_heads", "head_dim"))
+        if all(isinstance(d, int) for d in dims) and dims + (dtype,) not in out:
+            out.append(dims + (dtype,))
+    return out
 
 
 def rehearse_files(paths) -> int:

@@ -148,3 +148,34 @@ def test_engine_idle_warms_for_the_request_that_ended(monkeypatch):
         assert eng.has_unfinished() or seen == []
     assert eng.idle() and seen == [3 + 30]                   # the last one to end
     assert not eng.idle() and seen == [33]                   # once
+
+
+def test_warm_turns_runs_every_query_bucket_over_the_stored_length_once(monkeypatch):
+    """A restarted server's warm-up (`engine.step.warmup`, with a stored prefix) runs the calls
+    a next turn over that prefix would make: one per query bucket up to `most` tokens, over the
+    stored length plus that many keys, each (bucket pair, shape) once; off CUDA none."""
+    assert B.warm_turns([(2, 1, 8, mx.float32)], 300) == 0          # (the CPU: nothing)
+    monkeypatch.setattr(B, "on_cuda", lambda device=None: True)
+    monkeypatch.setattr(B, "_SEEN", set())
+    calls = []
+    real = B.sdpa
+    monkeypatch.setattr(B, "sdpa", lambda *a: calls.append(a) or real(*a))
+    shapes = [(2, 1, 8, mx.float32), (4, 2, 8, mx.bfloat16)]
+    n = B.warm_turns(shapes, 300, most=100)
+    tb = [16, 32, 48, 64, 80, 96, 112]          # the query buckets up to 100 (and 112 above it)
+    assert n == len(calls) == 2 * len(tb)
+    assert [c[0].shape[2] for c in calls[:len(tb)]] == tb
+    assert all(c[1].shape[2] == 300 + c[0].shape[2] and c[4] == "causal" for c in calls)
+    for Tb in tb:
+        assert (1, 4, 2, 8, mx.bfloat16, Tb, B.bucket(300 + Tb, 256), "causal") in B._SEEN
+    assert B.warm_turns(shapes, 300, most=100) == 0                 # once
+
+
+def test_attention_shapes_of_a_model():
+    from engine.step.warmup import attention_shapes
+    from parity.fixtures.models import ensure_fixture
+    import engine
+    model, _ = engine.load(str(ensure_fixture("qwen3", "bfloat16")))
+    [(H, Hkv, D, dtype)] = attention_shapes(model)
+    a = model.layers[0].self_attn
+    assert (H, Hkv, D, dtype) == (a.n_heads, a.n_kv_heads, a.head_dim, mx.bfloat16)

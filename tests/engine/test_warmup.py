@@ -299,3 +299,21 @@ def test_with_exact_verify_rows_the_warm_up_still_covers_speculating_traffic(mon
     cold = engine_of_8_rows_a_call()
     _traffic(cold, _lookup_burst, 5)
     assert _fast_traces(cold) > 0
+
+
+def test_with_stored_files_the_warm_up_runs_the_next_turns_attention(monkeypatch, tmp_path):
+    """With files to rehearse (a restart with a stored prefix) the warm-up also runs the
+    attention calls of a next turn over the long prompt's length (`bucketed_sdpa.warm_turns`
+    with the model's attention shapes); without files, or with no long prompt, it does not."""
+    import engine.step.warmup as W
+    model, tok = engine.load(str(FIXTURE))
+    seen = []
+    monkeypatch.setattr(W, "warm_turns", lambda shapes, n: seen.append((shapes, n)) or 7)
+    eng = Engine(model, tok, max_batch=2)
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(b"not a cache file")            # (a bad file: read fails, nothing rehearsed)
+    w = warm_up(eng, l1=True, long_prompt=120, rehearse=[f])
+    assert seen == [(W.attention_shapes(model), 120)] and w.turn_shapes == 7
+    seen.clear()
+    assert warm_up(eng, l1=True, long_prompt=120).turn_shapes == 0 and seen == []
+    assert warm_up(eng, l1=True, rehearse=[f]).turn_shapes == 0 and seen == []
