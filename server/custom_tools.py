@@ -24,27 +24,27 @@ INPUT = "input"
 PARAMETERS = {"type": "object", "properties": {INPUT: {"type": "string"}}, "required": [INPUT]}
 
 
-def as_function(tool: dict, i: int, where: str) -> dict:
+def as_function(tool: dict, at: str, where: str) -> dict:
     """A custom tool (flat, or chat completions' `{"type": "custom", "custom": {...}}`) as the
-    function tool the template shows."""
+    function tool the template shows (`at`: where the tool is in the request, for errors)."""
     spec = tool.get("custom", tool)
     if not isinstance(spec, dict):
-        raise bad_request(f"{where}[{i}].custom must be an object", param=where)
+        raise bad_request(f"{at}.custom must be an object", param=where)
     name, desc, fmt = spec.get("name"), spec.get("description"), spec.get("format")
     if not isinstance(name, str) or not name:
-        raise bad_request(f"{where}[{i}] needs a non-empty name", param=where)
+        raise bad_request(f"{at} needs a non-empty name", param=where)
     if desc is not None and not isinstance(desc, str):
-        raise bad_request(f"{where}[{i}].description must be a string", param=where)
+        raise bad_request(f"{at}.description must be a string", param=where)
     if fmt is not None and not isinstance(fmt, dict):
-        raise bad_request(f"{where}[{i}].format must be an object", param=where)
+        raise bad_request(f"{at}.format must be an object", param=where)
     text = desc or ""
     kind = None if fmt is None else fmt.get("type")
     if fmt is not None and kind not in ("text", "grammar"):
-        raise bad_request(f"{where}[{i}].format.type must be text or grammar", param=where)
+        raise bad_request(f"{at}.format.type must be text or grammar", param=where)
     if kind == "grammar":
         syntax, definition = fmt.get("syntax"), fmt.get("definition")
         if syntax not in ("lark", "regex") or not isinstance(definition, str):
-            raise bad_request(f"{where}[{i}].format: a grammar needs syntax lark or regex and "
+            raise bad_request(f"{at}.format: a grammar needs syntax lark or regex and "
                               "a definition (a string)", param=where)
         text += (f"\n\nThe `{INPUT}` argument is free text in this {syntax} grammar:\n"
                  f"{definition}")

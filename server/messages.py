@@ -116,46 +116,51 @@ def normalize_chat_messages(messages) -> list:
     return out
 
 
-def normalize_tools(tools, where: str = "tools") -> Optional[list]:
+def normalize_tools(tools, where: str = "tools", labels=None) -> Optional[list]:
     """OpenAI function tools (nested or flat) and custom tools (server.custom_tools: a function
-    of one string); built-in tool types dropped."""
+    of one string); built-in tool types dropped. `labels`: where each tool is in the request
+    (errors name it; default ``where[i]``)."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise bad_request(f"{where} must be an array", param=where)
-    out = []
+    out, at_out = [], []
     for i, t in enumerate(tools):
+        at = labels[i] if labels is not None else f"{where}[{i}]"
         if not isinstance(t, dict):
-            raise bad_request(f"{where}[{i}] must be an object", param=where)
+            raise bad_request(f"{at} must be an object", param=where)
         typ = t.get("type", "function")
         if typ is not None and not isinstance(typ, str):
-            raise bad_request(f"{where}[{i}].type must be a string", param=where)
+            raise bad_request(f"{at}.type must be a string", param=where)
         if typ not in ("function", "custom", None):
             continue  # built-in / server tools (web_search, ...) are dropped
         if typ == "custom":                 # free text in, one string parameter to the model
-            out.append(as_function(t, i, where))
+            out.append(as_function(t, at, where))
+            at_out.append(at)
             continue
         fn = t.get("function") if isinstance(t.get("function"), dict) else t
         name = fn.get("name")
         if not isinstance(name, str) or not name:
-            raise bad_request(f"{where}[{i}] needs a non-empty function name", param=where)
+            raise bad_request(f"{at} needs a non-empty function name", param=where)
         params = fn.get("parameters", fn.get("input_schema"))
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise bad_request(f"{where}[{i}].parameters must be an object", param=where)
+            raise bad_request(f"{at}.parameters must be an object", param=where)
         if fn is not t and "parameters" in fn:
             out.append({"type": "function", "function": fn})   # as sent (key order kept)
+            at_out.append(at)
             continue
         f = {"name": name}
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
-            raise bad_request(f"{where}[{i}].description must be a string", param=where)
+            raise bad_request(f"{at}.description must be a string", param=where)
         if desc is not None:
             f["description"] = desc
         f["parameters"] = params
         out.append({"type": "function", "function": f})
-    check_tools(out, where)
+        at_out.append(at)
+    check_tools(out, where, at_out)
     return out or None
 
 
@@ -203,12 +208,12 @@ def check_logit_bias(bias: Optional[dict], vocab_size: int,
     return out
 
 
-def check_tools(tools: list, where: str = "tools") -> None:
+def check_tools(tools: list, where: str = "tools", labels=None) -> None:
     """Tool names as OpenAI requires them (``^[a-zA-Z0-9_-]{1,64}$``, each once): a 400
     naming the field otherwise (their schemas: `constraints.check_tool_schemas`)."""
     from engine import check_tool_names
 
     try:
-        check_tool_names([t["function"]["name"] for t in tools], where)
+        check_tool_names([t["function"]["name"] for t in tools], where, labels)
     except ValueError as e:
         raise bad_request(str(e), param=where) from None

@@ -34,14 +34,16 @@ def joined(namespace, name: str) -> str:
 
 def expand(tools, where: str = "tools"):
     """(the request's tools with every namespace tool replaced by its tools under their
-    joined names, {joined name: (namespace, name)}). Anything else is left to the tools'
-    own checks."""
+    joined names, {joined name: (namespace or None for the default one, name)} of those,
+    where each of the tools is in the request: `tools[i]` or `tools[i].tools[j]`, for
+    errors). Anything else is left to the tools' own checks."""
     if not isinstance(tools, list):
-        return tools, {}
-    out, spaces = [], {}
+        return tools, {}, None
+    out, spaces, labels = [], {}, []
     for i, t in enumerate(tools):
         if not (isinstance(t, dict) and t.get("type") == "namespace"):
             out.append(t)
+            labels.append(f"{where}[{i}]")
             continue
         ns, inner, desc = t.get("name"), t.get("tools"), t.get("description")
         if not isinstance(ns, str) or not ns:
@@ -51,18 +53,20 @@ def expand(tools, where: str = "tools"):
         if desc is not None and not isinstance(desc, str):
             raise bad_request(f"{where}[{i}].description must be a string", param=where)
         for j, tool in enumerate(inner):
+            at = f"{where}[{i}].tools[{j}]"
             if not isinstance(tool, dict) or tool.get("type", "function") not in ("function",
                                                                                   "custom"):
-                raise bad_request(f"{where}[{i}].tools[{j}] must be a function or custom tool",
-                                  param=where)
-            name = tool.get("name")
+                raise bad_request(f"{at} must be a function or custom tool", param=where)
+            name, own = tool.get("name"), tool.get("description")
             if not isinstance(name, str) or not name:
-                raise bad_request(f"{where}[{i}].tools[{j}] needs a name", param=where)
+                raise bad_request(f"{at} needs a name", param=where)
+            if own is not None and not isinstance(own, str):
+                raise bad_request(f"{at}.description must be a string", param=where)
             full = joined(ns, name)
             spaces[full] = (None if ns in DEFAULT else ns, name)
-            out.append({**tool, "name": full,
-                        "description": _described(desc, tool.get("description"))})
-    return out, {k: v for k, v in spaces.items() if v[0] is not None}
+            out.append({**tool, "name": full, "description": _described(desc, own)})
+            labels.append(at)
+    return out, spaces, labels
 
 
 def _described(space, own):
@@ -77,20 +81,22 @@ def _described(space, own):
 def split(spaces: dict, name: str) -> dict:
     """The fields an output item names a called tool by: `{"name"}`, plus `{"namespace"}`
     for a namespace's tool."""
-    if name in spaces:
-        ns, own = spaces[name]
-        return {"namespace": ns, "name": own}
-    return {"name": name}
+    ns, own = spaces.get(name, (None, name))
+    return {"name": own} if ns is None else {"namespace": ns, "name": own}
 
 
-def choice(value):
-    """A `tool_choice` naming a namespace's tool (`{"type": "function", "name", "namespace"}`)
-    as the choice of its joined name; any other as it is."""
-    if isinstance(value, dict) and isinstance(value.get("namespace"), str) and isinstance(
-            value.get("name"), str):
-        return {**{k: v for k, v in value.items() if k != "namespace"},
-                "name": joined(value["namespace"], value["name"])}
-    return value
+def choice(value, where: str = "tool_choice"):
+    """A `tool_choice` naming a namespace's tool (`{"type": "function" or "custom", "name",
+    "namespace"}`) as the choice of its joined name; any other as it is. A namespace that is
+    not a string (nor null) is a 400."""
+    if not isinstance(value, dict) or value.get("namespace") is None:
+        return value
+    if not isinstance(value["namespace"], str):
+        raise bad_request(f"{where}.namespace must be a string", param=where)
+    if not isinstance(value.get("name"), str):
+        return value
+    return {**{k: v for k, v in value.items() if k != "namespace"},
+            "name": joined(value["namespace"], value["name"])}
 
 
 def sent_tools(sent) -> list:

@@ -350,11 +350,11 @@ def parse_responses(req: ResponsesRequest, state):
     call.max_tokens = req.max_output_tokens
     sampling_from(req, call, state)
     call.stop = stop_list(req.stop)
-    sent, spaces = namespaces.expand(req.tools)
-    tools = normalize_tools(sent)
+    sent, spaces, labels = namespaces.expand(req.tools)
+    tools = normalize_tools(sent, labels=labels)
     choice = req.tool_choice
     apply_constraints(call, req.text.format if req.text is not None else None,
-                      namespaces.choice(custom_tools.function_choice(choice)),
+                      custom_tools.function_choice(namespaces.choice(choice)),
                       tools, format_param="text.format",
                       parallel=req.parallel_tool_calls is not False)
     if choice == "none":
@@ -367,8 +367,8 @@ def parse_responses(req: ResponsesRequest, state):
             "previous_response_id": prev_id, "store": req.store is not False,
             "temperature": call.temperature, "top_p": call.top_p,
             "tool_choice": choice if isinstance(choice, (str, dict)) else "auto",
-            "tools": flat_tools(tools if tools is not None else normalize_tools(sent),
-                                req.tools, spaces),
+            "tools": flat_tools(tools if tools is not None
+                                else normalize_tools(sent, labels=labels), req.tools, spaces),
             # (echoed as sent: a client checks its own metadata and settings in the object)
             "metadata": req.metadata or {}, "user": req.user,
             "parallel_tool_calls": req.parallel_tool_calls is not False}
@@ -403,7 +403,7 @@ async def create_response(request: Request, validated: ResponsesRequest):
     stream = bool(validated.stream)
     gen = await start(state, call, request)
     render = ResponseRender(state, stream, meta)
-    sent, render.spaces = namespaces.expand(validated.tools)
+    sent, render.spaces, _ = namespaces.expand(validated.tools)
     render.custom = custom_tools.custom_names(sent)
 
     def on_done(done: Done):        # (a turn whose client left is not kept)

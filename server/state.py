@@ -355,7 +355,7 @@ def build_state(config: ServerConfig, gateway: Optional[Gateway] = None,
                                    rehearse=rehearse)
             warm_template(t)
             if rehearse:     # (the stored prefix's text: that turn tokenizes only its new part)
-                state.remembered = t.remember_prompt(state.engine.disk_cache.longest_ids())
+                state.remembered = remember(t, state.engine.disk_cache.longest_ids())
         if config.adapter:
             mounted = state.adapters.mount(Path(config.adapter).name or "default",
                                            config.adapter)
@@ -375,6 +375,16 @@ def long_warm_up(config: ServerConfig, engine) -> tuple:
     if config.warm_up_tokens is not None:
         return config.warm_up_tokens, paths if config.warm_up_tokens else []
     return tokens, paths
+
+
+def remember(tokenizer, ids: list) -> int:
+    """`Tokenizer.remember_prompt(ids)`; 0 (and a log line) for ids it cannot decode: an
+    optimisation of the first turn, never a failed start."""
+    try:
+        return tokenizer.remember_prompt(ids)
+    except (ValueError, TypeError, OverflowError) as e:
+        log.warning("warm-up: the stored prefix's text could not be encoded (%s)", e)
+        return 0
 
 
 WARM_TOOL = {"type": "function", "function": {"name": "f", "description": ".", "parameters": {

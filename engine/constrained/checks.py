@@ -181,14 +181,17 @@ def check_schema(schema, special_texts: Sequence[str] = (), *, where: str = "sch
                              f"output can hold")
 
 
-def check_tool_names(names: Sequence[str], where: str = "tools") -> None:
-    """ValueError for a tool name outside ``^[a-zA-Z0-9_-]{1,64}$`` or a repeated one."""
+def check_tool_names(names: Sequence[str], where: str = "tools",
+                     labels: Optional[Sequence[str]] = None) -> None:
+    """ValueError for a tool name outside ``^[a-zA-Z0-9_-]{1,64}$`` or a repeated one (named
+    by `labels[i]` where given, else ``where[i]``)."""
     seen = set()
     for i, name in enumerate(names):
+        at = labels[i] if labels is not None else f"{where}[{i}]"
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise ValueError(f"{where}[{i}]: the tool name {name!r} must match "
+            raise ValueError(f"{at}: the tool name {name!r} must match "
                              f"^[a-zA-Z0-9_-]{{1,64}}$")
         if name in seen:
-            raise ValueError(f"{where}[{i}]: the tool name {name!r} is used twice; tool "
+            raise ValueError(f"{at}: the tool name {name!r} is used twice; tool "
                              f"names must be unique")
         seen.add(name)

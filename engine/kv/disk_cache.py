@@ -206,6 +206,9 @@ class DiskCache:
         meta, size = found
         try:
             own = json.loads(meta["0.tokens"])
+            if not isinstance(own, list) or not all(type(t) is int and 0 <= t < 1 << 31
+                                                    for t in own):
+                raise ValueError("0.tokens is not a list of token ids")
             parent, start = meta.get("0.parent") or None, int(meta["0.start"])
             head = [] if parent is None else tokens.get(parent)
             if head is None or len(head) < start:    # (of no use without it: deleted)

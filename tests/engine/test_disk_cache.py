@@ -444,3 +444,34 @@ def test_timings_split_the_first_token_and_hold_the_restore(tmp_path, qwen_path)
     assert last.cached_tokens > 100 and again.disk_cache.hits == 1
     t2 = last.timings
     assert t2["lookup_s"] * 1e3 >= again.disk_cache.last_restore_ms > 0
+
+
+@pytest.mark.parametrize("tokens", [[-1, 5, 6], [10 ** 20, 5], [None, 1], ["a", "b"],
+                                    [True, 3], [1.5], {"a": 1}, "12"])
+def test_a_file_whose_token_ids_are_not_ids_is_ignored_at_the_scan(tmp_path, qwen_path, tokens):
+    """(A hostile probe's finding: such a file made a restarted server's warm-up fail to
+    start, decoding its ids.) The scan ignores it (deleted, counted), nothing is restored,
+    and a server starts on the directory."""
+    import json
+    import struct
+    from engine.kv.disk_cache import DiskCache
+    from server.state import ServerConfig, build_state
+
+    def written_and_tampered() -> dict:
+        _one(_load(qwen_path, tmp_path), PREFIX)
+        (f,) = files(tmp_path)
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        header["__metadata__"]["0.tokens"] = json.dumps(tokens)
+        head = json.dumps(header).encode()
+        f.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
+        return header["__metadata__"]
+    meta = written_and_tampered()
+    disk = DiskCache(tmp_path, 10 ** 9, model=meta["0.model"], kv=meta["0.kv"], background=False)
+    assert len(disk) == 0 and disk.ignored == {"unreadable": 1} and files(tmp_path) == []
+    assert disk.longest_ids() == []
+    written_and_tampered()
+    state = build_state(ServerConfig(model=qwen_path, prompt_cache_dir=str(tmp_path)))
+    assert state.remembered == 0 and state.engine.disk_cache.ignored == {"unreadable": 1}
+    state.gateway.close()

@@ -33,7 +33,8 @@ def markup(name, args):
 
 
 def test_a_namespace_is_its_tools_under_joined_names():
-    sent, spaces = namespaces.expand([SHELL, GITHUB, CLOCK])
+    sent, spaces, labels = namespaces.expand([SHELL, GITHUB, CLOCK])
+    assert labels == ["tools[0]", "tools[1].tools[0]", "tools[1].tools[1]", "tools[2].tools[0]"]
     fns = {t["function"]["name"]: t["function"] for t in normalize_tools(sent)}
     assert list(fns) == ["shell", "mcp__github__create_issue", "mcp__github__note", "clock__now"]
     assert spaces == {"mcp__github__create_issue": ("mcp__github__", "create_issue"),
@@ -49,8 +50,10 @@ def test_a_namespace_is_its_tools_under_joined_names():
     assert namespaces.joined("mcp__demo", "echo") == namespaces.joined("mcp__demo__", "echo") == (
         "mcp__demo__echo")
     # the default namespace is no namespace
-    sent, spaces = namespaces.expand([{"type": "namespace", "name": "functions", "tools": [SHELL]}])
-    assert [t["name"] for t in sent] == ["shell"] and spaces == {}
+    sent, spaces, _ = namespaces.expand([{"type": "namespace", "name": "functions",
+                                          "tools": [SHELL]}])
+    assert [t["name"] for t in sent] == ["shell"] and spaces == {"shell": (None, "shell")}
+    assert namespaces.split(spaces, "shell") == {"name": "shell"}
     assert namespaces.choice({"type": "function", "name": "now", "namespace": "clock"}) == {
         "type": "function", "name": "clock__now"}
 
@@ -143,3 +146,38 @@ def test_bad_namespaces_are_400s(srv):
     r = httpx.post(srv.v1 + "/responses", timeout=60, json={"input": [
         {"type": "function_call", "name": "f", "namespace": 3, "arguments": "{}"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
+def test_choices_and_errors_name_the_request_as_sent(srv, oai):
+    """(A hostile probe's findings.) A custom `tool_choice` with a namespace forces the
+    namespace's tool, not a plain one of the same name; a namespace that is not a string is a
+    400; errors name the tool where the request has it; an inner description must be a string;
+    the default namespace's tools are echoed as the group only."""
+    note = {"type": "custom", "name": "note", "description": "plain"}
+    gh = {"type": "namespace", "name": "gh", "description": "d",
+          "tools": [{"type": "custom", "name": "note"}]}
+    r = oai.responses.create(model="m", input="note", tools=[note, gh], max_output_tokens=40,
+                             tool_choice={"type": "custom", "name": "note", "namespace": "gh"},
+                             temperature=1.0)
+    calls = [o for o in r.model_dump()["output"] if o["type"] == "custom_tool_call"]
+    assert calls and all(c.get("namespace") == "gh" for c in calls), r.output
+    for bad in (5, [], {"a": 1}):
+        resp = httpx.post(srv.v1 + "/responses", timeout=60, json={
+            "input": "hi", "tools": [SHELL, CLOCK],
+            "tool_choice": {"type": "function", "name": "now", "namespace": bad}})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "tool_choice", resp.text
+    cases = [([{"type": "namespace", "name": "a", "tools": [SHELL, {"type": "function"}]}],
+              "tools[0].tools[1]"),
+             ([CLOCK, {"type": "custom", "name": "z", "format": 5}], "tools[1].format"),
+             ([{"type": "namespace", "name": "a", "tools": [SHELL, SHELL]}],
+              "tools[0].tools[1]: the tool name 'a__shell' is used twice"),
+             ([{"type": "namespace", "name": "a", "description": "d",
+                "tools": [{**SHELL, "description": 5}]}], "tools[0].tools[0].description")]
+    for tools, where in cases:
+        resp = httpx.post(srv.v1 + "/responses", timeout=60, json={"input": "hi", "tools": tools})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools", resp.text
+        assert resp.json()["error"]["message"].startswith(where), resp.text
+    r = oai.responses.create(model="m", input="hi", max_output_tokens=2, tools=[
+        {"type": "namespace", "name": "functions", "tools": [SHELL]}])
+    assert [t["type"] for t in r.model_dump()["tools"]] == ["namespace"]
