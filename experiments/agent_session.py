@@ -276,6 +276,13 @@ def main(argv=None):
                 print({"server_exit_s": None if took is None else round(took, 2),
                        "prompt_cache_log": notes[-6:], "files": on_disk}, flush=True)
             held.append(Served(REPO, base + per_turn).start())
+            try:            # (what the start paid for this turn: the warm-up's parts)
+                warm = httpx.get(held[-1].url + "/stats", timeout=30).json().get("warm_up") or {}
+            except (httpx.HTTPError, ValueError):
+                warm = {}
+            print({"warm_up": {k: warm.get(k) for k in (
+                "seconds", "long_tokens", "rehearsed_bytes", "remembered_tokens",
+                "turn_shapes")}}, flush=True)
             return held[-1].url
         try:
             if "restart" in phases:

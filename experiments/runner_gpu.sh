@@ -247,7 +247,7 @@ if has restartab; then
       # run ended by the timeout are lost)
       timeout ${RAB_S:-$([ $m = 1b ] && echo 170 || echo 320)} python3 experiments/agent_session.py --model /tmp/m/$m --prefix-tokens ${AGENT_PREFIX:-24000} \
         --turns ${RAB_TURNS:-3} --phases $p --server-args "$([ $a = off ] && echo --warm-up-tokens 0)" \
-        --tag h100-$m-warm-$a --out "$OUT/restartab/$m-$a" 2>&1 | grep -E "'phase': '(cold|restart)'"
+        --tag h100-$m-warm-$a --out "$OUT/restartab/$m-$a" 2>&1 | grep -E "'phase': '(cold|restart)'|'warm_up'"
     done
   done
 fi
