@@ -11,8 +11,9 @@ gets the call it expects.
 Chat templates know functions only, so a custom tool reaches the model as a function of one
 string parameter, `input`, its description followed by the format's definition; the model's
 call of it comes back as a `custom_tool_call` whose `input` is that string, and a
-`custom_tool_call` of the history goes into the prompt as the same function call. (The grammar
-is shown to the model, not enforced.)
+`custom_tool_call` of the history goes into the prompt as the same function call. The grammar
+is shown to the model; a regex is also the parameter's `pattern`, which a forced call
+(`tool_choice` naming the tool, or `required`) is held to; a Lark grammar is not enforced.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def as_function(tool: dict, at: str, where: str) -> dict:
     if text:
         f["description"] = text.strip()
     f["parameters"] = PARAMETERS
+    if kind == "grammar" and syntax == "regex":     # (a forced call holds its input to it)
+        f["parameters"] = {**PARAMETERS, "properties": {INPUT: {"type": "string",
+                                                                "pattern": f"^(?:{definition})$"}}}
     return {"type": "function", "function": f}
 
 

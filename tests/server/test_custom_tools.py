@@ -137,3 +137,25 @@ def test_chat_completions_custom_tools_both_ways(srv, oai, forced):
         {"role": "tool", "tool_call_id": "c", "content": "ok"}]})
     assert bad.status_code == 400 and "custom.input" in bad.json()["error"]["message"]
 
+
+
+def test_a_forced_regex_custom_tool_call_matches_its_regex(srv, oai):
+    """A custom tool whose format is a regex: a forced call's input matches it (the regex is
+    the `input` parameter's pattern, which the forced-call grammar holds the model to; the
+    random model, unforced by it, wrote 200 tokens of anything and never closed the call)."""
+    import re
+    rx = r"[a-z]{3}-[0-9]{2}"
+    tool = {"type": "custom", "name": "code", "description": "A code.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": rx}}
+    [fn] = normalize_tools([tool])
+    # (anchored: a JSON Schema pattern matches anywhere in the string, the custom tool's regex
+    # the whole input)
+    assert fn["function"]["parameters"]["properties"][INPUT] == {"type": "string",
+                                                                 "pattern": f"^(?:{rx})$"}
+    got = []
+    for seed in range(3):
+        r = oai.responses.create(model="m", input="a code", tools=[tool], max_output_tokens=80,
+                                 tool_choice={"type": "custom", "name": "code"},
+                                 temperature=1.0, extra_body={"seed": seed})
+        got += [o.input for o in r.output if o.type == "custom_tool_call"]
+    assert got and all(re.fullmatch(rx, x) for x in got), got
