@@ -235,9 +235,10 @@ def warm_up(engine, prompt_len: int = 8, tokens: int = 3, draft_tokens: int = 4,
             long_n = _submit_long(engine, long_n, vocab)
             while engine.has_unfinished():
                 engine.step()
-        rehearsed = rehearse_files(files)
-        # (the turn after a restart: a few hundred new tokens over the restored prefix)
+        # (the turn after a restart: a few hundred new tokens over the restored prefix; before
+        # the rehearsal, whose freed buffers the first restore is to find in MLX's cache)
         turns = warm_turns(attention_shapes(engine.model), long_n) if files and long_n else 0
+        rehearsed = rehearse_files(files)
     finally:
         engine.prompt_cache, engine.disk_cache = caches
         engine.lanes, engine.solo_reasons = lanes, reasons
