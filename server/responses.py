@@ -328,7 +328,8 @@ class ResponseRender:
 
 
 def parse_responses(req: ResponsesRequest, state):
-    """(Call, conversation items, instructions, echoed fields) of a validated request."""
+    """(Call, conversation items, instructions, echoed fields, (its custom tools' names, its
+    namespaces' tools: `namespaces.expand`)) of a validated request."""
     prev_id = req.previous_response_id
     instructions = req.instructions
     with collect(state) as images:     # (the input's image parts: MARKs in its text)
@@ -357,9 +358,7 @@ def parse_responses(req: ResponsesRequest, state):
                       custom_tools.function_choice(namespaces.choice(choice)),
                       tools, format_param="text.format",
                       parallel=req.parallel_tool_calls is not False)
-    if choice == "none":
-        tools = None
-    call.tools = tools
+    call.tools = None if choice == "none" else tools
     call.template_kwargs = template_kwargs_from(req, state)
     if req.reasoning is not None and isinstance(req.reasoning.effort, str):
         call.template_kwargs["enable_thinking"] = req.reasoning.effort.lower() != "none"
@@ -367,12 +366,11 @@ def parse_responses(req: ResponsesRequest, state):
             "previous_response_id": prev_id, "store": req.store is not False,
             "temperature": call.temperature, "top_p": call.top_p,
             "tool_choice": choice if isinstance(choice, (str, dict)) else "auto",
-            "tools": flat_tools(tools if tools is not None
-                                else normalize_tools(sent, labels=labels), req.tools, spaces),
+            "tools": flat_tools(tools, req.tools, spaces),
             # (echoed as sent: a client checks its own metadata and settings in the object)
             "metadata": req.metadata or {}, "user": req.user,
             "parallel_tool_calls": req.parallel_tool_calls is not False}
-    return call, conversation, instructions, meta
+    return call, conversation, instructions, meta, (custom_tools.custom_names(sent), spaces)
 
 
 def _as_input(item: dict) -> dict:
@@ -399,12 +397,11 @@ def _error_frame(render: ResponseRender, e: APIError) -> bytes:
 
 async def create_response(request: Request, validated: ResponsesRequest):
     state = await state_for(request, validated.model)
-    call, conversation, instructions, meta = parse_responses(validated, state)
+    call, conversation, instructions, meta, (custom, spaces) = parse_responses(validated, state)
     stream = bool(validated.stream)
     gen = await start(state, call, request)
     render = ResponseRender(state, stream, meta)
-    sent, render.spaces, _ = namespaces.expand(validated.tools)
-    render.custom = custom_tools.custom_names(sent)
+    render.custom, render.spaces = custom, spaces
 
     def on_done(done: Done):        # (a turn whose client left is not kept)
         if meta["store"] and done.finish_reason != "cancelled":

@@ -135,19 +135,22 @@ class DiskCache:
     def __len__(self) -> int:
         return len(self._files)
 
+    def _longest(self) -> Optional[_File]:
+        return max(self._files.values(), key=lambda f: f.end, default=None)
+
     def longest_chain(self) -> tuple:
         """(tokens, [its files' paths, root first]) of the longest stored prefix: what the
         first turn after a restart restores ((0, []) when nothing is stored)."""
         with self.lock:
-            if not self._files:
+            top = self._longest()
+            if top is None:
                 return 0, []
-            top = max(self._files.values(), key=lambda f: f.end)
             return top.end, [self.dir / (f.name + SUFFIX) for f, _ in self._chain(top.name, top.end)]
 
     def longest_ids(self) -> list:
         """The token ids of the longest stored prefix ([] when nothing is stored)."""
         with self.lock:
-            top = max(self._files.values(), key=lambda f: f.end, default=None)
+            top = self._longest()
             return [] if top is None or top.node is None else list(top.node.tokens())
 
     # --- index ----------------------------------------------------------------------

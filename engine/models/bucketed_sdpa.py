@@ -134,18 +134,9 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float,
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias)[:, :, :T]
 
 
-def warm_next(length: int) -> bool:
-    """Run once, on zeros, the call the next turn of a conversation that ended at `length`
-    tokens would make: the last call's queries over `length` + that many keys. A turn whose
-    keys cross into a new bucket otherwise builds its cuDNN plan on its first token (~70 ms on
-    an H100, reports/prompt_cache_disk/0.5.5); the Engine calls this while idle
-    (`Engine.idle`). Returns whether it ran (not: no call yet, the last one of several rows
-    (a batch's shapes do not repeat turn after turn), that shape already run, or one `takes`
-    would not pad)."""
-    if _CALL is None or _CALL[0] != 1 or not on_cuda():
-        return False
-    B, H, Hkv, D, dtype, T, kind = _CALL
-    L = length + T
+def _warm(B: int, H: int, Hkv: int, D: int, dtype, kind, T: int, L: int) -> bool:
+    """Run, on zeros, T queries over L keys in this call's shape (`kind`: its mask, as `sdpa`
+    records it), unless that bucket pair has run already or `takes` would not pad it."""
     if (B, H, Hkv, D, dtype, bucket(T, 16), bucket(L, 256), kind) in _SEEN:
         return False
     # (q laid out as a model's: heads transposed out of [B, T, H, D])
@@ -158,6 +149,20 @@ def warm_next(length: int) -> bool:
         return False
     mx.eval(sdpa(q, k, k, 1.0, mask))
     return True
+
+
+def warm_next(length: int) -> bool:
+    """Run once, on zeros, the call the next turn of a conversation that ended at `length`
+    tokens would make: the last call's queries over `length` + that many keys. A turn whose
+    keys cross into a new bucket otherwise builds its cuDNN plan on its first token (~70 ms on
+    an H100, reports/prompt_cache_disk/0.5.5); the Engine calls this while idle
+    (`Engine.idle`). Returns whether it ran (not: no call yet, the last one of several rows
+    (a batch's shapes do not repeat turn after turn), that shape already run, or one `takes`
+    would not pad)."""
+    if _CALL is None or _CALL[0] != 1 or not on_cuda():
+        return False
+    B, H, Hkv, D, dtype, T, kind = _CALL
+    return _warm(B, H, Hkv, D, dtype, kind, T, length + T)
 
 
 def warm_turns(shapes, length: int, most: int = 1024) -> int:
@@ -175,12 +180,6 @@ def warm_turns(shapes, length: int, most: int = 1024) -> int:
         T = 2
         while T <= most:
             Tb = bucket(T, 16)
-            L = length + Tb
-            q = mx.zeros((1, Tb, H, D), dtype).transpose(0, 2, 1, 3)
-            k = mx.zeros((1, Hkv, L, D), dtype)
-            if (1, H, Hkv, D, dtype, Tb, bucket(L, 256), "causal") not in _SEEN and takes(
-                    q, k, "causal"):
-                mx.eval(sdpa(q, k, k, 1.0, "causal"))
-                ran += 1
+            ran += _warm(1, H, Hkv, D, dtype, "causal", Tb, length + Tb)
             T = Tb + 1
     return ran

@@ -37,9 +37,10 @@ H100 a 1B server's first 26K-token prefill took 1.2 s, its later ones 0.45 s; a 
 server's first turn restored from disk took ~0.42 s beyond its read,
 reports/prompt_cache_disk/JOURNAL.md), so the first agent turn after a restart does not.
 
-`rehearse=[paths]` (engine-serve: that prefix's files) then reads those disk prompt cache
-files once and drops what they hold, and runs once the attention calls a next turn over that
-prefix would make (`bucketed_sdpa.warm_turns`: their cuDNN plans built before the turn). On CUDA MLX's memory is unified: an array copied in from
+`rehearse=[paths]` (engine-serve: that prefix's files) first runs once the attention calls a
+next turn over that prefix would make (`bucketed_sdpa.warm_turns`: their cuDNN plans built
+before the turn), then reads those disk prompt cache files once and drops what they hold. On
+CUDA MLX's memory is unified: an array copied in from
 the host into memory never touched before ran at 2.35 GB/s on the H100 host, into a buffer
 MLX's cache kept from an earlier host copy of that size at 11.7 GB/s
 (`experiments/restore_bound_probe.py`); the restart's first restore then copies into the
